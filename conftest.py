@@ -1,0 +1,45 @@
+"""Root conftest: fake 8 CPU devices, and a checkpoint for the docstring examples."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before jax starts its backend: 8 CPU devices to shard across.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@pytest.fixture(autouse=True)
+def _doctest_checkpoint(
+    doctest_namespace: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`path`: a small train state saved by lazyckpt's writer, for docstring examples."""
+    import lazyckpt
+    from lazyckpt._write import write_checkpoint
+
+    if "path" not in doctest_namespace:
+        mesh = jax.make_mesh((4, 2), ("x", "y"))
+        state = {
+            "params": {
+                "w": jax.device_put(
+                    np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("x", "y"))
+                ),
+                "b": jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P())),
+            },
+            "opt_state": {"mu": np.zeros((8, 8), np.float32)},
+            "step": 3,
+        }
+        path = write_checkpoint(tmp_path_factory.mktemp("doctest") / "ckpt", state)
+        doctest_namespace.update(
+            lazyckpt=lazyckpt, jax=jax, np=np, P=P, NamedSharding=NamedSharding, path=path
+        )

@@ -1,0 +1,52 @@
+"""lazyckpt: open JAX checkpoints lazily, read only what you ask for.
+
+>>> tree = lazyckpt.open(path)                       # reads metadata only
+>>> tree["params"]["w"]
+LazyArray('params/w', shape=(8, 8), dtype=float32, chunks=(2, 4), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P('x', 'y')))
+>>> params = lazyckpt.select(tree, "params/**")       # no I/O; opt_state is never read
+>>> mesh = jax.make_mesh((2, 4), ("x", "y"))          # a different mesh than saved
+>>> placed = lazyckpt.device_put(params, lazyckpt.saved_shardings(mesh))
+>>> placed["params"]["w"].sharding.shard_shape((8, 8))
+(4, 2)
+>>> lazyckpt.load(tree["params"]["w"][1, :4])         # reads one stored chunk
+array([ 8.,  9., 10., 11.], dtype=float32)
+"""
+
+from lazyckpt._device_put import device_put
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LazyckptError,
+    LazyIndexError,
+    NoMatchError,
+    NotACheckpointError,
+    ShardingError,
+    TreeMismatchError,
+    UnfinishedCheckpointError,
+    UnsupportedCheckpointError,
+)
+from lazyckpt._lazy import LazyArray
+from lazyckpt._open import open  # noqa: A004 - the library's main verb
+from lazyckpt._sharding import SavedSharding, saved_shardings
+from lazyckpt._tree import leaves, load, select
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "LazyArray",
+    "LazyIndexError",
+    "LazyckptError",
+    "NoMatchError",
+    "NotACheckpointError",
+    "SavedSharding",
+    "ShardingError",
+    "TreeMismatchError",
+    "UnfinishedCheckpointError",
+    "UnsupportedCheckpointError",
+    "device_put",
+    "leaves",
+    "load",
+    "open",
+    "saved_shardings",
+    "select",
+]

@@ -1,0 +1,67 @@
+"""The error hierarchy: one base class, each subclass also a matching builtin."""
+
+from __future__ import annotations
+
+
+class LazyckptError(Exception):
+    """Base class of every error lazyckpt raises on purpose."""
+
+    __module__ = "lazyckpt"
+
+
+class CheckpointNotFoundError(LazyckptError, FileNotFoundError):
+    """A path, step or item that was asked for does not exist."""
+
+    __module__ = "lazyckpt"
+
+
+class NotACheckpointError(LazyckptError, ValueError):
+    """A path exists but holds no Orbax checkpoint lazyckpt can read."""
+
+    __module__ = "lazyckpt"
+
+
+class UnfinishedCheckpointError(LazyckptError, ValueError):
+    """A save that never committed (a `*.orbax-checkpoint-tmp*` folder)."""
+
+    __module__ = "lazyckpt"
+
+
+class CorruptCheckpointError(LazyckptError, ValueError):
+    """Checkpoint files are present but damaged or inconsistent."""
+
+    __module__ = "lazyckpt"
+
+
+class ShardingError(LazyckptError, ValueError):
+    """A sharding cannot lay out an array (shape not divisible, unknown mesh axis)."""
+
+    __module__ = "lazyckpt"
+
+
+class TreeMismatchError(LazyckptError, ValueError):
+    """A shardings or target tree does not match the checkpoint tree."""
+
+    __module__ = "lazyckpt"
+
+
+class LazyIndexError(LazyckptError, IndexError):
+    """An index is out of range or malformed for a LazyArray."""
+
+    __module__ = "lazyckpt"
+
+
+class UnsupportedCheckpointError(LazyckptError, ValueError):
+    """A checkpoint, or a leaf in it, uses a form lazyckpt does not read."""
+
+    __module__ = "lazyckpt"
+
+
+class NoMatchError(LazyckptError, KeyError):
+    """A path pattern or predicate selected nothing."""
+
+    __module__ = "lazyckpt"
+
+    def __str__(self) -> str:
+        # KeyError quotes its message; show it as written.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,132 @@
+"""`LazyArray`: a stored array known from metadata, read only when asked."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+from numpy.typing import DTypeLike
+
+from lazyckpt._errors import LazyIndexError
+from lazyckpt._selection import Index, Selection
+from lazyckpt._sharding import SavedSharding
+from lazyckpt._store import StoredArray, then
+
+
+def _dtype(value: DTypeLike) -> np.dtype[Any]:
+    return np.dtype(value)
+
+
+@attrs.frozen(repr=False)
+class LazyArray:
+    """An array in a checkpoint, or a view of one, that reads nothing until asked.
+
+    `shape`, `dtype`, `chunks` and `sharding` come from the checkpoint's metadata.
+    Indexing (`x[2:4, ::2]`) and `astype` return new LazyArrays without reading;
+    `get()` (or `np.asarray(x)`) reads exactly the stored chunks the view touches.
+    A LazyArray duck-types `jax.ShapeDtypeStruct`, so `jax.eval_shape(fn, tree)`
+    works on a lazy tree without reading data.
+
+    >>> w = lazyckpt.open(path)["params"]["w"]
+    >>> view = w[1:3, ::-2].astype("int32")             # no I/O yet
+    >>> view.shape, view.dtype
+    ((2, 4), dtype('int32'))
+    >>> view.get()
+    array([[15, 13, 11,  9],
+           [23, 21, 19, 17]], dtype=int32)
+    >>> jax.eval_shape(lambda x: x @ x.T, w)
+    ShapeDtypeStruct(shape=(8, 8), dtype=float32)
+    """
+
+    path: tuple[str | int, ...]
+    """Key path from the root of the checkpoint tree."""
+    stored: StoredArray = attrs.field(eq=False)
+    """The array as stored; a view reads a part of it."""
+    selection: Selection
+    """The basic index that maps the stored array to this view."""
+    dtype: np.dtype[Any] = attrs.field(converter=_dtype)
+    """The dtype `get()` returns: the stored dtype unless cast with `astype`."""
+    sharding: SavedSharding | None = None
+    """The saved sharding of the stored array, or None if the checkpoint has none."""
+
+    @property
+    def key(self) -> str:
+        """The key path as one string, `'params/encoder/kernel'`."""
+        return "/".join(str(k) for k in self.path)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.selection.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The stored chunk shape: the unit of every read."""
+        return self.stored.chunks
+
+    @property
+    def weak_type(self) -> bool:
+        """Always False; read by `jax.eval_shape` as for `jax.ShapeDtypeStruct`."""
+        return False
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"{self.key}: len() of a 0-d LazyArray")
+        return self.shape[0]
+
+    def __getitem__(self, index: Index) -> LazyArray:
+        try:
+            selection = self.selection[index]
+        except LazyIndexError as error:
+            raise LazyIndexError(f"{self.key} (shape {self.shape}): {error}") from None
+        return attrs.evolve(self, selection=selection)
+
+    def astype(self, dtype: DTypeLike) -> LazyArray:
+        """A view cast to `dtype` as it is read (NumPy casting rules)."""
+        return attrs.evolve(self, dtype=np.dtype(dtype))
+
+    def read(self) -> ts.Future[np.ndarray]:
+        """Start reading this view; the future resolves to a NumPy array."""
+        data = self.stored.read(self.selection)
+        if self.dtype == self.stored.dtype:
+            return data
+        return then(data, lambda array: array.astype(self.dtype))
+
+    def get(self) -> np.ndarray:
+        """Read this view into a NumPy array."""
+        return self.read().result()
+
+    async def get_async(self) -> np.ndarray:
+        """`get()` for asyncio code."""
+        return await self.read()
+
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError(f"{self.key}: a LazyArray cannot be viewed without a read (copy=False)")
+        data = self.get()
+        return data if dtype is None else data.astype(dtype)
+
+    def __repr__(self) -> str:
+        parts = [repr(self.key), f"shape={self.shape}", f"dtype={self.dtype}"]
+        if self.dtype != self.stored.dtype:
+            parts.append(f"stored_dtype={self.stored.dtype}")
+        if not self.selection.is_full:
+            parts.append(f"view of {self.stored.shape}")
+        parts.append(f"chunks={self.chunks}")
+        if self.sharding is not None:
+            parts.append(f"sharding={self.sharding!r}")
+        return f"LazyArray({', '.join(parts)})"

@@ -1,0 +1,170 @@
+"""NumPy basic indexing composed without touching data.
+
+A `Selection` maps the dimensions of a stored array to the dimensions of a view of
+it. Each stored dimension is either fixed at one index (the view drops it) or an
+arithmetic range `start + step * i` for `i < count` (the view keeps it). New axes
+(`None` in an index) are view dimensions of size 0 or 1 backed by no stored
+dimension. Indexing a view composes into a new `Selection`, so any chain of
+indexing costs no I/O and reads only the elements that the final view needs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import attrs
+
+from lazyckpt._errors import LazyIndexError
+
+
+@attrs.frozen
+class Range:
+    """Stored indices `start + step * i` for `i` in `range(count)`; step is never 0."""
+
+    start: int
+    step: int
+    count: int
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The smallest and one past the largest stored index, for `count > 0`."""
+        last = self.start + self.step * (self.count - 1)
+        return min(self.start, last), max(self.start, last) + 1
+
+
+@attrs.frozen
+class NewAxis:
+    """A view dimension of size 0 or 1 that has no stored dimension behind it."""
+
+    count: int = 1
+
+
+# One entry per stored dimension: a fixed index or a kept range.
+Stored: TypeAlias = int | Range
+# One entry per view dimension: the stored dimension it reads, or a new axis.
+ViewDim: TypeAlias = int | NewAxis
+
+Index: TypeAlias = Any  # int | slice | None | Ellipsis, or a tuple of them
+
+
+@attrs.frozen
+class Selection:
+    """A composed basic index of a stored array of shape `stored_shape`."""
+
+    stored: tuple[Stored, ...]
+    view: tuple[ViewDim, ...]
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Selection:
+        """The identity selection: the whole stored array."""
+        return cls(
+            stored=tuple(Range(0, 1, int(n)) for n in shape),
+            view=tuple(range(len(shape))),
+        )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._dim_size(v) for v in self.view)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether this selects every stored element in stored order and shape."""
+        return self.view == tuple(range(len(self.stored))) and all(
+            isinstance(s, Range) and s.start == 0 and s.step == 1 for s in self.stored
+        )
+
+    def _dim_size(self, dim: ViewDim) -> int:
+        if isinstance(dim, NewAxis):
+            return dim.count
+        stored = self.stored[dim]
+        assert isinstance(stored, Range)
+        return stored.count
+
+    def __getitem__(self, index: Index) -> Selection:
+        items = _expand(index, len(self.view))
+        stored = list(self.stored)
+        view: list[ViewDim] = []
+        dims = iter(self.view)
+        for item in items:
+            if item is None:
+                view.append(NewAxis())
+                continue
+            dim = next(dims)
+            size = self._dim_size(dim)
+            if isinstance(item, slice):
+                start, stop, step = item.indices(size)
+                count = len(range(start, stop, step))
+                if isinstance(dim, NewAxis):
+                    view.append(NewAxis(count))
+                else:
+                    old = stored[dim]
+                    assert isinstance(old, Range)
+                    stored[dim] = Range(old.start + old.step * start, old.step * step, count)
+                    view.append(dim)
+                continue
+            position = _normalize_int(item, size)
+            if not isinstance(dim, NewAxis):
+                old = stored[dim]
+                assert isinstance(old, Range)
+                stored[dim] = old.start + old.step * position
+        view.extend(dims)
+        return Selection(stored=tuple(stored), view=tuple(view))
+
+    def stored_box(self) -> tuple[tuple[int, int], ...]:
+        """Per stored dimension, the half-open interval of stored indices read.
+
+        Empty selections give an empty interval in their empty dimensions.
+        """
+        box = []
+        for s in self.stored:
+            if isinstance(s, int):
+                box.append((s, s + 1))
+            elif s.count == 0:
+                box.append((0, 0))
+            else:
+                box.append(s.bounds)
+        return tuple(box)
+
+
+def _normalize_int(item: int, size: int) -> int:
+    position = item + size if item < 0 else item
+    if not 0 <= position < size:
+        raise LazyIndexError(
+            f"index {item} is out of range for a dimension of size {size}; "
+            f"use an index in [{-size}, {size})"
+        )
+    return position
+
+
+def _expand(index: Index, ndim: int) -> list[int | slice | None]:
+    """Validate `index` and replace its Ellipsis with full slices."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    out: list[Any] = []
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            out.append(item)
+        elif isinstance(item, bool) or not hasattr(item, "__index__"):
+            raise LazyIndexError(
+                f"unsupported index {item!r} of type {type(item).__name__}; a LazyArray "
+                "takes basic indexing only (ints, slices, Ellipsis, None); for fancy "
+                "indexing, read the array with .get() and index the NumPy result"
+            )
+        else:
+            out.append(operator.index(item))
+    ellipses = sum(item is Ellipsis for item in out)
+    if ellipses > 1:
+        raise LazyIndexError("an index can only have a single ellipsis ('...')")
+    consumed = sum(item is not None and item is not Ellipsis for item in out)
+    if consumed > ndim:
+        raise LazyIndexError(
+            f"too many indices: the array is {ndim}-dimensional but {consumed} were given"
+        )
+    fill = [slice(None)] * (ndim - consumed)
+    if ellipses:
+        at = out.index(Ellipsis)
+        out[at : at + 1] = fill
+    else:
+        out.extend(fill)
+    return out

@@ -1,0 +1,184 @@
+"""Saved shardings: what `_sharding` says about an array, usable without its devices."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lazyckpt._errors import CorruptCheckpointError, ShardingError
+
+if TYPE_CHECKING:
+    from lazyckpt._lazy import LazyArray
+
+SpecEntry = None | str | tuple[str, ...]
+
+
+@attrs.frozen
+class SavedSharding:
+    """The sharding an array had when it was saved, as the checkpoint records it.
+
+    `kind` is the JAX class name (`NamedSharding`, `SingleDeviceSharding`, ...).
+    For a `NamedSharding`, `mesh_shape`, `axis_names` and `partition_spec` describe
+    the layout and `device_ids` the saved device order; for a `SingleDeviceSharding`,
+    `device` names the saved device. Nothing here needs the saving devices.
+
+    >>> s = SavedSharding("NamedSharding", mesh_shape=(4, 2), axis_names=("x", "y"),
+    ...                   partition_spec=("x", None))
+    >>> s.spec == jax.sharding.PartitionSpec("x", None)
+    True
+    >>> s
+    NamedSharding(mesh={'x': 4, 'y': 2}, spec=P('x', None))
+    """
+
+    kind: str
+    mesh_shape: tuple[int, ...] = ()
+    axis_names: tuple[str, ...] = ()
+    partition_spec: tuple[SpecEntry, ...] = ()
+    device_ids: tuple[int, ...] = ()
+    device: str | None = None
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The saved partition spec as a `jax.sharding.PartitionSpec`."""
+        return PartitionSpec(*self.partition_spec)
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Saved mesh axis name to size, in mesh order."""
+        return dict(zip(self.axis_names, self.mesh_shape, strict=True))
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether every device held the whole array."""
+        return self.kind == "SingleDeviceSharding" or all(
+            entry is None for entry in self.partition_spec
+        )
+
+    def on(self, mesh: Mesh) -> NamedSharding:
+        """The saved partition spec on the caller's `mesh`, whose axis names must match."""
+        missing = [
+            name
+            for entry in self.partition_spec
+            for name in ((entry,) if isinstance(entry, str) else entry or ())
+            if name not in mesh.axis_names
+        ]
+        if missing:
+            raise ShardingError(
+                f"the saved partition spec {_spec_str(self.partition_spec)} uses mesh axes "
+                f"{missing} that the given mesh (axes {list(mesh.axis_names)}) lacks; "
+                "name the mesh axes as saved, or pass explicit shardings"
+            )
+        return NamedSharding(mesh, self.spec)
+
+    def __repr__(self) -> str:
+        if self.kind == "NamedSharding":
+            return f"NamedSharding(mesh={self.mesh_axes}, spec={_spec_str(self.partition_spec)})"
+        if self.kind == "SingleDeviceSharding":
+            return f"SingleDeviceSharding(device={self.device!r})"
+        if self.mesh_shape:
+            return f"{self.kind}(shape={self.mesh_shape})"
+        return f"{self.kind}()"
+
+
+def _spec_str(spec: tuple[SpecEntry, ...]) -> str:
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def _entry(value: Any) -> SpecEntry:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value) if len(value) != 1 else value[0]
+    raise ValueError(f"partition spec entry {value!r} is not null, a name or a list of names")
+
+
+def parse_sharding(text: str) -> SavedSharding | None:
+    """Parse one `_sharding` entry (a JSON string); None when it records nothing."""
+    if not text:
+        return None
+    data = json.loads(text)
+    kind = data.get("sharding_type")
+    if kind == "NamedSharding":
+        mesh = data.get("device_mesh", {}).get("mesh")
+        return SavedSharding(
+            kind,
+            mesh_shape=tuple(int(n) for n in data["shape"]),
+            axis_names=tuple(str(a) for a in data["axis_names"]),
+            partition_spec=tuple(_entry(e) for e in data.get("partition_spec", [])),
+            device_ids=tuple(d["id"] for d in _flatten(mesh)) if mesh else (),
+        )
+    if kind == "SingleDeviceSharding":
+        return SavedSharding(kind, device=str(data.get("device_str")))
+    return SavedSharding(str(kind), mesh_shape=tuple(int(n) for n in data.get("shape", ())))
+
+
+def _flatten(nested: Any) -> list[Any]:
+    if isinstance(nested, list):
+        return [leaf for item in nested for leaf in _flatten(item)]
+    return [nested]
+
+
+def read_shardings(location: str, text: str | None, names: list[str]) -> dict[str, SavedSharding]:
+    """Saved shardings by parameter name from the `_sharding` file's text."""
+    if not text:
+        return {}
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CorruptCheckpointError(
+            f"{location}/_sharding is not valid JSON ({error}); delete the file to open "
+            "the checkpoint without saved shardings"
+        ) from error
+    found = {}
+    for name in names:
+        # Keys are base64 of the name since 2023-10; the raw name before that.
+        key = base64.urlsafe_b64encode(name.encode()).decode()
+        entry = table.get(key, table.get(name))
+        if entry is None:
+            continue
+        try:
+            sharding = parse_sharding(entry)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CorruptCheckpointError(
+                f"{location}/_sharding: the entry for {name!r} is malformed ({error!r}); "
+                "delete the file to open the checkpoint without saved shardings"
+            ) from error
+        if sharding is not None:
+            found[name] = sharding
+    return found
+
+
+def saved_shardings(
+    mesh: Mesh, *, fallback: PartitionSpec | None = None
+) -> Callable[[str, LazyArray], jax.sharding.Sharding]:
+    """Shardings that reuse each array's saved partition spec on the caller's `mesh`.
+
+    Pass the result to `lazyckpt.device_put`. Arrays saved without a `NamedSharding`
+    (numpy arrays, single-device arrays) get `fallback`, replicated by default.
+
+    >>> mesh = jax.make_mesh((8,), ("x",))     # no "y" axis: P('x', 'y') cannot apply
+    >>> tree = lazyckpt.open(path)
+    >>> lazyckpt.device_put(tree["params"], lazyckpt.saved_shardings(mesh))
+    Traceback (most recent call last):
+    ...
+    lazyckpt.ShardingError: params/w: the saved partition spec P('x', 'y') uses mesh axes ['y'] that the given mesh (axes ['x']) lacks; name the mesh axes as saved, or pass explicit shardings
+    """
+    default = NamedSharding(mesh, fallback if fallback is not None else PartitionSpec())
+
+    def choose(path: str, array: LazyArray) -> jax.sharding.Sharding:
+        saved = array.sharding
+        if saved is None or saved.kind != "NamedSharding":
+            return default
+        try:
+            return saved.on(mesh)
+        except ShardingError as error:
+            raise ShardingError(f"{path}: {error}") from None
+
+    return choose
+

@@ -1,0 +1,191 @@
+"""The one I/O core: a checkpoint item's kvstore, and reads of stored arrays.
+
+Everything here returns tensorstore futures, so callers either `.result()` them or
+`await` them; the sync and async faces of lazyckpt share this single implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._selection import Selection
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+# The OCDBT b-tree and inline zarr metadata are read once and kept in this pool, so
+# that opening arrays after `open` does not read them again. Chunk data goes through
+# the default pool, which caches nothing: a read returns bytes straight from storage.
+_METADATA_CACHE_BYTES = 64 << 20
+
+
+def then(
+    future: ts.Future[T],
+    fn: Callable[[T], U | ts.Future[U]],
+    on_error: Callable[[Exception], Exception] | None = None,
+) -> ts.Future[U]:
+    """A future of `fn(result)`; if `fn` returns a future, of that future's result.
+
+    `on_error` turns a failure of `future` into the exception the caller should see.
+    """
+    promise, chained = ts.Promise.new()
+
+    def settle(done: ts.Future[Any]) -> None:
+        try:
+            result = done.result()
+        except Exception as error:
+            promise.set_exception(on_error(error) if on_error else error)
+            return
+        try:
+            value = fn(result)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
+            promise.set_exception(error)
+            return
+        if isinstance(value, ts.Future):
+            value.add_done_callback(lambda inner: _forward(inner, promise))
+        else:
+            promise.set_result(value)
+
+    future.add_done_callback(settle)
+    return chained
+
+
+def _forward(done: ts.Future[Any], promise: ts.Promise[Any]) -> None:
+    try:
+        promise.set_result(done.result())
+    except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
+        promise.set_exception(error)
+
+
+def ready(value: T) -> ts.Future[T]:
+    """A future that already holds `value`."""
+    promise, future = ts.Promise.new()
+    promise.set_result(value)
+    return future
+
+
+@attrs.frozen(eq=False)
+class Store:
+    """Where one PyTree item's arrays live, and the context used to read them."""
+
+    location: str
+    ocdbt: bool
+    context: ts.Context = attrs.field(repr=False)
+    kvstore_spec: dict[str, Any] = attrs.field(repr=False)
+    kvstore: ts.KvStore = attrs.field(repr=False)
+
+    @classmethod
+    def open(cls, location: str, *, ocdbt: bool) -> Store:
+        context = ts.Context({"cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES}})
+        base = {"driver": "file", "path": location.rstrip("/") + "/"}
+        spec = (
+            {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}
+            if ocdbt
+            else base
+        )
+        kvstore = ts.KvStore.open(spec, context=context).result()
+        return cls(location, ocdbt, context, spec, kvstore)
+
+    def read_keys(self, keys: Iterable[str]) -> list[bytes | None]:
+        """Values of `keys` (None where missing), read together in one batch."""
+        with ts.Batch() as batch:
+            futures = [self.kvstore.read(key, batch=batch) for key in keys]
+        results = []
+        for key, future in zip(keys, futures, strict=True):
+            try:
+                result = future.result()
+            except ValueError as error:
+                raise CorruptCheckpointError(
+                    f"{self.location}: reading {key!r} from the "
+                    f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); "
+                    "the checkpoint's data files are missing or damaged, copy it again"
+                ) from error
+            results.append(result.value if result.state == "value" else None)
+        return results
+
+
+@attrs.frozen(eq=False)
+class StoredArray:
+    """One array as stored: its zarr driver, shape, dtype and chunking."""
+
+    store: Store = attrs.field(repr=False)
+    key: str
+    name: str
+    driver: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    chunks: tuple[int, ...]
+    fill_missing: bool
+    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(
+        factory=list, init=False, repr=False
+    )
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    def open(self) -> ts.Future[ts.TensorStore]:
+        """Open the array once; later calls share the same future."""
+        with self._lock:
+            if not self._opened:
+                opening = ts.open(self._spec(), context=self.store.context, open=True)
+                self._opened.append(then(opening, self._check, self._error))
+            return self._opened[0]
+
+    def _spec(self) -> dict[str, Any]:
+        kvstore = dict(self.store.kvstore_spec)
+        if self.name:
+            kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"
+        return {
+            "driver": self.driver,
+            "kvstore": kvstore,
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+            "fill_missing_data_reads": self.fill_missing,
+        }
+
+    def _check(self, opened: ts.TensorStore) -> ts.TensorStore:
+        found = (tuple(opened.shape), opened.dtype.numpy_dtype)
+        if found != (self.shape, self.dtype):
+            raise CorruptCheckpointError(
+                f"{self.store.location}: array {self.key!r} changed on disk: expected "
+                f"shape {self.shape} and dtype {self.dtype}, found {found[0]} and {found[1]}; "
+                "open the checkpoint again"
+            )
+        return opened
+
+    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
+        """Read exactly the stored elements that `selection` picks, as its view."""
+        shape = selection.shape
+        if 0 in shape:
+            return ready(np.empty(shape, self.dtype))
+        index: list[int | slice] = []
+        flips: list[int] = []
+        for stored in selection.stored:
+            if isinstance(stored, int):
+                index.append(stored)
+                continue
+            low, high = stored.bounds
+            if stored.step < 0:
+                flips.append(sum(isinstance(i, slice) for i in index))
+            index.append(slice(low, high, abs(stored.step)))
+
+        def finish(data: np.ndarray) -> np.ndarray:
+            if flips:
+                data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
+            return data.reshape(shape)
+
+        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self._error)
+
+    def _error(self, error: Exception) -> Exception:
+        if isinstance(error, LazyckptError):
+            return error
+        return CorruptCheckpointError(
+            f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
+            f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
+        )
+

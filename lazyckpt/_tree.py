@@ -1,0 +1,142 @@
+"""Walking lazy trees: key paths, selecting subtrees, and loading them to host."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorstore as ts
+
+from lazyckpt._errors import NoMatchError
+from lazyckpt._lazy import LazyArray
+
+Path = tuple[str | int, ...]
+Predicate = Callable[[str, Any], bool]
+
+
+def keystr(path: Path) -> str:
+    """A key path as one string: `('params', 'layers', 0)` -> `'params/layers/0'`."""
+    return "/".join(str(k) for k in path)
+
+
+def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, list | tuple):
+        return iter(enumerate(node))
+    return None
+
+
+def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
+    """`(key path string, leaf)` for every leaf of `tree`, in tree order.
+
+    Dicts, lists and tuples are containers; everything else (LazyArrays, arrays,
+    strings, scalars, None) is a leaf. Empty containers yield nothing.
+
+    >>> list(leaves({"a": [1, "x"], "b": None}))
+    [('a/0', 1), ('a/1', 'x'), ('b', None)]
+    """
+    return ((keystr(path), leaf) for path, leaf in walk(tree))
+
+
+def walk(tree: Any, *, empty_containers: bool = False) -> Iterator[tuple[Path, Any]]:
+    """`(key path, leaf)` for every leaf; empty containers too if asked."""
+    yield from _walk(tree, (), empty_containers)
+
+
+def _walk(node: Any, path: Path, empty: bool) -> Iterator[tuple[Path, Any]]:
+    children = _children(node)
+    if children is None or (empty and not node):
+        if children is None or path:
+            yield path, node
+        return
+    for key, child in children:
+        yield from _walk(child, (*path, key), empty)
+
+
+def _matches(pattern: list[str], path: list[str]) -> bool:
+    """Glob match by segment: `*` within a segment, `**` across any number of them.
+
+    A pattern also matches every path below a matching prefix, so `params` selects
+    the whole `params` subtree.
+    """
+    if not pattern:
+        return True
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_matches(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _matches(rest, path[1:])
+
+
+def _as_predicate(which: str | Predicate) -> Predicate:
+    if callable(which):
+        return which
+    pattern = [part for part in which.strip("/").split("/") if part]
+    return lambda path, _leaf: _matches(pattern, path.split("/") if path else [])
+
+
+_DROPPED = object()
+
+
+def select(tree: Any, which: str | Predicate) -> Any:
+    """The part of `tree` whose leaves match `which`, without reading anything.
+
+    `which` is a path pattern (segments joined by `/`; `*` matches within a
+    segment, `**` any number of segments; a pattern selects whole subtrees below
+    what it matches) or a predicate `(path, leaf) -> bool`. Dicts keep only
+    selected keys; lists keep their length and put None where nothing is selected,
+    so indices keep their meaning.
+
+    >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
+    >>> select(tree, "params/**/kernel")
+    {'params': {'dense': {'kernel': 1}}}
+    >>> select(tree, lambda path, leaf: leaf > 1)
+    {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
+    """
+    predicate = _as_predicate(which)
+    picked = _select(tree, (), predicate)
+    if picked is _DROPPED:
+        some = [path for path, _ in leaves(tree)][:5]
+        raise NoMatchError(f"{which!r} matched no leaf of the tree; its paths look like {some}")
+    return picked
+
+
+def _select(node: Any, path: Path, predicate: Predicate) -> Any:
+    children = _children(node)
+    if children is None:
+        return node if predicate(keystr(path), node) else _DROPPED
+    picked = [(key, _select(child, (*path, key), predicate)) for key, child in children]
+    if all(value is _DROPPED for _, value in picked):
+        return _DROPPED
+    if isinstance(node, dict):
+        return {key: value for key, value in picked if value is not _DROPPED}
+    kept = [None if value is _DROPPED else value for _, value in picked]
+    return kept if isinstance(node, list) else tuple(kept)
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with `fn` applied to each leaf; dicts, lists and tuples rebuilt."""
+    children = _children(tree)
+    if children is None:
+        return fn(tree)
+    mapped = [(key, map_leaves(fn, child)) for key, child in children]
+    if isinstance(tree, dict):
+        return dict(mapped)
+    values = [value for _, value in mapped]
+    return values if isinstance(tree, list) else tuple(values)
+
+
+def load(tree: Any, which: str | Predicate | None = None) -> Any:
+    """Read every LazyArray in `tree` (or in `select(tree, which)`) into NumPy arrays.
+
+    All reads run concurrently; leaves that are not LazyArrays are returned as is.
+
+    >>> params = lazyckpt.load(lazyckpt.open(path), "params/b")
+    >>> params
+    {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)}}
+    """
+    if which is not None:
+        tree = select(tree, which)
+    pending = map_leaves(lambda x: x.read() if isinstance(x, LazyArray) else x, tree)
+    return map_leaves(lambda x: x.result() if isinstance(x, ts.Future) else x, pending)

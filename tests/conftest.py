@@ -1,0 +1,131 @@
+"""Shared fixtures: reference checkpoints written by orbax, byte counters, a reader double.
+
+The root conftest.py fakes the 8 CPU devices before jax starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lazyckpt
+from lazyckpt._metrics import bytes_read
+from lazyckpt._store import StoredArray
+
+ZARR_FORMATS = ["zarr2", "zarr3"]
+
+
+def orbax_save(path: Path, tree: Any, *, zarr3: bool = False) -> Path:
+    """Save `tree` with the real orbax-checkpoint, as PyTreeCheckpointHandler does."""
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), ("x", "y"))
+
+
+def reference_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """A train-state-like tree: sharded, replicated, nested dicts and lists, many dtypes."""
+    rng = np.random.default_rng(42)
+
+    def put(value: np.ndarray, spec: P) -> jax.Array:
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    return {
+        "params": {
+            "dense": {
+                "kernel": put(rng.standard_normal((64, 128), dtype=np.float32), P("x", "y")),
+                "bias": put(np.arange(8, dtype=np.float32), P()),
+            },
+            "embed": put(rng.standard_normal((32, 4)).astype(jnp.bfloat16), P("x", None)),
+            "layers": [
+                {"w": put(rng.integers(-128, 127, (8, 6), dtype=np.int8), P("x", None))},
+                {"w": put(rng.integers(-128, 127, (8, 6), dtype=np.int8), P(None, "y"))},
+            ],
+        },
+        "opt_state": {
+            "mu": put(rng.standard_normal((16, 8), dtype=np.float32), P()),
+            "mask": put(rng.random((4, 8)) > 0.5, P(None, ("x", "y"))),
+        },
+        "scalar_array": put(np.array(3.5, dtype=np.float32), P()),
+        "np_array": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "step": 7,
+        "lr": 0.25,
+        "name": "run-1",
+        "empty": {},
+        "nothing": None,
+    }
+
+
+@pytest.fixture(scope="session", params=ZARR_FORMATS)
+def saved(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    mesh: jax.sharding.Mesh,
+) -> tuple[Path, dict[str, Any]]:
+    """The reference tree saved by orbax (zarr v2 and zarr3, OCDBT), and the tree."""
+    tree = reference_tree(mesh)
+    path = tmp_path_factory.mktemp(request.param) / "ckpt"
+    orbax_save(path, tree, zarr3=request.param == "zarr3")
+    return path, tree
+
+
+@pytest.fixture
+def count_bytes() -> Callable[[], contextlib.AbstractContextManager[list[int]]]:
+    """A context manager whose list holds, after the block, the bytes it read."""
+
+    @contextlib.contextmanager
+    def counting() -> Iterator[list[int]]:
+        result: list[int] = []
+        before = bytes_read()
+        yield result
+        result.append(bytes_read() - before)
+
+    return counting
+
+
+@pytest.fixture
+def no_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader double: any read of array data fails the test."""
+
+    def refuse(self: StoredArray, selection: Any) -> Any:
+        raise AssertionError(f"array data of {self.key!r} was read")
+
+    monkeypatch.setattr(StoredArray, "read", refuse)
+
+
+def host_value(value: Any) -> Any:
+    """What `lazyckpt.load` should return for a saved leaf."""
+    if isinstance(value, jax.Array):
+        return np.asarray(value)
+    return value
+
+
+def assert_tree_equal(actual: Any, expected: Any) -> None:
+    """Structure, dtypes and values equal, leaf by leaf."""
+    actual_leaves = dict(lazyckpt.leaves(actual))
+    expected_leaves = dict(lazyckpt.leaves(expected))
+    assert sorted(actual_leaves) == sorted(expected_leaves)
+    for key, want in expected_leaves.items():
+        got = actual_leaves[key]
+        if isinstance(want, np.ndarray | jax.Array):
+            got_np, want_np = np.asarray(got), np.asarray(want)
+            assert got_np.dtype == want_np.dtype, key
+            assert got_np.shape == want_np.shape, key
+            np.testing.assert_array_equal(got_np, want_np, err_msg=key)
+        else:
+            assert got == want and type(got) is type(want), key

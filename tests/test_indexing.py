@@ -1,0 +1,144 @@
+"""Slicing composes lazily and `get` reads exactly the stored chunks a view touches."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import lazyckpt
+from lazyckpt import LazyArray, LazyIndexError
+from lazyckpt._selection import Range
+
+INDEXES = [
+    (slice(None),),
+    (3,),
+    (-1, slice(None, None, -1)),
+    (slice(2, 11, 3), slice(1, None, 2)),
+    (slice(None, None, -2), 5),
+    (Ellipsis, 0),
+    (None, slice(4, 8), None, Ellipsis),
+    (slice(5, 5),),
+    (slice(100, 200), slice(None)),
+    (slice(-3, None), slice(None, 2)),
+]
+
+
+@pytest.mark.parametrize("index", INDEXES, ids=repr)
+def test_indexing_matches_numpy(saved: tuple[Path, dict[str, Any]], index: Any) -> None:
+    path, tree = saved
+    kernel = lazyckpt.open(path)["params"]["dense"]["kernel"]
+    want = np.asarray(tree["params"]["dense"]["kernel"])[index]
+    view = kernel[index]
+    assert view.shape == want.shape
+    np.testing.assert_array_equal(view.get(), want)
+
+
+def test_chained_indexing_composes(saved: tuple[Path, dict[str, Any]]) -> None:
+    path, tree = saved
+    embed = lazyckpt.open(path)["params"]["embed"]
+    want = np.asarray(tree["params"]["embed"])
+    view = embed[::-1][3:20:2][None][:, ::3, -1]
+    np.testing.assert_array_equal(view.get(), want[::-1][3:20:2][None][:, ::3, -1])
+    assert view.dtype == want.dtype
+
+
+def test_astype_casts_while_reading(saved: tuple[Path, dict[str, Any]]) -> None:
+    path, tree = saved
+    lazy = lazyckpt.open(path)
+    kernel = np.asarray(tree["params"]["dense"]["kernel"])
+    as_bf16 = lazy["params"]["dense"]["kernel"][:4].astype(jnp.bfloat16)
+    assert as_bf16.dtype == jnp.bfloat16 and as_bf16.nbytes == 4 * 128 * 2
+    np.testing.assert_array_equal(as_bf16.get(), kernel[:4].astype(jnp.bfloat16))
+    mask = lazy["opt_state"]["mask"].astype(np.int8).get()
+    np.testing.assert_array_equal(mask, np.asarray(tree["opt_state"]["mask"]).astype(np.int8))
+
+
+def test_zero_d_arrays(saved: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = saved
+    scalar = lazyckpt.open(path)["scalar_array"]
+    assert scalar.shape == () and scalar.size == 1 and scalar.chunks == ()
+    assert scalar.get() == np.float32(3.5) and scalar.get().shape == ()
+    assert scalar[...].get() == 3.5 and scalar[None].get().shape == (1,)
+    with pytest.raises(LazyIndexError, match=r"scalar_array .*0-dimensional but 1 were given"):
+        scalar[0]
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ((64,), r"index 64 is out of range for a dimension of size 64"),
+        ((0, -129), r"index -129 is out of range for a dimension of size 128; use an index in "
+         r"\[-128, 128\)"),
+        ((0, 0, 0), r"too many indices: the array is 2-dimensional but 3 were given"),
+        ((..., ...), r"an index can only have a single ellipsis"),
+        (([0, 1],), r"unsupported index \[0, 1\] of type list; a LazyArray takes basic indexing only"),
+        ((1.5,), r"unsupported index 1.5"),
+    ],
+)
+def test_bad_indexes_name_the_array(saved: tuple[Path, Any], index: Any, message: str) -> None:
+    kernel = lazyckpt.open(saved[0])["params"]["dense"]["kernel"]
+    with pytest.raises(LazyIndexError, match=r"^params/dense/kernel \(shape \(64, 128\)\): " + message):
+        kernel[index]
+    assert issubclass(LazyIndexError, IndexError)
+
+
+def _chunk_key(name: str, chunk: tuple[int, ...], zarr3: bool) -> str:
+    if zarr3:
+        return f"{name}/c/" + "/".join(map(str, chunk)) if chunk else f"{name}/c"
+    return f"{name}/" + (".".join(map(str, chunk)) if chunk else "0")
+
+
+def _touched_chunk_bytes(path: Path, view: LazyArray, zarr3: bool) -> int:
+    """Stored bytes of the chunks holding the elements that `view` selects."""
+    kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    per_dim = []
+    for stored, chunk in zip(view.selection.stored, view.chunks, strict=True):
+        indices = (
+            [stored]
+            if isinstance(stored, int)
+            else [stored.start + stored.step * i for i in range(stored.count)]
+        )
+        per_dim.append(sorted({i // chunk for i in indices}))
+    total = 0
+    for chunk in itertools.product(*per_dim):
+        value = kvstore.read(_chunk_key(view.stored.name, chunk, zarr3)).result()
+        assert value.state == "value"
+        total += len(value.value)
+    return total
+
+
+@pytest.mark.parametrize(
+    "index",
+    [(slice(0, 4), slice(0, 4)), (5, slice(None)), (slice(None, None, 16), 7), (slice(3, 40), 70)],
+    ids=repr,
+)
+def test_slice_reads_only_its_chunks(
+    saved: tuple[Path, dict[str, Any]], count_bytes: Any, index: Any
+) -> None:
+    path, tree = saved
+    zarr3 = "zarr3" in str(path)
+    lazy = lazyckpt.open(path)
+    kernel = lazy["params"]["dense"]["kernel"]
+    view = kernel[index]
+    expected = _touched_chunk_bytes(path, view, zarr3)
+    with count_bytes() as read:
+        value = view.get()
+    np.testing.assert_array_equal(value, np.asarray(tree["params"]["dense"]["kernel"])[index])
+    assert read[0] == expected
+    whole = _touched_chunk_bytes(path, kernel, zarr3)
+    assert read[0] < whole
+
+
+def test_selection_records_the_composed_ranges() -> None:
+    from lazyckpt._selection import Selection
+
+    selection = Selection.full((10, 6))[2:9:3][::-1, 4]
+    assert selection.stored == (Range(8, -3, 3), 4)
+    assert selection.shape == (3,)
+    assert selection.stored_box() == ((2, 9), (4, 5))
