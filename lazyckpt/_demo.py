@@ -73,8 +73,10 @@ def _walkthrough(path: str) -> None:
     print(f"   {bytes_read() - before} bytes read through tensorstore, none of them array chunks")
     for key, leaf in lazyckpt.leaves(tree):
         if isinstance(leaf, lazyckpt.LazyArray):
-            print(f"   {key:24} {leaf.dtype!s:8} {leaf.shape!s:12} {human_bytes(leaf.nbytes):>9}"
-                  f"  {leaf.sharding!r}")
+            print(
+                f"   {key:24} {leaf.dtype!s:8} {leaf.shape!s:12} {human_bytes(leaf.nbytes):>9}"
+                f"  {leaf.sharding!r}"
+            )
         else:
             print(f"   {key:24} {leaf!r}")
 
@@ -89,8 +91,10 @@ def _walkthrough(path: str) -> None:
     before = bytes_read()
     rows = params["params"]["embed"][10:13, :4].get()
     print("\n4. Slice: embed[10:13, :4] reads only the one chunk that holds those rows.")
-    print(f"   {bytes_read() - before} bytes read of {human_bytes(embed.nbytes)} stored;"
-          f" values match: {np.array_equal(rows, embed[10:13, :4])}")
+    print(
+        f"   {bytes_read() - before} bytes read of {human_bytes(embed.nbytes)} stored;"
+        f" values match: {np.array_equal(rows, embed[10:13, :4])}"
+    )
 
     print("\n5. Reshard: onto a 2x4 mesh, reusing the saved partition specs by axis name;")
     print("   each device reads only its own shard, replicated arrays are read once.")
@@ -98,16 +102,22 @@ def _walkthrough(path: str) -> None:
     before = bytes_read()
     on_devices = lazyckpt.device_put(params, lazyckpt.saved_shardings(new_mesh))
     placed = on_devices["params"]["dense"]["kernel"]
-    print(f"   kernel: {placed.sharding.spec} on mesh {dict(new_mesh.shape)}, "
-          f"shard shape {placed.addressable_shards[0].data.shape}, "
-          f"equal to saved: {np.array_equal(np.asarray(placed), kernel)}")
-    print(f"   {human_bytes(bytes_read() - before)} read for "
-          f"{human_bytes(sum(a.nbytes for _, a in lazyckpt.leaves(params)))} of params")
+    print(
+        f"   kernel: {placed.sharding.spec} on mesh {dict(new_mesh.shape)}, "
+        f"shard shape {placed.addressable_shards[0].data.shape}, "
+        f"equal to saved: {np.array_equal(np.asarray(placed), kernel)}"
+    )
+    print(
+        f"   {human_bytes(bytes_read() - before)} read for "
+        f"{human_bytes(sum(a.nbytes for _, a in lazyckpt.leaves(params)))} of params"
+    )
 
     print("\n6. Load to host: the dense layer as NumPy, cast to bfloat16 while reading.")
     dense = lazyckpt.load(lazyckpt.select(tree, "params/dense/*"))["params"]["dense"]
     half = tree["params"]["dense"]["kernel"].astype("bfloat16").get()
-    print(f"   kernel {dense['kernel'].dtype}{list(dense['kernel'].shape)}, "
-          f"bias {dense['bias'].dtype}{list(dense['bias'].shape)}, bfloat16 copy {half.dtype}")
+    print(
+        f"   kernel {dense['kernel'].dtype}{list(dense['kernel'].shape)}, "
+        f"bias {dense['bias'].dtype}{list(dense['bias'].shape)}, bfloat16 copy {half.dtype}"
+    )
     print(f"   step = {tree['step']}, note = {tree['note']!r}")
     print("\nDone: the optimizer state was never read.")

@@ -52,31 +52,49 @@ class _Placement:
 
 def _plan(tree: Any, shardings: ShardingChoice) -> Any:
     """`tree` with each LazyArray replaced by a `_Placement`."""
-    if isinstance(shardings, Sharding):
-        return map_leaves(lambda x: _place(x, shardings), tree)
-    if callable(shardings) and not isinstance(shardings, jax.ShapeDtypeStruct):
-        return map_leaves(lambda x: _place(x, shardings(x.key, x)) if isinstance(x, LazyArray) else x, tree)
-
-    def broadcast(target: Any, subtree: Any) -> Any:
-        if target is None:
-            return subtree
-        return map_leaves(lambda x: _place(x, target), subtree)
-
-    try:
-        return jax.tree.map(
-            broadcast,
-            shardings,
-            tree,
-            is_leaf=lambda x: x is None or isinstance(x, Sharding | jax.ShapeDtypeStruct),
+    if callable(shardings) and not isinstance(shardings, Sharding | jax.ShapeDtypeStruct):
+        choose = shardings
+        return map_leaves(
+            lambda x: _place(x, choose(x.key, x)) if isinstance(x, LazyArray) else x, tree
         )
-    except ValueError as error:
-        if isinstance(error, TreeMismatchError | ShardingError):
-            raise
-        raise TreeMismatchError(
-            f"the shardings tree does not match the checkpoint tree: {error}\n"
-            "Pass one Sharding, a callable (path, array) -> Sharding, or a tree whose "
-            "structure is a prefix of the checkpoint tree (use None to leave a subtree as is)"
-        ) from None
+    return _broadcast(shardings, tree, ())
+
+
+def _broadcast(prefix: Any, tree: Any, path: tuple[str | int, ...]) -> Any:
+    """Pair the leaves of the `prefix` tree with the subtrees of `tree` they cover."""
+    if prefix is None:
+        return tree
+    if isinstance(prefix, Sharding | jax.ShapeDtypeStruct):
+        return map_leaves(lambda x: _place(x, prefix), tree)
+    where = keystr(path) or "root"
+    hint = (
+        "pass one Sharding, a callable (path, array) -> Sharding, or a tree whose "
+        "structure is a prefix of the checkpoint tree (None leaves a subtree as is)"
+    )
+    if isinstance(prefix, dict):
+        if not isinstance(tree, dict) or set(prefix) != set(tree):
+            found = sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__
+            missing = sorted(map(str, set(tree) - set(prefix))) if isinstance(tree, dict) else []
+            extra = sorted(map(str, set(prefix) - set(tree))) if isinstance(tree, dict) else []
+            raise TreeMismatchError(
+                f"the shardings tree does not match the checkpoint tree at {where}: the "
+                f"shardings have keys {sorted(map(str, prefix))}, the checkpoint has {found}"
+                + (f" (missing {missing}, unexpected {extra})" if missing or extra else "")
+                + f"; {hint}"
+            )
+        return {key: _broadcast(prefix[key], tree[key], (*path, key)) for key in tree}
+    if isinstance(prefix, list | tuple):
+        if not isinstance(tree, list | tuple) or len(prefix) != len(tree):
+            found = f"{len(tree)} items" if isinstance(tree, list | tuple) else type(tree).__name__
+            raise TreeMismatchError(
+                f"the shardings tree does not match the checkpoint tree at {where}: the "
+                f"shardings have a sequence of {len(prefix)} items, the checkpoint has {found}; "
+                f"{hint}"
+            )
+        pairs = enumerate(zip(prefix, tree, strict=True))
+        items = [_broadcast(p, t, (*path, i)) for i, (p, t) in pairs]
+        return items if isinstance(tree, list) else tuple(items)
+    return map_leaves(lambda x: _place(x, prefix), tree)
 
 
 def _place(leaf: Any, target: Any) -> Any:
@@ -105,24 +123,25 @@ def _place(leaf: Any, target: Any) -> Any:
 def _put(array: LazyArray, sharding: Sharding) -> jax.Array:
     try:
         indices = sharding.addressable_devices_indices_map(array.shape)
-    except Exception as error:  # jax raises ValueError, IndexError or TypeError here
+    # jax raises ValueError, IndexError or TypeError here, depending on the mismatch.
+    except Exception as error:  # noqa: BLE001
         raise ShardingError(
-            f"{array.key}: sharding {sharding} cannot lay out an array of shape "
-            f"{array.shape} ({error}); choose a sharding whose mesh axes divide the "
-            "sharded dimensions, or slice the array first"
+            f"{array.key}: the sharding cannot lay out an array of shape {array.shape}: "
+            f"{error}; choose a sharding whose mesh axes divide the sharded dimensions, "
+            "or slice the array first"
         ) from None
     # Replicas hold the same index: read each distinct index once.
     groups: dict[tuple[tuple[int, int, int], ...], list[jax.Device]] = {}
     for device, index in indices.items():
+        index = index if index is not None else (slice(None),) * array.ndim
         key = tuple(s.indices(n) for s, n in zip(index, array.shape, strict=True))
         groups.setdefault(key, []).append(device)
     reads = [
         (devices, array[tuple(slice(*k) for k in key)].read()) for key, devices in groups.items()
     ]
-    shards = []
+    shards: list[jax.Array] = []
     for devices, future in reads:
         host: np.ndarray = future.result()
         shards.extend(jax.device_put(host, device) for device in devices)
         del host
     return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
-

@@ -106,6 +106,11 @@ def _item(step_dir: str, item: str | None) -> str:
     if item is not None:
         if item in present:
             return os.path.join(step_dir, item)
+        if os.path.isdir(os.path.join(step_dir, item)):
+            raise NotACheckpointError(
+                f"item {item!r} in {step_dir} is not a PyTree item (it holds "
+                f"{sorted(os.listdir(os.path.join(step_dir, item)))[:5]}); PyTree items: {present}"
+            )
         if item in _listed_items(step_dir):
             raise CheckpointNotFoundError(
                 f"item {item!r} is listed in {step_dir}/_CHECKPOINT_METADATA but its folder "

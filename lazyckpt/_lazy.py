@@ -116,7 +116,9 @@ class LazyArray:
 
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         if copy is False:
-            raise ValueError(f"{self.key}: a LazyArray cannot be viewed without a read (copy=False)")
+            raise ValueError(
+                f"{self.key}: a LazyArray cannot be viewed without a read (copy=False)"
+            )
         data = self.get()
         return data if dtype is None else data.astype(dtype)
 

@@ -105,9 +105,9 @@ def _read_metadata(location: str) -> dict[str, Any]:
             "or the file was damaged: open another step or copy the checkpoint again"
         ) from error
     if not isinstance(metadata, dict) or not isinstance(metadata.get("tree_metadata"), dict):
+        found = sorted(metadata)[:5] if isinstance(metadata, dict) else type(metadata).__name__
         raise CorruptCheckpointError(
-            f"{location}/_METADATA has no 'tree_metadata' object (found "
-            f"{type(metadata).__name__} with keys {sorted(metadata)[:5] if isinstance(metadata, dict) else []}); "
+            f"{location}/_METADATA has no 'tree_metadata' object (found {found}); "
             "it is not an Orbax PyTree checkpoint's metadata"
         )
     return metadata
@@ -163,8 +163,12 @@ def _open_store(location: str, metadata: dict[str, Any]) -> Store:
     if ocdbt and not has_manifest:
         raise CorruptCheckpointError(
             f"OCDBT root manifest {location}/manifest.ocdbt is missing"
-            + (f"; per-process databases {per_process} exist, so the merge step never ran "
-               "or the manifest was lost" if per_process else "")
+            + (
+                f"; per-process databases {per_process} exist, so the merge step never ran "
+                "or the manifest was lost"
+                if per_process
+                else ""
+            )
             + "; the checkpoint cannot be read as saved, copy it again"
         )
     return Store.open(location, ocdbt=ocdbt)

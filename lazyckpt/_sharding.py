@@ -181,4 +181,3 @@ def saved_shardings(
             raise ShardingError(f"{path}: {error}") from None
 
     return choose
-

@@ -35,12 +35,14 @@ def then(
 
     `on_error` turns a failure of `future` into the exception the caller should see.
     """
+    promise: ts.Promise[U]
+    chained: ts.Future[U]
     promise, chained = ts.Promise.new()
 
     def settle(done: ts.Future[Any]) -> None:
         try:
             result = done.result()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
             promise.set_exception(on_error(error) if on_error else error)
             return
         try:
@@ -66,6 +68,8 @@ def _forward(done: ts.Future[Any], promise: ts.Promise[Any]) -> None:
 
 def ready(value: T) -> ts.Future[T]:
     """A future that already holds `value`."""
+    promise: ts.Promise[T]
+    future: ts.Future[T]
     promise, future = ts.Promise.new()
     promise.set_result(value)
     return future
@@ -123,9 +127,7 @@ class StoredArray:
     dtype: np.dtype[Any]
     chunks: tuple[int, ...]
     fill_missing: bool
-    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(
-        factory=list, init=False, repr=False
-    )
+    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def open(self) -> ts.Future[ts.TensorStore]:
@@ -188,4 +190,3 @@ class StoredArray:
             f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
             f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
         )
-

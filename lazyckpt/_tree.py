@@ -32,10 +32,11 @@ def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
     """`(key path string, leaf)` for every leaf of `tree`, in tree order.
 
     Dicts, lists and tuples are containers; everything else (LazyArrays, arrays,
-    strings, scalars, None) is a leaf. Empty containers yield nothing.
+    strings, scalars) is a leaf. As in `jax.tree_util`, None and empty containers
+    are empty subtrees and yield nothing.
 
-    >>> list(leaves({"a": [1, "x"], "b": None}))
-    [('a/0', 1), ('a/1', 'x'), ('b', None)]
+    >>> list(leaves({"a": [1, "x"], "b": None, "c": {}}))
+    [('a/0', 1), ('a/1', 'x')]
     """
     return ((keystr(path), leaf) for path, leaf in walk(tree))
 
@@ -46,6 +47,10 @@ def walk(tree: Any, *, empty_containers: bool = False) -> Iterator[tuple[Path, A
 
 
 def _walk(node: Any, path: Path, empty: bool) -> Iterator[tuple[Path, Any]]:
+    if node is None:  # an empty subtree, as in jax.tree_util
+        if empty and path:
+            yield path, node
+        return
     children = _children(node)
     if children is None or (empty and not node):
         if children is None or path:
@@ -85,8 +90,8 @@ def select(tree: Any, which: str | Predicate) -> Any:
     `which` is a path pattern (segments joined by `/`; `*` matches within a
     segment, `**` any number of segments; a pattern selects whole subtrees below
     what it matches) or a predicate `(path, leaf) -> bool`. Dicts keep only
-    selected keys; lists keep their length and put None where nothing is selected,
-    so indices keep their meaning.
+    selected keys; lists keep their length and put None (an empty subtree) where
+    nothing is selected, so indices keep their meaning.
 
     >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
     >>> select(tree, "params/**/kernel")

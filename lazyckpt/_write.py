@@ -38,10 +38,10 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Any) -> str:
     strings: dict[str, Any] = {}
     kvstore = {"driver": "ocdbt", "base": {"driver": "file", "path": tmp + "/"}}
     writes = []
-    for path, value in walk(tree, empty_containers=True):
-        path_str = keystr(path)
-        name = ".".join(str(k) for k in path)
-        keys = [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in path]
+    for key_path, value in walk(tree, empty_containers=True):
+        path_str = keystr(key_path)
+        name = ".".join(str(k) for k in key_path)
+        keys = [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in key_path]
         entry: dict[str, Any] = {"skip_deserialize": False}
         if isinstance(value, str):
             entry["value_type"] = "string"
@@ -63,15 +63,23 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Any) -> str:
             writes.extend(_write_numpy(kvstore, name, value))
         else:
             raise LazyckptError(f"{path_str}: cannot save a {type(value).__name__}")
-        tree_metadata[str(tuple(str(k) for k in path))] = {
-            "key_metadata": keys, "value_metadata": entry,
+        tree_metadata[str(tuple(str(k) for k in key_path))] = {
+            "key_metadata": keys,
+            "value_metadata": entry,
         }
     for future in writes:
         future.result()
-    _write_json(tmp, "_METADATA", {
-        "tree_metadata": tree_metadata, "use_ocdbt": True, "use_zarr3": True,
-        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
-    })
+    _write_json(
+        tmp,
+        "_METADATA",
+        {
+            "tree_metadata": tree_metadata,
+            "use_ocdbt": True,
+            "use_zarr3": True,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        },
+    )
     _write_json(tmp, "_sharding", shardings)
     if strings:
         _write_json(tmp, "_strings.json", _nest_strings(strings))
@@ -79,8 +87,13 @@ def write_checkpoint(path: str | os.PathLike[str], tree: Any) -> str:
     return final
 
 
-def _zarr3(kvstore: dict[str, Any], name: str, array_shape: tuple[int, ...],
-           chunks: tuple[int, ...], dtype: np.dtype[Any]) -> ts.TensorStore:
+def _zarr3(
+    kvstore: dict[str, Any],
+    name: str,
+    array_shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    dtype: np.dtype[Any],
+) -> ts.TensorStore:
     spec = {
         "driver": "zarr3",
         "kvstore": {**kvstore, "path": f"{name}/"},
@@ -88,16 +101,19 @@ def _zarr3(kvstore: dict[str, Any], name: str, array_shape: tuple[int, ...],
             "shape": list(array_shape),
             "data_type": ts.dtype(dtype).name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                       {"name": "zstd", "configuration": {"level": 1}}],
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "zstd", "configuration": {"level": 1}},
+            ],
         },
         "create": True,
     }
     return ts.open(spec).result()
 
 
-def _write_jax(kvstore: dict[str, Any], name: str, value: jax.Array,
-               shard_shape: tuple[int, ...]) -> list[ts.Future[None]]:
+def _write_jax(
+    kvstore: dict[str, Any], name: str, value: jax.Array, shard_shape: tuple[int, ...]
+) -> list[ts.WriteFutures]:
     chunks = tuple(max(n, 1) for n in shard_shape) if shard_shape else ()
     store = _zarr3(kvstore, name, value.shape, chunks, np.dtype(value.dtype))
     written = set()
@@ -111,7 +127,7 @@ def _write_jax(kvstore: dict[str, Any], name: str, value: jax.Array,
     return futures
 
 
-def _write_numpy(kvstore: dict[str, Any], name: str, value: np.ndarray) -> list[ts.Future[None]]:
+def _write_numpy(kvstore: dict[str, Any], name: str, value: np.ndarray) -> list[ts.WriteFutures]:
     chunks = tuple(max(n, 1) for n in value.shape)
     store = _zarr3(kvstore, name, value.shape, chunks, value.dtype)
     return [store.write(value)]
@@ -122,14 +138,19 @@ def _sharding_json(value: jax.Array) -> str:
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
         spec = [list(e) if isinstance(e, tuple) else e for e in sharding.spec]
-        return json.dumps({
-            "sharding_type": "NamedSharding",
-            "shape": [int(n) for n in mesh.devices.shape],
-            "axis_names": list(mesh.axis_names),
-            "partition_spec": spec,
-            "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
-                mesh.devices).tolist()},
-        })
+        return json.dumps(
+            {
+                "sharding_type": "NamedSharding",
+                "shape": [int(n) for n in mesh.devices.shape],
+                "axis_names": list(mesh.axis_names),
+                "partition_spec": spec,
+                "device_mesh": {
+                    "mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
+                        mesh.devices
+                    ).tolist()
+                },
+            }
+        )
     if isinstance(sharding, SingleDeviceSharding):
         (device,) = sharding.device_set
         return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})

@@ -6,6 +6,7 @@ The root conftest.py fakes the 8 CPU devices before jax starts.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
+from lazyckpt import LazyArray
 from lazyckpt._metrics import bytes_read
 from lazyckpt._store import StoredArray
 
@@ -53,12 +56,12 @@ def reference_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
             },
             "embed": put(rng.standard_normal((32, 4)).astype(jnp.bfloat16), P("x", None)),
             "layers": [
-                {"w": put(rng.integers(-128, 127, (8, 6), dtype=np.int8), P("x", None))},
-                {"w": put(rng.integers(-128, 127, (8, 6), dtype=np.int8), P(None, "y"))},
+                {"w": put(rng.integers(-128, 127, (8, 8), dtype=np.int8), P("x", None))},
+                {"w": put(rng.integers(-128, 127, (8, 8), dtype=np.int8), P(None, "y"))},
             ],
         },
         "opt_state": {
-            "mu": put(rng.standard_normal((16, 8), dtype=np.float32), P()),
+            "mu": put(rng.standard_normal((64, 128), dtype=np.float32), P()),
             "mask": put(rng.random((4, 8)) > 0.5, P(None, ("x", "y"))),
         },
         "scalar_array": put(np.array(3.5, dtype=np.float32), P()),
@@ -129,3 +132,29 @@ def assert_tree_equal(actual: Any, expected: Any) -> None:
             np.testing.assert_array_equal(got_np, want_np, err_msg=key)
         else:
             assert got == want and type(got) is type(want), key
+
+
+def _chunk_key(name: str, chunk: tuple[int, ...], zarr3: bool) -> str:
+    if zarr3:
+        return f"{name}/c/" + "/".join(map(str, chunk)) if chunk else f"{name}/c"
+    return f"{name}/" + (".".join(map(str, chunk)) if chunk else "0")
+
+
+def stored_chunk_bytes(path: Path, view: LazyArray) -> int:
+    """Stored bytes of the chunks holding the elements that `view` selects."""
+    zarr3 = view.stored.driver == "zarr3"
+    kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    per_dim = []
+    for stored, chunk in zip(view.selection.stored, view.chunks, strict=True):
+        indices = (
+            [stored]
+            if isinstance(stored, int)
+            else [stored.start + stored.step * i for i in range(stored.count)]
+        )
+        per_dim.append(sorted({i // chunk for i in indices}))
+    total = 0
+    for chunk in itertools.product(*per_dim):
+        value = kvstore.read(_chunk_key(view.stored.name, chunk, zarr3)).result()
+        assert value.state == "value"
+        total += len(value.value)
+    return total

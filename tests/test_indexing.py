@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorstore as ts
 
 import lazyckpt
-from lazyckpt import LazyArray, LazyIndexError
+from lazyckpt import LazyIndexError
 from lazyckpt._selection import Range
+from tests.conftest import stored_chunk_bytes
 
 INDEXES = [
     (slice(None),),
@@ -73,44 +72,27 @@ def test_zero_d_arrays(saved: tuple[Path, dict[str, Any]]) -> None:
     ("index", "message"),
     [
         ((64,), r"index 64 is out of range for a dimension of size 64"),
-        ((0, -129), r"index -129 is out of range for a dimension of size 128; use an index in "
-         r"\[-128, 128\)"),
+        (
+            (0, -129),
+            r"index -129 is out of range for a dimension of size 128; use an index in "
+            r"\[-128, 128\)",
+        ),
         ((0, 0, 0), r"too many indices: the array is 2-dimensional but 3 were given"),
         ((..., ...), r"an index can only have a single ellipsis"),
-        (([0, 1],), r"unsupported index \[0, 1\] of type list; a LazyArray takes basic indexing only"),
+        (
+            ([0, 1],),
+            r"unsupported index \[0, 1\] of type list; a LazyArray takes basic indexing only",
+        ),
         ((1.5,), r"unsupported index 1.5"),
     ],
 )
 def test_bad_indexes_name_the_array(saved: tuple[Path, Any], index: Any, message: str) -> None:
     kernel = lazyckpt.open(saved[0])["params"]["dense"]["kernel"]
-    with pytest.raises(LazyIndexError, match=r"^params/dense/kernel \(shape \(64, 128\)\): " + message):
+    with pytest.raises(
+        LazyIndexError, match=r"^params/dense/kernel \(shape \(64, 128\)\): " + message
+    ):
         kernel[index]
     assert issubclass(LazyIndexError, IndexError)
-
-
-def _chunk_key(name: str, chunk: tuple[int, ...], zarr3: bool) -> str:
-    if zarr3:
-        return f"{name}/c/" + "/".join(map(str, chunk)) if chunk else f"{name}/c"
-    return f"{name}/" + (".".join(map(str, chunk)) if chunk else "0")
-
-
-def _touched_chunk_bytes(path: Path, view: LazyArray, zarr3: bool) -> int:
-    """Stored bytes of the chunks holding the elements that `view` selects."""
-    kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
-    per_dim = []
-    for stored, chunk in zip(view.selection.stored, view.chunks, strict=True):
-        indices = (
-            [stored]
-            if isinstance(stored, int)
-            else [stored.start + stored.step * i for i in range(stored.count)]
-        )
-        per_dim.append(sorted({i // chunk for i in indices}))
-    total = 0
-    for chunk in itertools.product(*per_dim):
-        value = kvstore.read(_chunk_key(view.stored.name, chunk, zarr3)).result()
-        assert value.state == "value"
-        total += len(value.value)
-    return total
 
 
 @pytest.mark.parametrize(
@@ -122,16 +104,15 @@ def test_slice_reads_only_its_chunks(
     saved: tuple[Path, dict[str, Any]], count_bytes: Any, index: Any
 ) -> None:
     path, tree = saved
-    zarr3 = "zarr3" in str(path)
     lazy = lazyckpt.open(path)
     kernel = lazy["params"]["dense"]["kernel"]
     view = kernel[index]
-    expected = _touched_chunk_bytes(path, view, zarr3)
+    expected = stored_chunk_bytes(path, view)
     with count_bytes() as read:
         value = view.get()
     np.testing.assert_array_equal(value, np.asarray(tree["params"]["dense"]["kernel"])[index])
     assert read[0] == expected
-    whole = _touched_chunk_bytes(path, kernel, zarr3)
+    whole = stored_chunk_bytes(path, kernel)
     assert read[0] < whole
 
 

@@ -54,7 +54,11 @@ def test_chunks_match_tensorstore_and_shards(saved: tuple[Path, dict[str, Any]])
             continue
         spec = {
             "driver": driver,
-            "kvstore": {"driver": "ocdbt", "base": f"file://{path}/", "path": f"{leaf.stored.name}/"},
+            "kvstore": {
+                "driver": "ocdbt",
+                "base": f"file://{path}/",
+                "path": f"{leaf.stored.name}/",
+            },
         }
         opened = ts.open(spec, open=True).result()
         assert leaf.chunks == tuple(opened.chunk_layout.read_chunk_template.shape), key

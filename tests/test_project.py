@@ -1,0 +1,31 @@
+"""The README, CI script and docs stay in step with the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lazyckpt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S)
+    assert block is not None and readme.index(block.group(0)) < readme.index("\n\n", 12)
+    return block.group(1).strip().splitlines()
+
+
+def test_readme_opens_with_two_setup_commands_and_ci_runs_the_second() -> None:
+    demo, tests = _setup_commands()
+    assert demo.endswith("lazyckpt demo")
+    assert tests.endswith("python -m pytest")
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_every_public_name_is_documented() -> None:
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert lazyckpt.__all__ == sorted(lazyckpt.__all__)
+    missing = [name for name in lazyckpt.__all__ if name not in api]
+    assert not missing

@@ -1,0 +1,86 @@
+"""Property tests: random arrays saved by orbax, indexed and cast lazily, equal NumPy."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import lazyckpt
+from tests import strategies
+from tests.conftest import orbax_save
+
+INDEX = {"allow_newaxis": True, "allow_ellipsis": True}
+
+
+@pytest.fixture(scope="module")
+def zoo(mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Arrays of many shapes, dtypes and shardings, saved once in each zarr format."""
+    rng = np.random.default_rng(7)
+    specs = {
+        "f32": ((8, 12, 6), np.float32, ("x", None, "y")),
+        "bf16": ((16, 4), np.dtype("bfloat16"), ("y", "x")),
+        "i8": ((9, 10), np.int8, (None, "y")),
+        "bool": ((4, 8), np.bool_, ("x", None)),
+        "u8": ((30,), np.uint8, (None,)),
+        "scalar": ((), np.float32, ()),
+    }
+    tree = {}
+    for name, (shape, dtype, spec) in specs.items():
+        value = strategies.values(shape, np.dtype(dtype), int(rng.integers(1 << 31)))
+        tree[name] = jax.device_put(
+            value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        )
+    root = tmp_path_factory.mktemp("zoo")
+    opened = {}
+    for zarr3 in (False, True):
+        path = orbax_save(root / f"zarr3_{zarr3}", tree, zarr3=zarr3)
+        opened[zarr3] = lazyckpt.open(path)
+    return {"expected": {k: np.asarray(v) for k, v in tree.items()}, "opened": opened}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_chained_basic_indexing_matches_numpy(zoo: dict[str, Any], data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(sorted(zoo["expected"])))
+    lazy = zoo["opened"][data.draw(st.booleans())][name]
+    want = zoo["expected"][name]
+    for _ in range(data.draw(st.integers(1, 3))):
+        index = data.draw(hnp.basic_indices(want.shape, **INDEX))
+        lazy, want = lazy[index], want[index]
+        assert lazy.shape == want.shape
+    cast = data.draw(st.none() | st.sampled_from(strategies.DTYPES))
+    if cast is not None and not (want.dtype.kind == "c" and cast.kind != "c"):
+        lazy, want = lazy.astype(cast), want.astype(cast)
+    got = lazy.get()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_random_arrays_round_trip(mesh: jax.sharding.Mesh, data: st.DataObject) -> None:
+    leaves = data.draw(st.lists(strategies.saved_arrays(mesh), min_size=1, max_size=4))
+    tree = {f"a{i}": saved for i, (_, saved) in enumerate(leaves)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = orbax_save(Path(tmp) / "ckpt", tree, zarr3=data.draw(st.booleans()))
+        lazy = lazyckpt.open(path)
+        for i, (value, _) in enumerate(leaves):
+            array = lazy[f"a{i}"]
+            assert (array.shape, array.dtype) == (value.shape, value.dtype)
+            index = data.draw(hnp.basic_indices(value.shape, **INDEX))
+            np.testing.assert_array_equal(array[index].get(), value[index])
+            placed = lazyckpt.device_put(
+                array,
+                jax.sharding.NamedSharding(
+                    mesh, data.draw(strategies.partition_specs(value.shape))
+                ),
+            )
+            np.testing.assert_array_equal(np.asarray(placed), value)
