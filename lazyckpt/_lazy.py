@@ -43,8 +43,8 @@ class LazyArray:
 
     path: tuple[str | int, ...]
     """Key path from the root of the checkpoint tree."""
-    stored: StoredArray = attrs.field(eq=False)
-    """The array as stored; a view reads a part of it."""
+    stored: StoredArray
+    """The array as stored (equal only to itself); a view reads a part of it."""
     selection: Selection
     """The basic index that maps the stored array to this view."""
     dtype: np.dtype[Any] = attrs.field(converter=_dtype)

@@ -7,7 +7,7 @@ Everything here returns tensorstore futures, so callers either `.result()` them 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -97,7 +97,7 @@ class Store:
         kvstore = ts.KvStore.open(spec, context=context).result()
         return cls(location, ocdbt, context, spec, kvstore)
 
-    def read_keys(self, keys: Iterable[str]) -> list[bytes | None]:
+    def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""
         with ts.Batch() as batch:
             futures = [self.kvstore.read(key, batch=batch) for key in keys]

@@ -180,6 +180,9 @@ def test_lazy_array_is_a_jax_leaf_and_frozen(saved: tuple[Path, Any]) -> None:
     with pytest.raises(AttributeError):
         kernel.dtype = np.dtype(np.int8)  # type: ignore[misc]
     assert kernel[:2] == kernel[:2] and kernel[:2] != kernel[:3]
+    # The same path in another opening of the checkpoint is another array.
+    assert lazyckpt.open(saved[0])["params"]["dense"]["kernel"] != kernel
+    assert len({kernel, kernel[:], kernel[:2]}) == 2
 
 
 def test_zarr_driver_matches_saved_format(saved: tuple[Path, Any]) -> None:
