@@ -39,7 +39,19 @@ def _doctest_checkpoint(
             "opt_state": {"mu": np.zeros((8, 8), np.float32)},
             "step": 3,
         }
-        path = write_checkpoint(tmp_path_factory.mktemp("doctest") / "ckpt", state)
+        folder = tmp_path_factory.mktemp("doctest")
+        path = write_checkpoint(folder / "ckpt", state)
+        # A CheckpointManager-style root: step 1 holds `state`, step 2 `state` and `extra`.
+        run = folder / "run"
+        write_checkpoint(run / "ckpt_1" / "state", {"step": 1})
+        write_checkpoint(run / "ckpt_2" / "state", {"step": 2})
+        write_checkpoint(run / "ckpt_2" / "extra", {"note": "eval"})
         doctest_namespace.update(
-            lazyckpt=lazyckpt, jax=jax, np=np, P=P, NamedSharding=NamedSharding, path=path
+            lazyckpt=lazyckpt,
+            jax=jax,
+            np=np,
+            P=P,
+            NamedSharding=NamedSharding,
+            path=path,
+            run=run,
         )

@@ -18,6 +18,7 @@ from lazyckpt._errors import (
     CorruptCheckpointError,
     LazyckptError,
     LazyIndexError,
+    LazyTypeError,
     NoMatchError,
     NotACheckpointError,
     ShardingError,
@@ -25,7 +26,9 @@ from lazyckpt._errors import (
     UnfinishedCheckpointError,
     UnsupportedCheckpointError,
 )
+from lazyckpt._layout import items, steps
 from lazyckpt._lazy import LazyArray
+from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._sharding import SavedSharding, saved_shardings
 from lazyckpt._tree import leaves, load, select
@@ -33,8 +36,10 @@ from lazyckpt._tree import leaves, load, select
 __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "InferredStructureWarning",
     "LazyArray",
     "LazyIndexError",
+    "LazyTypeError",
     "LazyckptError",
     "NoMatchError",
     "NotACheckpointError",
@@ -44,9 +49,11 @@ __all__ = [
     "UnfinishedCheckpointError",
     "UnsupportedCheckpointError",
     "device_put",
+    "items",
     "leaves",
     "load",
     "open",
     "saved_shardings",
     "select",
+    "steps",
 ]

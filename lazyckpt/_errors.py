@@ -65,3 +65,9 @@ class NoMatchError(LazyckptError, KeyError):
     def __str__(self) -> str:
         # KeyError quotes its message; show it as written.
         return str(self.args[0]) if self.args else ""
+
+
+class LazyTypeError(LazyckptError, TypeError):
+    """An operation that the array's type does not support (casting PRNG keys)."""
+
+    __module__ = "lazyckpt"

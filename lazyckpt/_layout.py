@@ -39,7 +39,7 @@ def is_pytree_dir(path: str) -> bool:
     )
 
 
-def steps(root: str) -> dict[int, str]:
+def _step_dirs(root: str) -> dict[int, str]:
     """Committed step folders of a CheckpointManager root, by step number."""
     found: dict[int, str] = {}
     for name in sorted(os.listdir(root)):
@@ -49,7 +49,7 @@ def steps(root: str) -> dict[int, str]:
     return found
 
 
-def items(step_dir: str) -> list[str]:
+def _pytree_items(step_dir: str) -> list[str]:
     """Names of the PyTree items inside a step folder."""
     return sorted(
         name
@@ -62,9 +62,68 @@ def _listed_items(step_dir: str) -> list[str]:
     try:
         with open(os.path.join(step_dir, "_CHECKPOINT_METADATA")) as f:
             handlers = json.load(f).get("item_handlers")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return []
     return sorted(handlers) if isinstance(handlers, dict) else []
+
+
+def steps(path: str | os.PathLike[str]) -> list[int]:
+    """The committed steps of a CheckpointManager root, in increasing order.
+
+    Unfinished saves (`*.orbax-checkpoint-tmp*`) are not listed.
+
+    >>> lazyckpt.steps(run)
+    [1, 2]
+    """
+    root = _existing_folder(path)
+    found = _step_dirs(root)
+    if not found:
+        raise NotACheckpointError(
+            f"{root} is not a CheckpointManager root: it has no committed step folders "
+            f"(names like '12' or 'ckpt_000012'; found {sorted(os.listdir(root))[:10]})"
+        )
+    return sorted(found)
+
+
+def items(path: str | os.PathLike[str], *, step: int | None = None) -> list[str]:
+    """The PyTree items of a step folder (of the latest or given step of a root).
+
+    Pass one of them to `lazyckpt.open(..., item=NAME)`.
+
+    >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
+    (['extra', 'state'], ['state'])
+    """
+    folder = _existing_folder(path)
+    if is_pytree_dir(folder):
+        return []
+    return _pytree_items(_step_folder(folder, step))
+
+
+def _step_folder(folder: str, step: int | None) -> str:
+    """`folder` itself, or for a CheckpointManager root the folder of `step` (or the
+    latest committed step)."""
+    found = _step_dirs(folder)
+    if not found or _pytree_items(folder):
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"{folder} is not a CheckpointManager root (no step folders), so "
+                f"step={step} cannot be chosen; pass the root folder, or drop step="
+            )
+        return folder
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        raise CheckpointNotFoundError(
+            f"{folder} has no committed step {step}; committed steps: {sorted(found)}"
+        )
+    return found[step]
+
+
+def _existing_folder(path: str | os.PathLike[str]) -> str:
+    folder = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
+    return folder
 
 
 def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
@@ -82,27 +141,14 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
             "_METADATA (or a CheckpointManager root or step folder)"
         )
-    if is_pytree_dir(path):
+    if is_pytree_dir(path) and step is None and item is None:
         return path
-    found_steps = steps(path)
-    if found_steps and not items(path):
-        if step is None:
-            step = max(found_steps)
-        elif step not in found_steps:
-            raise CheckpointNotFoundError(
-                f"{path} has no committed step {step}; committed steps: {sorted(found_steps)}"
-            )
-        return locate(found_steps[step], item=item)
-    if step is not None:
-        raise CheckpointNotFoundError(
-            f"{path} is not a CheckpointManager root (no step folders), so step={step} "
-            "cannot be chosen; pass the root folder, or drop step="
-        )
-    return _item(path, item)
+    folder = _step_folder(path, step)
+    return folder if folder != path and is_pytree_dir(folder) else _item(folder, item)
 
 
 def _item(step_dir: str, item: str | None) -> str:
-    present = items(step_dir)
+    present = _pytree_items(step_dir)
     if item is not None:
         if item in present:
             return os.path.join(step_dir, item)

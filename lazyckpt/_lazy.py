@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import attrs
+import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
-from lazyckpt._errors import LazyIndexError
-from lazyckpt._selection import Index, Selection
+from lazyckpt._errors import LazyIndexError, LazyTypeError
+from lazyckpt._selection import Index, Selection, expand
 from lazyckpt._sharding import SavedSharding
 from lazyckpt._store import StoredArray, then
 
 
-def _dtype(value: DTypeLike) -> np.dtype[Any]:
+def _dtype(value: Any) -> Any:
+    """A NumPy dtype, or a JAX extended dtype (typed PRNG keys) as it is."""
+    if jnp.issubdtype(value, jax.dtypes.extended):
+        return value
     return np.dtype(value)
+
+
+@functools.cache
+def key_dtype(impl: str) -> tuple[Any, tuple[int, ...]]:
+    """The dtype of typed PRNG keys of implementation `impl`, and the shape of one
+    key's data, computed abstractly (no device work)."""
+    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return key.dtype, tuple(data.shape)
 
 
 @attrs.frozen(repr=False)
@@ -47,10 +62,14 @@ class LazyArray:
     """The array as stored (equal only to itself); a view reads a part of it."""
     selection: Selection
     """The basic index that maps the stored array to this view."""
-    dtype: np.dtype[Any] = attrs.field(converter=_dtype)
-    """The dtype `get()` returns: the stored dtype unless cast with `astype`."""
+    dtype: Any = attrs.field(converter=_dtype)
+    """The dtype `get()` returns: the stored dtype unless cast with `astype`; for
+    typed PRNG keys, the key dtype (`key<fry>`)."""
     sharding: SavedSharding | None = None
     """The saved sharding of the stored array, or None if the checkpoint has none."""
+    key_impl: str | None = None
+    """For typed PRNG keys, the implementation (`'threefry2x32'`); the stored array
+    then holds the key data, with one trailing dimension more than the keys."""
 
     @property
     def key(self) -> str:
@@ -59,7 +78,8 @@ class LazyArray:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.selection.shape
+        shape = self.selection.shape
+        return shape[:-1] if self.key_impl else shape
 
     @property
     def ndim(self) -> int:
@@ -71,7 +91,7 @@ class LazyArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return self.size * int(self.dtype.itemsize)
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -90,6 +110,9 @@ class LazyArray:
 
     def __getitem__(self, index: Index) -> LazyArray:
         try:
+            if self.key_impl:
+                # Index the keys; their trailing key-data dimension stays whole.
+                index = (*expand(index, self.ndim), slice(None))
             selection = self.selection[index]
         except LazyIndexError as error:
             raise LazyIndexError(f"{self.key} (shape {self.shape}): {error}") from None
@@ -97,34 +120,47 @@ class LazyArray:
 
     def astype(self, dtype: DTypeLike) -> LazyArray:
         """A view cast to `dtype` as it is read (NumPy casting rules)."""
+        if self.key_impl:
+            raise LazyTypeError(
+                f"{self.key}: typed PRNG keys cannot be cast; read them and use "
+                "jax.random.key_data to get their uint32 data"
+            )
         return attrs.evolve(self, dtype=np.dtype(dtype))
 
-    def read(self) -> ts.Future[np.ndarray]:
-        """Start reading this view; the future resolves to a NumPy array."""
+    def read(self) -> ts.Future[Any]:
+        """Start reading this view; the future resolves to a NumPy array (for typed
+        PRNG keys, a `jax.Array` of keys)."""
         data = self.stored.read(self.selection)
+        if self.key_impl:
+            impl = self.key_impl
+            return then(data, lambda array: jax.random.wrap_key_data(jnp.asarray(array), impl=impl))
         if self.dtype == self.stored.dtype:
             return data
         return then(data, lambda array: array.astype(self.dtype))
 
-    def get(self) -> np.ndarray:
-        """Read this view into a NumPy array."""
+    def get(self) -> Any:
+        """Read this view into a NumPy array (typed PRNG keys: a `jax.Array`)."""
         return self.read().result()
 
-    async def get_async(self) -> np.ndarray:
+    async def get_async(self) -> Any:
         """`get()` for asyncio code."""
         return await self.read()
 
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
+        if self.key_impl:
+            raise LazyTypeError(
+                f"{self.key}: typed PRNG keys have no NumPy form; use .get() for a jax.Array"
+            )
         if copy is False:
             raise ValueError(
                 f"{self.key}: a LazyArray cannot be viewed without a read (copy=False)"
             )
-        data = self.get()
+        data: np.ndarray = self.get()
         return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
         parts = [repr(self.key), f"shape={self.shape}", f"dtype={self.dtype}"]
-        if self.dtype != self.stored.dtype:
+        if self.dtype != self.stored.dtype and not self.key_impl:
             parts.append(f"stored_dtype={self.stored.dtype}")
         if not self.selection.is_full:
             parts.append(f"view of {self.stored.shape}")

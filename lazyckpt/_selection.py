@@ -10,8 +10,8 @@ indexing costs no I/O and reads only the elements that the final view needs.
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -56,10 +56,11 @@ class Selection:
     stored: tuple[Stored, ...]
     view: tuple[ViewDim, ...]
 
-    @classmethod
-    def full(cls, shape: Sequence[int]) -> Selection:
-        """The identity selection: the whole stored array."""
-        return cls(
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def full(shape: tuple[int, ...]) -> Selection:
+        """The identity selection: the whole stored array (cached; it is immutable)."""
+        return Selection(
             stored=tuple(Range(0, 1, int(n)) for n in shape),
             view=tuple(range(len(shape))),
         )
@@ -83,7 +84,7 @@ class Selection:
         return stored.count
 
     def __getitem__(self, index: Index) -> Selection:
-        items = _expand(index, len(self.view))
+        items = expand(index, len(self.view))
         stored = list(self.stored)
         view: list[ViewDim] = []
         dims = iter(self.view)
@@ -138,8 +139,8 @@ def _normalize_int(item: int, size: int) -> int:
     return position
 
 
-def _expand(index: Index, ndim: int) -> list[int | slice | None]:
-    """Validate `index` and replace its Ellipsis with full slices."""
+def expand(index: Index, ndim: int) -> list[int | slice | None]:
+    """Validate `index` for `ndim` dimensions and replace its Ellipsis with full slices."""
     items = list(index) if isinstance(index, tuple) else [index]
     out: list[Any] = []
     for item in items:

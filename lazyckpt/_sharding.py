@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -98,8 +99,12 @@ def _entry(value: Any) -> SpecEntry:
     raise ValueError(f"partition spec entry {value!r} is not null, a name or a list of names")
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_sharding(text: str) -> SavedSharding | None:
-    """Parse one `_sharding` entry (a JSON string); None when it records nothing."""
+    """Parse one `_sharding` entry (a JSON string); None when it records nothing.
+
+    Cached: a checkpoint's arrays mostly share a handful of distinct entries.
+    """
     if not text:
         return None
     data = json.loads(text)
@@ -130,7 +135,7 @@ def read_shardings(location: str, text: str | None, names: list[str]) -> dict[st
         return {}
     try:
         table = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:
         raise CorruptCheckpointError(
             f"{location}/_sharding is not valid JSON ({error}); delete the file to open "
             "the checkpoint without saved shardings"
@@ -144,7 +149,7 @@ def read_shardings(location: str, text: str | None, names: list[str]) -> dict[st
             continue
         try:
             sharding = parse_sharding(entry)
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
             raise CorruptCheckpointError(
                 f"{location}/_sharding: the entry for {name!r} is malformed ({error!r}); "
                 "delete the file to open the checkpoint without saved shardings"

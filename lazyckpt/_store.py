@@ -127,13 +127,17 @@ class StoredArray:
     dtype: np.dtype[Any]
     chunks: tuple[int, ...]
     fill_missing: bool
+    inline: np.ndarray | None = attrs.field(default=None, repr=False)
+    """The values themselves, for arrays kept in the legacy msgpack file."""
     _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def open(self) -> ts.Future[ts.TensorStore]:
         """Open the array once; later calls share the same future."""
         with self._lock:
-            if not self._opened:
+            if not self._opened and self.inline is not None:
+                self._opened.append(ready(ts.array(self.inline)))
+            elif not self._opened:
                 opening = ts.open(self._spec(), context=self.store.context, open=True)
                 self._opened.append(then(opening, self._check, self._error))
             return self._opened[0]

@@ -1,0 +1,111 @@
+"""Structure without `_METADATA`: the legacy msgpack file, or failing that the store.
+
+Orbax before 2023-11 wrote no `_METADATA`; its tree is in the msgpack `checkpoint`
+file, with `PLACEHOLDER://<name>` strings where a value lives in tensorstore
+(spec §6). Without either file, the arrays in the store are the only record, and
+the tree is inferred from their names (spec §10): lossy, so it warns.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._msgpack import decode
+from lazyckpt._store import Store
+from lazyckpt._tree_metadata import INLINE, STORED, Leaf, Path
+from lazyckpt._zarr import ZARR2_KEY, ZARR3_KEY
+
+MSGPACK_FILE = "checkpoint"
+_PLACEHOLDER = "PLACEHOLDER://"
+
+
+class InferredStructureWarning(UserWarning):
+    """The tree was rebuilt from array names alone, so some structure may be lost."""
+
+    __module__ = "lazyckpt"
+
+
+def read_msgpack(location: str) -> Any | None:
+    """The decoded legacy msgpack tree, or None if the file does not exist."""
+    path = os.path.join(location, MSGPACK_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    return decode(data, where=path)
+
+
+def msgpack_value(location: str, tree: Any, path: Path) -> Any:
+    """The value at `path` in the msgpack tree, for a leaf aggregated into it."""
+    node = tree
+    for key in path:
+        try:
+            node = node[key if isinstance(node, list) else str(key)]
+        except (KeyError, IndexError, TypeError):
+            raise CorruptCheckpointError(
+                f"{location}/{MSGPACK_FILE}: _METADATA says {'/'.join(map(str, path))!r} is "
+                "stored in this file, but it is not there; the checkpoint is damaged"
+            ) from None
+    return node
+
+
+def msgpack_leaves(tree: Any) -> list[Leaf]:
+    """The leaves of a msgpack tree: placeholders point into the store, the rest is inline."""
+    leaves = []
+    for path, value in _walk(tree, ()):
+        if isinstance(value, str) and value.startswith(_PLACEHOLDER):
+            leaves.append(Leaf(path, value[len(_PLACEHOLDER) :], STORED))
+        else:
+            leaves.append(Leaf(path, ".".join(map(str, path)), INLINE, value=value))
+    return leaves
+
+
+def _walk(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
+    if isinstance(node, dict) and node:
+        # Sorted as jax flattens dicts, so every layout gives the same key order.
+        for key, child in sorted(node.items(), key=lambda item: str(item[0])):
+            yield from _walk(child, (*path, str(key)))
+    elif isinstance(node, list | tuple) and node:
+        for index, child in enumerate(node):
+            yield from _walk(child, (*path, index))
+    else:
+        # Empty containers, None and ndarrays are leaves; a 0-d ndarray too.
+        yield path, node if not isinstance(node, tuple) else list(node)
+
+
+def listed_leaves(store: Store) -> list[Leaf]:
+    """Leaves inferred from the arrays in the store: names split on '.' into dicts."""
+    names = sorted(_ocdbt_names(store) if store.ocdbt else _folder_names(store.location))
+    warnings.warn(
+        f"{store.location} has neither _METADATA nor a msgpack 'checkpoint' file, so its "
+        "tree was inferred from array names: lists come back as dicts, keys containing '.' "
+        "are split, and strings and scalar types are lost",
+        InferredStructureWarning,
+        stacklevel=3,
+    )
+    return [Leaf(tuple(name.split(".")) if name else (), name, STORED) for name in names]
+
+
+def _ocdbt_names(store: Store) -> Iterator[str]:
+    for raw in store.kvstore.list().result():
+        key = raw.decode("utf-8", errors="replace")
+        for suffix in (ZARR2_KEY, ZARR3_KEY):
+            if key == suffix:
+                yield ""
+            elif key.endswith("/" + suffix):
+                yield key[: -len(suffix) - 1]
+
+
+def _folder_names(location: str) -> Iterator[str]:
+    if any(os.path.exists(os.path.join(location, m)) for m in (ZARR2_KEY, ZARR3_KEY)):
+        yield ""
+        return
+    for folder, dirs, files in os.walk(location):
+        if ZARR2_KEY in files or ZARR3_KEY in files:
+            dirs.clear()  # a zarr array's folder holds chunks, not more arrays
+            yield os.path.relpath(folder, location).replace(os.sep, "/")
