@@ -30,8 +30,9 @@ from lazyckpt._layout import items, steps
 from lazyckpt._lazy import LazyArray
 from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
+from lazyckpt._read import iter_blocks, load
 from lazyckpt._sharding import SavedSharding, saved_shardings
-from lazyckpt._tree import leaves, load, select
+from lazyckpt._tree import leaves, select
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -50,6 +51,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "device_put",
     "items",
+    "iter_blocks",
     "leaves",
     "load",
     "open",

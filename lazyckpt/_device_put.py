@@ -7,19 +7,26 @@ from typing import Any, TypeAlias
 
 import attrs
 import jax
-import numpy as np
 from jax.sharding import Sharding
 
+from lazyckpt._engine import Box, Scheduler, Target, aligned_empty, schedule_fill
 from lazyckpt._errors import ShardingError, TreeMismatchError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._tree import keystr, map_leaves
+from lazyckpt._progress import Progress
+from lazyckpt._tree import keystr, map_leaves, walk
 
 ShardingChoice: TypeAlias = (
     Sharding | jax.ShapeDtypeStruct | Callable[[str, LazyArray], Sharding] | Any
 )
 
 
-def device_put(tree: Any, shardings: ShardingChoice) -> Any:
+def device_put(
+    tree: Any,
+    shardings: ShardingChoice,
+    *,
+    memory_budget: int | None = None,
+    progress: bool | None = None,
+) -> Any:
     """Place every LazyArray in `tree` on devices as a `jax.Array`, shard by shard.
 
     `shardings` is one of:
@@ -30,7 +37,12 @@ def device_put(tree: Any, shardings: ShardingChoice) -> Any:
       None (that subtree is left as it is).
 
     Each device's shard is read for exactly its index; devices that hold the same
-    index (replicas) share one read. Leaves that are not LazyArrays pass through.
+    index (replicas) share one read, and a stored chunk that several shards need is
+    read once and split among them. Reads of all arrays run concurrently with at most
+    `memory_budget` bytes of blocks in flight (default 1 GiB); shards are assembled
+    in place in their host buffers, which CPU devices adopt without a copy.
+    `progress` shows a bar on stderr (None: only for large reads on a terminal).
+    Leaves that are not LazyArrays pass through.
 
     >>> tree = lazyckpt.open(path)
     >>> mesh = jax.make_mesh((8,), ("rows",))
@@ -39,7 +51,17 @@ def device_put(tree: Any, shardings: ShardingChoice) -> Any:
     (True, Array([[ 8.,  9., 10., 11., 12., 13., 14., 15.]], dtype=float32))
     """
     plan = _plan(tree, shardings)
-    return map_leaves(lambda x: _put(x.array, x.sharding) if isinstance(x, _Placement) else x, plan)
+    placements = [leaf for _, leaf in walk(plan) if isinstance(leaf, _Placement)]
+    total = sum(p.array.size * p.array.stored.dtype.itemsize for p in placements)
+    bar = Progress.maybe(progress, total, "lazyckpt device_put")
+    scheduler = Scheduler(memory_budget, bar)
+    results: dict[int, jax.Array] = {}
+    for placement in placements:
+        _schedule_put(placement, scheduler, results)
+    scheduler.drain()
+    if bar is not None:
+        bar.close()
+    return map_leaves(lambda x: results[id(x)] if isinstance(x, _Placement) else x, plan)
 
 
 @attrs.frozen
@@ -120,7 +142,8 @@ def _place(leaf: Any, target: Any) -> Any:
     return _Placement(leaf, target)
 
 
-def _put(array: LazyArray, sharding: Sharding) -> jax.Array:
+def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:
+    """Distinct regions of the array held by this process's devices, with their devices."""
     try:
         indices = sharding.addressable_devices_indices_map(array.shape)
     # jax raises ValueError, IndexError or TypeError here, depending on the mismatch.
@@ -130,18 +153,48 @@ def _put(array: LazyArray, sharding: Sharding) -> jax.Array:
             f"{error}; choose a sharding whose mesh axes divide the sharded dimensions, "
             "or slice the array first"
         ) from None
-    # Replicas hold the same index: read each distinct index once.
-    groups: dict[tuple[tuple[int, int, int], ...], list[jax.Device]] = {}
+    # Replicas hold the same region: each distinct region is read once.
+    groups: dict[Box, list[jax.Device]] = {}
     for device, index in indices.items():
         index = index if index is not None else (slice(None),) * array.ndim
-        key = tuple(s.indices(n) for s, n in zip(index, array.shape, strict=True))
-        groups.setdefault(key, []).append(device)
-    reads = [
-        (devices, array[tuple(slice(*k) for k in key)].read()) for key, devices in groups.items()
+        region = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
+        groups.setdefault(region, []).append(device)
+    return groups
+
+
+def _schedule_put(
+    placement: _Placement, scheduler: Scheduler, results: dict[int, jax.Array]
+) -> None:
+    """Fill one host buffer per distinct region, then hand them to the devices."""
+    array, sharding = placement.array, placement.sharding
+    groups = _regions(array, sharding)
+    if array.key_impl:
+        # Typed keys are small: read each region as keys, then place them.
+        shards: list[jax.Array] = []
+        for region, devices in groups.items():
+            keys = array[tuple(slice(*r) for r in region)].get()
+            shards.extend(jax.device_put(keys, device) for device in devices)
+        results[id(placement)] = jax.make_array_from_single_device_arrays(
+            array.shape, sharding, shards
+        )
+        return
+    targets = [
+        Target(region, aligned_empty([high - low for low, high in region], array.dtype))
+        for region in groups
     ]
-    shards: list[jax.Array] = []
-    for devices, future in reads:
-        host: np.ndarray = future.result()
-        shards.extend(jax.device_put(host, device) for device in devices)
-        del host
-    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+
+    def finish() -> None:
+        shards: list[jax.Array] = []
+        for target, devices in zip(targets, groups.values(), strict=True):
+            # On CPU the first device adopts the aligned buffer without a copy; replicas
+            # get their own copies, so that donating one cannot overwrite another.
+            shards.extend(
+                jax.device_put(target.out, device, may_alias=i == 0)
+                for i, device in enumerate(devices)
+            )
+        results[id(placement)] = jax.make_array_from_single_device_arrays(
+            array.shape, sharding, shards
+        )
+        targets.clear()
+
+    schedule_fill(array, targets, scheduler, finish)

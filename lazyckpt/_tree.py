@@ -6,10 +6,7 @@ import fnmatch
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import tensorstore as ts
-
 from lazyckpt._errors import NoMatchError
-from lazyckpt._lazy import LazyArray
 
 Path = tuple[str | int, ...]
 Predicate = Callable[[str, Any], bool]
@@ -130,18 +127,3 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
         return dict(mapped)
     values = [value for _, value in mapped]
     return values if isinstance(tree, list) else tuple(values)
-
-
-def load(tree: Any, which: str | Predicate | None = None) -> Any:
-    """Read every LazyArray in `tree` (or in `select(tree, which)`) into NumPy arrays.
-
-    All reads run concurrently; leaves that are not LazyArrays are returned as is.
-
-    >>> params = lazyckpt.load(lazyckpt.open(path), "params/b")
-    >>> params
-    {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)}}
-    """
-    if which is not None:
-        tree = select(tree, which)
-    pending = map_leaves(lambda x: x.read() if isinstance(x, LazyArray) else x, tree)
-    return map_leaves(lambda x: x.result() if isinstance(x, ts.Future) else x, pending)

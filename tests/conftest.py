@@ -101,14 +101,22 @@ def count_bytes() -> Callable[[], contextlib.AbstractContextManager[list[int]]]:
     return counting
 
 
-@pytest.fixture
-def no_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reader double: any read of array data fails the test."""
+def refuse_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader double: opening any stored array for reading fails the test.
 
-    def refuse(self: StoredArray, selection: Any) -> Any:
+    Every read of array data, by any path, first opens the array.
+    """
+
+    def refuse(self: StoredArray, *args: Any) -> Any:
         raise AssertionError(f"array data of {self.key!r} was read")
 
-    monkeypatch.setattr(StoredArray, "read", refuse)
+    monkeypatch.setattr(StoredArray, "open", refuse)
+
+
+@pytest.fixture
+def no_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any read of array data in the test fails it."""
+    refuse_data_reads(monkeypatch)
 
 
 def host_value(value: Any) -> Any:

@@ -11,7 +11,7 @@ import pytest
 import lazyckpt
 from lazyckpt import LazyArray, NoMatchError
 from lazyckpt._store import StoredArray
-from tests.conftest import stored_chunk_bytes
+from tests.conftest import refuse_data_reads, stored_chunk_bytes
 
 
 def _keys(tree: Any) -> list[str]:
@@ -61,10 +61,7 @@ def test_select_nothing_is_an_error(saved: tuple[Path, Any]) -> None:
 def test_select_reads_nothing(saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     lazy = lazyckpt.open(saved[0])
 
-    def refuse(self: StoredArray, selection: Any) -> Any:
-        raise AssertionError(f"array data of {self.key!r} was read")
-
-    monkeypatch.setattr(StoredArray, "read", refuse)
+    refuse_data_reads(monkeypatch)
     picked = lazyckpt.select(lazy, "params/**")
     picked = lazyckpt.select(picked, lambda _, leaf: leaf.ndim == 2)
     assert sorted(_keys(picked)) == [
@@ -83,13 +80,13 @@ def test_load_of_a_selection_reads_only_the_selection(
     path, tree = saved
     lazy = lazyckpt.open(path)
     reads: list[str] = []
-    real_read = StoredArray.read
+    real_open = StoredArray.open
 
-    def spy(self: StoredArray, selection: Any) -> Any:
+    def spy(self: StoredArray) -> Any:
         reads.append(self.key)
-        return real_read(self, selection)
+        return real_open(self)
 
-    monkeypatch.setattr(StoredArray, "read", spy)
+    monkeypatch.setattr(StoredArray, "open", spy)
     with count_bytes() as read:
         loaded = lazyckpt.load(lazy, "params/dense/kernel")
     assert reads == ["params/dense/kernel"]

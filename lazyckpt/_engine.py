@@ -1,0 +1,340 @@
+"""The read engine shared by `load`, `device_put` and `iter_blocks`.
+
+Each array is read into destination buffers ("targets": a region of the view and
+the NumPy array that receives it) in blocks cut along stored chunk boundaries, so
+that every stored chunk is read and decoded once per call, however the targets
+cut through the chunks. A `Scheduler` keeps the bytes of blocks in flight within a
+host-memory budget across the whole tree, and runs the reads of many arrays
+concurrently.
+
+Two ways to fill targets:
+- *direct*: when each target is a union of whole stored chunks (the saved layout,
+  or a coarser one), its blocks are read by tensorstore straight into the target.
+- *routed*: otherwise blocks tile the union of the targets, each block is read
+  once into a temporary buffer, and its pieces are copied to every target that
+  overlaps it (Orbax instead re-reads a chunk for every shard that needs it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._progress import Progress
+from lazyckpt._selection import NewAxis, Range
+from lazyckpt._store import then
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+"""Bytes of blocks in flight unless a call asks otherwise (1 GiB)."""
+
+Box = tuple[tuple[int, int], ...]
+
+
+@attrs.frozen
+class Target:
+    """Read the view's elements in `region` (half-open per view dimension) into `out`."""
+
+    region: Box
+    out: np.ndarray
+
+
+class Scheduler:
+    """Runs reads with at most `budget` bytes of blocks in flight (one block at least).
+
+    Completion work (copies, casts, device transfers) runs on the calling thread,
+    in the order reads were started.
+    """
+
+    def __init__(self, budget: int | None, progress: Progress | None = None) -> None:
+        self.budget = DEFAULT_MEMORY_BUDGET if budget is None else int(budget)
+        if self.budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, not {budget}")
+        self.progress = progress
+        self._pending: collections.deque[tuple[ts.Future[Any], int, Callable[[Any], None]]]
+        self._pending = collections.deque()
+        self._in_flight = 0
+
+    def submit(
+        self, nbytes: int, start: Callable[[], ts.Future[Any]], done: Callable[[Any], None]
+    ) -> None:
+        while self._pending and self._in_flight + nbytes > self.budget:
+            self._finish_oldest()
+        self._in_flight += nbytes
+        self._pending.append((start(), nbytes, done))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        future, nbytes, done = self._pending.popleft()
+        try:
+            done(future.result())
+        finally:
+            self._in_flight -= nbytes
+        if self.progress is not None:
+            self.progress.advance(nbytes)
+
+
+def _stored_map(array: Any) -> list[tuple[int, int] | None] | None:
+    """For each view dim, `(stored dim, offset)`, or None for a new axis; None overall
+    if some kept stored dimension is strided (those views are read whole per target)."""
+    mapping: list[tuple[int, int] | None] = []
+    for dim in array.selection.view:
+        if isinstance(dim, NewAxis):
+            mapping.append(None)
+            continue
+        stored = array.selection.stored[dim]
+        assert isinstance(stored, Range)
+        if stored.step != 1:
+            return None
+        mapping.append((dim, stored.start))
+    return mapping
+
+
+def _to_stored(array: Any, mapping: Sequence[tuple[int, int] | None], region: Box) -> Box:
+    box = [(s, s + 1) if isinstance(s, int) else (0, 0) for s in array.selection.stored]
+    for (low, high), entry in zip(region, mapping, strict=True):
+        if entry is not None:
+            dim, offset = entry
+            box[dim] = (offset + low, offset + high)
+    return tuple(box)
+
+
+def _blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
+    """`box` cut along the chunk grid into blocks of at most `budget` bytes (or one
+    chunk, if a chunk is larger), growing blocks along trailing dimensions first so
+    that they stay contiguous."""
+    if any(low >= high for low, high in box):
+        return
+    spans = [((low // c), (high - 1) // c) for (low, high), c in zip(box, chunks, strict=True)]
+    per_block = [1] * len(box)  # chunks per block, per dimension
+    limit = max(1, budget // itemsize)
+    for dim in reversed(range(len(box))):
+        others = math.prod(c * k for c, k in zip(chunks, per_block, strict=True)) // chunks[dim]
+        fit = max(1, limit // (others * chunks[dim]))
+        first, last = spans[dim]
+        per_block[dim] = min(last - first + 1, fit)
+        if per_block[dim] <= last - first:
+            break
+    edges = []
+    for (low, high), c, (first, last), k in zip(box, chunks, spans, per_block, strict=True):
+        edges.append([(max(low, g * c), min(high, (g + k) * c)) for g in range(first, last + 1, k)])
+    yield from itertools.product(*edges)
+
+
+def _aligned(box: Box, array_box: Box, chunks: Sequence[int]) -> bool:
+    """Whether `box` starts and ends on chunk boundaries (or the array's edges)."""
+    return all(
+        low % chunk == 0 and (high % chunk == 0 or high == edge)
+        for (low, high), (_, edge), chunk in zip(box, array_box, chunks, strict=True)
+    )
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return out if all(low < high for low, high in out) else None
+
+
+def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(low - o, high - o) for (low, high), (o, _) in zip(box, origin, strict=True))
+
+
+def schedule_fill(
+    array: Any, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
+) -> None:
+    """Read `array` (a LazyArray) into every target's `out`; call `on_done` after."""
+    remaining = [0]
+
+    def finished(_: Any = None) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            on_done()
+
+    mapping = _stored_map(array)
+    stored = array.stored
+    if mapping is None or stored.inline is not None or array.key_impl:
+        _schedule_whole(array, targets, scheduler, finished, remaining)
+    else:
+        _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)
+    if remaining[0] == 0:
+        on_done()
+
+
+def _schedule_whole(
+    array: Any,
+    targets: Sequence[Target],
+    scheduler: Scheduler,
+    finished: Callable[[Any], None],
+    remaining: list[int],
+) -> None:
+    """Strided or in-memory views: one read per target, cast into it."""
+    for target in targets:
+        view = array[tuple(slice(low, high) for low, high in target.region)]
+        remaining[0] += 1
+
+        def copy(data: Any, out: np.ndarray = target.out) -> None:
+            np.copyto(out, np.asarray(data), casting="unsafe")
+            finished(None)
+
+        scheduler.submit(view.nbytes, view.read, copy)
+
+
+def _schedule_blocks(
+    array: Any,
+    mapping: Sequence[tuple[int, int] | None],
+    targets: Sequence[Target],
+    scheduler: Scheduler,
+    finished: Callable[[Any], None],
+    remaining: list[int],
+) -> None:
+    stored = array.stored
+    itemsize = stored.dtype.itemsize
+    array_box = tuple((0, n) for n in stored.shape)
+    boxes = [_to_stored(array, mapping, t.region) for t in targets]
+    plain = all(entry is not None for entry in mapping) and len(mapping) == len(stored.shape)
+    direct = (
+        plain
+        and array.dtype == stored.dtype
+        and all(_aligned(box, array_box, stored.chunks) for box in boxes)
+    )
+    opened = stored.open()
+    if direct:
+        for target, box in zip(targets, boxes, strict=True):
+            for block in _blocks(box, stored.chunks, itemsize, scheduler.budget):
+                remaining[0] += 1
+                nbytes = math.prod(high - low for low, high in block) * itemsize
+                scheduler.submit(nbytes, _direct(opened, target.out, block, box), finished)
+        return
+    union = tuple(
+        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
+    )
+    for block in _blocks(union, stored.chunks, itemsize, scheduler.budget):
+        consumers = [
+            (t, b, part)
+            for t, b in zip(targets, boxes, strict=True)
+            if (part := _intersect(block, b)) is not None
+        ]
+        if not consumers:
+            continue
+        remaining[0] += 1
+        nbytes = math.prod(high - low for low, high in block) * itemsize
+
+        def route(
+            data: np.ndarray,
+            block: Box = block,
+            consumers: list[tuple[Target, Box, Box]] = consumers,
+        ) -> None:
+            for target, box, part in consumers:
+                piece = data[_slices(part, block)]
+                view_shape = tuple(
+                    (part[e[0]][1] - part[e[0]][0]) if e is not None else 1 for e in mapping
+                )
+                out_index = tuple(
+                    slice(part[e[0]][0] - box[e[0]][0], part[e[0]][1] - box[e[0]][0])
+                    if e is not None
+                    else slice(None)
+                    for e in mapping
+                )
+                np.copyto(target.out[out_index], piece.reshape(view_shape), casting="unsafe")
+            finished(None)
+
+        scheduler.submit(nbytes, _read_box(opened, block), route)
+
+
+def _direct(
+    opened: ts.Future[ts.TensorStore], out: np.ndarray, block: Box, box: Box
+) -> Callable[[], ts.Future[Any]]:
+    def start() -> ts.Future[Any]:
+        def write(source: ts.TensorStore) -> ts.Future[Any]:
+            dest = ts.array(out, copy=False, write=True)[_slices(block, box)].translate_to[0]
+            return dest.write(source[tuple(slice(*r) for r in block)].translate_to[0]).commit
+
+        return then(opened, write)
+
+    return start
+
+
+def _read_box(opened: ts.Future[ts.TensorStore], block: Box) -> Callable[[], ts.Future[Any]]:
+    def start() -> ts.Future[Any]:
+        return then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())
+
+    return start
+
+
+def iter_blocks(
+    arrays: Sequence[Any], budget: int | None, progress: Progress | None = None
+) -> Iterator[tuple[Any, tuple[slice, ...], np.ndarray]]:
+    """`(array, index, values)` for consecutive chunk-aligned blocks of each LazyArray.
+
+    Reads run ahead of the consumer, but the blocks in flight plus the one the
+    consumer holds stay within `budget` bytes (one block at least).
+    """
+    limit = DEFAULT_MEMORY_BUDGET if budget is None else int(budget)
+    pending: collections.deque[tuple[Any, tuple[slice, ...], ts.Future[Any], int]]
+    pending = collections.deque()
+    in_flight = 0
+    for array in arrays:
+        for index, nbytes, start in _view_blocks(array, limit):
+            while pending and in_flight + nbytes > limit:
+                owner, done_index, future, done_bytes = pending.popleft()
+                values = future.result()
+                yield owner, done_index, values
+                in_flight -= done_bytes  # the consumer has let go of it
+                if progress is not None:
+                    progress.advance(done_bytes)
+            in_flight += nbytes
+            pending.append((array, index, start(), nbytes))
+    while pending:
+        owner, done_index, future, done_bytes = pending.popleft()
+        yield owner, done_index, future.result()
+        if progress is not None:
+            progress.advance(done_bytes)
+
+
+def _view_blocks(
+    array: Any, budget: int
+) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], ts.Future[Any]]]]:
+    """The view's blocks: its index, bytes, and how to start reading it."""
+    mapping = _stored_map(array)
+    stored = array.stored
+    if mapping is None or array.key_impl or 0 in array.shape:
+        index = tuple(slice(0, n) for n in array.shape)
+        yield index, array.nbytes, array.read
+        return
+    box = _to_stored(array, mapping, tuple((0, n) for n in array.shape))
+    opened = stored.open() if stored.inline is None else None
+    for block in _blocks(box, stored.chunks, stored.dtype.itemsize, budget):
+        index = tuple(
+            slice(block[e[0]][0] - e[1], block[e[0]][1] - e[1]) if e is not None else slice(None)
+            for e in mapping
+        )
+        if opened is None:
+            yield index, array[index].nbytes, array[index].read
+            continue
+        shape = tuple(block[e[0]][1] - block[e[0]][0] if e is not None else 1 for e in mapping)
+        nbytes = math.prod(high - low for low, high in block) * stored.dtype.itemsize
+
+        def start(block: Box = block, shape: tuple[int, ...] = shape) -> ts.Future[Any]:
+            future = _read_box(opened, block)()
+            return then(future, lambda data: data.reshape(shape).astype(array.dtype, copy=False))
+
+        yield index, nbytes, start
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an `alignment`-byte boundary, which
+    lets `jax.device_put` on CPU adopt it without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    out: np.ndarray = raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    return out
