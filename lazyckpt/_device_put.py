@@ -9,7 +9,7 @@ import attrs
 import jax
 from jax.sharding import Sharding
 
-from lazyckpt._engine import Box, Scheduler, Target, aligned_empty, schedule_fill
+from lazyckpt._engine import Box, Scheduler, Target, schedule_fill
 from lazyckpt._errors import ShardingError, TreeMismatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
@@ -178,10 +178,7 @@ def _schedule_put(
             array.shape, sharding, shards
         )
         return
-    targets = [
-        Target(region, aligned_empty([high - low for low, high in region], array.dtype))
-        for region in groups
-    ]
+    targets = [Target(region, array.dtype, aligned=True) for region in groups]
 
     def finish() -> None:
         shards: list[jax.Array] = []
@@ -189,7 +186,7 @@ def _schedule_put(
             # On CPU the first device adopts the aligned buffer without a copy; replicas
             # get their own copies, so that donating one cannot overwrite another.
             shards.extend(
-                jax.device_put(target.out, device, may_alias=i == 0)
+                jax.device_put(target.buffer(), device, may_alias=i == 0)
                 for i, device in enumerate(devices)
             )
         results[id(placement)] = jax.make_array_from_single_device_arrays(

@@ -18,8 +18,10 @@ Two ways to fill targets:
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,18 +33,62 @@ from lazyckpt._progress import Progress
 from lazyckpt._selection import NewAxis, Range
 from lazyckpt._store import then
 
-DEFAULT_MEMORY_BUDGET = 1 << 30
-"""Bytes of blocks in flight unless a call asks otherwise (1 GiB)."""
+DEFAULT_MEMORY_BUDGET = min(1 << 30, max(64 << 20, (32 << 20) * (os.cpu_count() or 1)))
+"""Host bytes that reads may hold at once unless a call asks otherwise: 32 MiB per
+core, at least 64 MiB and at most 1 GiB; enough blocks in flight to keep every core
+decoding, and little more."""
+# A block in flight holds its stored (compressed) bytes, the chunk tensorstore decodes
+# them into, and the values it hands over: about three times its size (measured).
+_HELD_PER_BYTE = 3
+_BLOCKS_IN_FLIGHT = 4
+_TRIM_EVERY = 1  # budgets' worth of bytes released between trims
 
 Box = tuple[tuple[int, int], ...]
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class Target:
-    """Read the view's elements in `region` (half-open per view dimension) into `out`."""
+    """Read the view's elements in `region` (half-open per view dimension) into `out`.
+
+    Without `out`, the engine allocates it, or adopts the array that a read of the
+    whole region returns (no copy); `aligned` asks for a 64-byte aligned buffer.
+    """
 
     region: Box
-    out: np.ndarray
+    dtype: Any
+    aligned: bool = False
+    out: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(high - low for low, high in self.region)
+
+    def out_nbytes(self) -> int:
+        return math.prod(self.shape) * int(np.dtype(self.dtype).itemsize)
+
+    def buffer(self) -> np.ndarray:
+        if self.out is None:
+            self.out = (aligned_empty if self.aligned else np.empty)(self.shape, self.dtype)
+        return self.out
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim, or a no-op where there is none."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+
+    def release() -> None:
+        trim(0)
+
+    return release
+
+
+# Decoded blocks are large and freed on many threads; glibc keeps such memory in
+# per-thread arenas, so without trimming RSS grows past the budget over a long read.
+release_free_memory = _malloc_trim()
 
 
 class Scheduler:
@@ -56,31 +102,41 @@ class Scheduler:
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else int(budget)
         if self.budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, not {budget}")
+        # Count each block at what it holds in flight, and cut blocks small enough
+        # that several fit, to keep every core decoding.
+        self.block_bytes = max(1, self.budget // (_HELD_PER_BYTE * _BLOCKS_IN_FLIGHT))
         self.progress = progress
         self._pending: collections.deque[tuple[ts.Future[Any], int, Callable[[Any], None]]]
         self._pending = collections.deque()
         self._in_flight = 0
+        self._released = 0
 
     def submit(
         self, nbytes: int, start: Callable[[], ts.Future[Any]], done: Callable[[Any], None]
     ) -> None:
-        while self._pending and self._in_flight + nbytes > self.budget:
+        """Start a read of a block of `nbytes` decoded bytes once the budget allows."""
+        held = nbytes * _HELD_PER_BYTE
+        while self._pending and self._in_flight + held > self.budget:
             self._finish_oldest()
-        self._in_flight += nbytes
-        self._pending.append((start(), nbytes, done))
+        self._in_flight += held
+        self._pending.append((start(), held, done))
 
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        future, nbytes, done = self._pending.popleft()
+        future, held, done = self._pending.popleft()
         try:
             done(future.result())
         finally:
-            self._in_flight -= nbytes
+            self._in_flight -= held
+        self._released += held
+        if self._released >= _TRIM_EVERY * self.budget:
+            self._released = 0
+            release_free_memory()
         if self.progress is not None:
-            self.progress.advance(nbytes)
+            self.progress.advance(held // _HELD_PER_BYTE)
 
 
 def _stored_map(array: Any) -> list[tuple[int, int] | None] | None:
@@ -180,8 +236,8 @@ def _schedule_whole(
         view = array[tuple(slice(low, high) for low, high in target.region)]
         remaining[0] += 1
 
-        def copy(data: Any, out: np.ndarray = target.out) -> None:
-            np.copyto(out, np.asarray(data), casting="unsafe")
+        def copy(data: Any, target: Target = target) -> None:
+            np.copyto(target.buffer(), np.asarray(data), casting="unsafe")
             finished(None)
 
         scheduler.submit(view.nbytes, view.read, copy)
@@ -208,15 +264,26 @@ def _schedule_blocks(
     opened = stored.open()
     if direct:
         for target, box in zip(targets, boxes, strict=True):
-            for block in _blocks(box, stored.chunks, itemsize, scheduler.budget):
+            blocks = list(_blocks(box, stored.chunks, itemsize, scheduler.block_bytes))
+            if len(blocks) == 1 and not target.aligned and target.out is None:
+                # One read covers the target: keep the array tensorstore returns.
+                remaining[0] += 1
+
+                def adopt(data: np.ndarray, target: Target = target) -> None:
+                    target.out = data.reshape(target.shape)
+                    finished(None)
+
+                scheduler.submit(target.out_nbytes(), _read_box(opened, blocks[0]), adopt)
+                continue
+            for block in blocks:
                 remaining[0] += 1
                 nbytes = math.prod(high - low for low, high in block) * itemsize
-                scheduler.submit(nbytes, _direct(opened, target.out, block, box), finished)
+                scheduler.submit(nbytes, _direct(opened, target, block, box), finished)
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
     )
-    for block in _blocks(union, stored.chunks, itemsize, scheduler.budget):
+    for block in _blocks(union, stored.chunks, itemsize, scheduler.block_bytes):
         consumers = [
             (t, b, part)
             for t, b in zip(targets, boxes, strict=True)
@@ -243,16 +310,18 @@ def _schedule_blocks(
                     else slice(None)
                     for e in mapping
                 )
-                np.copyto(target.out[out_index], piece.reshape(view_shape), casting="unsafe")
+                np.copyto(target.buffer()[out_index], piece.reshape(view_shape), casting="unsafe")
             finished(None)
 
         scheduler.submit(nbytes, _read_box(opened, block), route)
 
 
 def _direct(
-    opened: ts.Future[ts.TensorStore], out: np.ndarray, block: Box, box: Box
+    opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
+        out = target.buffer()
+
         def write(source: ts.TensorStore) -> ts.Future[Any]:
             dest = ts.array(out, copy=False, write=True)[_slices(block, box)].translate_to[0]
             return dest.write(source[tuple(slice(*r) for r in block)].translate_to[0]).commit
@@ -277,26 +346,32 @@ def iter_blocks(
     Reads run ahead of the consumer, but the blocks in flight plus the one the
     consumer holds stay within `budget` bytes (one block at least).
     """
-    limit = DEFAULT_MEMORY_BUDGET if budget is None else int(budget)
+    limits = Scheduler(budget)
     pending: collections.deque[tuple[Any, tuple[slice, ...], ts.Future[Any], int]]
     pending = collections.deque()
-    in_flight = 0
+    in_flight = released = 0
     for array in arrays:
-        for index, nbytes, start in _view_blocks(array, limit):
-            while pending and in_flight + nbytes > limit:
-                owner, done_index, future, done_bytes = pending.popleft()
+        for index, nbytes, start in _view_blocks(array, limits.block_bytes):
+            held = nbytes * _HELD_PER_BYTE
+            while pending and in_flight + held > limits.budget:
+                owner, done_index, future, done_held = pending.popleft()
                 values = future.result()
                 yield owner, done_index, values
-                in_flight -= done_bytes  # the consumer has let go of it
+                del values
+                in_flight -= done_held  # the consumer has let go of it
+                released += done_held
+                if released >= _TRIM_EVERY * limits.budget:
+                    released = 0
+                    release_free_memory()
                 if progress is not None:
-                    progress.advance(done_bytes)
-            in_flight += nbytes
-            pending.append((array, index, start(), nbytes))
+                    progress.advance(done_held // _HELD_PER_BYTE)
+            in_flight += held
+            pending.append((array, index, start(), held))
     while pending:
-        owner, done_index, future, done_bytes = pending.popleft()
+        owner, done_index, future, done_held = pending.popleft()
         yield owner, done_index, future.result()
         if progress is not None:
-            progress.advance(done_bytes)
+            progress.advance(done_held // _HELD_PER_BYTE)
 
 
 def _view_blocks(

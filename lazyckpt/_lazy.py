@@ -21,6 +21,8 @@ from lazyckpt._store import StoredArray, then
 
 def _dtype(value: Any) -> Any:
     """A NumPy dtype, or a JAX extended dtype (typed PRNG keys) as it is."""
+    if isinstance(value, np.dtype):
+        return value  # the common case, and cheap: opening 10,000 arrays makes 10,000
     if jnp.issubdtype(value, jax.dtypes.extended):
         return value
     return np.dtype(value)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import gc
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -36,7 +38,27 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     >>> tree["step"], tree["params"]["b"]
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
-    location = locate(os.fspath(path), step=step, item=item)
+    with _gc_paused():
+        return _open(locate(os.fspath(path), step=step, item=item))
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building a large tree.
+
+    Opening allocates a few objects per array, none in cycles; with 10,000 arrays the
+    collector's repeated passes over them took a third of the time.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _open(location: str) -> Any:
     text = _read_text(location, "_METADATA")
     metadata, leaves = tm.parse(location, text) if text is not None else ({}, [])
     store = _open_store(location, metadata)

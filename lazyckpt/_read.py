@@ -51,16 +51,15 @@ def load(
             return leaf
         if leaf.key_impl:
             return leaf.get()  # typed keys are small; they come back as jax.Arrays
-        out = np.empty(leaf.shape, leaf.dtype)
-        region = tuple((0, n) for n in leaf.shape)
-        schedule_fill(leaf, [Target(region, out)], scheduler, lambda: None)
-        return out
+        target = Target(tuple((0, n) for n in leaf.shape), leaf.dtype)
+        schedule_fill(leaf, [target], scheduler, lambda: None)
+        return target
 
-    loaded = map_leaves(start, tree)
+    pending = map_leaves(start, tree)
     scheduler.drain()
     if bar is not None:
         bar.close()
-    return loaded
+    return map_leaves(lambda x: x.buffer() if isinstance(x, Target) else x, pending)
 
 
 def iter_blocks(

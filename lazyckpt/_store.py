@@ -6,6 +6,7 @@ Everything here returns tensorstore futures, so callers either `.result()` them 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -87,7 +88,14 @@ class Store:
 
     @classmethod
     def open(cls, location: str, *, ocdbt: bool) -> Store:
-        context = ts.Context({"cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES}})
+        context = ts.Context(
+            {
+                "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
+                # More decode tasks than cores, so that reading and decoding overlap;
+                # memory stays bounded by the read engine's budget.
+                "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+            }
+        )
         base = {"driver": "file", "path": location.rstrip("/") + "/"}
         spec = (
             {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}

@@ -27,6 +27,7 @@ EMPTY_VALUES: dict[str, Callable[[], Any]] = {
     "NamedTuple": lambda: None,
 }
 _SEQUENCE_KEY, _DICT_KEY = 1, 2
+_KNOWN_TYPES = frozenset([*EMPTY_VALUES, *ARRAY_TYPES, STRING])
 
 
 @attrs.frozen
@@ -45,7 +46,7 @@ class Leaf:
 
     @property
     def key(self) -> str:
-        return "/".join(str(k) for k in self.path)
+        return "/".join([str(k) for k in self.path])
 
 
 def parse(location: str, text: str) -> tuple[dict[str, Any], list[Leaf]]:
@@ -74,7 +75,7 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
         value_type = str(value["value_type"])
         skipped = bool(value.get("skip_deserialize", False))
         write_shape = value.get("write_shape")
-        write_shape = tuple(int(n) for n in write_shape) if write_shape is not None else None
+        write_shape = tuple([int(n) for n in write_shape]) if write_shape is not None else None
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CorruptCheckpointError(
             f"{location}/_METADATA: entry {outer} is malformed ({error!r}); expected "
@@ -91,8 +92,8 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
                 f"{location}/_METADATA: entry {outer} has key {key!r} of key_type "
                 f"{key_type}; expected 1 (sequence index) or 2 (dict key)"
             )
-    leaf = Leaf(tuple(path), ".".join(k for k, _ in keys), value_type, write_shape)
-    if value_type not in EMPTY_VALUES and value_type not in (*ARRAY_TYPES, STRING):
+    leaf = Leaf(tuple(path), ".".join([k for k, _ in keys]), value_type, write_shape)
+    if value_type not in _KNOWN_TYPES:
         raise UnsupportedCheckpointError(
             f"{location}: leaf {leaf.key!r} has value_type {value_type!r}, which lazyckpt "
             "does not read (it is written by a custom orbax TypeHandler)"
