@@ -37,11 +37,13 @@ DEFAULT_MEMORY_BUDGET = min(1 << 30, max(64 << 20, (32 << 20) * (os.cpu_count() 
 """Host bytes that reads may hold at once unless a call asks otherwise: 32 MiB per
 core, at least 64 MiB and at most 1 GiB; enough blocks in flight to keep every core
 decoding, and little more."""
-# A block in flight holds its stored (compressed) bytes, the chunk tensorstore decodes
-# them into, and the values it hands over: about three times its size (measured).
-_HELD_PER_BYTE = 3
+# What a block in flight holds, in multiples of its decoded size: its stored
+# (compressed) bytes and the chunk tensorstore decodes them into; plus, when the
+# values land in a temporary rather than in the caller's result, that temporary.
+_HELD_IN_PLACE = 2
+_HELD_IN_TEMPORARY = 3
 _BLOCKS_IN_FLIGHT = 4
-_TRIM_EVERY = 1  # budgets' worth of bytes released between trims
+_TRIM_EVERY = 4  # budgets' worth of bytes released between trims (each costs refaults)
 
 Box = tuple[tuple[int, int], ...]
 
@@ -104,29 +106,34 @@ class Scheduler:
             raise ValueError(f"memory_budget must be a positive number of bytes, not {budget}")
         # Count each block at what it holds in flight, and cut blocks small enough
         # that several fit, to keep every core decoding.
-        self.block_bytes = max(1, self.budget // (_HELD_PER_BYTE * _BLOCKS_IN_FLIGHT))
+        self.block_bytes = max(1, self.budget // (_HELD_IN_TEMPORARY * _BLOCKS_IN_FLIGHT))
         self.progress = progress
-        self._pending: collections.deque[tuple[ts.Future[Any], int, Callable[[Any], None]]]
+        self._pending: collections.deque[tuple[ts.Future[Any], int, int, Callable[[Any], None]]]
         self._pending = collections.deque()
         self._in_flight = 0
         self._released = 0
 
     def submit(
-        self, nbytes: int, start: Callable[[], ts.Future[Any]], done: Callable[[Any], None]
+        self,
+        nbytes: int,
+        start: Callable[[], ts.Future[Any]],
+        done: Callable[[Any], None],
+        in_place: bool = False,
     ) -> None:
-        """Start a read of a block of `nbytes` decoded bytes once the budget allows."""
-        held = nbytes * _HELD_PER_BYTE
+        """Start a read of a block of `nbytes` decoded bytes once the budget allows;
+        `in_place` when its values land in the caller's result, not a temporary."""
+        held = nbytes * (_HELD_IN_PLACE if in_place else _HELD_IN_TEMPORARY)
         while self._pending and self._in_flight + held > self.budget:
             self._finish_oldest()
         self._in_flight += held
-        self._pending.append((start(), held, done))
+        self._pending.append((start(), held, nbytes, done))
 
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        future, held, done = self._pending.popleft()
+        future, held, nbytes, done = self._pending.popleft()
         try:
             done(future.result())
         finally:
@@ -136,7 +143,7 @@ class Scheduler:
             self._released = 0
             release_free_memory()
         if self.progress is not None:
-            self.progress.advance(held // _HELD_PER_BYTE)
+            self.progress.advance(nbytes)
 
 
 def _stored_map(array: Any) -> list[tuple[int, int] | None] | None:
@@ -273,12 +280,16 @@ def _schedule_blocks(
                     target.out = data.reshape(target.shape)
                     finished(None)
 
-                scheduler.submit(target.out_nbytes(), _read_box(opened, blocks[0]), adopt)
+                scheduler.submit(
+                    target.out_nbytes(), _read_box(opened, blocks[0]), adopt, in_place=True
+                )
                 continue
             for block in blocks:
                 remaining[0] += 1
                 nbytes = math.prod(high - low for low, high in block) * itemsize
-                scheduler.submit(nbytes, _direct(opened, target, block, box), finished)
+                scheduler.submit(
+                    nbytes, _direct(opened, target, block, box), finished, in_place=True
+                )
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
@@ -352,7 +363,7 @@ def iter_blocks(
     in_flight = released = 0
     for array in arrays:
         for index, nbytes, start in _view_blocks(array, limits.block_bytes):
-            held = nbytes * _HELD_PER_BYTE
+            held = nbytes * _HELD_IN_TEMPORARY
             while pending and in_flight + held > limits.budget:
                 owner, done_index, future, done_held = pending.popleft()
                 values = future.result()
@@ -360,18 +371,18 @@ def iter_blocks(
                 del values
                 in_flight -= done_held  # the consumer has let go of it
                 released += done_held
-                if released >= _TRIM_EVERY * limits.budget:
+                if released >= limits.budget:  # a consumer's blocks are all temporaries
                     released = 0
                     release_free_memory()
                 if progress is not None:
-                    progress.advance(done_held // _HELD_PER_BYTE)
+                    progress.advance(done_held // _HELD_IN_TEMPORARY)
             in_flight += held
             pending.append((array, index, start(), held))
     while pending:
         owner, done_index, future, done_held = pending.popleft()
         yield owner, done_index, future.result()
         if progress is not None:
-            progress.advance(done_held // _HELD_PER_BYTE)
+            progress.advance(done_held // _HELD_IN_TEMPORARY)
 
 
 def _view_blocks(

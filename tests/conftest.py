@@ -36,6 +36,14 @@ def orbax_save(path: Path, tree: Any, *, zarr3: bool = False) -> Path:
     return path
 
 
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    """A small OCDBT checkpoint whose chunk data lives in ocdbt.process_0/d/."""
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.standard_normal((64, 64), dtype=np.float32), "b": {"c": np.arange(3)}}
+    return orbax_save(tmp_path / "small", tree)
+
+
 @pytest.fixture(scope="session")
 def mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((4, 2), ("x", "y"))

@@ -236,3 +236,58 @@ def test_deeply_nested_metadata_is_a_clear_error(ocdbt_copy: Path) -> None:
     (ocdbt_copy / "_METADATA").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CorruptCheckpointError, match=r"_METADATA is not valid JSON"):
         lazyckpt.open(ocdbt_copy)
+
+
+def test_metadata_that_is_not_json(small: Path) -> None:
+    (small / "_METADATA").write_text("{not json")
+    with pytest.raises(CorruptCheckpointError, match=r"small/_METADATA is not valid JSON"):
+        lazyckpt.open(small)
+
+
+def test_metadata_without_tree(small: Path) -> None:
+    (small / "_METADATA").write_text(json.dumps({"use_zarr3": False}))
+    with pytest.raises(CorruptCheckpointError, match=r"_METADATA has no 'tree_metadata' object"):
+        lazyckpt.open(small)
+
+
+def test_missing_root_manifest_names_the_per_process_databases(small: Path) -> None:
+    (small / "manifest.ocdbt").unlink()
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"OCDBT root manifest .*manifest.ocdbt is "
+        r"missing; per-process databases \['ocdbt.process_0'\] exist",
+    ):
+        lazyckpt.open(small)
+
+
+def test_deleted_chunk_data_fails_at_read_time_naming_the_array(small: Path) -> None:
+    lazy = lazyckpt.open(small)  # metadata is intact: open succeeds
+    for data_file in small.glob("ocdbt.process_0/d/*"):
+        data_file.unlink()
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"reading array 'a' \(stored as 'a'\) failed"
+        r".*missing or damaged, copy it again",
+    ):
+        lazy["a"][:2].get()
+
+
+def test_truncated_chunk_file_fails_at_read_time(small: Path) -> None:
+    lazy = lazyckpt.open(small)
+    for data_file in small.glob("ocdbt.process_0/d/*"):
+        data_file.write_bytes(data_file.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match=r"reading array 'a'"):
+        lazy["a"].get()
+
+
+def test_unsupported_value_type(small: Path) -> None:
+    metadata = json.loads((small / "_METADATA").read_text())
+    entry = next(iter(metadata["tree_metadata"].values()))
+    entry["value_metadata"]["value_type"] = "my.CustomThing"
+    (small / "_METADATA").write_text(json.dumps(metadata))
+    with pytest.raises(
+        lazyckpt.UnsupportedCheckpointError,
+        match=r"leaf 'a' has value_type "
+        r"'my.CustomThing', which lazyckpt does not read",
+    ):
+        lazyckpt.open(small)
