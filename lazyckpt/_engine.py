@@ -281,14 +281,14 @@ def _schedule_blocks(
                     finished(None)
 
                 scheduler.submit(
-                    target.out_nbytes(), _read_box(opened, blocks[0]), adopt, in_place=True
+                    target.out_nbytes(), _read_box(stored, opened, blocks[0]), adopt, in_place=True
                 )
                 continue
             for block in blocks:
                 remaining[0] += 1
                 nbytes = math.prod(high - low for low, high in block) * itemsize
                 scheduler.submit(
-                    nbytes, _direct(opened, target, block, box), finished, in_place=True
+                    nbytes, _direct(stored, opened, target, block, box), finished, in_place=True
                 )
         return
     union = tuple(
@@ -324,11 +324,11 @@ def _schedule_blocks(
                 np.copyto(target.buffer()[out_index], piece.reshape(view_shape), casting="unsafe")
             finished(None)
 
-        scheduler.submit(nbytes, _read_box(opened, block), route)
+        scheduler.submit(nbytes, _read_box(stored, opened, block), route)
 
 
 def _direct(
-    opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
+    stored: Any, opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
         out = target.buffer()
@@ -337,16 +337,23 @@ def _direct(
             dest = ts.array(out, copy=False, write=True)[_slices(block, box)].translate_to[0]
             return dest.write(source[tuple(slice(*r) for r in block)].translate_to[0]).commit
 
-        return then(opened, write)
+        return then(then(opened, write), _same, stored.read_error)
 
     return start
 
 
-def _read_box(opened: ts.Future[ts.TensorStore], block: Box) -> Callable[[], ts.Future[Any]]:
+def _read_box(
+    stored: Any, opened: ts.Future[ts.TensorStore], block: Box
+) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
-        return then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())
+        read = then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())
+        return then(read, _same, stored.read_error)
 
     return start
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def iter_blocks(
@@ -409,7 +416,7 @@ def _view_blocks(
         nbytes = math.prod(high - low for low, high in block) * stored.dtype.itemsize
 
         def start(block: Box = block, shape: tuple[int, ...] = shape) -> ts.Future[Any]:
-            future = _read_box(opened, block)()
+            future = _read_box(stored, opened, block)()
             return then(future, lambda data: data.reshape(shape).astype(array.dtype, copy=False))
 
         yield index, nbytes, start

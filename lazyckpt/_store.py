@@ -147,7 +147,7 @@ class StoredArray:
                 self._opened.append(ready(ts.array(self.inline)))
             elif not self._opened:
                 opening = ts.open(self._spec(), context=self.store.context, open=True)
-                self._opened.append(then(opening, self._check, self._error))
+                self._opened.append(then(opening, self._check, self.read_error))
             return self._opened[0]
 
     def _spec(self) -> dict[str, Any]:
@@ -193,9 +193,10 @@ class StoredArray:
                 data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
             return data.reshape(shape)
 
-        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self._error)
+        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
 
-    def _error(self, error: Exception) -> Exception:
+    def read_error(self, error: Exception) -> Exception:
+        """The error to show for a failed read of this array's data."""
         if isinstance(error, LazyckptError):
             return error
         return CorruptCheckpointError(

@@ -291,3 +291,21 @@ def test_unsupported_value_type(small: Path) -> None:
         r"'my.CustomThing', which lazyckpt does not read",
     ):
         lazyckpt.open(small)
+
+
+def test_damaged_chunks_fail_load_device_put_and_streaming_alike(folders_copy: Path) -> None:
+    lazy = lazyckpt.open(folders_copy)
+    chunk = folders_copy / "w" / "0.0"
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    message = r"reading array 'w' \(stored as 'w'\) failed.*copy it again"
+    with pytest.raises(CorruptCheckpointError, match=message):
+        lazyckpt.load(lazy["w"])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        lazyckpt.load(lazy["w"][1:5, ::2])  # a strided view: another read path
+    sharding = jax.sharding.NamedSharding(
+        jax.make_mesh((8,), ("d",)), jax.sharding.PartitionSpec(None, "d")
+    )
+    with pytest.raises(CorruptCheckpointError, match=message):
+        lazyckpt.device_put(lazy["w"], sharding)  # misaligned: routed blocks
+    with pytest.raises(CorruptCheckpointError, match=message):
+        list(lazyckpt.iter_blocks(lazy))
