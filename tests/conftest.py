@@ -36,6 +36,18 @@ def orbax_save(path: Path, tree: Any, *, zarr3: bool = False) -> Path:
     return path
 
 
+def orbax_manager_save(root: Path, items_by_step: dict[int, dict[str, Any]]) -> Path:
+    """Save steps with orbax's CheckpointManager ('ckpt_' prefix, 6-digit steps); each
+    step's items are orbax `args` (StandardSave, JsonSave, ...) by item name."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
+    with ocp.CheckpointManager(root, options=options) as manager:
+        for step, items in items_by_step.items():
+            manager.save(step, args=ocp.args.Composite(**items))
+    return root
+
+
 @pytest.fixture
 def small(tmp_path: Path) -> Path:
     """A small OCDBT checkpoint whose chunk data lives in ocdbt.process_0/d/."""

@@ -17,6 +17,7 @@ from lazyckpt import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
+from tests.conftest import orbax_manager_save
 
 
 def test_error_classes_inherit_builtins() -> None:
@@ -63,17 +64,16 @@ def test_unfinished_save_is_refused(small: Path) -> None:
 def test_manager_root_steps_and_items(tmp_path: Path) -> None:
     import orbax.checkpoint as ocp
 
-    root = tmp_path / "run"
-    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
-    with ocp.CheckpointManager(root, options=options) as manager:
-        for step in (1, 2):
-            manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave({"w": np.full((4,), step, np.float32)}),
-                    extra=ocp.args.JsonSave({"step": step}),
-                ),
-            )
+    root = orbax_manager_save(
+        tmp_path / "run",
+        {
+            step: {
+                "state": ocp.args.StandardSave({"w": np.full((4,), step, np.float32)}),
+                "extra": ocp.args.JsonSave({"step": step}),
+            }
+            for step in (1, 2)
+        },
+    )
     (root / "ckpt_000003.orbax-checkpoint-tmp").mkdir()  # an unfinished save: skipped
     np.testing.assert_array_equal(lazyckpt.open(root)["w"].get(), np.full(4, 2, np.float32))
     np.testing.assert_array_equal(lazyckpt.open(root, step=1)["w"].get(), np.ones(4, np.float32))

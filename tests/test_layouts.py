@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
-from tests.conftest import orbax_save
+from tests.conftest import orbax_manager_save, orbax_save
 
 
 def rich_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -277,17 +277,16 @@ def test_per_process_databases_merged_by_orbax(tmp_path: Path, mesh: Any) -> Non
 def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     import orbax.checkpoint as ocp
 
-    root = tmp_path / "run"
-    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=6)
-    with ocp.CheckpointManager(root, options=options) as manager:
-        for step in (5, 10):
-            manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave({"w": np.full(3, step, np.int32)}),
-                    params=ocp.args.StandardSave({"p": np.zeros(2, np.float32)}),
-                ),
-            )
+    root = orbax_manager_save(
+        tmp_path / "run",
+        {
+            step: {
+                "state": ocp.args.StandardSave({"w": np.full(3, step, np.int32)}),
+                "params": ocp.args.StandardSave({"p": np.zeros(2, np.float32)}),
+            }
+            for step in (5, 10)
+        },
+    )
     (root / "ckpt_000011.orbax-checkpoint-tmp").mkdir()
     assert lazyckpt.steps(root) == [5, 10]
     assert lazyckpt.items(root) == ["params", "state"]
