@@ -12,7 +12,8 @@ Two ways to fill targets:
   or a coarser one), its blocks are read by tensorstore straight into the target.
 - *routed*: otherwise blocks tile the union of the targets, each block is read
   once into a temporary buffer, and its pieces are copied to every target that
-  overlaps it (Orbax instead re-reads a chunk for every shard that needs it).
+  overlaps it (Orbax was measured reading up to 2.9x the needed bytes this way in
+  a 4-process restore).
 """
 
 from __future__ import annotations
