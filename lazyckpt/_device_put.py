@@ -183,6 +183,7 @@ def _schedule_put(
     def finish() -> None:
         shards: list[jax.Array] = []
         for target, devices in zip(targets, groups.values(), strict=True):
+            scheduler.guard.keep(target.out_nbytes() * (len(devices) - 1))  # replica copies
             # On CPU the first device adopts the aligned buffer without a copy; replicas
             # get their own copies, so that donating one cannot overwrite another.
             shards.extend(

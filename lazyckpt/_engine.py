@@ -44,7 +44,6 @@ decoding, and little more."""
 _HELD_IN_PLACE = 2
 _HELD_IN_TEMPORARY = 3
 _BLOCKS_IN_FLIGHT = 4
-_TRIM_EVERY = 4  # budgets' worth of bytes released between trims (each costs refaults)
 
 Box = tuple[tuple[int, int], ...]
 
@@ -61,6 +60,8 @@ class Target:
     dtype: Any
     aligned: bool = False
     out: np.ndarray | None = None
+    on_allocate: Callable[[int], None] | None = None
+    """Told the size of `out` when the engine allocates it."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,6 +73,8 @@ class Target:
     def buffer(self) -> np.ndarray:
         if self.out is None:
             self.out = (aligned_empty if self.aligned else np.empty)(self.shape, self.dtype)
+            if self.on_allocate is not None:
+                self.on_allocate(self.out.nbytes)
         return self.out
 
 
@@ -94,6 +97,39 @@ def _malloc_trim() -> Callable[[], None]:
 release_free_memory = _malloc_trim()
 
 
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class MemoryGuard:
+    """Trims freed memory when the process has grown by more than it should.
+
+    A read may grow the process by its results, the blocks in flight and a little
+    slack. Freed buffers that the allocator keeps beyond that are returned to the OS;
+    trimming only then avoids refaulting memory that is within the budget anyway.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.slack = budget // 4
+        self.start = _rss()
+        self.results = 0
+
+    def keep(self, nbytes: int) -> None:
+        """Count `nbytes` of results: memory the read is meant to leave behind."""
+        self.results += nbytes
+
+    def check(self, in_flight: int) -> None:
+        if self.start is None:
+            return
+        now = _rss()
+        if now is not None and now - self.start > self.results + in_flight + self.slack:
+            release_free_memory()
+
+
 class Scheduler:
     """Runs reads with at most `budget` bytes of blocks in flight (one block at least).
 
@@ -112,7 +148,7 @@ class Scheduler:
         self._pending: collections.deque[tuple[ts.Future[Any], int, int, Callable[[Any], None]]]
         self._pending = collections.deque()
         self._in_flight = 0
-        self._released = 0
+        self.guard = MemoryGuard(self.budget)
 
     def submit(
         self,
@@ -139,10 +175,7 @@ class Scheduler:
             done(future.result())
         finally:
             self._in_flight -= held
-        self._released += held
-        if self._released >= _TRIM_EVERY * self.budget:
-            self._released = 0
-            release_free_memory()
+        self.guard.check(self._in_flight)
         if self.progress is not None:
             self.progress.advance(nbytes)
 
@@ -222,6 +255,8 @@ def schedule_fill(
         if remaining[0] == 0:
             on_done()
 
+    for target in targets:
+        target.on_allocate = scheduler.guard.keep
     mapping = _stored_map(array)
     stored = array.stored
     if mapping is None or stored.inline is not None or array.key_impl:
@@ -279,6 +314,7 @@ def _schedule_blocks(
 
                 def adopt(data: np.ndarray, target: Target = target) -> None:
                     target.out = data.reshape(target.shape)
+                    scheduler.guard.keep(data.nbytes)
                     finished(None)
 
                 scheduler.submit(
@@ -368,7 +404,8 @@ def iter_blocks(
     limits = Scheduler(budget)
     pending: collections.deque[tuple[Any, tuple[slice, ...], ts.Future[Any], int]]
     pending = collections.deque()
-    in_flight = released = 0
+    in_flight = 0
+    guard = MemoryGuard(limits.budget)
     for array in arrays:
         for index, nbytes, start in _view_blocks(array, limits.block_bytes):
             held = nbytes * _HELD_IN_TEMPORARY
@@ -378,10 +415,7 @@ def iter_blocks(
                 yield owner, done_index, values
                 del values
                 in_flight -= done_held  # the consumer has let go of it
-                released += done_held
-                if released >= limits.budget:  # a consumer's blocks are all temporaries
-                    released = 0
-                    release_free_memory()
+                guard.check(in_flight)
                 if progress is not None:
                     progress.advance(done_held // _HELD_IN_TEMPORARY)
             in_flight += held
