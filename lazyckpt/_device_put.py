@@ -9,7 +9,7 @@ import attrs
 import jax
 from jax.sharding import Sharding
 
-from lazyckpt._engine import Box, Scheduler, Target, schedule_fill
+from lazyckpt._engine import Box, Scheduler, Target, schedule_fill, stored_bytes
 from lazyckpt._errors import ShardingError, TreeMismatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
@@ -39,8 +39,9 @@ def device_put(
     Each device's shard is read for exactly its index; devices that hold the same
     index (replicas) share one read, and a stored chunk that several shards need is
     read once and split among them. Reads of all arrays run concurrently with at most
-    `memory_budget` bytes of blocks in flight (default 1 GiB); shards are assembled
-    in place in their host buffers, which CPU devices adopt without a copy.
+    `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at least
+    64 MiB); shards are assembled in place in their host buffers, which CPU devices
+    adopt without a copy.
     `progress` shows a bar on stderr (None: only for large reads on a terminal).
     Leaves that are not LazyArrays pass through.
 
@@ -52,7 +53,7 @@ def device_put(
     """
     plan = _plan(tree, shardings)
     placements = [leaf for _, leaf in walk(plan) if isinstance(leaf, _Placement)]
-    total = sum(p.array.size * p.array.stored.dtype.itemsize for p in placements)
+    total = stored_bytes(p.array for p in placements)
     bar = Progress.maybe(progress, total, "lazyckpt device_put")
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, jax.Array] = {}

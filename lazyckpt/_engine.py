@@ -23,7 +23,7 @@ import ctypes
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -240,6 +240,30 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(low < high for low, high in out) else None
 
 
+def _box_bytes(box: Box, itemsize: int) -> int:
+    return math.prod(high - low for low, high in box) * itemsize
+
+
+def _in_view(
+    mapping: Sequence[tuple[int, int] | None], part: Box, origins: Sequence[int]
+) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The index and shape, in view dimensions, of the stored box `part`, where
+    `origins[d]` is the stored index that index 0 of stored dimension d maps to."""
+    index = tuple(
+        slice(part[e[0]][0] - origins[e[0]], part[e[0]][1] - origins[e[0]])
+        if e is not None
+        else slice(None)
+        for e in mapping
+    )
+    shape = tuple(part[e[0]][1] - part[e[0]][0] if e is not None else 1 for e in mapping)
+    return index, shape
+
+
+def stored_bytes(arrays: Iterable[Any]) -> int:
+    """The decoded size of LazyArrays' views in their stored dtype: what reading costs."""
+    return sum(array.size * array.stored.dtype.itemsize for array in arrays)
+
+
 def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(low - o, high - o) for (low, high), (o, _) in zip(box, origin, strict=True))
 
@@ -323,7 +347,7 @@ def _schedule_blocks(
                 continue
             for block in blocks:
                 remaining[0] += 1
-                nbytes = math.prod(high - low for low, high in block) * itemsize
+                nbytes = _box_bytes(block, itemsize)
                 scheduler.submit(
                     nbytes, _direct(stored, opened, target, block, box), finished, in_place=True
                 )
@@ -340,7 +364,7 @@ def _schedule_blocks(
         if not consumers:
             continue
         remaining[0] += 1
-        nbytes = math.prod(high - low for low, high in block) * itemsize
+        nbytes = _box_bytes(block, itemsize)
 
         def route(
             data: np.ndarray,
@@ -349,15 +373,7 @@ def _schedule_blocks(
         ) -> None:
             for target, box, part in consumers:
                 piece = data[_slices(part, block)]
-                view_shape = tuple(
-                    (part[e[0]][1] - part[e[0]][0]) if e is not None else 1 for e in mapping
-                )
-                out_index = tuple(
-                    slice(part[e[0]][0] - box[e[0]][0], part[e[0]][1] - box[e[0]][0])
-                    if e is not None
-                    else slice(None)
-                    for e in mapping
-                )
+                out_index, view_shape = _in_view(mapping, part, [b[0] for b in box])
                 np.copyto(target.buffer()[out_index], piece.reshape(view_shape), casting="unsafe")
             finished(None)
 
@@ -405,7 +421,6 @@ def iter_blocks(
     pending: collections.deque[tuple[Any, tuple[slice, ...], ts.Future[Any], int]]
     pending = collections.deque()
     in_flight = 0
-    guard = MemoryGuard(limits.budget)
     for array in arrays:
         for index, nbytes, start in _view_blocks(array, limits.block_bytes):
             held = nbytes * _HELD_IN_TEMPORARY
@@ -415,7 +430,7 @@ def iter_blocks(
                 yield owner, done_index, values
                 del values
                 in_flight -= done_held  # the consumer has let go of it
-                guard.check(in_flight)
+                limits.guard.check(in_flight)
                 if progress is not None:
                     progress.advance(done_held // _HELD_IN_TEMPORARY)
             in_flight += held
@@ -439,16 +454,17 @@ def _view_blocks(
         return
     box = _to_stored(array, mapping, tuple((0, n) for n in array.shape))
     opened = stored.open() if stored.inline is None else None
+    # A view's index i in a kept dimension is stored index `offset + i`.
+    origins = [0] * len(stored.shape)
+    for entry in mapping:
+        if entry is not None:
+            origins[entry[0]] = entry[1]
     for block in _blocks(box, stored.chunks, stored.dtype.itemsize, budget):
-        index = tuple(
-            slice(block[e[0]][0] - e[1], block[e[0]][1] - e[1]) if e is not None else slice(None)
-            for e in mapping
-        )
+        index, shape = _in_view(mapping, block, origins)
         if opened is None:
             yield index, array[index].nbytes, array[index].read
             continue
-        shape = tuple(block[e[0]][1] - block[e[0]][0] if e is not None else 1 for e in mapping)
-        nbytes = math.prod(high - low for low, high in block) * stored.dtype.itemsize
+        nbytes = _box_bytes(block, stored.dtype.itemsize)
 
         def start(block: Box = block, shape: tuple[int, ...] = shape) -> ts.Future[Any]:
             future = _read_box(stored, opened, block)()

@@ -7,19 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt._engine import Scheduler, Target, schedule_fill
+from lazyckpt._engine import Scheduler, Target, schedule_fill, stored_bytes
 from lazyckpt._engine import iter_blocks as _iter_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._tree import Predicate, leaves, map_leaves, select
 
 
-def _stored_bytes(tree: Any) -> int:
-    return sum(
-        leaf.size * leaf.stored.dtype.itemsize
-        for _, leaf in leaves(tree)
-        if isinstance(leaf, LazyArray)
-    )
+def _arrays(tree: Any) -> list[LazyArray]:
+    return [leaf for _, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
 
 
 def load(
@@ -32,8 +28,8 @@ def load(
     """Read every LazyArray in `tree` (or in `select(tree, which)`) into NumPy arrays.
 
     Reads of all arrays run concurrently, in blocks cut along stored chunks, with at
-    most `memory_budget` bytes of blocks in flight (default 1 GiB) besides the
-    returned arrays; blocks are written straight into the returned arrays where the
+    most `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at
+    least 64 MiB) besides the returned arrays; blocks are written straight into the returned arrays where the
     dtype allows. `progress` shows a bar on stderr (None: only for large reads on a
     terminal). Leaves that are not LazyArrays are returned as they are.
 
@@ -43,7 +39,7 @@ def load(
     """
     if which is not None:
         tree = select(tree, which)
-    bar = Progress.maybe(progress, _stored_bytes(tree), "lazyckpt load")
+    bar = Progress.maybe(progress, stored_bytes(_arrays(tree)), "lazyckpt load")
     scheduler = Scheduler(memory_budget, bar)
 
     def start(leaf: Any) -> Any:
@@ -70,7 +66,8 @@ def iter_blocks(
     Blocks follow the stored chunks (whole chunks, grouped up to the budget), and
     `array[index]` equals `values`. Reads run ahead of the consumer, but the blocks
     in flight plus the one being consumed stay within `memory_budget` bytes
-    (default 1 GiB; a single chunk larger than the budget is still read whole), so a
+    (default 32 MiB per core, at least 64 MiB; a single chunk larger than the budget
+    is still read whole), so a
     checkpoint larger than memory can be reduced chunk by chunk.
 
     >>> tree = lazyckpt.open(path)
@@ -80,8 +77,8 @@ def iter_blocks(
     >>> total == float(np.arange(64).sum() + 8)
     True
     """
-    arrays = [leaf for _, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
-    bar = Progress.maybe(progress, _stored_bytes(tree), "lazyckpt")
+    arrays = _arrays(tree)
+    bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
     for array, index, values in _iter_blocks(arrays, memory_budget, bar):
         yield array.key, index, values
     if bar is not None:
