@@ -1,0 +1,56 @@
+"""Run one lazyckpt read in this fresh process and print its peak memory growth.
+
+    python -m tests.rss_probe PATH stream|device_put BUDGET_BYTES
+
+Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
+kernel's high-water mark is reset first) and `kept` (bytes of arrays the read
+returned). Linux only (`/proc/self/clear_refs`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main(path: str, mode: str, budget: int) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import lazyckpt
+
+    tree = lazyckpt.open(path)
+    sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P(None, "d"))
+    total = 0.0
+    baseline = _rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current RSS
+    kept = 0
+    if mode == "stream":
+        for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
+            total += float(values.sum(dtype=np.float64))
+    else:
+        placed = jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
+        kept = sum(leaf.nbytes for leaf in jax.tree.leaves(placed))
+    print(json.dumps({"peak": _peak() - baseline, "kept": kept, "total": total}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
