@@ -23,9 +23,11 @@ from jax.sharding import PartitionSpec as P
 def _doctest_checkpoint(
     doctest_namespace: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """`path`: a small train state saved by lazyckpt's writer, for docstring examples."""
+    """`path`: a small train state saved by `lazyckpt.save`, for docstring examples;
+    `tmp`: an empty folder to save into."""
     import lazyckpt
-    from lazyckpt._write import write_checkpoint
+
+    write_checkpoint = lazyckpt.save
 
     if "path" not in doctest_namespace:
         mesh = jax.make_mesh((4, 2), ("x", "y"))
@@ -55,3 +57,4 @@ def _doctest_checkpoint(
             path=path,
             run=run,
         )
+    doctest_namespace["tmp"] = tmp_path_factory.mktemp("doctest-out")

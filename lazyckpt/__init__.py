@@ -14,6 +14,7 @@ array([ 8.,  9., 10., 11.], dtype=float32)
 
 from lazyckpt._device_put import device_put
 from lazyckpt._errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     LazyckptError,
@@ -24,6 +25,7 @@ from lazyckpt._errors import (
     ShardingError,
     TreeMismatchError,
     UnfinishedCheckpointError,
+    UnsavableError,
     UnsupportedCheckpointError,
 )
 from lazyckpt._layout import items, steps
@@ -31,10 +33,12 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._read import iter_blocks, load
+from lazyckpt._save import save
 from lazyckpt._sharding import SavedSharding, saved_shardings
 from lazyckpt._tree import leaves, select
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "InferredStructureWarning",
@@ -48,6 +52,7 @@ __all__ = [
     "ShardingError",
     "TreeMismatchError",
     "UnfinishedCheckpointError",
+    "UnsavableError",
     "UnsupportedCheckpointError",
     "device_put",
     "items",
@@ -55,6 +60,7 @@ __all__ = [
     "leaves",
     "load",
     "open",
+    "save",
     "saved_shardings",
     "select",
     "steps",

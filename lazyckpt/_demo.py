@@ -31,8 +31,7 @@ def _walkthrough(path: str) -> None:
     import lazyckpt
     from lazyckpt._format import human_bytes
     from lazyckpt._metrics import bytes_read
-    from lazyckpt._write import write_checkpoint
-
+    
     devices = jax.devices()
     if len(devices) < _DEVICES:
         raise lazyckpt.LazyckptError(
@@ -64,7 +63,7 @@ def _walkthrough(path: str) -> None:
 
     print(f"1. Save: a train state on a 4x2 mesh of {_DEVICES} CPU devices, with sharded")
     print("   (P('data', 'model'), P('data', None)) and replicated (P()) arrays.")
-    write_checkpoint(path, state)
+    lazyckpt.save(path, state)
     print(f"   wrote {path}\n")
 
     before = bytes_read()

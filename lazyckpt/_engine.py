@@ -210,7 +210,7 @@ class Scheduler:
             self.progress.advance(nbytes)
 
 
-def _stored_map(array: Any) -> list[tuple[int, int] | None] | None:
+def stored_map(array: Any) -> list[tuple[int, int] | None] | None:
     """For each view dim, `(stored dim, offset)`, or None for a new axis; None overall
     if some kept stored dimension is strided (those views are read whole per target)."""
     mapping: list[tuple[int, int] | None] = []
@@ -235,7 +235,7 @@ def _to_stored(array: Any, mapping: Sequence[tuple[int, int] | None], region: Bo
     return tuple(box)
 
 
-def _blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
+def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
     """`box` cut along the chunk grid into blocks of at most `budget` bytes (or one
     chunk, if a chunk is larger), growing blocks along trailing dimensions first so
     that they stay contiguous."""
@@ -257,7 +257,7 @@ def _blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iter
     yield from itertools.product(*edges)
 
 
-def _aligned(box: Box, array_box: Box, chunks: Sequence[int]) -> bool:
+def on_grid(box: Box, array_box: Box, chunks: Sequence[int]) -> bool:
     """Whether `box` starts and ends on chunk boundaries (or the array's edges)."""
     return all(
         low % chunk == 0 and (high % chunk == 0 or high == edge)
@@ -270,7 +270,7 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(low < high for low, high in out) else None
 
 
-def _box_bytes(box: Box, itemsize: int) -> int:
+def box_bytes(box: Box, itemsize: int) -> int:
     return math.prod(high - low for low, high in box) * itemsize
 
 
@@ -311,7 +311,7 @@ def schedule_fill(
 
     for target in targets:
         target.on_allocate = scheduler.guard.keep
-    mapping = _stored_map(array)
+    mapping = stored_map(array)
     stored = array.stored
     if mapping is None or stored.inline is not None or array.key_impl:
         _schedule_whole(array, targets, scheduler, finished, remaining)
@@ -356,12 +356,12 @@ def _schedule_blocks(
     direct = (
         plain
         and array.dtype == stored.dtype
-        and all(_aligned(box, array_box, stored.chunks) for box in boxes)
+        and all(on_grid(box, array_box, stored.chunks) for box in boxes)
     )
     opened = stored.open()
     if direct:
         for target, box in zip(targets, boxes, strict=True):
-            blocks = list(_blocks(box, stored.chunks, itemsize, scheduler.block_bytes))
+            blocks = list(chunk_blocks(box, stored.chunks, itemsize, scheduler.block_bytes))
             if len(blocks) == 1 and not target.aligned and target.out is None:
                 # One read covers the target: keep the array tensorstore returns.
                 remaining[0] += 1
@@ -375,13 +375,13 @@ def _schedule_blocks(
                 continue
             for block in blocks:
                 remaining[0] += 1
-                nbytes = _box_bytes(block, itemsize)
+                nbytes = box_bytes(block, itemsize)
                 scheduler.submit(nbytes, _direct(stored, opened, target, block, box), finished)
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
     )
-    for block in _blocks(union, stored.chunks, itemsize, scheduler.block_bytes):
+    for block in chunk_blocks(union, stored.chunks, itemsize, scheduler.block_bytes):
         consumers = [
             (t, b, part)
             for t, b in zip(targets, boxes, strict=True)
@@ -390,7 +390,7 @@ def _schedule_blocks(
         if not consumers:
             continue
         remaining[0] += 1
-        nbytes = _box_bytes(block, itemsize)
+        nbytes = box_bytes(block, itemsize)
 
         def route(
             data: np.ndarray,
@@ -472,7 +472,7 @@ def _view_blocks(
     array: Any, budget: int
 ) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], ts.Future[Any]]]]:
     """The view's blocks: its index, bytes, and how to start reading it."""
-    mapping = _stored_map(array)
+    mapping = stored_map(array)
     stored = array.stored
     if mapping is None or array.key_impl or 0 in array.shape:
         index = tuple(slice(0, n) for n in array.shape)
@@ -485,12 +485,12 @@ def _view_blocks(
     for entry in mapping:
         if entry is not None:
             origins[entry[0]] = entry[1]
-    for block in _blocks(box, stored.chunks, stored.dtype.itemsize, budget):
+    for block in chunk_blocks(box, stored.chunks, stored.dtype.itemsize, budget):
         index, shape = _in_view(mapping, block, origins)
         if opened is None:
             yield index, array[index].nbytes, array[index].read
             continue
-        nbytes = _box_bytes(block, stored.dtype.itemsize)
+        nbytes = box_bytes(block, stored.dtype.itemsize)
 
         def start(block: Box = block, shape: tuple[int, ...] = shape) -> ts.Future[Any]:
             future = _read_box(stored, opened, block)()

@@ -71,3 +71,15 @@ class LazyTypeError(LazyckptError, TypeError):
     """An operation that the array's type does not support (casting PRNG keys)."""
 
     __module__ = "lazyckpt"
+
+
+class CheckpointExistsError(LazyckptError, FileExistsError):
+    """A save would replace an existing checkpoint (or other folder) without leave."""
+
+    __module__ = "lazyckpt"
+
+
+class UnsavableError(LazyckptError, TypeError):
+    """A tree holds a leaf or a key that an Orbax checkpoint cannot represent."""
+
+    __module__ = "lazyckpt"

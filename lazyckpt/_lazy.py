@@ -164,7 +164,7 @@ class LazyArray:
         parts = [repr(self.key), f"shape={self.shape}", f"dtype={self.dtype}"]
         if self.dtype != self.stored.dtype and not self.key_impl:
             parts.append(f"stored_dtype={self.stored.dtype}")
-        if not self.selection.is_full:
+        if not self.selection.is_full(self.stored.shape):
             parts.append(f"view of {self.stored.shape}")
         parts.append(f"chunks={self.chunks}")
         if self.sharding is not None:

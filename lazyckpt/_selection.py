@@ -69,12 +69,10 @@ class Selection:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._dim_size(v) for v in self.view)
 
-    @property
-    def is_full(self) -> bool:
-        """Whether this selects every stored element in stored order and shape."""
-        return self.view == tuple(range(len(self.stored))) and all(
-            isinstance(s, Range) and s.start == 0 and s.step == 1 for s in self.stored
-        )
+    def is_full(self, stored_shape: tuple[int, ...]) -> bool:
+        """Whether this selects every element of a stored array of `stored_shape`, in
+        stored order and shape."""
+        return self == Selection.full(stored_shape)
 
     def _dim_size(self, dim: ViewDim) -> int:
         if isinstance(dim, NewAxis):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,29 @@ class SavedSharding:
             )
         return NamedSharding(mesh, self.spec)
 
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one device's shard of an array of `shape` under this sharding."""
+        if self.kind != "NamedSharding":
+            return shape
+        sizes = self.mesh_axes
+        out = []
+        for dim, n in enumerate(shape):
+            entry = self.partition_spec[dim] if dim < len(self.partition_spec) else None
+            names = (entry,) if isinstance(entry, str) else entry or ()
+            ways = math.prod(sizes[name] for name in names)
+            out.append(-(-n // ways))
+        return tuple(out)
+
+    def to_json(self) -> str:
+        """The `_sharding` entry that records this sharding (as Orbax writes it)."""
+        if self.kind == "NamedSharding":
+            return _named_json(
+                self.mesh_shape, self.axis_names, self.partition_spec, self.device_ids
+            )
+        if self.kind == "SingleDeviceSharding":
+            return json.dumps({"sharding_type": self.kind, "device_str": self.device})
+        return ""
+
     def __repr__(self) -> str:
         if self.kind == "NamedSharding":
             return f"NamedSharding(mesh={self.mesh_axes}, spec={_spec_str(self.partition_spec)})"
@@ -85,6 +109,42 @@ class SavedSharding:
         if self.mesh_shape:
             return f"{self.kind}(shape={self.mesh_shape})"
         return f"{self.kind}()"
+
+
+def sharding_json(sharding: jax.sharding.Sharding) -> str:
+    """The `_sharding` entry for a live sharding; "" (unknown) for kinds Orbax skips."""
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        spec = tuple(
+            entry if entry is None or isinstance(entry, str) else tuple(entry)
+            for entry in sharding.spec
+        )
+        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        return _named_json(tuple(mesh.devices.shape), tuple(mesh.axis_names), spec, ids)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+    return ""
+
+
+def _named_json(
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    spec: tuple[SpecEntry, ...],
+    device_ids: tuple[int, ...],
+) -> str:
+    entry: dict[str, Any] = {
+        "sharding_type": "NamedSharding",
+        "shape": list(mesh_shape),
+        "axis_names": list(axis_names),
+        "partition_spec": [list(e) if isinstance(e, tuple) else e for e in spec],
+    }
+    if device_ids:
+        ids = [{"id": i} for i in device_ids]
+        for size in reversed(mesh_shape[1:]):
+            ids = [ids[i : i + size] for i in range(0, len(ids), size)]  # type: ignore[misc]
+        entry["device_mesh"] = {"mesh": ids}
+    return json.dumps(entry)
 
 
 def _spec_str(spec: tuple[SpecEntry, ...]) -> str:

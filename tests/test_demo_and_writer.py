@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt._write import write_checkpoint
 from tests.conftest import assert_tree_equal, host_value
 
 
@@ -52,7 +51,7 @@ def test_writer_output_restores_in_orbax(tmp_path: Path, mesh: jax.sharding.Mesh
         "empty": {},
         "none": None,
     }
-    path = write_checkpoint(tmp_path / "ckpt", tree)
+    path = lazyckpt.save(tmp_path / "ckpt", tree)
     restored = ocp.PyTreeCheckpointer().restore(path)
     expected = jax.tree.map(host_value, tree)
     assert_tree_equal(restored, expected)

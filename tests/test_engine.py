@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt._engine import _blocks
+from lazyckpt._engine import chunk_blocks
 from tests.conftest import orbax_save, stored_chunk_bytes
 
 
@@ -88,7 +88,7 @@ def test_array_larger_than_the_budget(big: tuple[Path, np.ndarray], count_bytes:
 
 def test_blocks_follow_chunks_and_the_budget() -> None:
     box = ((0, 1000), (0, 1000))
-    blocks = list(_blocks(box, (128, 128), 4, 256 << 10))
+    blocks = list(chunk_blocks(box, (128, 128), 4, 256 << 10))
     assert all(
         (high - low) * 4 * (b[1][1] - b[1][0]) <= 256 << 10 for b in blocks for low, high in [b[0]]
     )
@@ -98,7 +98,7 @@ def test_blocks_follow_chunks_and_the_budget() -> None:
         covered[r0:r1, c0:c1] += 1
     assert (covered == 1).all()
     # A chunk larger than the budget is still one block.
-    assert list(_blocks(((0, 10),), (10,), 8, 16)) == [((0, 10),)]
+    assert list(chunk_blocks(((0, 10),), (10,), 8, 16)) == [((0, 10),)]
 
 
 def test_iter_blocks_streams_views_within_the_budget(big: tuple[Path, np.ndarray]) -> None:

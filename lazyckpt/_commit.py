@@ -1,0 +1,166 @@
+"""Publishing a checkpoint atomically: build it in a temporary folder, rename it in.
+
+The temporary folder sits next to the destination and its name contains Orbax's
+`.orbax-checkpoint-tmp` marker, so lazyckpt, Orbax and CheckpointManager all treat
+it as unfinished and never open or list it. A save killed at any moment leaves
+either no checkpoint at the destination or a complete one. Temporary names are
+unique per save, so a leftover never blocks a later save; the next successful
+save to the same destination deletes leftovers whose process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+import socket
+from collections.abc import Iterator
+
+from lazyckpt._errors import CheckpointExistsError, LazyckptError
+from lazyckpt._layout import is_pytree_dir, is_unfinished
+
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
+_AT_FDCWD = -100
+
+
+def _tmp_prefix(final: str) -> str:
+    return f"{final}{_TMP_MARKER}-lazyckpt-{socket.gethostname()}-"
+
+
+@contextlib.contextmanager
+def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
+    """Yield a fresh temporary folder; on a clean exit, make it `final`.
+
+    Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
+    exception the temporary folder is removed and `final` is untouched.
+    """
+    _check_destination(final, overwrite)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        _sync_tree(tmp)
+        _publish(tmp, final, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _sync_dir(os.path.dirname(final))
+    _remove_leftovers(final)
+
+
+def _check_destination(final: str, overwrite: bool) -> None:
+    if is_unfinished(os.path.basename(final)):
+        raise LazyckptError(
+            f"{final}: names containing {_TMP_MARKER!r} mark unfinished saves and are "
+            "never read; choose another name"
+        )
+    if not os.path.lexists(final):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
+            "or choose a new path"
+        )
+    if not os.path.isdir(final) or os.path.islink(final):
+        raise CheckpointExistsError(
+            f"{final} exists and is not a folder; lazyckpt replaces only checkpoints, "
+            "delete it yourself if it should go"
+        )
+    if os.listdir(final) and not _is_checkpoint(final):
+        raise CheckpointExistsError(
+            f"{final} exists and does not look like a checkpoint (no _METADATA, "
+            "_CHECKPOINT_METADATA or OCDBT database); lazyckpt replaces only "
+            "checkpoints, delete it yourself if it should go"
+        )
+
+
+def _is_checkpoint(path: str) -> bool:
+    return is_pytree_dir(path) or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
+
+
+def _publish(tmp: str, final: str, overwrite: bool) -> None:
+    """Rename `tmp` to `final`; when replacing, swap them atomically where the OS can."""
+    if not overwrite or not os.path.lexists(final):
+        if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+            if os.path.lexists(final):
+                raise CheckpointExistsError(
+                    f"{final} appeared while the checkpoint was being written; the new "
+                    "one was discarded. Save again with overwrite=True to replace it"
+                )
+            os.rename(tmp, final)
+        return
+    if _renameat2(tmp, final, _RENAME_EXCHANGE):
+        shutil.rmtree(tmp)  # now holds the old checkpoint
+        return
+    # No atomic exchange here: move the old one aside first. A crash between the two
+    # renames leaves no checkpoint at `final` (the old one stays in `aside`).
+    aside = f"{_tmp_prefix(final)}{os.getpid()}-replaced-{secrets.token_hex(4)}"
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside)
+
+
+def _renameat2(source: str, destination: str, flags: int) -> bool:
+    """Linux renameat2; False where the system or filesystem does not support it."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    result = call(
+        _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), ctypes.c_uint(flags)
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    if code == errno.EEXIST:
+        return False  # NOREPLACE refused: the caller reports it
+    raise OSError(code, os.strerror(code), destination)
+
+
+def _sync_tree(root: str) -> None:
+    """fsync every file and folder under `root`, so the rename publishes durable data."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(folder)
+
+
+def _sync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(final: str) -> None:
+    """Delete this host's temporary folders for `final` whose saving process is gone."""
+    prefix = _tmp_prefix(final)
+    parent, start = os.path.dirname(prefix), os.path.basename(prefix)
+    for name in os.listdir(parent):
+        if not name.startswith(start):
+            continue
+        pid = name[len(start) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
