@@ -12,6 +12,7 @@ LazyArray('params/w', shape=(8, 8), dtype=float32, chunks=(2, 4), sharding=Named
 array([ 8.,  9., 10., 11.], dtype=float32)
 """
 
+from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
 from lazyckpt._errors import (
     CheckpointExistsError,
@@ -54,6 +55,7 @@ __all__ = [
     "UnfinishedCheckpointError",
     "UnsavableError",
     "UnsupportedCheckpointError",
+    "convert",
     "device_put",
     "items",
     "iter_blocks",

@@ -31,7 +31,7 @@ def _walkthrough(path: str) -> None:
     import lazyckpt
     from lazyckpt._format import human_bytes
     from lazyckpt._metrics import bytes_read
-    
+
     devices = jax.devices()
     if len(devices) < _DEVICES:
         raise lazyckpt.LazyckptError(

@@ -19,6 +19,7 @@ Two ways to fill targets:
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import math
@@ -198,6 +199,15 @@ class Scheduler:
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
+
+    def abandon(self) -> None:
+        """Wait for every read still in flight, discarding results and errors; after a
+        failure, so that nothing touches the caller's buffers or files afterwards."""
+        while self._pending:
+            future, held, _, _ = self._pending.popleft()
+            with contextlib.suppress(Exception):  # the first failure is already raised
+                future.result()
+            self._in_flight -= held
 
     def _finish_oldest(self) -> None:
         future, held, nbytes, done = self._pending.popleft()

@@ -16,6 +16,7 @@ chunks line up with the new ones.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import os
@@ -117,10 +118,21 @@ def save(
             "base": {"driver": "file", "path": tmp + "/"},
             "config": {"max_inline_value_bytes": 1024},
         }
-        for leaf in leaves:
-            if leaf.stored:
-                _schedule(leaf, kvstore, context, scheduler, final)
-        scheduler.drain()
+        created: list[ts.Future[Any]] = []
+        try:
+            for leaf in leaves:
+                if leaf.stored:
+                    created.append(_schedule(leaf, kvstore, context, scheduler, final))
+            scheduler.drain()
+            for future in created:  # arrays without blocks (size 0) too
+                future.result()
+        except BaseException:
+            # Let writes in flight end before `publishing` removes the folder.
+            scheduler.abandon()
+            for future in created:
+                with contextlib.suppress(Exception):
+                    future.result()
+            raise
         _write_metadata(tmp, final, leaves)
     if bar is not None:
         bar.close()
@@ -203,7 +215,7 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _L
             array = np.asarray(value, np.int64)
         return _Leaf(path, keys, "scalar", array, (), array.dtype)
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.kind in "USV":
+        if not _storable(value.dtype):
             raise UnsavableError(
                 f"{path}: NumPy arrays of dtype {value.dtype} cannot be stored in a "
                 "checkpoint; convert them to numbers, or save strings as str leaves"
@@ -216,6 +228,18 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _L
         f"{path}: cannot save a {type(value).__module__}.{type(value).__qualname__}; "
         "leaves must be LazyArrays, jax or NumPy arrays, scalars, strings or None"
     )
+
+
+def _storable(dtype: np.dtype[Any]) -> bool:
+    """Whether tensorstore's zarr3 driver stores this dtype (bfloat16 and other
+    ml_dtypes included; strings and objects not)."""
+    if dtype.hasobject or dtype.kind in "USM":
+        return False
+    try:
+        ts.dtype(dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def choose_chunks(write_shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
@@ -303,7 +327,6 @@ def _zarr3_spec(kvstore: dict[str, Any], leaf: _Leaf) -> dict[str, Any]:
             "data_type": ts.dtype(leaf.dtype).name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(leaf.chunks)}},
             "chunk_key_encoding": {"name": "default"},
-            "fill_value": np.zeros((), leaf.dtype).item() if leaf.dtype != np.bool_ else False,
             # As Orbax writes it: a shard holding exactly one chunk, with a checksummed index.
             "codecs": [
                 {
@@ -333,8 +356,9 @@ def _schedule(
     context: ts.Context,
     scheduler: Scheduler,
     final: str,
-) -> None:
-    """Submit the writes of one array leaf, block by block, to `scheduler`."""
+) -> ts.Future[Any]:
+    """Submit the writes of one array leaf, block by block, to `scheduler`; return
+    the creation of its zarr array."""
     opened = ts.open(_zarr3_spec(kvstore, leaf), context=context)
 
     def failed(error: Exception) -> Exception:
@@ -356,6 +380,7 @@ def _schedule(
 
         # A failed block raises from the scheduler, and `publishing` discards the save.
         scheduler.submit(nbytes, start, _ignore)
+    return then(opened, _ignore, failed)
 
 
 def _ignore(_: Any) -> None:

@@ -71,6 +71,16 @@ def _matches(pattern: list[str], path: list[str]) -> bool:
     return bool(path) and fnmatch.fnmatchcase(path[0], head) and _matches(rest, path[1:])
 
 
+def matches(pattern: str, path: str) -> bool:
+    """Whether the key path `path` is selected by `pattern` (see `select`).
+
+    >>> matches("params/**/kernel", "params/dense/kernel"), matches("opt", "params/w")
+    (True, False)
+    """
+    parts = [part for part in pattern.strip("/").split("/") if part]
+    return _matches(parts, path.split("/") if path else [])
+
+
 def _as_predicate(which: str | Predicate) -> Predicate:
     if callable(which):
         return which

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -186,3 +190,33 @@ def stored_chunk_bytes(path: Path, view: LazyArray) -> int:
         assert value.state == "value"
         total += len(value.value)
     return total
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """256 MiB in 4 float32 arrays, saved by orbax from 2 devices: 8 chunks of 32 MiB."""
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("d",))
+    rng = np.random.default_rng(3)
+    tree = {
+        f"layer_{i}": jax.device_put(
+            rng.standard_normal((4096, 4096), dtype=np.float32), NamedSharding(mesh, P("d"))
+        )
+        for i in range(4)
+    }
+    return orbax_save(tmp_path_factory.mktemp("wide") / "ckpt", tree)
+
+
+def rss_probe(path: Path, mode: str, budget: int, *extra: str) -> dict[str, Any]:
+    """Run `tests/rss_probe.py` in a fresh process, with the allocator left to lazyckpt."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "LAZYCKPT_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.rss_probe", str(path), mode, str(budget), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    out: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return out

@@ -1,6 +1,7 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
     python -m tests.rss_probe PATH stream|device_put BUDGET_BYTES
+    python -m tests.rss_probe PATH convert BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
 kernel's high-water mark is reset first) and `kept` (bytes of arrays the read
@@ -27,7 +28,7 @@ def _peak() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def main(path: str, mode: str, budget: int) -> None:
+def main(path: str, mode: str, budget: int, *extra: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     import numpy as np
@@ -43,7 +44,9 @@ def main(path: str, mode: str, budget: int) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current RSS
     kept = 0
-    if mode == "stream":
+    if mode == "convert":
+        lazyckpt.convert(path, extra[0], dtype="bfloat16", memory_budget=budget)
+    elif mode == "stream":
         for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
             total += float(values.sum(dtype=np.float64))
     else:
@@ -53,4 +56,4 @@ def main(path: str, mode: str, budget: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

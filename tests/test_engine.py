@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -19,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt._engine import chunk_blocks
-from tests.conftest import orbax_save, stored_chunk_bytes
+from tests.conftest import rss_probe, stored_chunk_bytes
 
 
 @pytest.fixture(scope="module")
@@ -180,35 +176,6 @@ def test_budget_must_be_positive(saved: tuple[Path, Any]) -> None:
         lazyckpt.load(lazyckpt.open(saved[0]), memory_budget=0)
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """256 MiB in 4 arrays, saved by orbax from 2 devices: 8 chunks of 32 MiB."""
-    mesh = jax.sharding.Mesh(jax.devices()[:2], ("d",))
-    rng = np.random.default_rng(3)
-    tree = {
-        f"layer_{i}": jax.device_put(
-            rng.standard_normal((4096, 4096), dtype=np.float32), NamedSharding(mesh, P("d"))
-        )
-        for i in range(4)
-    }
-    return orbax_save(tmp_path_factory.mktemp("wide") / "ckpt", tree)
-
-
-def _probe(path: Path, mode: str, budget: int) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "LAZYCKPT_"))}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.rss_probe", str(path), mode, str(budget)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-        cwd=Path(__file__).parent.parent,
-    )
-    out: dict[str, int] = json.loads(result.stdout.splitlines()[-1])
-    return out
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_process_memory_stays_within_the_budget(wide: Path) -> None:
     """Peak RSS of a fresh process, not just NumPy's allocations: the allocator must
@@ -216,8 +183,8 @@ def test_process_memory_stays_within_the_budget(wide: Path) -> None:
     grew by 156-186 MiB at this 96 MiB budget and device_put needed 93-122 MiB beyond
     the arrays; with the thresholds lazyckpt sets, 97 MiB and 34 MiB."""
     budget = 96 << 20
-    stream = _probe(wide, "stream", budget)
+    stream = rss_probe(wide, "stream", budget)
     assert stream["peak"] < budget * 1.15, stream
-    placed = _probe(wide, "device_put", budget)
+    placed = rss_probe(wide, "device_put", budget)
     assert placed["kept"] == 256 << 20
     assert placed["peak"] - placed["kept"] <= budget, placed
