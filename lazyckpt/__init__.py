@@ -14,6 +14,8 @@ array([ 8.,  9., 10., 11.], dtype=float32)
 
 from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
+from lazyckpt._diff import Diff, diff
+from lazyckpt._display import summary
 from lazyckpt._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -36,12 +38,14 @@ from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._read import iter_blocks, load
 from lazyckpt._save import save
 from lazyckpt._sharding import SavedSharding, saved_shardings
+from lazyckpt._stats import Stats, stats
 from lazyckpt._tree import leaves, select
 
 __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "Diff",
     "InferredStructureWarning",
     "LazyArray",
     "LazyIndexError",
@@ -51,12 +55,14 @@ __all__ = [
     "NotACheckpointError",
     "SavedSharding",
     "ShardingError",
+    "Stats",
     "TreeMismatchError",
     "UnfinishedCheckpointError",
     "UnsavableError",
     "UnsupportedCheckpointError",
     "convert",
     "device_put",
+    "diff",
     "items",
     "iter_blocks",
     "leaves",
@@ -65,5 +71,7 @@ __all__ = [
     "save",
     "saved_shardings",
     "select",
+    "stats",
     "steps",
+    "summary",
 ]

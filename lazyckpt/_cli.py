@@ -1,66 +1,296 @@
-"""The `lazyckpt` command line."""
+"""The `lazyckpt` command line: inspect, show, stats, diff, convert, demo."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lazyckpt._errors import LazyckptError
+from lazyckpt._errors import LazyckptError, NoMatchError
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_size(text: str) -> int:
+    """Bytes from `256MiB`, `1G`, `64k` or `1048576` (binary units).
+
+    >>> parse_size("256MiB"), parse_size("1g"), parse_size("4096")
+    (268435456, 1073741824, 4096)
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write bytes or a number with KiB, MiB, GiB (256MiB)"
+        )
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lazyckpt", description="Open JAX checkpoints lazily; read only what you ask for."
     )
     parser.add_argument("--traceback", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="write a small sharded checkpoint and walk through lazyckpt on it"
+
+    def command(name: str, summary: str, *, source: bool = True) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        if source:
+            sub.add_argument("path", help="checkpoint folder, step folder or manager root")
+            sub.add_argument("--step", type=int, help="step of a CheckpointManager root")
+            sub.add_argument("--item", help="item of a step folder (state, params, ...)")
+        return sub
+
+    def selecting(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--select",
+            action="append",
+            metavar="PATTERN",
+            help="only leaves matching PATTERN ('params/**/kernel'); repeat for several",
+        )
+
+    def budget(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--memory-budget", type=parse_size, metavar="SIZE", help="bytes in flight (256MiB)"
+        )
+
+    inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
+    selecting(inspect)
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    show = command("show", "print a few values: lazyckpt show PATH 'params/embed[0:3, :8]'")
+    show.add_argument("key", help="key path, with an optional NumPy-style index")
+
+    stats = command("stats", "min, max, mean, std, NaN and Inf counts, read chunk by chunk")
+    selecting(stats)
+    budget(stats)
+    stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
+    stats.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    diff = command(
+        "diff", "compare two checkpoints: structure, shapes, dtypes, values", source=False
     )
-    demo.add_argument("--keep", metavar="DIR", help="write the checkpoint here and keep it")
-    convert = commands.add_parser(
-        "convert",
-        help="rewrite a checkpoint: keep some leaves, cast floats, re-chunk; streamed",
-        description="Rewrite the checkpoint at SOURCE as an Orbax PyTree checkpoint at "
-        "DESTINATION, streaming arrays within a memory budget.",
+    diff.add_argument("first", help="checkpoint A")
+    diff.add_argument("second", help="checkpoint B")
+    diff.add_argument("--step", type=int, nargs=2, metavar=("A", "B"), help="steps of roots")
+    selecting(diff)
+    budget(diff)
+    diff.add_argument("--values", action="store_true", help="compare values too (reads data)")
+    diff.add_argument("--json", action="store_true", help="print JSON for scripts")
+    diff.add_argument("--exit-code", action="store_true", help="exit with 1 if they differ")
+
+    convert = command(
+        "convert", "rewrite a checkpoint: keep leaves, cast floats, re-chunk; streamed"
     )
-    convert.add_argument("source", help="checkpoint folder, step folder or manager root")
     convert.add_argument("destination", help="folder to create")
-    convert.add_argument(
-        "--select",
-        action="append",
-        metavar="PATTERN",
-        help="keep leaves matching PATTERN ('params/**/kernel'); repeat for several",
-    )
+    selecting(convert)
+    budget(convert)
     convert.add_argument("--dtype", help="cast floating-point arrays to this dtype (bfloat16)")
-    convert.add_argument("--step", type=int, help="step of a CheckpointManager root")
-    convert.add_argument("--item", help="item of a composite step (state, params, ...)")
-    convert.add_argument(
-        "--memory-budget", type=parse_size, metavar="SIZE", help="bytes in flight (256MiB)"
-    )
-    convert.add_argument(
-        "--chunk-size", type=parse_size, metavar="SIZE", help="stored chunk size (4MiB)"
-    )
+    convert.add_argument("--chunk-size", type=parse_size, metavar="SIZE", help="chunk size (4MiB)")
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "demo":
-            from lazyckpt._demo import run
 
-            run(keep=args.keep)
-        elif args.command == "convert":
-            _convert(args)
-    except LazyckptError as error:
+    demo = command(
+        "demo", "write a small sharded checkpoint and walk through lazyckpt on it", source=False
+    )
+    demo.add_argument("--keep", metavar="DIR", help="write the checkpoint here and keep it")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _RUN[args.command](args) or 0
+    except BrokenPipeError:  # `lazyckpt inspect ... | head`
+        return 0
+    except Exception as error:
         if args.traceback:
             raise
-        print(f"lazyckpt: error: {error}", file=sys.stderr)
+        message = (
+            str(error) if isinstance(error, LazyckptError) else f"{type(error).__name__}: {error}"
+        )
+        print(f"lazyckpt: error: {message}", file=sys.stderr)
         return 1
-    return 0
+
+
+def _open(args: argparse.Namespace) -> Any:
+    import lazyckpt
+
+    tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    if getattr(args, "select", None):
+        tree = lazyckpt.select(tree, _any_of(args.select))
+    return tree
+
+
+def _any_of(patterns: list[str]) -> Any:
+    from lazyckpt._tree import matches
+
+    return lambda path, _leaf: any(matches(p, path) for p in patterns)
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    import lazyckpt
+
+    steps = _steps(args.path)
+    tree = _open(args)
+    summary = lazyckpt.summary(tree, title=_title(args, steps))
+    if args.json:
+        out = {"path": os.path.abspath(args.path), "steps": steps, "leaves": summary.describe()}
+        print(json.dumps(out, indent=1))
+        return
+    print(summary.text())
+
+
+def _steps(path: str) -> list[int]:
+    import lazyckpt
+
+    try:
+        return lazyckpt.steps(path)
+    except LazyckptError:
+        return []
+
+
+def _title(args: argparse.Namespace, steps: list[int]) -> str:
+    title = os.path.abspath(str(args.path))
+    if steps:
+        shown = args.step if args.step is not None else steps[-1]
+        listed = ", ".join(map(str, steps[-20:])) + (" ..." if len(steps) > 20 else "")
+        title += f" (steps: {listed}; showing {shown})"
+    return title
+
+
+def _show(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    import lazyckpt
+    from lazyckpt._lazy import LazyArray
+    from lazyckpt._tree import keystr, walk
+
+    key, index = _split_index(args.key)
+    tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    found = _subtree(tree, key, walk, keystr)
+    if not isinstance(found, LazyArray):
+        if index:
+            raise LazyckptError(f"{key} is not an array, so it takes no index [{index}]")
+        print(found if not isinstance(found, dict | list | tuple) else lazyckpt.summary(found))
+        return
+    view = found[parse_index(index)] if index else found
+    print(f"{view!r}")
+    with np.printoptions(threshold=200, edgeitems=4, linewidth=100):
+        print(view.get())
+
+
+def _subtree(tree: Any, key: str, walk: Any, keystr: Any) -> Any:
+    wanted = key.strip("/")
+    if not wanted:
+        return tree
+    for path, leaf in walk(tree, empty_containers=True):
+        if keystr(path) == wanted:
+            return leaf
+    node = tree
+    for part in wanted.split("/"):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            from lazyckpt._tree import leaves
+
+            near = [p for p, _ in leaves(tree)][:8]
+            raise NoMatchError(f"no key {wanted!r} in the checkpoint; its keys look like {near}")
+    return node
+
+
+def _split_index(text: str) -> tuple[str, str]:
+    text = text.strip()
+    if text.endswith("]") and "[" in text:
+        start = text.rindex("[")
+        return text[:start], text[start + 1 : -1]
+    return text, ""
+
+
+def parse_index(text: str) -> tuple[Any, ...]:
+    """A NumPy basic index from its text, without eval.
+
+    >>> parse_index("0:3, :8"), parse_index("-1, ..., None, ::2")
+    ((slice(0, 3, None), slice(None, 8, None)), (-1, Ellipsis, None, slice(None, None, 2)))
+    """
+    out: list[Any] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "...":
+            out.append(Ellipsis)
+        elif part in ("None", "newaxis", "np.newaxis"):
+            out.append(None)
+        elif ":" in part:
+            bounds = part.split(":")
+            if len(bounds) > 3:
+                raise LazyckptError(f"index {text!r}: {part!r} has more than two ':'")
+            out.append(slice(*(_integer(b, text) if b.strip() else None for b in bounds)))
+        else:
+            out.append(_integer(part, text))
+    return tuple(out)
+
+
+def _integer(part: str, text: str) -> int:
+    try:
+        return int(part)
+    except ValueError:
+        raise LazyckptError(
+            f"index {text!r}: {part!r} is not an integer; use ints, slices (a:b:c), ... or None"
+        ) from None
+
+
+def _stats(args: argparse.Namespace) -> None:
+    import lazyckpt
+    from lazyckpt._stats import format_stats, summarizable
+
+    tree = _open(args)
+    arrays = dict(lazyckpt.leaves(tree))
+    skipped = [
+        k for k, v in arrays.items() if isinstance(v, lazyckpt.LazyArray) and not summarizable(v)
+    ]
+    results = lazyckpt.stats(tree, bins=args.bins, memory_budget=args.memory_budget)
+    if args.json:
+        print(json.dumps({key: s.describe() for key, s in results.items()}, indent=1))
+        return
+    print(format_stats(results, {key: arrays[key].nbytes for key in results}))
+    if args.bins:
+        for key, s in results.items():
+            if s.histogram is not None:
+                counts, edges = s.histogram
+                print(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
+                print("  " + " ".join(str(int(c)) for c in counts))
+    if skipped:
+        print(f"\nnot summarized (not real numbers): {', '.join(skipped)}")
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import lazyckpt
+
+    steps = args.step or (None, None)
+    first = lazyckpt.open(args.first, step=steps[0])
+    second = lazyckpt.open(args.second, step=steps[1])
+    if args.select:
+        first = _select_or_empty(first, args.select)
+        second = _select_or_empty(second, args.select)
+    result = lazyckpt.diff(first, second, values=args.values, memory_budget=args.memory_budget)
+    if args.json:
+        print(json.dumps(result.describe(), indent=1))
+    else:
+        print(result)
+    return 1 if args.exit_code and result else 0
+
+
+def _select_or_empty(tree: Any, patterns: list[str]) -> Any:
+    import lazyckpt
+
+    try:
+        return lazyckpt.select(tree, _any_of(patterns))
+    except NoMatchError:
+        return {}
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -68,15 +298,11 @@ def _convert(args: argparse.Namespace) -> None:
     from lazyckpt._format import human_bytes
     from lazyckpt._save import DEFAULT_CHUNK_BYTES
 
-    try:
-        dtype = _dtype(args.dtype) if args.dtype else None
-    except TypeError as error:
-        raise LazyckptError(f"--dtype {args.dtype!r}: {error}") from None
     out = convert(
-        args.source,
+        args.path,
         args.destination,
         select=args.select,
-        dtype=dtype,
+        dtype=_dtype(args.dtype) if args.dtype else None,
         step=args.step,
         item=args.item,
         chunk_bytes=args.chunk_size or DEFAULT_CHUNK_BYTES,
@@ -98,24 +324,25 @@ def _dtype(name: str) -> Any:
     try:
         return jnp.dtype(name)
     except TypeError:
-        raise TypeError("not a dtype name; try float32, bfloat16 or float16") from None
+        raise LazyckptError(
+            f"--dtype {name!r} is not a dtype name; try float32, bfloat16 or float16"
+        ) from None
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+def _demo(args: argparse.Namespace) -> None:
+    from lazyckpt._demo import run
+
+    run(keep=args.keep)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from `256MiB`, `1G`, `64k` or `1048576` (binary units).
-
-    >>> parse_size("256MiB"), parse_size("1g"), parse_size("4096")
-    (268435456, 1073741824, 4096)
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not match or float(match[1]) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write bytes or a number with KiB, MiB, GiB (256MiB)"
-        )
-    return int(float(match[1]) * _UNITS[match[2]])
+_RUN: dict[str, Any] = {
+    "inspect": _inspect,
+    "show": _show,
+    "stats": _stats,
+    "diff": _diff,
+    "convert": _convert,
+    "demo": _demo,
+}
 
 
 if __name__ == "__main__":

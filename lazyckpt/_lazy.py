@@ -160,6 +160,25 @@ class LazyArray:
         data: np.ndarray = self.get()
         return data if dtype is None else data.astype(dtype)
 
+    def _repr_html_(self) -> str:
+        """One summary row for notebooks; reads nothing."""
+        from lazyckpt._display import array_html
+
+        return array_html(self)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """How treescope shows a LazyArray: its metadata, never its values."""
+        from treescope import repr_lib
+
+        attributes = {"key": self.key, "shape": self.shape, "dtype": self.dtype}
+        attributes.update(chunks=self.chunks, sharding=self.sharding)
+        return repr_lib.render_object_constructor(
+            object_type=type(self),
+            attributes=attributes,
+            path=path,
+            subtree_renderer=subtree_renderer,
+        )
+
     def __repr__(self) -> str:
         parts = [repr(self.key), f"shape={self.shape}", f"dtype={self.dtype}"]
         if self.dtype != self.stored.dtype and not self.key_impl:

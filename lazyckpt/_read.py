@@ -14,7 +14,7 @@ from lazyckpt._progress import Progress
 from lazyckpt._tree import Predicate, leaves, map_leaves, select
 
 
-def _arrays(tree: Any) -> list[LazyArray]:
+def arrays_of(tree: Any) -> list[LazyArray]:
     return [leaf for _, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
 
 
@@ -39,7 +39,7 @@ def load(
     """
     if which is not None:
         tree = select(tree, which)
-    bar = Progress.maybe(progress, stored_bytes(_arrays(tree)), "lazyckpt load")
+    bar = Progress.maybe(progress, stored_bytes(arrays_of(tree)), "lazyckpt load")
     scheduler = Scheduler(memory_budget, bar)
 
     def start(leaf: Any) -> Any:
@@ -77,7 +77,7 @@ def iter_blocks(
     >>> total == float(np.arange(64).sum() + 8)
     True
     """
-    arrays = _arrays(tree)
+    arrays = arrays_of(tree)
     bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
     for array, index, values in _iter_blocks(arrays, memory_budget, bar):
         yield array.key, index, values

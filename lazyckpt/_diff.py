@@ -1,0 +1,258 @@
+"""Comparing two lazy trees: structure from metadata, values block by block."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import numpy as np
+
+from lazyckpt._engine import iter_blocks as engine_blocks
+from lazyckpt._lazy import LazyArray
+from lazyckpt._open import open as open_checkpoint
+from lazyckpt._progress import Progress
+from lazyckpt._tree import leaves
+
+_KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
+
+
+@attrs.frozen
+class Change:
+    """How one key path differs between the two trees.
+
+    `kind` is one of: `added` (only in the second), `removed` (only in the first),
+    `moved` (a removed leaf whose metadata, and values if compared, reappear at
+    `to`), `shape`, `dtype`, `value` (values differ; for arrays `max_abs` and
+    `max_rel` say by how much) or `equal`.
+    """
+
+    path: str
+    kind: str
+    before: str = ""
+    after: str = ""
+    to: str = ""
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+    def __str__(self) -> str:
+        sign = {"added": "+", "removed": "-", "moved": ">", "equal": "="}.get(self.kind, "~")
+        text = f"{sign} {self.path}"
+        if self.kind == "moved":
+            return f"{text} -> {self.to}  {self.before}"
+        if self.kind in ("added",):
+            return f"{text}  {self.after}"
+        if self.kind in ("removed", "equal"):
+            return f"{text}  {self.before}"
+        text += f"  {self.kind}: {self.before} -> {self.after}"
+        if self.max_abs is not None:
+            text += f"  max abs {self.max_abs:.6g}, max rel {self.max_rel:.6g}"
+        return text
+
+
+@attrs.frozen
+class Diff:
+    """What `lazyckpt.diff` returns: the changes in the first tree's order, then the
+    additions. `changed` lists all but `equal` entries; prints as one line each."""
+
+    changes: tuple[Change, ...]
+    values_compared: bool
+
+    @property
+    def changed(self) -> list[Change]:
+        return [c for c in self.changes if c.kind != "equal"]
+
+    def __bool__(self) -> bool:
+        """True when the trees differ."""
+        return bool(self.changed)
+
+    def counts(self) -> dict[str, int]:
+        return {kind: sum(c.kind == kind for c in self.changes) for kind in _KINDS}
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{n} {kind}" for kind, n in self.counts().items() if n)
+        what = "metadata and values" if self.values_compared else "metadata only"
+        lines = [f"{counts or 'both empty'} ({what})"]
+        lines.extend(str(c) for c in self.changed)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [attrs.asdict(c) for c in self.changes]
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, LazyArray):
+        return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
+    text = repr(leaf)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _signature(leaf: Any) -> Any:
+    if isinstance(leaf, LazyArray):
+        return ("array", leaf.shape, str(leaf.dtype))
+    return ("value", repr(leaf))
+
+
+def diff(
+    first: Any,
+    second: Any,
+    *,
+    values: bool = False,
+    memory_budget: int | None = None,
+    progress: bool | None = None,
+) -> Diff:
+    """Compare two trees (or checkpoint paths): structure, shapes and dtypes from
+    metadata; with `values=True`, array values too, block by block within
+    `memory_budget`, reporting the largest absolute and relative difference.
+
+    NaNs in the same places count as equal; a NaN or Inf facing a different value
+    makes the difference infinite. A leaf that disappears from one path and
+    appears at another with the same shape and dtype (and, if compared, values) is
+    reported as moved.
+
+    >>> tree = lazyckpt.open(path)
+    >>> changed = {**tree, "step": 4, "params": {"w": tree["params"]["w"]}}
+    >>> print(lazyckpt.diff(tree, changed))
+    1 removed, 1 value, 2 equal (metadata only)
+    - params/b  float32[8]
+    ~ step  value: 3 -> 4
+    """
+    if isinstance(first, str | os.PathLike):
+        first = open_checkpoint(first)
+    if isinstance(second, str | os.PathLike):
+        second = open_checkpoint(second)
+    a, b = dict(leaves(first)), dict(leaves(second))
+    changes: dict[str, Change] = {}
+    compare: list[tuple[str, LazyArray, LazyArray]] = []
+    for path, old in a.items():
+        if path not in b:
+            changes[path] = Change(path, "removed", before=_describe(old))
+            continue
+        new = b[path]
+        before, after = _describe(old), _describe(new)
+        if isinstance(old, LazyArray) and isinstance(new, LazyArray):
+            if old.shape != new.shape:
+                changes[path] = Change(path, "shape", before, after)
+            elif old.dtype != new.dtype:
+                changes[path] = Change(path, "dtype", before, after)
+            else:
+                changes[path] = Change(path, "equal", before, after)
+                if values and old.key_impl:
+                    if not _equal_keys(old, new):
+                        changes[path] = Change(path, "value", before, after)
+                elif values:
+                    compare.append((path, old, new))
+        elif isinstance(old, LazyArray) or isinstance(new, LazyArray):
+            changes[path] = Change(path, "value", before, after)
+        else:
+            kind = "equal" if _same_value(old, new) else "value"
+            changes[path] = Change(path, kind, before, after)
+    added = [
+        Change(path, "added", after=_describe(leaf)) for path, leaf in b.items() if path not in a
+    ]
+    if compare:
+        _compare_values(compare, changes, memory_budget, progress)
+    moved = _moves(a, b, changes, added, values, memory_budget)
+    ordered = [changes[path] for path in a]
+    return Diff((*ordered, *(c for c in added if c.path not in moved)), values)
+
+
+def _same_value(old: Any, new: Any) -> bool:
+    return type(old) is type(new) and old == new
+
+
+def _compare_values(
+    pairs: list[tuple[str, LazyArray, LazyArray]],
+    changes: dict[str, Change],
+    memory_budget: int | None,
+    progress: bool | None,
+) -> None:
+    total = sum(old.nbytes + new.nbytes for _, old, new in pairs)
+    bar = Progress.maybe(progress, total, "lazyckpt diff")
+    budget = None if memory_budget is None else max(1, memory_budget // 2)
+    by_key = {old.key: (path, new) for path, old, new in pairs}
+    worst: dict[str, tuple[float, float, bool]] = {}
+    for old, index, left in engine_blocks([old for _, old, _ in pairs], budget, bar):
+        path, new = by_key[old.key]
+        right = new[index].get()
+        abs_diff, rel_diff, differs = _block_difference(left, right)
+        prev = worst.get(path, (0.0, 0.0, False))
+        worst[path] = (max(prev[0], abs_diff), max(prev[1], rel_diff), prev[2] or differs)
+        if bar is not None:
+            bar.advance(right.nbytes)
+    if bar is not None:
+        bar.close()
+    for path, (abs_diff, rel_diff, differs) in worst.items():
+        if differs:
+            changes[path] = attrs.evolve(
+                changes[path], kind="value", max_abs=abs_diff, max_rel=rel_diff
+            )
+
+
+def _block_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float, bool]:
+    """Largest absolute and relative difference of two blocks, and whether any
+    element differs (NaN matching NaN does not)."""
+    if left.dtype.kind == "b":
+        differs = bool(np.any(left != right))
+        return float(differs), float(differs), differs
+    x = left.astype(np.float64) if left.dtype.kind != "c" else left.astype(np.complex128)
+    y = right.astype(x.dtype)
+    both_nan = np.isnan(x) & np.isnan(y)
+    same = (x == y) | both_nan
+    if bool(np.all(same)):
+        return 0.0, 0.0, False
+    with np.errstate(invalid="ignore", over="ignore"):
+        delta = np.abs(x - y)
+        delta = np.where(same, 0.0, np.where(np.isnan(delta), np.inf, delta))
+        scale = np.maximum(np.abs(x), np.abs(y))
+        rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
+    return float(delta.max()), float(np.nan_to_num(rel, nan=np.inf).max()), True
+
+
+def _moves(
+    a: dict[str, Any],
+    b: dict[str, Any],
+    changes: dict[str, Change],
+    added: list[Change],
+    values: bool,
+    memory_budget: int | None,
+) -> set[str]:
+    """Pair removed and added leaves with the same signature, one to one; returns the
+    added paths that were matched."""
+    free: dict[Any, list[str]] = {}
+    for change in added:
+        free.setdefault(_signature(b[change.path]), []).append(change.path)
+    matched: set[str] = set()
+    for path, change in list(changes.items()):
+        if change.kind != "removed":
+            continue
+        candidates = free.get(_signature(a[path]), [])
+        for target in candidates:
+            if values and not _equal_values(a[path], b[target], memory_budget):
+                continue
+            candidates.remove(target)
+            matched.add(target)
+            changes[path] = attrs.evolve(change, kind="moved", to=target)
+            break
+    return matched
+
+
+def _equal_keys(old: LazyArray, new: LazyArray) -> bool:
+    """Typed PRNG keys: equal when their key data is (they are small; read whole)."""
+    import jax
+
+    left, right = (np.asarray(jax.random.key_data(array.get())) for array in (old, new))
+    return old.key_impl == new.key_impl and np.array_equal(left, right)
+
+
+def _equal_values(old: Any, new: Any, memory_budget: int | None) -> bool:
+    if not isinstance(old, LazyArray):
+        return _same_value(old, new)
+    if old.key_impl:
+        return _equal_keys(old, new)
+    for _, index, left in engine_blocks([old], memory_budget, None):
+        if _block_difference(left, new[index].get())[2]:
+            return False
+    return True

@@ -1,0 +1,276 @@
+"""Showing lazy trees: a text and HTML summary, from metadata alone.
+
+`summary(tree)` lists every leaf in tree order with its shape, dtype, size, saved
+partition spec and mesh, and every subtree with the count and total size of the
+arrays below it. Nothing here reads array data, so a 10,000-array checkpoint shows
+at once; the HTML form (what notebooks display) is a collapsible tree.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from lazyckpt._format import human_bytes
+from lazyckpt._lazy import LazyArray
+from lazyckpt._sharding import SavedSharding
+from lazyckpt._tree import Path, keystr
+
+_OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
+_STYLE = """<style>
+.lazyckpt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.5}
+.lazyckpt details>summary{cursor:pointer;list-style:none}
+.lazyckpt details>summary::before{content:"\\25B8";display:inline-block;width:1.2em;color:#888}
+.lazyckpt details[open]>summary::before{content:"\\25BE"}
+.lazyckpt .kids{margin-left:1.2em;border-left:1px solid #ddd;padding-left:.4em}
+.lazyckpt .row{display:flex;gap:1.5em;white-space:nowrap}
+.lazyckpt .leaf{padding-left:1.2em}
+.lazyckpt .k{min-width:14em;font-weight:600}
+.lazyckpt .t{min-width:16em;color:#05a}
+.lazyckpt .n{min-width:7em;text-align:right;color:#555}
+.lazyckpt .s{color:#a50}
+.lazyckpt .m{color:#777}
+.lazyckpt .head{font-weight:600;margin-bottom:.3em}
+</style>"""
+
+
+def array_type(array: LazyArray) -> str:
+    """`float32[64,128]`, as the type column shows an array."""
+    return f"{array.dtype}[{','.join(str(n) for n in array.shape)}]"
+
+
+def spec_text(sharding: SavedSharding | None) -> tuple[str, str]:
+    """The saved partition spec and mesh as two short strings ("" when unknown)."""
+    if sharding is None:
+        return "", ""
+    if sharding.kind == "NamedSharding":
+        mesh = " ".join(f"{name}={size}" for name, size in sharding.mesh_axes.items())
+        return str(sharding).split("spec=", 1)[1][:-1], f"mesh {mesh}"
+    if sharding.kind == "SingleDeviceSharding":
+        return "single device", str(sharding.device or "")
+    return sharding.kind, ""
+
+
+@attrs.frozen
+class Row:
+    """One line of a summary: a subtree (`group`) or a leaf."""
+
+    path: Path
+    depth: int
+    group: bool
+    arrays: int = 0  # arrays at or below this row
+    nbytes: int = 0  # their size as views, in their dtypes
+    leaf: Any = None
+
+    @property
+    def name(self) -> str:
+        return str(self.path[-1]) if self.path else "(root)"
+
+    def describe(self) -> dict[str, Any]:
+        """The row as JSON-ready data (what `lazyckpt inspect --json` prints)."""
+        out: dict[str, Any] = {"path": keystr(self.path)}
+        if self.group:
+            out.update(kind="tree", arrays=self.arrays, nbytes=self.nbytes)
+            return out
+        leaf = self.leaf
+        if isinstance(leaf, LazyArray):
+            sharding = leaf.sharding
+            out.update(
+                kind="array",
+                shape=list(leaf.shape),
+                dtype=str(leaf.dtype),
+                nbytes=leaf.nbytes,
+                chunks=list(leaf.chunks),
+                sharding=None if sharding is None else _sharding_dict(sharding),
+            )
+            if leaf.dtype != leaf.stored.dtype and not leaf.key_impl:
+                out["stored_dtype"] = str(leaf.stored.dtype)
+            return out
+        out.update(kind="value", value=_json_value(leaf))
+        return out
+
+
+def _sharding_dict(sharding: SavedSharding) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": sharding.kind}
+    if sharding.kind == "NamedSharding":
+        out["mesh"] = sharding.mesh_axes
+        out["spec"] = [list(e) if isinstance(e, tuple) else e for e in sharding.partition_spec]
+    elif sharding.device is not None:
+        out["device"] = sharding.device
+    return out
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, dict | list | tuple) and not value:
+        return type(value)()
+    return repr(value)
+
+
+def rows(tree: Any) -> list[Row]:
+    """Every subtree and leaf of `tree`, in tree order, with totals per subtree."""
+    out: list[Row] = []
+    _collect(tree, (), 0, out)
+    return out
+
+
+def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, list | tuple) and node:
+        return iter(enumerate(node))
+    return None
+
+
+def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, int]:
+    children = _children(node) if not (isinstance(node, dict) and not node) else None
+    if children is None:
+        if isinstance(node, LazyArray):
+            out.append(Row(path, depth, False, 1, node.nbytes, node))
+            return 1, node.nbytes
+        out.append(Row(path, depth, False, leaf=node))
+        return 0, 0
+    index = len(out)
+    out.append(Row(path, depth, True))
+    arrays = nbytes = 0
+    for key, child in children:
+        count, size = _collect(child, (*path, key), depth + 1, out)
+        arrays += count
+        nbytes += size
+    out[index] = attrs.evolve(out[index], arrays=arrays, nbytes=nbytes)
+    return arrays, nbytes
+
+
+@attrs.frozen
+class Summary:
+    """What `lazyckpt.summary` returns: shows as text (`print`, `repr`) and as a
+    collapsible HTML tree in notebooks; `describe()` gives the same as data."""
+
+    rows: tuple[Row, ...]
+    title: str = ""
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [row.describe() for row in self.rows if row.path]
+
+    def to_json(self) -> str:
+        return json.dumps(self.describe(), indent=1)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def text(self) -> str:
+        lines = [self._headline()] if self.title else []
+        table = []
+        for row in self.rows:
+            if not row.path:
+                continue
+            indent = "  " * (row.depth - 1)
+            if row.group:
+                count = _count(row.arrays) if row.arrays else ""
+                table.append((f"{indent}{row.name}/", count, _size(row), "", ""))
+            elif isinstance(row.leaf, LazyArray):
+                spec, mesh = spec_text(row.leaf.sharding)
+                table.append((f"{indent}{row.name}", array_type(row.leaf), _size(row), spec, mesh))
+            else:
+                table.append((f"{indent}{row.name}", _short(row.leaf), "", "", ""))
+        widths = [max((len(r[i]) for r in table), default=0) for i in range(5)]
+        for r in table:
+            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2])]
+            lines.append("  ".join([*cells, r[3].ljust(widths[3]), r[4]]).rstrip())
+        return "\n".join(lines)
+
+    def _headline(self) -> str:
+        root = self.rows[0] if self.rows else None
+        arrays, nbytes = (root.arrays, root.nbytes) if root else (0, 0)
+        return f"{self.title}: {_count(arrays)}, {human_bytes(nbytes)}"
+
+    def _repr_html_(self) -> str:
+        total = sum(1 for row in self.rows if row.path)
+        open_all = total <= _OPEN_ALL_UP_TO
+        parts = ['<div class="lazyckpt">', _STYLE]
+        if self.title:
+            parts.append(f'<div class="head">{html.escape(self._headline())}</div>')
+        depth_open: list[int] = []
+        for row in self.rows:
+            if not row.path:
+                continue
+            while depth_open and depth_open[-1] >= row.depth:
+                depth_open.pop()
+                parts.append("</div></details>")
+            key = html.escape(keystr(row.path), quote=True)
+            name = html.escape(row.name)
+            if row.group:
+                opened = " open" if open_all or row.depth == 1 else ""
+                parts.append(
+                    f'<details{opened} data-path="{key}"><summary class="row">'
+                    f'<span class="k">{name}/</span><span class="t">{_count(row.arrays)}</span>'
+                    f'<span class="n">{_size(row)}</span></summary><div class="kids">'
+                )
+                depth_open.append(row.depth)
+            elif isinstance(row.leaf, LazyArray):
+                parts.append(_array_row(key, name, row.leaf))
+            else:
+                value = html.escape(_short(row.leaf))
+                parts.append(
+                    f'<div class="row leaf" data-path="{key}"><span class="k">{name}</span>'
+                    f'<span class="t">{value}</span></div>'
+                )
+        parts.extend("</div></details>" for _ in depth_open)
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def _array_row(key: str, name: str, array: LazyArray) -> str:
+    spec, mesh = spec_text(array.sharding)
+    chunks = "chunks " + "x".join(str(n) for n in array.chunks) if array.chunks else ""
+    return (
+        f'<div class="row leaf" data-path="{key}"><span class="k">{name}</span>'
+        f'<span class="t">{html.escape(array_type(array))}</span>'
+        f'<span class="n">{human_bytes(array.nbytes)}</span>'
+        f'<span class="s">{html.escape(spec)}</span><span class="m">{html.escape(mesh)}</span>'
+        f'<span class="m">{chunks}</span></div>'
+    )
+
+
+def array_html(array: LazyArray) -> str:
+    """A LazyArray as one summary row, for notebooks."""
+    name = html.escape(array.key or "(array)")
+    return f'<div class="lazyckpt">{_STYLE}{_array_row(name, name, array)}</div>'
+
+
+def _count(arrays: int) -> str:
+    return f"{arrays} array" + ("" if arrays == 1 else "s")
+
+
+def _size(row: Row) -> str:
+    return human_bytes(row.nbytes) if row.arrays else ""
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def summary(tree: Any, title: str = "") -> Summary:
+    """A summary of a lazy tree (or any pytree) from metadata alone.
+
+    Shows as an aligned text table, and in notebooks as a collapsible HTML tree; each
+    subtree carries the number and total size of the arrays below it.
+
+    >>> print(lazyckpt.summary(lazyckpt.open(path)))
+    opt_state/  1 array       256 B
+      mu        float32[8,8]  256 B
+    params/     2 arrays      288 B
+      b         float32[8]     32 B  P()          mesh x=4 y=2
+      w         float32[8,8]  256 B  P('x', 'y')  mesh x=4 y=2
+    step        3
+    """
+    return Summary(tuple(rows(tree)), title)
