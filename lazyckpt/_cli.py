@@ -22,7 +22,7 @@ def parse_size(text: str) -> int:
     (268435456, 1073741824, 4096)
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not match or float(match[1]) <= 0:
+    if not match or float(match[1]) * _UNITS[match[2]] < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; write bytes or a number with KiB, MiB, GiB (256MiB)"
         )
@@ -305,7 +305,7 @@ def _convert(args: argparse.Namespace) -> None:
         dtype=_dtype(args.dtype) if args.dtype else None,
         step=args.step,
         item=args.item,
-        chunk_bytes=args.chunk_size or DEFAULT_CHUNK_BYTES,
+        chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_size is None else args.chunk_size,
         memory_budget=args.memory_budget,
         overwrite=args.overwrite,
         progress=False if args.quiet else None,

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -97,8 +98,9 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
     if _renameat2(tmp, final, _RENAME_EXCHANGE):
         shutil.rmtree(tmp)  # now holds the old checkpoint
         return
-    # No atomic exchange here: move the old one aside first. A crash between the two
-    # renames leaves no checkpoint at `final` (the old one stays in `aside`).
+    # No atomic exchange here (NFS, for one): move the old one aside first. A crash
+    # between the two renames leaves no checkpoint at `final`; the old one stays in
+    # `aside` until a later save to `final` succeeds.
     aside = f"{_tmp_prefix(final)}{os.getpid()}-replaced-{secrets.token_hex(4)}"
     os.rename(final, aside)
     os.rename(tmp, final)
@@ -145,14 +147,19 @@ def _sync_dir(folder: str) -> None:
 
 
 def _remove_leftovers(final: str) -> None:
-    """Delete this host's temporary folders for `final` whose saving process is gone."""
+    """Delete this host's temporary folders for `final` whose saving process is gone.
+
+    Names are matched exactly (host, pid, 8 hex digits), so that another host whose
+    name merely starts with this one's keeps its saves in progress. A `-replaced-`
+    folder holds the checkpoint an interrupted overwrite moved aside; once a save to
+    `final` has succeeded since, it is obsolete too.
+    """
     prefix = _tmp_prefix(final)
-    parent, start = os.path.dirname(prefix), os.path.basename(prefix)
+    parent = os.path.dirname(prefix)
+    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
     for name in os.listdir(parent):
-        if not name.startswith(start):
-            continue
-        pid = name[len(start) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        match = pattern.fullmatch(name)
+        if match and not _alive(int(match[1])):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from lazyckpt._errors import LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._save import DEFAULT_CHUNK_BYTES, save
@@ -47,6 +48,11 @@ def convert(
         tree = select_tree(tree, _predicate(select))
     if dtype is not None:
         target = np.dtype(dtype)
+        if not _floating(target):
+            raise LazyTypeError(
+                f"dtype={target} is not a floating-point dtype; convert casts floating-point "
+                "arrays only (to bfloat16, float16, float32...)"
+            )
         tree = map_leaves(lambda leaf: _cast(leaf, target), tree)
     return save(
         destination,

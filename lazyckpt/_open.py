@@ -61,7 +61,12 @@ def _gc_paused() -> Iterator[None]:
 def _open(location: str) -> Any:
     text = _read_text(location, "_METADATA")
     metadata, leaves = tm.parse(location, text) if text is not None else ({}, [])
-    store = _open_store(location, metadata)
+    # A tree without arrays (strings, scalars read from _strings.json, None) has no
+    # database at all when Orbax or lazyckpt saves it.
+    needs_store = text is None or any(
+        leaf.value_type in (*tm.ARRAY_TYPES, tm.STORED) for leaf in leaves
+    )
+    store = _open_store(location, metadata, required=needs_store)
     legacy = read_msgpack(location)
     if text is None:
         leaves = msgpack_leaves(legacy) if legacy is not None else listed_leaves(store)
@@ -182,14 +187,14 @@ def _read_text(location: str, name: str) -> str | None:
         return None
 
 
-def _open_store(location: str, metadata: dict[str, Any]) -> Store:
+def _open_store(location: str, metadata: dict[str, Any], *, required: bool = True) -> Store:
     names = os.listdir(location)
     per_process = sorted(n for n in names if n.startswith("ocdbt.process_"))
     use_ocdbt = metadata.get("use_ocdbt")
     ocdbt = (
         bool(use_ocdbt) if use_ocdbt is not None else bool("manifest.ocdbt" in names or per_process)
     )
-    if ocdbt:
+    if ocdbt and required:
         # A missing manifest would open as an empty database without error (spec §15.1).
         hint = (
             f"; per-process databases {per_process} exist, so the merge step never ran or "
@@ -197,10 +202,10 @@ def _open_store(location: str, metadata: dict[str, Any]) -> Store:
             if per_process
             else ""
         )
-        for required, what in (("manifest.ocdbt", "root manifest"), ("d", "root data folder")):
-            if required not in names:
+        for needed, what in (("manifest.ocdbt", "root manifest"), ("d", "root data folder")):
+            if needed not in names:
                 raise CorruptCheckpointError(
-                    f"OCDBT {what} {location}/{required} is missing{hint}; the checkpoint "
+                    f"OCDBT {what} {location}/{needed} is missing{hint}; the checkpoint "
                     "cannot be read as saved, copy it again"
                 )
     return Store.open(location, ocdbt=ocdbt)

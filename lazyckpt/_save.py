@@ -45,7 +45,7 @@ overhead."""
 
 _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 _SEQUENCE_KEY, _DICT_KEY = 1, 2  # key_type codes in _METADATA (spec §3.1)
-_EMPTY_TYPES = {type(None): "None", dict: "Dict", list: "List", tuple: "Tuple"}
+_EMPTY_VALUE_TYPES = ("None", "Dict", "List", "Tuple")
 
 
 @attrs.frozen
@@ -143,7 +143,7 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
     """`(keys, leaf)` in tree order, None and empty containers included as leaves."""
 
     def is_leaf(node: Any) -> bool:
-        return node is None or (type(node) in _EMPTY_TYPES and not node)
+        return node is None or _empty_node(node)
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     for key_path, leaf in flat:
@@ -167,14 +167,36 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
         yield tuple(keys), leaf
 
 
+def _empty_node(node: Any) -> bool:
+    """Whether `node` is a pytree container with no children (`{}`, `()`, an empty
+    NamedTuple such as optax's EmptyState, an empty OrderedDict...)."""
+    if node is None or isinstance(node, LazyArray | np.ndarray | jax.Array | str | bytes):
+        return False
+    children: Any = jax.tree_util.tree_structure(node, is_leaf=lambda child: child is not node)
+    return bool(children.num_leaves == 0 and children.num_nodes == 1)
+
+
+def _empty_type(node: Any) -> str:
+    """The value_type Orbax records for an empty container (spec §3.1)."""
+    if node is None:
+        return "None"
+    if isinstance(node, dict):
+        return "Dict"
+    if type(node) is list:
+        return "List"
+    if type(node) is tuple:
+        return "Tuple"
+    return "None"  # NamedTuples and other registered nodes: restored as None
+
+
 def _path_str(keys: Sequence[tuple[str, int]]) -> str:
     return "/".join(key for key, _ in keys) or "(the root)"
 
 
 def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _Leaf:
     path = _path_str(keys)
-    if value is None or (type(value) in _EMPTY_TYPES and not value):
-        return _Leaf(path, keys, _EMPTY_TYPES[type(value)])
+    if value is None or _empty_node(value):
+        return _Leaf(path, keys, _empty_type(value))
     if isinstance(value, str):
         return _Leaf(path, keys, "string", value=value)
     if isinstance(value, LazyArray) and value.key_impl:
@@ -210,9 +232,20 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _L
             write_shape, sharding_json(value.sharding), impl,
         )  # fmt: skip
     if isinstance(value, bool | int | float | np.generic):
-        array = np.asarray(value)
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise UnsavableError(
+                    f"{path}: the int {value} does not fit the int64 that checkpoints store "
+                    "Python ints as; save it as a string or a float"
+                )
             array = np.asarray(value, np.int64)
+        else:
+            array = np.asarray(value)
+        if not _storable(array.dtype):
+            raise UnsavableError(
+                f"{path}: a scalar of dtype {array.dtype} cannot be stored in a checkpoint; "
+                "save numbers, or strings as str leaves"
+            )
         return _Leaf(path, keys, "scalar", array, (), array.dtype)
     if isinstance(value, np.ndarray):
         if not _storable(value.dtype):
@@ -233,7 +266,7 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _L
 def _storable(dtype: np.dtype[Any]) -> bool:
     """Whether tensorstore's zarr3 driver stores this dtype (bfloat16 and other
     ml_dtypes included; strings and objects not)."""
-    if dtype.hasobject or dtype.kind in "USM":
+    if dtype.hasobject or dtype.kind in "USMm" or dtype.names is not None:
         return False
     try:
         ts.dtype(dtype)
@@ -279,14 +312,14 @@ def _check_names(leaves: Sequence[_Leaf]) -> None:
     """Refuse trees whose leaves Orbax would store under one name, or could not read."""
     seen: dict[str, _Leaf] = {}
     for leaf in leaves:
-        if leaf.value_type in _EMPTY_TYPES.values():
+        if leaf.value_type in _EMPTY_VALUE_TYPES:
             continue
         name = leaf.name
         parts = name.split("/")
-        if name.startswith("/") or any(part in (".", "..") for part in parts):
+        if name and (name.startswith("/") or any(part in ("", ".", "..") for part in parts)):
             raise UnsavableError(
-                f"{leaf.path}: its parameter name {name!r} would read as a path outside "
-                "the checkpoint; rename the key"
+                f"{leaf.path}: its parameter name {name!r} has an empty, '.' or '..' part "
+                "between '/'s, which readers take as a path; rename the key"
             )
         if leaf.value_type == "string" and any(_bad_tilde(part) for part in parts):
             raise UnsavableError(
@@ -300,6 +333,7 @@ def _check_names(leaves: Sequence[_Leaf]) -> None:
                 "keys with '.'); rename one of them"
             )
         seen[name] = leaf
+    _nest_strings([leaf for leaf in leaves if leaf.value_type == "string"])
 
 
 def _bad_tilde(part: str) -> bool:
@@ -403,7 +437,8 @@ def _blocks_of(
         return
     if isinstance(value, LazyArray):
         itemsize = np.dtype(leaf.dtype).itemsize + value.stored.dtype.itemsize
-        for block in chunk_blocks(full, _lazy_grid(value, leaf.chunks), itemsize, block_bytes):
+        grid = _lazy_grid(value, leaf.chunks, itemsize, block_bytes)
+        for block in chunk_blocks(full, grid, itemsize, block_bytes):
             index = _index(block)
             yield index, box_bytes(block, itemsize), value[index].read
         return
@@ -437,11 +472,16 @@ def _shard_blocks(
         for shard in shards
     ]
     if not all(on_grid(box, full, leaf.chunks) for box in boxes):
-        # Chunks that straddle shards: assemble the array on the host first.
-        host = np.asarray(value)
+        # Chunks that straddle shards: assemble each block from the shards it overlaps.
         for block in chunk_blocks(full, leaf.chunks, itemsize, block_bytes):
-            index = _index(block)
-            yield index, box_bytes(block, itemsize), _const(host[index])
+            parts = []
+            for shard, box in zip(shards, boxes, strict=True):
+                part = tuple(
+                    (max(a, c), min(b, d)) for (a, b), (c, d) in zip(block, box, strict=True)
+                )
+                if all(low < high for low, high in part):
+                    parts.append((shard.data, part, box))
+            yield _index(block), box_bytes(block, itemsize), _assemble(block, parts, leaf.dtype)
         return
     for shard, box in zip(shards, boxes, strict=True):
         for block in chunk_blocks(box, leaf.chunks, itemsize, block_bytes):
@@ -449,6 +489,24 @@ def _shard_blocks(
                 slice(low - o, high - o) for (low, high), (o, _) in zip(block, box, strict=True)
             )
             yield _index(block), box_bytes(block, itemsize), _shard_piece(shard.data, local)
+
+
+def _assemble(
+    block: Box, parts: list[tuple[jax.Array, Box, Box]], dtype: Any
+) -> Callable[[], np.ndarray]:
+    """The values of `block`, copied together from the shards that overlap it."""
+
+    def values() -> np.ndarray:
+        out = np.empty(tuple(high - low for low, high in block), dtype)
+        for data, part, box in parts:
+            local = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(part, box, strict=True))
+            into = tuple(
+                slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(part, block, strict=True)
+            )
+            out[into] = _shard_piece(data, local)()
+        return out
+
+    return values
 
 
 def _shard_piece(data: jax.Array, local: tuple[slice, ...]) -> Callable[[], np.ndarray]:
@@ -460,9 +518,12 @@ def _shard_piece(data: jax.Array, local: tuple[slice, ...]) -> Callable[[], np.n
     return piece
 
 
-def _lazy_grid(array: LazyArray, chunks: tuple[int, ...]) -> tuple[int, ...]:
-    """Blocks for streaming `array`: whole new chunks, and whole stored chunks too
-    where the two grids line up (so that no stored chunk is read twice)."""
+def _lazy_grid(
+    array: LazyArray, chunks: tuple[int, ...], itemsize: int, block_bytes: int
+) -> tuple[int, ...]:
+    """Blocks for streaming `array`: whole new chunks, widened to whole stored chunks
+    too where the two grids line up (so that no stored chunk is read twice), as long
+    as such a block is no larger than a stored chunk or a block of the budget."""
     mapping = stored_map(array)
     if mapping is None:
         return chunks
@@ -473,8 +534,10 @@ def _lazy_grid(array: LazyArray, chunks: tuple[int, ...]) -> tuple[int, ...]:
             continue
         dim, offset = entry
         stored = array.stored.chunks[dim]
-        common = math.lcm(chunk, stored)
-        grid.append(common if offset % stored == 0 and common <= 4 * max(chunk, stored) else chunk)
+        grid.append(math.lcm(chunk, stored) if offset % stored == 0 else chunk)
+    widest = max(block_bytes, math.prod(array.stored.chunks) * itemsize)
+    if math.prod(grid) * itemsize > widest:
+        return chunks
     return tuple(grid)
 
 
@@ -484,7 +547,7 @@ def _write_metadata(tmp: str, final: str, leaves: Sequence[_Leaf]) -> None:
     for leaf in leaves:
         entry: dict[str, Any] = {
             "value_type": leaf.value_type,
-            "skip_deserialize": leaf.value_type in _EMPTY_TYPES.values(),
+            "skip_deserialize": leaf.value_type in _EMPTY_VALUE_TYPES,
         }
         if leaf.write_shape is not None:
             entry["write_shape"] = list(leaf.write_shape)

@@ -159,6 +159,8 @@ def _histograms(
         edges[array.key] = np.histogram_bin_edges([], bins, (low, high))
         counts[array.key] = np.zeros(bins, np.int64)
     for array, _, values in engine_blocks(arrays, memory_budget, bar):
+        if values.dtype.kind == "b":
+            values = values.view(np.uint8)
         finite = values[np.isfinite(values)] if values.dtype.kind == "f" else values
         counts[array.key] += np.histogram(finite, edges[array.key])[0]
     return {key: (counts[key], edges[key]) for key in counts}

@@ -212,7 +212,7 @@ def test_leftover_temporary_folders_never_open_and_never_block(tmp_path: Path) -
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     import socket
 
-    leftover = Path(f"{final}.orbax-checkpoint-tmp-lazyckpt-{socket.gethostname()}-{dead}-0a1b")
+    leftover = Path(f"{final}.orbax-checkpoint-tmp-lazyckpt-{socket.gethostname()}-{dead}-0a1b2c3d")
     lazyckpt.save(tmp_path / "whole", {"w": np.ones(4)})
     shutil.copytree(tmp_path / "whole", leftover)  # complete files, never committed
     with pytest.raises(lazyckpt.UnfinishedCheckpointError):
@@ -231,7 +231,11 @@ def test_leftover_temporary_folders_never_open_and_never_block(tmp_path: Path) -
         ({"a": object()}, r"a: cannot save a builtins.object"),
         ({"x.y": {"z": 1}, "x": {"y.z": 2}}, r"would both be stored as 'x.y.z'"),
         ({"a~b": "text"}, r"'~' must be followed by '0' or '1'"),
-        ({"..": np.zeros(2)}, r"would read as a path outside the checkpoint"),
+        ({"..": np.zeros(2)}, r"'\.\.' part between '/'s"),
+        ({"a/": np.zeros(2)}, r"has an empty, '\.' or '\.\.' part"),
+        ({"s": np.zeros(2, [("a", "i4"), ("b", "f4")])}, r"s: NumPy arrays of dtype"),
+        ({"t": np.datetime64("2026-01-01")}, r"t: a scalar of dtype datetime64"),
+        ({"big": 2**70}, r"big: the int 1180591620717411303424 does not fit the int64"),
         ({(1, 2): np.zeros(2)}, r"dict key \(1, 2\) is a tuple"),
         ({"s": np.array(["a", "b"])}, r"s: NumPy arrays of dtype <U1 cannot be stored"),
         ({"e": "one", "e/f": "two"}, r"nests under another string leaf"),
@@ -286,3 +290,65 @@ def test_save_then_open_round_trips_random_arrays_and_views(data: st.DataObject)
         view = lazy[index]
         second = lazyckpt.save(os.path.join(folder, "b"), {"v": view}, chunk_bytes=chunk_bytes)
         np.testing.assert_array_equal(lazyckpt.open(second)["v"].get(), value[index])
+
+
+def test_empty_containers_of_every_kind_survive(tmp_path: Path) -> None:
+    """optax's EmptyState, OrderedDicts: Orbax records them; so must lazyckpt."""
+    import collections
+
+    import orbax.checkpoint as ocp
+
+    empty_state = collections.namedtuple("EmptyState", [])
+    tree = {
+        "opt": (empty_state(), {"mu": np.ones(3, np.float32)}),
+        "od": collections.OrderedDict(),
+        "nested": {"inner": {}},
+    }
+    path = lazyckpt.save(tmp_path / "ckpt", tree)
+    opened = lazyckpt.open(path)
+    assert opened["opt"][0] is None and opened["od"] == {} and opened["nested"] == {"inner": {}}
+    target = {"opt": (None, {"mu": np.zeros(3, np.float32)}), "od": {}, "nested": {"inner": {}}}
+    restored = ocp.StandardCheckpointer().restore(path, target)
+    np.testing.assert_array_equal(restored["opt"][1]["mu"], np.ones(3, np.float32))
+
+
+def test_a_tree_without_arrays_opens(tmp_path: Path) -> None:
+    path = lazyckpt.save(tmp_path / "ckpt", {"note": "hi", "n": None, "rate": 0.5})
+    assert lazyckpt.open(path) == {"n": None, "note": "hi", "rate": 0.5}
+
+
+def test_cleanup_spares_saves_of_hosts_whose_names_extend_ours(tmp_path: Path) -> None:
+    import socket
+
+    final = tmp_path / "ckpt"
+    other = Path(f"{final}.orbax-checkpoint-tmp-lazyckpt-{socket.gethostname()}-7-123-0a1b2c3d")
+    other.mkdir()  # host "<ours>-7", pid 123: not ours to judge
+    lazyckpt.save(final, {"a": np.zeros(2)})
+    assert other.exists()
+
+
+def test_jax_shards_that_cut_through_chunks_are_assembled_per_block(
+    tmp_path: Path, mesh: Any
+) -> None:
+    value = np.arange(56 * 3, dtype=np.float32).reshape(56, 3)
+    sharded = jax.device_put(value, NamedSharding(mesh, P("x")))  # 14-row shards
+    path = lazyckpt.save(tmp_path / "ckpt", {"w": sharded}, chunk_bytes=5 * 3 * 4)
+    lazy = lazyckpt.open(path)["w"]
+    assert 14 % lazy.chunks[0] != 0  # an even split of 14 rows, not a divisor
+    np.testing.assert_array_equal(lazy.get(), value)
+
+
+def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
+    tmp_path: Path,
+) -> None:
+    from lazyckpt._save import _lazy_grid
+
+    value = np.zeros((400, 4096), np.float32)
+    path = lazyckpt.save(tmp_path / "src", {"w": value}, chunk_bytes=4 * 4096 * 4)
+    lazy = lazyckpt.open(path)["w"]
+    assert lazy.chunks == (4, 4096)
+    # New 5-row chunks: the common grid (20 rows) is 5 stored chunks, more than the
+    # budget's block, so blocks stay single new chunks.
+    assert _lazy_grid(lazy, (5, 4096), 8, 50 << 10) == (5, 4096)
+    # New 2-row chunks divide the stored ones: blocks are whole stored chunks.
+    assert _lazy_grid(lazy, (2, 4096), 8, 50 << 10) == (4, 4096)
