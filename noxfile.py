@@ -1,10 +1,10 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s docs`."""
 
 from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -25,3 +25,10 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install("-e", ".", "mypy")
     session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the site into site/, warnings as errors."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict")

@@ -23,17 +23,19 @@ from lazyckpt._tree import Path, keystr
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
 _STYLE = """<style>
 .lazyckpt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.5}
-.lazyckpt details>summary{cursor:pointer;list-style:none}
-.lazyckpt details>summary::before{content:"\\25B8";display:inline-block;width:1.2em;color:#888}
+.lazyckpt details>summary{cursor:pointer;list-style:none;position:relative;padding-left:1.2em}
+.lazyckpt details>summary::-webkit-details-marker{display:none}
+.lazyckpt details>summary::before{content:"\\25B8";position:absolute;left:0;color:#888}
 .lazyckpt details[open]>summary::before{content:"\\25BE"}
-.lazyckpt .kids{margin-left:1.2em;border-left:1px solid #ddd;padding-left:.4em}
+.lazyckpt .kids{margin-left:.5em;border-left:1px solid #ddd;padding-left:.7em}
 .lazyckpt .row{display:flex;gap:1.5em;white-space:nowrap}
 .lazyckpt .leaf{padding-left:1.2em}
-.lazyckpt .k{min-width:14em;font-weight:600}
-.lazyckpt .t{min-width:16em;color:#05a}
-.lazyckpt .n{min-width:7em;text-align:right;color:#555}
-.lazyckpt .s{color:#a50}
-.lazyckpt .m{color:#777}
+.lazyckpt .k{font-weight:600;overflow:hidden;text-overflow:ellipsis;flex:none}
+.lazyckpt .t{width:16em;color:#05a;flex:none}
+.lazyckpt .n{width:6em;text-align:right;color:#555;flex:none}
+.lazyckpt .s{width:11em;color:#a50;flex:none}
+.lazyckpt .m{width:11em;color:#777;flex:none}
+.lazyckpt .c{color:#777}
 .lazyckpt .head{font-weight:600;margin-bottom:.3em}
 </style>"""
 
@@ -209,18 +211,19 @@ class Summary:
             name = html.escape(row.name)
             if row.group:
                 opened = " open" if open_all or row.depth == 1 else ""
+                count = _count(row.arrays) if row.arrays else ""
                 parts.append(
                     f'<details{opened} data-path="{key}"><summary class="row">'
-                    f'<span class="k">{name}/</span><span class="t">{_count(row.arrays)}</span>'
+                    f'{_key(name + "/", row.depth)}<span class="t">{count}</span>'
                     f'<span class="n">{_size(row)}</span></summary><div class="kids">'
                 )
                 depth_open.append(row.depth)
             elif isinstance(row.leaf, LazyArray):
-                parts.append(_array_row(key, name, row.leaf))
+                parts.append(_array_row(key, name, row.leaf, row.depth))
             else:
                 value = html.escape(_short(row.leaf))
                 parts.append(
-                    f'<div class="row leaf" data-path="{key}"><span class="k">{name}</span>'
+                    f'<div class="row leaf" data-path="{key}">{_key(name, row.depth)}'
                     f'<span class="t">{value}</span></div>'
                 )
         parts.extend("</div></details>" for _ in depth_open)
@@ -228,15 +231,24 @@ class Summary:
         return "".join(parts)
 
 
-def _array_row(key: str, name: str, array: LazyArray) -> str:
+def _key(name: str, depth: int) -> str:
+    """The key cell, narrower by each level's indent so later columns line up."""
+    width = f"calc({_KEY_EM}em - {depth - 1} * (1.2em + 1px))"
+    return f'<span class="k" style="width:{width}">{name}</span>'
+
+
+_KEY_EM = 18
+
+
+def _array_row(key: str, name: str, array: LazyArray, depth: int = 1) -> str:
     spec, mesh = spec_text(array.sharding)
     chunks = "chunks " + "x".join(str(n) for n in array.chunks) if array.chunks else ""
     return (
-        f'<div class="row leaf" data-path="{key}"><span class="k">{name}</span>'
+        f'<div class="row leaf" data-path="{key}">{_key(name, depth)}'
         f'<span class="t">{html.escape(array_type(array))}</span>'
         f'<span class="n">{human_bytes(array.nbytes)}</span>'
         f'<span class="s">{html.escape(spec)}</span><span class="m">{html.escape(mesh)}</span>'
-        f'<span class="m">{chunks}</span></div>'
+        f'<span class="c">{chunks}</span></div>'
     )
 
 

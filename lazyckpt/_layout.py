@@ -44,7 +44,12 @@ def _step_dirs(root: str) -> dict[int, str]:
     found: dict[int, str] = {}
     for name in sorted(os.listdir(root)):
         match = _STEP_NAME.match(name)
-        if match and not is_unfinished(name) and os.path.isdir(os.path.join(root, name)):
+        if (
+            match
+            and not is_unfinished(name)
+            and not name.startswith("ocdbt.process_")  # a PyTree's per-process database
+            and os.path.isdir(os.path.join(root, name))
+        ):
             found[int(match["step"])] = os.path.join(root, name)
     return found
 
@@ -103,7 +108,14 @@ def _step_folder(folder: str, step: int | None) -> str:
     """`folder` itself, or for a CheckpointManager root the folder of `step` (or the
     latest committed step)."""
     found = _step_dirs(folder)
-    if not found or _pytree_items(folder):
+    items = _pytree_items(folder)
+    # Step folders that are PyTree folders themselves (saved directly, one per step)
+    # make a root too; a step folder with items has _CHECKPOINT_METADATA, or items
+    # not named like steps.
+    step_like = os.path.exists(os.path.join(folder, "_CHECKPOINT_METADATA")) or any(
+        not _STEP_NAME.match(name) for name in items
+    )
+    if not found or (items and step_like) or is_pytree_dir(folder):
         if step is not None:
             raise CheckpointNotFoundError(
                 f"{folder} is not a CheckpointManager root (no step folders), so "

@@ -352,3 +352,12 @@ def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
     assert _lazy_grid(lazy, (5, 4096), 8, 50 << 10) == (5, 4096)
     # New 2-row chunks divide the stored ones: blocks are whole stored chunks.
     assert _lazy_grid(lazy, (2, 4096), 8, 50 << 10) == (4, 4096)
+
+
+def test_a_folder_of_step_checkpoints_opens_as_a_run(tmp_path: Path) -> None:
+    """Checkpoints saved straight into `run/<step>` make a CheckpointManager-like root."""
+    for step in (100, 200):
+        lazyckpt.save(tmp_path / "run" / str(step), {"step": step, "w": np.full(2, step)})
+    assert lazyckpt.steps(tmp_path / "run") == [100, 200]
+    assert lazyckpt.open(tmp_path / "run")["step"] == 200
+    assert lazyckpt.open(tmp_path / "run", step=100)["step"] == 100
