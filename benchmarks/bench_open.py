@@ -54,6 +54,24 @@ def lazy_open(path: str) -> dict[str, Any]:
     return measure(run, keep=True)
 
 
+def lazy_display(path: str) -> dict[str, Any]:
+    """Drawing the opened tree: lazyckpt's summary (text and HTML), and treescope."""
+    import treescope
+
+    import lazyckpt
+
+    tree = lazyckpt.open(path)
+    out = {}
+    for name, draw in (
+        ("summary, text", lambda: str(lazyckpt.summary(tree))),
+        ("summary, HTML", lambda: lazyckpt.summary(tree)._repr_html_()),
+        ("treescope.render_to_html", lambda: treescope.render_to_html(tree)),
+    ):
+        got = measure(draw, keep=True)
+        out[name] = (got["seconds"], len(got["result"]), got["bytes_read"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="/tmp/lazyckpt-bench", type=Path)
@@ -82,6 +100,9 @@ def main() -> None:
         f"lazyckpt.open is {ratio(best['orbax metadata()'], best['lazyckpt.open'])} faster "
         f"than orbax metadata() on {LAYERS * PARAMS:,} arrays"
     )
+    print(f"\ndrawing the opened tree of {LAYERS * PARAMS:,} arrays (bytes read: array data)")
+    for name, (seconds, size, reads) in in_fresh_process(lazy_display, str(path)).items():
+        print(f"{name:26} {seconds:6.3f} s   {size / 1024:8,.0f} KiB   {reads:,} bytes read")
 
 
 if __name__ == "__main__":

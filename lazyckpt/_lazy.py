@@ -167,16 +167,14 @@ class LazyArray:
         return array_html(self)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        """How treescope shows a LazyArray: its metadata, never its values."""
-        from treescope import repr_lib
+        """How treescope shows a LazyArray: its repr, as one line; never its values.
 
-        attributes = {"key": self.key, "shape": self.shape, "dtype": self.dtype}
-        attributes.update(chunks=self.chunks, sharding=self.sharding)
-        return repr_lib.render_object_constructor(
-            object_type=type(self),
-            attributes=attributes,
-            path=path,
-            subtree_renderer=subtree_renderer,
+        One text line rather than a rendered constructor: 10,000 arrays render in
+        seconds instead of tens of seconds."""
+        from treescope import rendering_parts
+
+        return rendering_parts.build_one_line_tree_node(
+            line=rendering_parts.text(repr(self)), path=path
         )
 
     def __repr__(self) -> str:

@@ -45,4 +45,4 @@ def test_tutorial_notebook_runs(tmp_path: Path) -> None:
     assert "~ params/layers/0/kernel  value: float32[256,512] -> float32[256,512]" in joined
     assert "P(None, 'model')" in joined  # the placed kernel's sharding
     assert "bfloat16[4096,256]" in joined  # the converted copy
-    assert "LazyArray(key='params/layers/0/kernel'" in joined  # treescope
+    assert "LazyArray('params/layers/0/kernel', shape=(256, 512)" in joined  # treescope
