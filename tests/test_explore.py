@@ -256,3 +256,17 @@ def test_stats_reads_within_budget_and_reports_progress(
     assert s.max == 65535.0 and s.mean == pytest.approx(value.mean(dtype=np.float64))
     assert "lazyckpt stats: 256.0 KiB / 256.0 KiB (100%)" in capsys.readouterr().err
     assert isinstance(lazyckpt.open(path)["w"], LazyArray)
+
+
+def test_cli_inspect_reads_only_what_open_reads(
+    saved: tuple[Path, dict[str, Any]], count_bytes: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lazyckpt._cli import main
+
+    path, _ = saved
+    with count_bytes() as opening:
+        lazyckpt.open(path)
+    with count_bytes() as inspecting:
+        assert main(["inspect", str(path)]) == 0
+    assert "kernel" in capsys.readouterr().out
+    assert inspecting[0] == opening[0]  # metadata (and the inline scalars); no chunk
