@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lazyckpt._errors import LazyckptError, NoMatchError
+from lazyckpt._fs import is_remote, normalize
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -138,7 +139,7 @@ def _inspect(args: argparse.Namespace) -> None:
     tree = _open(args)
     summary = lazyckpt.summary(tree, title=_title(args, steps))
     if args.json:
-        out = {"path": os.path.abspath(args.path), "steps": steps, "leaves": summary.describe()}
+        out = {"path": normalize(args.path), "steps": steps, "leaves": summary.describe()}
         print(json.dumps(out, indent=1))
         return
     print(summary.text())
@@ -154,7 +155,7 @@ def _steps(path: str) -> list[int]:
 
 
 def _title(args: argparse.Namespace, steps: list[int]) -> str:
-    title = os.path.abspath(str(args.path))
+    title = normalize(args.path)
     if steps:
         shown = args.step if args.step is not None else steps[-1]
         listed = ", ".join(map(str, steps[-20:])) + (" ..." if len(steps) > 20 else "")
@@ -310,6 +311,9 @@ def _convert(args: argparse.Namespace) -> None:
         overwrite=args.overwrite,
         progress=False if args.quiet else None,
     )
+    if is_remote(out):
+        print(f"wrote {out}")
+        return
     size = sum(
         os.path.getsize(os.path.join(folder, name))
         for folder, _, names in os.walk(out)

@@ -20,6 +20,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 
+from lazyckpt import _fs as fs
 from lazyckpt._errors import CheckpointExistsError, LazyckptError
 from lazyckpt._layout import is_pytree_dir, is_unfinished
 
@@ -39,6 +40,10 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
     Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
     exception the temporary folder is removed and `final` is untouched.
     """
+    if fs.is_remote(final):
+        with _publishing_to_bucket(final, overwrite=overwrite):
+            yield final
+        return
     _check_destination(final, overwrite)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
@@ -52,6 +57,32 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
         raise
     _sync_dir(os.path.dirname(final))
     _remove_leftovers(final)
+
+
+@contextlib.contextmanager
+def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
+    """Object stores have no rename: write in place, `commit_success.txt` last (the
+    caller's last write), as Orbax does. Until that file exists, readers treat the
+    folder as unfinished; a failed save removes what it wrote."""
+    existing = fs.listdir(final) if fs.isdir(final) else []
+    if existing:
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{final} already exists ({len(existing)} entries); pass overwrite=True "
+                "(--overwrite) to replace it, or choose a new path"
+            )
+        if not _is_checkpoint(final):
+            raise CheckpointExistsError(
+                f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
+                "only checkpoints, delete it yourself if it should go"
+            )
+        fs.delete_folder(final)  # commit_success.txt goes first: never half old, half new
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.delete_folder(final)
+        raise
 
 
 def _check_destination(final: str, overwrite: bool) -> None:
@@ -81,7 +112,7 @@ def _check_destination(final: str, overwrite: bool) -> None:
 
 
 def _is_checkpoint(path: str) -> bool:
-    return is_pytree_dir(path) or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
+    return is_pytree_dir(path) or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
 
 
 def _publish(tmp: str, final: str, overwrite: bool) -> None:

@@ -29,6 +29,7 @@ def convert(
     memory_budget: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Rewrite the checkpoint at `source` as a lazyckpt-saved one at `destination`.
 
@@ -43,7 +44,7 @@ def convert(
     >>> lazyckpt.open(out)["params"]["b"]
     LazyArray('params/b', shape=(8,), dtype=float16, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P()))
     """
-    tree = open_checkpoint(source, step=step, item=item)
+    tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
     if select is not None:
         tree = select_tree(tree, _predicate(select))
     if dtype is not None:
@@ -61,6 +62,7 @@ def convert(
         memory_budget=memory_budget,
         overwrite=overwrite,
         progress=progress,
+        storage_options=storage_options,
     )
 
 

@@ -83,3 +83,9 @@ class UnsavableError(LazyckptError, TypeError):
     """A tree holds a leaf or a key that an Orbax checkpoint cannot represent."""
 
     __module__ = "lazyckpt"
+
+
+class StorageAccessError(LazyckptError, PermissionError):
+    """Object storage refused a request: no credentials, rejected ones, or access denied."""
+
+    __module__ = "lazyckpt"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Any
 
+from lazyckpt import _fs as fs
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -24,17 +26,17 @@ def is_unfinished(name: str) -> bool:
 
 def is_pytree_dir(path: str) -> bool:
     """Whether `path` holds PyTree files directly (spec §0)."""
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return False
-    names = os.listdir(path)
+    names = fs.listdir(path)
     if {"_METADATA", "checkpoint", "manifest.ocdbt"} & set(names):
         return True
     if any(n.startswith("ocdbt.process_") for n in names):
         return True
     return any(
-        os.path.exists(os.path.join(path, n, m))
+        fs.isfile(fs.join(fs.join(path, n), m))
         for n in names
-        if os.path.isdir(os.path.join(path, n))
+        if fs.isdir(fs.join(path, n))
         for m in _ZARR_METADATA
     )
 
@@ -42,15 +44,16 @@ def is_pytree_dir(path: str) -> bool:
 def _step_dirs(root: str) -> dict[int, str]:
     """Committed step folders of a CheckpointManager root, by step number."""
     found: dict[int, str] = {}
-    for name in sorted(os.listdir(root)):
+    for name in fs.listdir(root):
         match = _STEP_NAME.match(name)
         if (
             match
             and not is_unfinished(name)
             and not name.startswith("ocdbt.process_")  # a PyTree's per-process database
-            and os.path.isdir(os.path.join(root, name))
+            and fs.isdir(fs.join(root, name))
+            and _committed(fs.join(root, name))
         ):
-            found[int(match["step"])] = os.path.join(root, name)
+            found[int(match["step"])] = fs.join(root, name)
     return found
 
 
@@ -58,21 +61,23 @@ def _pytree_items(step_dir: str) -> list[str]:
     """Names of the PyTree items inside a step folder."""
     return sorted(
         name
-        for name in os.listdir(step_dir)
-        if not is_unfinished(name) and is_pytree_dir(os.path.join(step_dir, name))
+        for name in fs.listdir(step_dir)
+        if not is_unfinished(name) and is_pytree_dir(fs.join(step_dir, name))
     )
 
 
 def _listed_items(step_dir: str) -> list[str]:
     try:
-        with open(os.path.join(step_dir, "_CHECKPOINT_METADATA")) as f:
-            handlers = json.load(f).get("item_handlers")
+        text = fs.read_text(fs.join(step_dir, "_CHECKPOINT_METADATA"))
+        handlers = json.loads(text).get("item_handlers") if text is not None else None
     except (OSError, ValueError, AttributeError, RecursionError):
         return []
     return sorted(handlers) if isinstance(handlers, dict) else []
 
 
-def steps(path: str | os.PathLike[str]) -> list[int]:
+def steps(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[int]:
     """The committed steps of a CheckpointManager root, in increasing order.
 
     Unfinished saves (`*.orbax-checkpoint-tmp*`) are not listed.
@@ -80,17 +85,23 @@ def steps(path: str | os.PathLike[str]) -> list[int]:
     >>> lazyckpt.steps(run)
     [1, 2]
     """
-    root = _existing_folder(path)
-    found = _step_dirs(root)
+    with fs.session(storage_options):
+        root = _existing_folder(path)
+        found = _step_dirs(root)
     if not found:
         raise NotACheckpointError(
             f"{root} is not a CheckpointManager root: it has no committed step folders "
-            f"(names like '12' or 'ckpt_000012'; found {sorted(os.listdir(root))[:10]})"
+            f"(names like '12' or 'ckpt_000012'; found {fs.listdir(root)[:10]})"
         )
     return sorted(found)
 
 
-def items(path: str | os.PathLike[str], *, step: int | None = None) -> list[str]:
+def items(
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
     """The PyTree items of a step folder (of the latest or given step of a root).
 
     Pass one of them to `lazyckpt.open(..., item=NAME)`.
@@ -98,10 +109,11 @@ def items(path: str | os.PathLike[str], *, step: int | None = None) -> list[str]
     >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
     (['extra', 'state'], ['state'])
     """
-    folder = _existing_folder(path)
-    if is_pytree_dir(folder):
-        return []
-    return _pytree_items(_step_folder(folder, step))
+    with fs.session(storage_options):
+        folder = _existing_folder(path)
+        if is_pytree_dir(folder):
+            return []
+        return _pytree_items(_step_folder(folder, step))
 
 
 def _step_folder(folder: str, step: int | None) -> str:
@@ -112,7 +124,7 @@ def _step_folder(folder: str, step: int | None) -> str:
     # Step folders that are PyTree folders themselves (saved directly, one per step)
     # make a root too; a step folder with items has _CHECKPOINT_METADATA, or items
     # not named like steps.
-    step_like = os.path.exists(os.path.join(folder, "_CHECKPOINT_METADATA")) or any(
+    step_like = fs.isfile(fs.join(folder, "_CHECKPOINT_METADATA")) or any(
         not _STEP_NAME.match(name) for name in items
     )
     if not found or (items and step_like) or is_pytree_dir(folder):
@@ -132,42 +144,68 @@ def _step_folder(folder: str, step: int | None) -> str:
 
 
 def _existing_folder(path: str | os.PathLike[str]) -> str:
-    folder = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(folder):
+    folder = fs.normalize(path)
+    if not fs.isdir(folder):
         raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
     return folder
 
 
 def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
     """The PyTree item folder that `path` (with `step` and `item`) points to."""
-    path = os.path.abspath(os.fspath(path))
-    if is_unfinished(os.path.basename(path)):
+    path = fs.normalize(path)
+    if is_unfinished(fs.basename(path)):
         raise UnfinishedCheckpointError(
             f"{path} is an unfinished save (its name contains {_TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         raise NotACheckpointError(
             f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
             "_METADATA (or a CheckpointManager root or step folder)"
         )
     if is_pytree_dir(path) and step is None and item is None:
-        return path
-    folder = _step_folder(path, step)
-    return folder if folder != path and is_pytree_dir(folder) else _item(folder, item)
+        found = path
+    else:
+        folder = _step_folder(path, step)
+        found = folder if folder != path and is_pytree_dir(folder) else _item(folder, item)
+    if not _finished(found):
+        raise UnfinishedCheckpointError(
+            f"{found} has no commit_success.txt, which on object storage marks a finished "
+            "save (there is no rename to commit with); the save is unfinished or was "
+            "interrupted: open an earlier step, or save again"
+        )
+    return found
+
+
+def _finished(item: str) -> bool:
+    """Whether the save of the PyTree folder `item` finished: its step folder's commit
+    marker when it is an item of a step, else its own."""
+    if not fs.is_remote(item):
+        return True
+    step = fs.dirname(item)
+    in_step = not fs.isfile(fs.join(item, "_CHECKPOINT_METADATA")) and fs.isfile(
+        fs.join(step, "_CHECKPOINT_METADATA")
+    )
+    return _committed(step) if in_step else _committed(item) or _committed(step)
+
+
+def _committed(folder: str) -> bool:
+    """Whether a save to `folder` finished. On object storage only the presence of
+    commit_success.txt says so (spec §1.1); on a local disk the rename did."""
+    return not fs.is_remote(folder) or fs.isfile(fs.join(folder, "commit_success.txt"))
 
 
 def _item(step_dir: str, item: str | None) -> str:
     present = _pytree_items(step_dir)
     if item is not None:
         if item in present:
-            return os.path.join(step_dir, item)
-        if os.path.isdir(os.path.join(step_dir, item)):
+            return fs.join(step_dir, item)
+        if fs.isdir(fs.join(step_dir, item)):
             raise NotACheckpointError(
                 f"item {item!r} in {step_dir} is not a PyTree item (it holds "
-                f"{sorted(os.listdir(os.path.join(step_dir, item)))[:5]}); PyTree items: {present}"
+                f"{fs.listdir(fs.join(step_dir, item))[:5]}); PyTree items: {present}"
             )
         if item in _listed_items(step_dir):
             raise CheckpointNotFoundError(
@@ -177,14 +215,14 @@ def _item(step_dir: str, item: str | None) -> str:
         raise CheckpointNotFoundError(f"{step_dir} has no item {item!r}; items present: {present}")
     for name in _DEFAULT_ITEMS:
         if name in present:
-            return os.path.join(step_dir, name)
+            return fs.join(step_dir, name)
     if len(present) == 1:
-        return os.path.join(step_dir, present[0])
+        return fs.join(step_dir, present[0])
     if present:
         raise NotACheckpointError(
             f"{step_dir} holds several items {present}; choose one with item=NAME"
         )
-    unfinished = sorted(n for n in os.listdir(step_dir) if is_unfinished(n))
+    unfinished = [n for n in fs.listdir(step_dir) if is_unfinished(n)]
     if unfinished:
         raise UnfinishedCheckpointError(
             f"{step_dir} holds only unfinished saves {unfinished}; wait for the save to "
@@ -192,6 +230,6 @@ def _item(step_dir: str, item: str | None) -> str:
         )
     raise NotACheckpointError(
         f"{step_dir} is not an Orbax checkpoint: it has no _METADATA, manifest.ocdbt, "
-        f"step folders or item folders (found {sorted(os.listdir(step_dir))[:10]}); "
+        f"step folders or item folders (found {fs.listdir(step_dir)[:10]}); "
         "pass the folder that a checkpointer saved to"
     )

@@ -8,11 +8,11 @@ the tree is inferred from their names (spec §10): lossy, so it warns.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from lazyckpt import _fs as fs
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._msgpack import decode
 from lazyckpt._store import Store
@@ -31,13 +31,9 @@ class InferredStructureWarning(UserWarning):
 
 def read_msgpack(location: str) -> Any | None:
     """The decoded legacy msgpack tree, or None if the file does not exist."""
-    path = os.path.join(location, MSGPACK_FILE)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    return decode(data, where=path)
+    path = fs.join(location, MSGPACK_FILE)
+    data = fs.read_bytes(path)
+    return None if data is None else decode(data, where=path)
 
 
 def msgpack_value(location: str, tree: Any, path: Path) -> Any:
@@ -102,10 +98,14 @@ def _ocdbt_names(store: Store) -> Iterator[str]:
 
 
 def _folder_names(location: str) -> Iterator[str]:
-    if any(os.path.exists(os.path.join(location, m)) for m in (ZARR2_KEY, ZARR3_KEY)):
+    files = set(fs.walk_files(location))
+    if files & {ZARR2_KEY, ZARR3_KEY}:
         yield ""
         return
-    for folder, dirs, files in os.walk(location):
-        if ZARR2_KEY in files or ZARR3_KEY in files:
-            dirs.clear()  # a zarr array's folder holds chunks, not more arrays
-            yield os.path.relpath(folder, location).replace(os.sep, "/")
+    found: list[str] = []
+    for name in sorted(files):
+        folder, _, leaf = name.rpartition("/")
+        # A zarr array's folder holds chunks, not more arrays.
+        if leaf in (ZARR2_KEY, ZARR3_KEY) and not any(folder.startswith(f + "/") for f in found):
+            found.append(folder)
+            yield folder

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import gc
 import json
@@ -13,6 +12,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from lazyckpt import _fs as fs
 from lazyckpt import _tree_metadata as tm
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._layout import locate
@@ -25,20 +25,26 @@ from lazyckpt._zarr import ZarrInfo, metadata_key, parse_zarr
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
-    path: str | os.PathLike[str], *, step: int | None = None, item: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    item: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Open an Orbax checkpoint as a pytree of `LazyArray`s, reading only metadata.
 
     `path` is a PyTree checkpoint folder, a step folder with items (`item` picks
     one), or a CheckpointManager root (the latest committed step unless `step` is
     given). Strings and Python scalars come back as their values; empty containers
-    and None as saved; every array as a `LazyArray`.
+    and None as saved; every array as a `LazyArray`. `path` may be `s3://bucket/prefix`
+    or `gs://bucket/prefix`; `storage_options` (`endpoint`, `region`, or tensorstore
+    kvstore options) add to what the environment says (`AWS_ENDPOINT_URL`, ...).
 
     >>> tree = lazyckpt.open(path)
     >>> tree["step"], tree["params"]["b"]
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
-    with _gc_paused():
+    with _gc_paused(), fs.session(storage_options):
         return _open(locate(os.fspath(path), step=step, item=item))
 
 
@@ -180,15 +186,11 @@ def _inline(store: Store, leaf: tm.Leaf, fill_missing: bool) -> Any:
 
 
 def _read_text(location: str, name: str) -> str | None:
-    try:
-        with builtins.open(os.path.join(location, name), encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+    return fs.read_text(fs.join(location, name))
 
 
 def _open_store(location: str, metadata: dict[str, Any], *, required: bool = True) -> Store:
-    names = os.listdir(location)
+    names = fs.listdir(location)
     per_process = sorted(n for n in names if n.startswith("ocdbt.process_"))
     use_ocdbt = metadata.get("use_ocdbt")
     ocdbt = (
@@ -274,15 +276,14 @@ def _check_declared(location: str, leaf: tm.Leaf, info: ZarrInfo) -> None:
 
 def _key_impls(location: str) -> dict[str, str]:
     """PRNG key implementations by name, from `array_metadatas/process_*` (spec §8)."""
-    folder = os.path.join(location, "array_metadatas")
-    if not os.path.isdir(folder):
+    folder = fs.join(location, "array_metadatas")
+    if not fs.isdir(folder):
         return {}
     impls = {}
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
+    for name in fs.listdir(folder):
+        path = fs.join(folder, name)
         try:
-            with builtins.open(path, encoding="utf-8") as f:
-                text = f.read()
+            text = fs.read_text(path) or ""
             if "random_key_impl" not in text:
                 continue  # the file's only use here is PRNG key identity; skip parsing
             entries = json.loads(text)["array_metadatas"]

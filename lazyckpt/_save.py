@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt import _fs as fs
 from lazyckpt._commit import publishing
 from lazyckpt._engine import Box, Scheduler, box_bytes, chunk_blocks, on_grid, stored_map
 from lazyckpt._errors import LazyckptError, UnsavableError
@@ -81,6 +82,7 @@ def save(
     memory_budget: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write `tree` as an Orbax PyTree checkpoint at `path`; return its absolute path.
 
@@ -90,7 +92,9 @@ def save(
     by block with at most `memory_budget` bytes of blocks in flight (default 32 MiB
     per core, at least 64 MiB), never loaded whole. Arrays are stored in chunks of
     about `chunk_bytes`. The checkpoint appears at `path` only once complete; an
-    existing one is replaced only with `overwrite=True`.
+    existing one is replaced only with `overwrite=True`. `path` may be an `s3://` or
+    `gs://` URL (see `open` for `storage_options`): there, with no rename to commit
+    with, `commit_success.txt` is written last and marks the save complete.
 
     Orbax restores the result (`PyTreeCheckpointer`, `StandardCheckpointer`), and
     `lazyckpt.open` reads it back as saved.
@@ -101,7 +105,7 @@ def save(
     >>> lazyckpt.open(out)
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
-    final = os.path.abspath(os.fspath(path))
+    final = fs.normalize(path)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes}")
     leaves = [_plan(keys, value, chunk_bytes) for keys, value in _flatten(tree)]
@@ -109,13 +113,13 @@ def save(
     total = sum(_cost(leaf) for leaf in leaves if leaf.stored)
     bar = Progress.maybe(progress, total, "lazyckpt save")
     scheduler = Scheduler(memory_budget, bar)
-    with publishing(final, overwrite=overwrite) as tmp:
+    with fs.session(storage_options), publishing(final, overwrite=overwrite) as tmp:
         context = ts.Context(
             {"data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))}}
         )
         kvstore = {
             "driver": "ocdbt",
-            "base": {"driver": "file", "path": tmp + "/"},
+            "base": fs.kvstore_spec(tmp),
             "config": {"max_inline_value_bytes": 1024},
         }
         created: list[ts.Future[Any]] = []
@@ -576,8 +580,9 @@ def _write_metadata(tmp: str, final: str, leaves: Sequence[_Leaf]) -> None:
             for leaf in arrays
         },
     )
-    if arrays:
+    if arrays and not fs.is_remote(tmp):
         os.mkdir(os.path.join(tmp, "array_metadatas"))
+    if arrays:
         _write_json(
             tmp,
             "array_metadatas/process_0",
@@ -612,8 +617,10 @@ def _write_metadata(tmp: str, final: str, leaves: Sequence[_Leaf]) -> None:
             "custom_metadata": {},
         },
     )
-    with open(os.path.join(tmp, "commit_success.txt"), "w", encoding="utf-8") as f:
-        f.write(f"Checkpoint commit was successful to {final}")
+    # Last: on object storage this file is the commit.
+    fs.write_bytes(
+        fs.join(tmp, "commit_success.txt"), f"Checkpoint commit was successful to {final}".encode()
+    )
 
 
 def _nest_strings(leaves: Sequence[_Leaf]) -> dict[str, Any]:
@@ -642,5 +649,4 @@ def _nest_strings(leaves: Sequence[_Leaf]) -> dict[str, Any]:
 
 
 def _write_json(directory: str, name: str, data: Any) -> None:
-    with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-        json.dump(data, f)
+    fs.write_bytes(fs.join(directory, name), json.dumps(data).encode())

@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt import _fs as fs
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._selection import Selection
 
@@ -96,13 +97,18 @@ class Store:
                 "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
             }
         )
-        base = {"driver": "file", "path": location.rstrip("/") + "/"}
+        base = fs.kvstore_spec(location)
         spec = (
             {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}
             if ocdbt
             else base
         )
-        kvstore = ts.KvStore.open(spec, context=context).result()
+        try:
+            kvstore = ts.KvStore.open(spec, context=context).result()
+        except Exception as error:
+            if not fs.is_remote(location):
+                raise
+            raise fs.storage_error(location, error) from None
         return cls(location, ocdbt, context, spec, kvstore)
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -1,0 +1,278 @@
+"""Paths on local disk and in object storage (`s3://bucket/prefix`, `gs://bucket/prefix`).
+
+Local paths go to `os`; bucket paths to tensorstore's `s3` and `gcs` kvstores. A bucket
+has no folders, so a folder is a key prefix: its listing comes from one recursive
+LIST of the prefix that a call (`open`, `steps`, `save`...) asks about first, kept
+for the rest of that call (`session`), so that finding the checkpoint under a
+manager root costs one request, not one per folder looked at.
+
+Endpoint, region and credentials come from the usual environment variables
+(`AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL`, `AWS_REGION` or `AWS_DEFAULT_REGION`,
+`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `GOOGLE_APPLICATION_CREDENTIALS`), or
+from `storage_options` (`endpoint`, `region`, or any tensorstore kvstore option).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import posixpath
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import tensorstore as ts
+
+from lazyckpt._errors import CheckpointNotFoundError, LazyckptError, StorageAccessError
+
+SCHEMES = {"s3": "s3", "gs": "gcs"}
+
+
+_OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "lazyckpt_storage_options", default=None
+)
+_LISTINGS: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar(
+    "lazyckpt_listings", default=None
+)
+
+
+@contextlib.contextmanager
+def session(options: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """Within: bucket listings are cached, and `options` apply to bucket paths."""
+    outer = _LISTINGS.get()
+    listings = _LISTINGS.set({} if outer is None else outer)
+    given = _OPTIONS.set(dict(options) if options else _OPTIONS.get())
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(given)
+        _LISTINGS.reset(listings)
+
+
+def is_remote(path: str) -> bool:
+    return path.split("://", 1)[0] in SCHEMES if "://" in path else False
+
+
+def normalize(path: str | os.PathLike[str]) -> str:
+    """An absolute local path, or a bucket URL without trailing slashes."""
+    text = os.fspath(path)
+    if is_remote(text):
+        scheme, rest = text.split("://", 1)
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise CheckpointNotFoundError(
+                f"{text}: the URL names no bucket ({scheme}://BUCKET/...)"
+            )
+        prefix = posixpath.normpath(prefix).lstrip("/") if prefix.strip("/") else ""
+        return f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
+    if "://" in text:
+        raise CheckpointNotFoundError(
+            f"{text}: lazyckpt reads local paths, s3:// and gs:// URLs; "
+            f"{text.split('://', 1)[0]}:// is not one of them"
+        )
+    return os.path.abspath(text)
+
+
+def join(path: str, name: str) -> str:
+    return f"{path}/{name}" if is_remote(path) else os.path.join(path, name)
+
+
+def basename(path: str) -> str:
+    return path.rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(path)
+
+
+def dirname(path: str) -> str:
+    if is_remote(path):
+        head = path.rsplit("/", 1)[0]
+        return head if "://" in head and head.split("://", 1)[1] else path
+    return os.path.dirname(path)
+
+
+def _split(path: str) -> tuple[str, str, str]:
+    """scheme, bucket, key prefix (no slashes at either end)."""
+    scheme, rest = path.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    return scheme, bucket, key.strip("/")
+
+
+def bucket_spec(path: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of the bucket that `path` is in (no path)."""
+    scheme, bucket, _ = _split(path)
+    options = dict(_OPTIONS.get() or {})
+    spec: dict[str, Any] = {"driver": SCHEMES[scheme], "bucket": bucket}
+    if scheme == "s3":
+        endpoint = options.pop("endpoint", None) or os.environ.get(
+            "AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")
+        )
+        region = options.pop("region", None) or os.environ.get(
+            "AWS_REGION", os.environ.get("AWS_DEFAULT_REGION")
+        )
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+    spec.update(options)
+    return spec
+
+
+def kvstore_spec(path: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of the folder `path` (trailing slash)."""
+    if not is_remote(path):
+        return {"driver": "file", "path": path + "/"}
+    _, _, key = _split(path)
+    return {**bucket_spec(path), "path": key + "/" if key else ""}
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    """Every key that starts with `prefix` (which ends with '/', or is empty)."""
+    if not prefix:
+        return ts.KvStore.KeyRange()
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def _bucket(path: str) -> ts.KvStore:
+    return ts.KvStore.open(bucket_spec(path)).result()
+
+
+def _keys(path: str) -> list[str]:
+    """Every key under the folder `path`, relative to it (one LIST per call)."""
+    _, bucket, key = _split(path)
+    prefix = f"{key}/" if key else ""
+    cache = _LISTINGS.get()
+    if cache is not None:
+        for known, keys in cache.items():
+            scheme_bucket, _, known_key = known.partition("|")
+            if scheme_bucket != bucket or not prefix.startswith(known_key):
+                continue
+            inner = prefix[len(known_key) :]
+            return [k[len(inner) :] for k in keys if k.startswith(inner)]
+    try:
+        listed = _bucket(path).list(_prefix_range(prefix)).result()
+    except Exception as error:  # noqa: BLE001 - turned into a clear error below
+        raise storage_error(path, error) from None
+    keys = [k.decode()[len(prefix) :] for k in listed]
+    if cache is not None:
+        cache[f"{bucket}|{prefix}"] = keys
+    return keys
+
+
+def storage_error(path: str, error: Exception) -> LazyckptError:
+    """A clear error for a failed bucket request: which of the usual causes it is."""
+    text = str(error)
+    lowered = text.lower()
+    if "nosuchbucket" in lowered or "bucket does not exist" in lowered:
+        return CheckpointNotFoundError(
+            f"{path}: the bucket {_split(path)[1]!r} does not exist (or is not reachable at "
+            "this endpoint); check the URL and AWS_ENDPOINT_URL / storage_options"
+        )
+    if "credential" in lowered or "signature" in lowered or "invalidaccesskeyid" in lowered:
+        return StorageAccessError(
+            f"{path}: the storage service rejected the credentials ({text[:200]}); set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or GOOGLE_APPLICATION_CREDENTIALS)"
+        )
+    denied = "accessdenied" in lowered or "access denied" in lowered or "permission" in lowered
+    if denied and not _has_credentials():
+        return StorageAccessError(
+            f"{path}: access denied, and no credentials were found ({text[:120]}); set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
+            "GOOGLE_APPLICATION_CREDENTIALS for gs://"
+        )
+    if denied:
+        return StorageAccessError(
+            f"{path}: access denied ({text[:200]}); the credentials lack permission for "
+            "this bucket or prefix"
+        )
+    return LazyckptError(f"{path}: the storage request failed ({text[:300]})")
+
+
+def _has_credentials() -> bool:
+    names = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE")
+    if any(os.environ.get(name) for name in names) or os.environ.get(
+        "GOOGLE_APPLICATION_CREDENTIALS"
+    ):
+        return True
+    home = os.path.expanduser("~")
+    return os.path.exists(os.path.join(home, ".aws", "credentials"))
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a whole file (an object, in a bucket)."""
+    if not is_remote(path):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    _, _, key = _split(path)
+    try:
+        _bucket(path).write(key, data).result()
+    except Exception as error:  # noqa: BLE001 - turned into a clear error
+        raise storage_error(path, error) from None
+
+
+def delete_folder(path: str) -> None:
+    """Delete every object under the bucket folder `path`."""
+    _, _, key = _split(path)
+    prefix = f"{key}/" if key else ""
+    try:
+        _bucket(path).delete_range(_prefix_range(prefix)).result()
+    except Exception as error:  # noqa: BLE001 - turned into a clear error
+        raise storage_error(path, error) from None
+    cache = _LISTINGS.get()
+    if cache is not None:
+        cache.clear()
+
+
+def listdir(path: str) -> list[str]:
+    """Names directly inside the folder `path`, sorted."""
+    if not is_remote(path):
+        return sorted(os.listdir(path))
+    return sorted({k.split("/", 1)[0] for k in _keys(path) if k})
+
+
+def isdir(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isdir(path)
+    return bool(_keys(path))
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(path)
+    return isdir(path) or isfile(path)
+
+
+def isfile(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isfile(path)
+    parent, name = dirname(path), basename(path)
+    return parent != path and name in _keys(parent)
+
+
+def read_bytes(path: str) -> bytes | None:
+    """The file's contents, or None if it does not exist."""
+    if not is_remote(path):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+    _, _, key = _split(path)
+    try:
+        result = _bucket(path).read(key).result()
+    except Exception as error:  # noqa: BLE001 - turned into a clear error
+        raise storage_error(path, error) from None
+    return result.value if result.state == "value" else None
+
+
+def read_text(path: str) -> str | None:
+    data = read_bytes(path)
+    return None if data is None else data.decode("utf-8")
+
+
+def walk_files(path: str) -> Iterator[str]:
+    """Relative paths of every file under the folder `path`."""
+    if is_remote(path):
+        yield from (k for k in _keys(path) if k)
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            yield os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")

@@ -1,0 +1,243 @@
+"""Checkpoints in object storage: a real S3-compatible server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lazyckpt
+from tests.conftest import assert_tree_equal, host_value, orbax_manager_save, orbax_save
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "lazyckpt-test",
+    "AWS_SECRET_ACCESS_KEY": "lazyckpt-test",
+    "AWS_REGION": "us-east-1",
+}
+
+
+@contextlib.contextmanager
+def guarded_server() -> Iterator[str]:
+    """A moto server in its own process that checks credentials and IAM policies
+    after its first 4 requests (moto reads that setting once, at import)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ) as server:
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with socket.socket() as client:
+                    if client.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the moto server did not start")
+                time.sleep(0.1)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """A moto S3 server on 127.0.0.1 with a bucket `ckpts`; its endpoint in the
+    environment, as users set it."""
+    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+    os.environ.update(CREDENTIALS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    client.create_bucket(Bucket="ckpts")
+    try:
+        yield client
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def upload(client: Any, folder: Path, prefix: str) -> str:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            key = f"{prefix}/{path.relative_to(folder).as_posix()}"
+            client.put_object(Bucket="ckpts", Key=key, Body=path.read_bytes())
+    return f"s3://ckpts/{prefix}"
+
+
+def requests_made() -> int:
+    for metric in ts.experimental_collect_matching_metrics("/tensorstore/http/request_started"):
+        return sum(int(v.get("value", 0)) for v in metric["values"])
+    return 0
+
+
+def test_open_slice_and_place_a_checkpoint_from_s3(
+    s3: Any, saved: tuple[Path, dict[str, Any]], mesh: Any
+) -> None:
+    path, tree = saved
+    url = upload(s3, path, f"ref-{path.parent.name}")
+    opened = lazyckpt.open(url)
+    assert opened["params"]["dense"]["kernel"].sharding.spec == P("x", "y")
+    assert_tree_equal(lazyckpt.load(opened), jax.tree.map(host_value, tree))
+    kernel = np.asarray(tree["params"]["dense"]["kernel"])
+    np.testing.assert_array_equal(
+        opened["params"]["dense"]["kernel"][3:9, ::7].get(), kernel[3:9, ::7]
+    )
+    placed = lazyckpt.device_put(opened["params"], lazyckpt.saved_shardings(mesh))
+    np.testing.assert_array_equal(placed["dense"]["kernel"], kernel)
+
+
+def test_steps_items_and_unfinished_steps_in_a_bucket(s3: Any, tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    root = orbax_manager_save(
+        tmp_path / "run",
+        {step: {"state": ocp.args.StandardSave({"w": np.full(3, step)})} for step in (1, 2, 3)},
+    )
+    url = upload(s3, root, "run")
+    # Step 3 lost its commit marker: on object storage it is unfinished.
+    s3.delete_object(Bucket="ckpts", Key="run/ckpt_000003/commit_success.txt")
+    assert lazyckpt.steps(url) == [1, 2]
+    assert lazyckpt.items(url) == ["state"]
+    assert lazyckpt.open(url)["w"].get().tolist() == [2, 2, 2]
+    assert lazyckpt.open(url, step=1)["w"].get().tolist() == [1, 1, 1]
+    with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"no commit_success\.txt"):
+        lazyckpt.open(f"{url}/ckpt_000003")
+
+
+def test_open_of_1000_arrays_takes_a_few_requests(s3: Any, tmp_path: Path) -> None:
+    """The number of requests does not grow with the number of arrays (OCDBT)."""
+    counts = {}
+    for arrays in (10, 1000):
+        tree = {f"layer_{i:02d}": {f"p{j:02d}": np.full(4, j, np.float32) for j in range(arrays // 10)}
+                for i in range(10)}  # fmt: skip
+        url = upload(s3, orbax_save(tmp_path / f"n{arrays}", tree, zarr3=True), f"many/{arrays}")
+        before = requests_made()
+        opened = lazyckpt.open(url)
+        counts[arrays] = requests_made() - before
+        assert sum(1 for _ in lazyckpt.leaves(opened)) == arrays
+    assert counts[1000] <= 12, counts
+    assert counts[1000] <= counts[10] + 2, counts
+
+
+def test_save_and_convert_to_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
+    path, tree = saved
+    name = f"saved-{path.parent.name}"
+    url = lazyckpt.save(f"s3://ckpts/{name}", {"w": np.arange(12.0).reshape(3, 4), "note": "hi"})
+    assert url == f"s3://ckpts/{name}"
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpts", Prefix=f"{name}/")["Contents"]]
+    assert f"{name}/commit_success.txt" in keys and f"{name}/manifest.ocdbt" in keys
+    back = lazyckpt.open(url)
+    assert back["note"] == "hi"
+    np.testing.assert_array_equal(back["w"].get(), np.arange(12.0).reshape(3, 4))
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="already exists"):
+        lazyckpt.save(url, {"w": np.zeros(2)})
+    lazyckpt.save(url, {"v": np.ones(2)}, overwrite=True)
+    assert list(lazyckpt.open(url)) == ["v"]
+    # Local to bucket, and bucket to local.
+    remote = lazyckpt.convert(path, f"s3://ckpts/{name}-16", select="params/**", dtype="float16")
+    local = lazyckpt.convert(remote, path.parent / "from-s3")
+    kernel = np.asarray(tree["params"]["dense"]["kernel"]).astype(np.float16)
+    np.testing.assert_array_equal(lazyckpt.open(local)["params"]["dense"]["kernel"].get(), kernel)
+
+
+def test_missing_bucket_and_path_say_which(s3: Any) -> None:
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="the bucket 'nope' does not exist"):
+        lazyckpt.open("s3://nope/ckpt")
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="does not exist; check the"):
+        lazyckpt.open("s3://ckpts/no/such/prefix")
+
+
+def test_missing_credentials_say_so(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("_METADATA", "commit_success.txt"):
+        s3.put_object(Bucket="ckpts", Key=f"creds/{name}", Body=b"{}")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a cloud's IMDS
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws/credentials either
+    with pytest.raises(lazyckpt.StorageAccessError, match="no credentials were found"):
+        lazyckpt.open("s3://ckpts/creds")
+
+
+def test_rejected_credentials_and_access_denied() -> None:
+    """Against a server that checks credentials and IAM policies."""
+    with guarded_server() as endpoint:
+        admin = {"endpoint_url": endpoint, "region_name": "us-east-1"}
+        admin_s3 = boto3.client("s3", **admin)
+        admin_s3.create_bucket(Bucket="guarded")
+        admin_s3.put_object(Bucket="guarded", Key="ckpt/_METADATA", Body=b"{}")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="reader")
+        key = iam.create_access_key(UserName="reader")["AccessKey"]  # and no policy
+        options = {"endpoint": endpoint, "region": "us-east-1"}
+        environment = {
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
+        saved = {k: os.environ.get(k) for k in environment}
+        os.environ.update(environment)
+        try:
+            with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
+                lazyckpt.open("s3://guarded/ckpt", storage_options=options)
+            os.environ["AWS_ACCESS_KEY_ID"] = "AKIANOTAKEY000000000"
+            with pytest.raises(lazyckpt.StorageAccessError, match="rejected the credentials"):
+                lazyckpt.open("s3://guarded/ckpt", storage_options=options)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def test_sharded_jax_arrays_save_to_a_bucket(s3: Any, mesh: Any) -> None:
+    value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    sharded = jax.device_put(value, NamedSharding(mesh, P("x", "y")))
+    url = lazyckpt.save("s3://ckpts/sharded", {"w": sharded})
+    lazy = lazyckpt.open(url)["w"]
+    assert lazy.sharding.spec == P("x", "y")
+    np.testing.assert_array_equal(lazy.get(), value)
+
+
+def test_cli_on_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = saved
+    url = upload(s3, path, f"cli-{path.parent.name}")
+    result = subprocess.run(
+        [sys.executable, "-m", "lazyckpt._cli", "inspect", url, "--select", "params/dense"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"{url}: 2 arrays, 32.0 KiB"
+    shown = subprocess.run(
+        [sys.executable, "-m", "lazyckpt._cli", "show", url, "params/dense/bias[2:5]"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.stdout.splitlines()[-1] == "[2. 3. 4.]"
