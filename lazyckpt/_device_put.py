@@ -9,6 +9,7 @@ import attrs
 import jax
 from jax.sharding import Sharding
 
+from lazyckpt import _multihost as multihost
 from lazyckpt._engine import Box, Scheduler, Target, schedule_fill, stored_bytes
 from lazyckpt._errors import ShardingError, TreeMismatchError
 from lazyckpt._lazy import LazyArray
@@ -55,6 +56,11 @@ def device_put(
     placements = [leaf for _, leaf in walk(plan) if isinstance(leaf, _Placement)]
     total = stored_bytes(p.array for p in placements)
     bar = Progress.maybe(progress, total, "lazyckpt device_put")
+    multihost.agree(
+        "the arrays and shardings to place",
+        "\n".join(_describe(p) for p in placements),
+        "every process must call device_put with the same tree and the same shardings",
+    )
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, jax.Array] = {}
     for placement in placements:
@@ -63,6 +69,14 @@ def device_put(
     if bar is not None:
         bar.close()
     return map_leaves(lambda x: results[id(x)] if isinstance(x, _Placement) else x, plan)
+
+
+def _describe(placement: _Placement) -> str:
+    array, sharding = placement.array, placement.sharding
+    layout = repr(sharding)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        layout = f"{dict(sharding.mesh.shape)} {sharding.spec} {[d.id for d in sharding.mesh.devices.flat]}"
+    return f"{array.key}|{array.shape}|{array.dtype}|{layout}"
 
 
 @attrs.frozen

@@ -31,6 +31,7 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt import _fs as fs
+from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
 from lazyckpt._engine import Box, Scheduler, box_bytes, chunk_blocks, on_grid, stored_map
 from lazyckpt._errors import LazyckptError, UnsavableError
@@ -110,37 +111,140 @@ def save(
         raise ValueError(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes}")
     leaves = [_plan(keys, value, chunk_bytes) for keys, value in _flatten(tree)]
     _check_names(leaves)
+    multihost.agree(
+        "the tree to save",
+        _description(leaves),
+        "every process must pass the same tree: the same keys, shapes, dtypes and shardings",
+    )
     total = sum(_cost(leaf) for leaf in leaves if leaf.stored)
     bar = Progress.maybe(progress, total, "lazyckpt save")
     scheduler = Scheduler(memory_budget, bar)
-    with fs.session(storage_options), publishing(final, overwrite=overwrite) as tmp:
-        context = ts.Context(
-            {"data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))}}
-        )
-        kvstore = {
-            "driver": "ocdbt",
-            "base": fs.kvstore_spec(tmp),
-            "config": {"max_inline_value_bytes": 1024},
-        }
-        created: list[ts.Future[Any]] = []
-        try:
-            for leaf in leaves:
-                if leaf.stored:
-                    created.append(_schedule(leaf, kvstore, context, scheduler, final))
-            scheduler.drain()
-            for future in created:  # arrays without blocks (size 0) too
-                future.result()
-        except BaseException:
-            # Let writes in flight end before `publishing` removes the folder.
-            scheduler.abandon()
-            for future in created:
-                with contextlib.suppress(Exception):
-                    future.result()
-            raise
-        _write_metadata(tmp, final, leaves)
+    with fs.session(storage_options):
+        if multihost.count() > 1:
+            _save_together(final, leaves, scheduler, overwrite)
+        else:
+            with publishing(final, overwrite=overwrite) as tmp:
+                _write_arrays(fs.kvstore_spec(tmp), leaves, scheduler, final)
+                _write_metadata(tmp, final, leaves)
     if bar is not None:
         bar.close()
     return final
+
+
+def _description(leaves: Sequence[_Leaf]) -> str:
+    """What every process must agree on before a save: the tree's metadata."""
+    return "\n".join(
+        f"{leaf.name}|{leaf.value_type}|{leaf.shape}|{leaf.dtype}|{leaf.chunks}|{leaf.sharding}"
+        for leaf in leaves
+    )
+
+
+def _context() -> ts.Context:
+    return ts.Context({"data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))}})
+
+
+def _write_arrays(
+    base: dict[str, Any], leaves: Sequence[_Leaf], scheduler: Scheduler, final: str
+) -> None:
+    """Write the stored leaves into the OCDBT database at `base`, block by block."""
+    context = _context()
+    kvstore = {"driver": "ocdbt", "base": base, "config": {"max_inline_value_bytes": 1024}}
+    created: list[ts.Future[Any]] = []
+    try:
+        for leaf in leaves:
+            if leaf.stored:
+                created.append(_schedule(leaf, kvstore, context, scheduler, final))
+        scheduler.drain()
+        for future in created:  # arrays without blocks (size 0) too
+            future.result()
+    except BaseException:
+        # Let writes in flight end before the folder is removed.
+        scheduler.abandon()
+        for future in created:
+            with contextlib.suppress(Exception):
+                future.result()
+        raise
+
+
+def _save_together(
+    final: str, leaves: Sequence[_Leaf], scheduler: Scheduler, overwrite: bool
+) -> None:
+    """A save by every process of a `jax.distributed` run, as Orbax does one.
+
+    Process 0 checks the destination and makes the temporary folder; each process
+    writes the shards it holds (replica 0 of each, so replicated data is written
+    once in total) into its own OCDBT database `ocdbt.process_<i>`, and process 0
+    also every non-jax.Array leaf. Once all have written, process 0 merges the
+    databases into the root one, writes the metadata and publishes the checkpoint.
+    A failure anywhere fails the save on every process, and nothing is published.
+    """
+    me = multihost.index()
+    with contextlib.ExitStack() as stack:
+        tmp = ""
+        if me == 0:
+            try:
+                tmp = stack.enter_context(publishing(final, overwrite=overwrite))
+            except LazyckptError as error:
+                multihost.broadcast_text(f"error:{error}")
+                raise
+        told = multihost.broadcast_text(f"ok:{tmp}")
+        if told.startswith("error:"):
+            raise LazyckptError(f"process 0 could not start the save: {told[6:]}")
+        tmp = told[3:]
+        mine = [leaf for leaf in leaves if me == 0 or _holds_shards(leaf)]
+        failed: BaseException | None = None
+        try:
+            _write_arrays(
+                fs.kvstore_spec(fs.join(tmp, f"ocdbt.process_{me}")), mine, scheduler, final
+            )
+        except Exception as error:  # noqa: BLE001 - reported to every process below
+            failed = error
+        failing = multihost.any_failed(failed is not None)
+        if failed is not None:
+            raise failed
+        if failing:
+            raise LazyckptError(f"{final}: process(es) {failing} failed to write their shards")
+        if me == 0:
+            try:
+                _merge(tmp, multihost.count())
+                _write_metadata(tmp, final, leaves)
+            except Exception:
+                multihost.any_failed(True)
+                raise
+    # Process 0 has published, or failed; the others learn which.
+    if me != 0 and multihost.any_failed(False):
+        raise LazyckptError(f"{final}: process 0 failed to merge and publish the checkpoint")
+    if me == 0:
+        multihost.any_failed(False)
+
+
+def _holds_shards(leaf: _Leaf) -> bool:
+    value = leaf.value
+    return isinstance(value, jax.Array) and any(
+        shard.replica_id == 0 for shard in value.addressable_shards
+    )
+
+
+def _merge(tmp: str, processes: int) -> None:
+    """Copy every process's database into the root one (spec §4.1); large chunks stay
+    in the files where they were written."""
+    context = _context()
+    root = ts.KvStore.open(
+        {
+            "driver": "ocdbt",
+            "base": fs.kvstore_spec(tmp),
+            "config": {"max_inline_value_bytes": 1024},
+        },
+        context=context,
+    ).result()
+    for process in range(processes):
+        spec = {
+            "driver": "ocdbt",
+            "base": fs.kvstore_spec(fs.join(tmp, f"ocdbt.process_{process}")),
+        }
+        source = ts.KvStore.open(spec, context=context).result()
+        if source.list().result():
+            source.experimental_copy_range_to(root).result()
 
 
 def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
@@ -219,20 +323,20 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> _L
             write_shape if value_type == "jax.Array" else None, entry,
         )  # fmt: skip
     if isinstance(value, jax.Array):
-        if not value.is_fully_addressable:
-            raise UnsavableError(
-                f"{path}: saving arrays that span several processes is not supported yet; "
-                "gather them first (jax.experimental.multihost_utils.process_allgather)"
-            )
         impl = None
         if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(value))
             value = jax.random.key_data(value)
         write_shape = tuple(value.sharding.shard_shape(value.shape))
         dtype = np.dtype(value.dtype)
+        chunks = choose_chunks(write_shape, dtype.itemsize, chunk_bytes)
+        if not value.is_fully_addressable and any(
+            n % c for n, c in zip(write_shape, chunks, strict=True)
+        ):
+            # Chunks must not straddle shards held by different processes.
+            chunks = tuple(max(n, 1) for n in write_shape)
         return _Leaf(
-            path, keys, "jax.Array", value, tuple(value.shape), dtype,
-            choose_chunks(write_shape, dtype.itemsize, chunk_bytes),
+            path, keys, "jax.Array", value, tuple(value.shape), dtype, chunks,
             write_shape, sharding_json(value.sharding), impl,
         )  # fmt: skip
     if isinstance(value, bool | int | float | np.generic):

@@ -1,0 +1,114 @@
+"""One process of a multi-process test: `python -m tests.multihost_worker SPEC_JSON`.
+
+SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is one of
+  {"do": "save", "path": P, "spec": [...], "seed": s}
+  {"do": "restore", "path": P, "spec": [...], "seed": s}
+  {"do": "save_disagree", "path": P}          (process 1 passes another tree)
+  {"do": "put_disagree", "path": P}           (process 1 asks for another sharding)
+Prints one JSON line per step: what it did, bytes read, the stored bytes of the
+chunks its devices need, and whether every local shard holds the right values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+SHAPE = (256, 96)  # rows and columns split by up to 16 devices; chunks > 1 KiB (not inline)
+
+
+def values(seed: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal(SHAPE, dtype=np.float32)
+
+
+def spec(entries: list[Any]) -> Any:
+    from jax.sharding import PartitionSpec as P
+
+    return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+def mesh() -> Any:
+    import jax
+
+    return jax.make_mesh((len(jax.devices()),), ("d",))
+
+
+def _needed(kv: Any, lazy_and_indices: Any, itertools: Any) -> int:
+    """Stored size of the chunks that this process's shards need (read after the
+    measurement, straight from the OCDBT database)."""
+    lazy, indices = lazy_and_indices
+    keys = set()
+    for index in indices:
+        ranges = []
+        for s, n, c in zip(index, lazy.shape, lazy.chunks, strict=True):
+            start, stop, _ = s.indices(n)
+            ranges.append(range(start // c, (stop - 1) // c + 1))
+        keys.update(itertools.product(*ranges))
+    return sum(len(kv.read("w/c/" + "/".join(map(str, k))).result().value) for k in keys)
+
+
+def main(config: dict[str, Any]) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = f"127.0.0.1:{config['port']}"
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=config["processes"],
+        process_id=config["process"],
+        coordinator_bind_address=address,
+    )
+    import itertools
+
+    import numpy as np
+    import tensorstore as ts
+    from jax.sharding import NamedSharding
+
+    import lazyckpt
+    from lazyckpt._metrics import bytes_read
+
+    me = jax.process_index()
+    for step in config["steps"]:
+        out: dict[str, Any] = {"do": step["do"], "process": me}
+        try:
+            if step["do"] == "save":
+                sharding = NamedSharding(mesh(), spec(step["spec"]))
+                full = values(step["seed"])
+                array = jax.make_array_from_callback(SHAPE, sharding, full.__getitem__)
+                lazyckpt.save(step["path"], {"w": array, "note": "multi"})
+            elif step["do"] == "restore":
+                sharding = NamedSharding(mesh(), spec(step["spec"]))
+                lazy = lazyckpt.open(step["path"])["w"]
+                before = bytes_read()
+                placed = lazyckpt.device_put(lazy, sharding)
+                out["read"] = bytes_read() - before
+                full = values(step["seed"])
+                out["ok"] = all(
+                    np.array_equal(np.asarray(s.data), full[s.index])
+                    for s in placed.addressable_shards
+                )
+                kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step['path']}/"})
+                indices = [s.index for s in placed.addressable_shards]
+                out["needed"] = _needed(kv.result(), (lazy, indices), itertools)
+            elif step["do"] == "save_disagree":
+                sharding = NamedSharding(mesh(), spec(["d"] if me != 1 else [None, "d"]))
+                array = jax.make_array_from_callback(SHAPE, sharding, lambda i: values(0)[i])
+                lazyckpt.save(step["path"], {"w": array})
+            elif step["do"] == "put_disagree":
+                lazy = lazyckpt.open(step["path"])["w"]
+                chosen = spec(["d"] if me != 1 else [None, "d"])
+                lazyckpt.device_put(lazy, NamedSharding(mesh(), chosen))
+            out["error"] = None
+        except lazyckpt.LazyckptError as error:
+            out["error"] = f"{type(error).__name__}: {error}"
+        print(json.dumps(out), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

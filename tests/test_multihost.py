@@ -1,0 +1,124 @@
+"""Several JAX processes on 127.0.0.1 (jax.distributed, gloo): save and restore together.
+
+Each worker has 4 CPU devices. Workers are killed on timeout or failure, so the
+suite never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lazyckpt
+from tests.multihost_worker import values
+
+ROOT = Path(__file__).parent.parent
+TIMEOUT = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_processes(count: int, steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Run `steps` in `count` worker processes; each worker's printed results."""
+    port = _free_port()
+    workers = []
+    for process in range(count):
+        config = {"process": process, "processes": count, "port": port, "steps": steps}
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.multihost_worker", json.dumps(config)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+        )
+    outputs = []
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=TIMEOUT)
+            if worker.returncode != 0:
+                raise AssertionError(f"worker failed ({worker.returncode}):\n{err[-3000:]}")
+            outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+    return outputs
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_save_and_restore_together_on_matching_and_other_meshes(tmp_path: Path, count: int) -> None:
+    path = str(tmp_path / "ckpt")
+    steps = [
+        {"do": "save", "path": path, "spec": ["d"], "seed": 1},
+        {"do": "restore", "path": path, "spec": ["d"], "seed": 1},  # as saved: aligned
+        {"do": "restore", "path": path, "spec": [None, "d"], "seed": 1},  # misaligned
+        {"do": "restore", "path": path, "spec": [], "seed": 1},  # replicated
+    ]
+    results = run_processes(count, steps)
+    for process, result in enumerate(results):
+        assert [r["error"] for r in result] == [None] * 4, result
+        aligned, misaligned, replicated = result[1:]
+        for r in (aligned, misaligned, replicated):
+            assert r["ok"], (process, r)
+        assert aligned["read"] == aligned["needed"], (process, aligned)  # each chunk once
+        assert misaligned["read"] <= 1.05 * misaligned["needed"], (process, misaligned)
+        assert replicated["read"] <= 1.05 * replicated["needed"], (process, replicated)
+    # Each process read only its own rows when aligned: together, the whole array once.
+    assert sum(r[1]["read"] for r in results) == results[0][3]["needed"]
+    # Readable in one process, as saved.
+    tree = lazyckpt.open(path)
+    assert (
+        tree["note"] == "multi"
+        and tree["w"].sharding.spec
+        == lazyckpt.SavedSharding("NamedSharding", (count * 4,), ("d",), ("d",)).spec
+    )
+    np.testing.assert_array_equal(tree["w"].get(), values(1))
+
+
+def test_saved_by_two_restored_by_four(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_processes(2, [{"do": "save", "path": path, "spec": [None, "d"], "seed": 5}])
+    results = run_processes(4, [{"do": "restore", "path": path, "spec": ["d"], "seed": 5}])
+    assert all(r[0]["error"] is None and r[0]["ok"] for r in results), results
+    import orbax.checkpoint as ocp
+
+    restored = ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            restore_args={"w": ocp.RestoreArgs(restore_type=np.ndarray), "note": None}
+        ),
+    )
+    np.testing.assert_array_equal(restored["w"], values(5))
+
+
+def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_processes(2, [{"do": "save", "path": path, "spec": ["d"], "seed": 2}])
+    results = run_processes(
+        2,
+        [
+            {"do": "put_disagree", "path": path},
+            {"do": "save_disagree", "path": str(tmp_path / "other")},
+        ],
+    )
+    for result in results:
+        put, save = result
+        assert put["error"].startswith("TreeMismatchError: the 2 processes disagree on the")
+        assert "process(es) [1] differ from process 0" in put["error"]
+        assert "device_put with the same tree and the same shardings" in put["error"]
+        assert "disagree on the tree to save" in save["error"]
+    assert not (tmp_path / "other").exists()
