@@ -70,14 +70,9 @@ def _walkthrough(path: str) -> None:
     tree = lazyckpt.open(path)
     print("2. Open: only metadata is read (the b-tree, the zarr headers, _METADATA).")
     print(f"   {bytes_read() - before} bytes read through tensorstore, none of them array chunks")
-    for key, leaf in lazyckpt.leaves(tree):
-        if isinstance(leaf, lazyckpt.LazyArray):
-            print(
-                f"   {key:24} {leaf.dtype!s:8} {leaf.shape!s:12} {human_bytes(leaf.nbytes):>9}"
-                f"  {leaf.sharding!r}"
-            )
-        else:
-            print(f"   {key:24} {leaf!r}")
+    print("   lazyckpt.summary(tree) (in a notebook: a collapsible tree):")
+    for line in str(lazyckpt.summary(tree)).splitlines():
+        print(f"   {line}")
 
     print("\n3. Select: params only, nothing read; the optimizer state is never touched.")
     params = lazyckpt.select(tree, "params/**")
