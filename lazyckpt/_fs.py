@@ -150,7 +150,8 @@ def _keys(path: str) -> list[str]:
         listed = _bucket(path).list(_prefix_range(prefix)).result()
     except Exception as error:  # noqa: BLE001 - turned into a clear error below
         raise storage_error(path, error) from None
-    keys = [k.decode()[len(prefix) :] for k in listed]
+    # Filtered again here: some S3/GCS emulators ignore the listing's range.
+    keys = [k.decode()[len(prefix) :] for k in listed if k.decode().startswith(prefix)]
     if cache is not None:
         cache[f"{bucket}|{prefix}"] = keys
     return keys

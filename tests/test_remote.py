@@ -241,3 +241,47 @@ def test_cli_on_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
         timeout=120,
     )
     assert shown.stdout.splitlines()[-1] == "[2. 3. 4.]"
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[str]:
+    """A Google Cloud Storage emulator on 127.0.0.1 with a bucket `ckpts`; tensorstore's
+    gcs driver pointed at it the way its own tests do."""
+    server_module = pytest.importorskip("gcp_storage_emulator.server")
+    server = server_module.create_server("127.0.0.1", 0, in_memory=True, default_bucket="ckpts")
+    server.start()
+    port = server._api._httpd.server_port
+    saved = {
+        k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    }
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{port}"
+    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "lazyckpt-test"
+    try:
+        yield "gs://ckpts"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_open_and_slice_on_gcs(gcs: str, tmp_path: Path, mesh: Any) -> None:
+    """gs:// through tensorstore's gcs driver. The emulator's object generations are
+    not ones tensorstore's OCDBT driver accepts ("Malformed StorageGeneration"), so
+    this uses Orbax's folder-per-array layout; OCDBT and saves on gs:// go through the
+    same code as on s3:// but are not exercised here."""
+    from tests.test_layouts import _handler_save
+
+    value = np.arange(96 * 8, dtype=np.float32).reshape(96, 8)
+    tree = {"w": jax.device_put(value, NamedSharding(mesh, P("x"))), "step": 4}
+    path = _handler_save(use_ocdbt=False)(tmp_path / "ckpt", tree)
+    bucket = ts.KvStore.open({"driver": "gcs", "bucket": "ckpts"}).result()
+    for file in path.rglob("*"):
+        if file.is_file():
+            bucket.write(f"plain/{file.relative_to(path).as_posix()}", file.read_bytes()).result()
+    opened = lazyckpt.open(f"{gcs}/plain")
+    assert opened["step"] == 4 and opened["w"].sharding.spec == P("x")
+    np.testing.assert_array_equal(opened["w"][30:50:3].get(), value[30:50:3])
+    np.testing.assert_array_equal(lazyckpt.load(opened)["w"], value)
