@@ -40,12 +40,23 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
     Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
     exception the temporary folder is removed and `final` is untouched.
     """
+    if is_unfinished(fs.basename(final)):
+        raise LazyckptError(
+            f"{final}: names containing {_TMP_MARKER!r} mark unfinished saves and are "
+            "never read; choose another name"
+        )
     if fs.is_remote(final):
         with _publishing_to_bucket(final, overwrite=overwrite):
             yield final
         return
     _check_destination(final, overwrite)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    except OSError as error:
+        raise LazyckptError(
+            f"{final}: cannot create the folder it goes in ({error}); choose a path whose "
+            "parent is, or can be, a folder"
+        ) from None
     tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(tmp)
     try:
@@ -63,7 +74,9 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
 def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
     """Object stores have no rename: write in place, `commit_success.txt` last (the
     caller's last write), as Orbax does. Until that file exists, readers treat the
-    folder as unfinished; a failed save removes what it wrote."""
+    folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
+    there is not atomic: the old one is deleted (its commit marker first) before the
+    new one is written."""
     existing = fs.listdir(final) if fs.isdir(final) else []
     if existing:
         if not overwrite:

@@ -14,6 +14,7 @@ from `storage_options` (`endpoint`, `region`, or any tensorstore kvstore option)
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import os
@@ -31,9 +32,8 @@ SCHEMES = {"s3": "s3", "gs": "gcs"}
 _OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "lazyckpt_storage_options", default=None
 )
-_LISTINGS: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar(
-    "lazyckpt_listings", default=None
-)
+_LISTINGS: contextvars.ContextVar[dict[tuple[str, str, str], list[str]] | None]
+_LISTINGS = contextvars.ContextVar("lazyckpt_listings", default=None)
 
 
 @contextlib.contextmanager
@@ -64,6 +64,10 @@ def normalize(path: str | os.PathLike[str]) -> str:
                 f"{text}: the URL names no bucket ({scheme}://BUCKET/...)"
             )
         prefix = posixpath.normpath(prefix).lstrip("/") if prefix.strip("/") else ""
+        if prefix == ".." or prefix.startswith("../"):
+            raise CheckpointNotFoundError(
+                f"{text}: '..' would leave the bucket {bucket!r}; write the path inside it"
+            )
         return f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
     if "://" in text:
         raise CheckpointNotFoundError(
@@ -135,26 +139,38 @@ def _bucket(path: str) -> ts.KvStore:
 
 
 def _keys(path: str) -> list[str]:
-    """Every key under the folder `path`, relative to it (one LIST per call)."""
-    _, bucket, key = _split(path)
+    """Every key under the folder `path`, relative to it, sorted (one LIST per call:
+    later questions about folders inside it are answered from the same listing)."""
+    scheme, bucket, key = _split(path)
     prefix = f"{key}/" if key else ""
     cache = _LISTINGS.get()
     if cache is not None:
-        for known, keys in cache.items():
-            scheme_bucket, _, known_key = known.partition("|")
-            if scheme_bucket != bucket or not prefix.startswith(known_key):
+        for (known_scheme, known_bucket, known), keys in cache.items():
+            if (known_scheme, known_bucket) != (scheme, bucket) or not prefix.startswith(known):
                 continue
-            inner = prefix[len(known_key) :]
-            return [k[len(inner) :] for k in keys if k.startswith(inner)]
+            inner = prefix[len(known) :]
+            if not inner:
+                return keys
+            start = bisect.bisect_left(keys, inner)
+            stop = bisect.bisect_left(keys, inner[:-1] + chr(ord(inner[-1]) + 1))
+            return [k[len(inner) :] for k in keys[start:stop]]
     try:
         listed = _bucket(path).list(_prefix_range(prefix)).result()
     except Exception as error:  # noqa: BLE001 - turned into a clear error below
         raise storage_error(path, error) from None
     # Filtered again here: some S3/GCS emulators ignore the listing's range.
-    keys = [k.decode()[len(prefix) :] for k in listed if k.decode().startswith(prefix)]
+    keys = sorted(k.decode()[len(prefix) :] for k in listed if k.decode().startswith(prefix))
     if cache is not None:
-        cache[f"{bucket}|{prefix}"] = keys
+        cache[(scheme, bucket, prefix)] = keys
     return keys
+
+
+def _cached(path: str) -> bool:
+    """Whether a listing of this call already covers `path`."""
+    scheme, bucket, key = _split(path)
+    prefix = f"{key}/" if key else ""
+    cache = _LISTINGS.get() or {}
+    return any((s, b) == (scheme, bucket) and prefix.startswith(known) for s, b, known in cache)
 
 
 def storage_error(path: str, error: Exception) -> LazyckptError:
@@ -214,6 +230,10 @@ def delete_folder(path: str) -> None:
     _, _, key = _split(path)
     prefix = f"{key}/" if key else ""
     try:
+        # The commit marker first, alone: a crash part-way then leaves an unfinished
+        # folder, never a "finished" one with files missing.
+        marker = prefix + "commit_success.txt"
+        _bucket(path).delete_range(ts.KvStore.KeyRange(marker, marker + "\0")).result()
         _bucket(path).delete_range(_prefix_range(prefix)).result()
     except Exception as error:  # noqa: BLE001 - turned into a clear error
         raise storage_error(path, error) from None
@@ -245,7 +265,11 @@ def isfile(path: str) -> bool:
     if not is_remote(path):
         return os.path.isfile(path)
     parent, name = dirname(path), basename(path)
-    return parent != path and name in _keys(parent)
+    if parent == path:
+        return False
+    if _cached(parent):
+        return name in _keys(parent)
+    return read_bytes(path) is not None  # one GET, rather than listing the parent
 
 
 def read_bytes(path: str) -> bytes | None:

@@ -48,6 +48,14 @@ def agree(what: str, description: str, fix: str) -> None:
         )
 
 
+def gather(flags: list[int]) -> list[list[int]]:
+    """Every process's `flags` (a collective: every process must call it)."""
+    if count() == 1:
+        return [list(flags)]
+    gathered = _allgather(np.array(flags, np.int32)).reshape(count(), len(flags))
+    return [[int(v) for v in row] for row in gathered]
+
+
 def any_failed(failed: bool) -> list[int]:
     """Which processes report a failure (a collective: every process must call it)."""
     if count() == 1:

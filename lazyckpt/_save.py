@@ -34,7 +34,7 @@ from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
 from lazyckpt._engine import Box, Scheduler, box_bytes, chunk_blocks, on_grid, stored_map
-from lazyckpt._errors import LazyckptError, UnsavableError
+from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._sharding import sharding_json
@@ -95,7 +95,9 @@ def save(
     about `chunk_bytes`. The checkpoint appears at `path` only once complete; an
     existing one is replaced only with `overwrite=True`. `path` may be an `s3://` or
     `gs://` URL (see `open` for `storage_options`): there, with no rename to commit
-    with, `commit_success.txt` is written last and marks the save complete.
+    with, `commit_success.txt` is written last and marks the save complete, and an
+    overwrite deletes the old checkpoint first. In a `jax.distributed` run every
+    process calls `save` with the same tree; each writes the shards it holds.
 
     Orbax restores the result (`PyTreeCheckpointer`, `StandardCheckpointer`), and
     `lazyckpt.open` reads it back as saved.
@@ -111,6 +113,8 @@ def save(
         raise ValueError(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes}")
     leaves = [_plan(keys, value, chunk_bytes) for keys, value in _flatten(tree)]
     _check_names(leaves)
+    if overwrite and fs.is_remote(final):
+        _refuse_reading_from(final, leaves)
     multihost.agree(
         "the tree to save",
         _description(leaves),
@@ -129,6 +133,20 @@ def save(
     if bar is not None:
         bar.close()
     return final
+
+
+def _refuse_reading_from(final: str, leaves: Sequence[_Leaf]) -> None:
+    """On object storage an overwrite deletes the old checkpoint before writing: refuse
+    when the tree still reads from it."""
+    for leaf in leaves:
+        if isinstance(leaf.value, LazyArray):
+            source = leaf.value.stored.store.location
+            if source == final or source.startswith(final + "/"):
+                raise CheckpointExistsError(
+                    f"{leaf.path} is read from {source}, which overwriting {final} would "
+                    "delete before it is read (object storage has no atomic replace); save "
+                    "to a new path, then delete the old one"
+                )
 
 
 def _description(leaves: Sequence[_Leaf]) -> str:
@@ -174,48 +192,61 @@ def _save_together(
     Process 0 checks the destination and makes the temporary folder; each process
     writes the shards it holds (replica 0 of each, so replicated data is written
     once in total) into its own OCDBT database `ocdbt.process_<i>`, and process 0
-    also every non-jax.Array leaf. Once all have written, process 0 merges the
-    databases into the root one, writes the metadata and publishes the checkpoint.
-    A failure anywhere fails the save on every process, and nothing is published.
+    also every non-jax.Array leaf. Once all have written, process 0 checks that every
+    writer's database is there (the processes must share the destination's file
+    system), merges them into the root one, writes the metadata and publishes the
+    checkpoint. A failure anywhere fails the save on every process, and nothing is
+    published.
     """
     me = multihost.index()
-    with contextlib.ExitStack() as stack:
-        tmp = ""
-        if me == 0:
-            try:
-                tmp = stack.enter_context(publishing(final, overwrite=overwrite))
-            except LazyckptError as error:
-                multihost.broadcast_text(f"error:{error}")
-                raise
-        told = multihost.broadcast_text(f"ok:{tmp}")
-        if told.startswith("error:"):
-            raise LazyckptError(f"process 0 could not start the save: {told[6:]}")
-        tmp = told[3:]
+    stack = contextlib.ExitStack()
+    tmp = ""
+    if me == 0:
+        try:
+            tmp = stack.enter_context(publishing(final, overwrite=overwrite))
+        except Exception as error:
+            multihost.broadcast_text(f"error:{type(error).__name__}:{error}")
+            raise
+    told = multihost.broadcast_text(f"ok:{tmp}")
+    if told.startswith("error:"):
+        kind, _, message = told[6:].partition(":")
+        raise _error_class(kind)(f"process 0 could not start the save: {message}")
+    tmp = told[3:]
+    with stack:
         mine = [leaf for leaf in leaves if me == 0 or _holds_shards(leaf)]
         failed: BaseException | None = None
         try:
-            _write_arrays(
-                fs.kvstore_spec(fs.join(tmp, f"ocdbt.process_{me}")), mine, scheduler, final
-            )
+            base = fs.kvstore_spec(fs.join(tmp, f"ocdbt.process_{me}"))
+            _write_arrays(base, mine, scheduler, final)
         except Exception as error:  # noqa: BLE001 - reported to every process below
             failed = error
-        failing = multihost.any_failed(failed is not None)
+        wrote = any(leaf.stored for leaf in mine)
+        flags = multihost.gather([int(failed is not None), int(wrote)])
         if failed is not None:
             raise failed
+        failing = [i for i, (bad, _) in enumerate(flags) if bad]
         if failing:
             raise LazyckptError(f"{final}: process(es) {failing} failed to write their shards")
-        if me == 0:
-            try:
-                _merge(tmp, multihost.count())
-                _write_metadata(tmp, final, leaves)
-            except Exception:
-                multihost.any_failed(True)
-                raise
-    # Process 0 has published, or failed; the others learn which.
-    if me != 0 and multihost.any_failed(False):
-        raise LazyckptError(f"{final}: process 0 failed to merge and publish the checkpoint")
-    if me == 0:
-        multihost.any_failed(False)
+        if me != 0:
+            if multihost.any_failed(False):
+                raise LazyckptError(f"{final}: process 0 failed to merge and publish the save")
+            return
+        published = False
+        try:
+            writers = [i for i, (_, did) in enumerate(flags) if did]
+            _merge(tmp, writers, final)
+            _write_metadata(tmp, final, leaves)
+            stack.close()  # publish: fsync and rename, or the bucket's commit marker
+            published = True
+        finally:
+            multihost.any_failed(not published)
+
+
+def _error_class(name: str) -> type[LazyckptError]:
+    import lazyckpt._errors as errors
+
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
 
 
 def _holds_shards(leaf: _Leaf) -> bool:
@@ -225,26 +256,29 @@ def _holds_shards(leaf: _Leaf) -> bool:
     )
 
 
-def _merge(tmp: str, processes: int) -> None:
-    """Copy every process's database into the root one (spec §4.1); large chunks stay
+def _merge(tmp: str, writers: list[int], final: str) -> None:
+    """Copy every writer's database into the root one (spec §4.1); large chunks stay
     in the files where they were written."""
+    missing = [
+        i for i in writers if not fs.isfile(fs.join(tmp, f"ocdbt.process_{i}/manifest.ocdbt"))
+    ]
+    if missing:
+        raise LazyckptError(
+            f"{final}: process 0 cannot see what process(es) {missing} wrote under {tmp}; "
+            "every process must save to the same shared file system or bucket"
+        )
     context = _context()
+    root_spec = {"driver": "ocdbt", "base": fs.kvstore_spec(tmp)}
     root = ts.KvStore.open(
-        {
-            "driver": "ocdbt",
-            "base": fs.kvstore_spec(tmp),
-            "config": {"max_inline_value_bytes": 1024},
-        },
-        context=context,
+        {**root_spec, "config": {"max_inline_value_bytes": 1024}}, context=context
     ).result()
-    for process in range(processes):
+    for process in writers:
         spec = {
             "driver": "ocdbt",
             "base": fs.kvstore_spec(fs.join(tmp, f"ocdbt.process_{process}")),
         }
         source = ts.KvStore.open(spec, context=context).result()
-        if source.list().result():
-            source.experimental_copy_range_to(root).result()
+        source.experimental_copy_range_to(root).result()
 
 
 def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:

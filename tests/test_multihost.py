@@ -106,17 +106,21 @@ def test_saved_by_two_restored_by_four(tmp_path: Path) -> None:
 
 
 def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
+    """Also: when process 0 cannot start the save, every process fails (none hangs)."""
     path = str(tmp_path / "ckpt")
+    (tmp_path / "a_file").write_text("not a folder")
     run_processes(2, [{"do": "save", "path": path, "spec": ["d"], "seed": 2}])
     results = run_processes(
         2,
         [
             {"do": "put_disagree", "path": path},
             {"do": "save_disagree", "path": str(tmp_path / "other")},
+            {"do": "save", "path": str(tmp_path / "a_file" / "ckpt"), "spec": ["d"], "seed": 3},
         ],
     )
     for result in results:
-        put, save = result
+        put, save, unwritable = result
+        assert "cannot create the folder it goes in" in unwritable["error"], unwritable
         assert put["error"].startswith("TreeMismatchError: the 2 processes disagree on the")
         assert "process(es) [1] differ from process 0" in put["error"]
         assert "device_put with the same tree and the same shardings" in put["error"]

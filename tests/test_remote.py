@@ -285,3 +285,17 @@ def test_open_and_slice_on_gcs(gcs: str, tmp_path: Path, mesh: Any) -> None:
     assert opened["step"] == 4 and opened["w"].sharding.spec == P("x")
     np.testing.assert_array_equal(opened["w"][30:50:3].get(), value[30:50:3])
     np.testing.assert_array_equal(lazyckpt.load(opened)["w"], value)
+
+
+def test_overwriting_a_bucket_checkpoint_that_the_tree_reads_is_refused(s3: Any) -> None:
+    url = lazyckpt.save("s3://ckpts/inplace", {"w": np.arange(6.0)})
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="no atomic replace"):
+        lazyckpt.convert(url, url, dtype="float16", overwrite=True)
+    np.testing.assert_array_equal(lazyckpt.open(url)["w"].get(), np.arange(6.0))
+
+
+def test_urls_that_leave_the_bucket_are_refused(s3: Any) -> None:
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="would leave the bucket"):
+        lazyckpt.save("s3://ckpts/../other/x", {"w": np.zeros(2)})
+    with pytest.raises(lazyckpt.LazyckptError, match="mark unfinished saves"):
+        lazyckpt.save("s3://ckpts/x.orbax-checkpoint-tmp", {"w": np.zeros(2)})
