@@ -101,7 +101,13 @@ def _materialize(
 ) -> Any:
     stored_leaves = [leaf for leaf in leaves if leaf.value_type in (*tm.ARRAY_TYPES, tm.STORED)]
     infos = _zarr_infos(store, metadata, stored_leaves)
-    key_impls = _key_impls(location)
+    # Typed PRNG keys are stored as uint32 data ending in 2 or 4 (spec §9); only then is
+    # array_metadatas/ worth reading (one request per file on object storage).
+    maybe_keys = any(
+        info.dtype == np.uint32 and info.shape and info.shape[-1] in (2, 4)
+        for info in infos.values()
+    )
+    key_impls = _key_impls(location) if maybe_keys else {}
     shardings = read_shardings(
         location, _read_text(location, "_sharding"), [leaf.name for leaf in stored_leaves]
     )
