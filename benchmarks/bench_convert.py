@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_budget import ARRAYS, make_checkpoint
 from common import (
     MiB,
     fmt_bytes,
@@ -32,25 +33,11 @@ from common import (
     versions,
 )
 
-ARRAYS, ROWS, COLUMNS = 8, 8192, 8192  # 8 x 256 MiB float32, as bench_budget.py
 TALL = (65536, 2048)  # 512 MiB float32
 
 
 def make_source(path: Path) -> int:
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((8,), ("d",))
-    rng = np.random.default_rng(1)
-    tree = {}
-    for i in range(ARRAYS):
-        host = rng.standard_normal((ROWS, COLUMNS), dtype=np.float32)
-        tree[f"layer_{i}"] = jax.device_put(host, NamedSharding(mesh, P("d")))
-        del host
-    orbax_save(fresh_dir(path), tree, use_zarr3=True)
-    return ARRAYS * ROWS * COLUMNS * 4
+    return make_checkpoint(path, use_zarr3=True)
 
 
 def lazy_convert(source: str, destination: str, budget: int) -> dict[str, Any]:

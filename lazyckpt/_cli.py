@@ -12,6 +12,7 @@ from typing import Any
 
 from lazyckpt._errors import LazyckptError, NoMatchError
 from lazyckpt._fs import is_remote, normalize
+from lazyckpt._tree import any_of
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -122,14 +123,8 @@ def _open(args: argparse.Namespace) -> Any:
 
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
     if getattr(args, "select", None):
-        tree = lazyckpt.select(tree, _any_of(args.select))
+        tree = lazyckpt.select(tree, any_of(args.select))
     return tree
-
-
-def _any_of(patterns: list[str]) -> Any:
-    from lazyckpt._tree import matches
-
-    return lambda path, _leaf: any(matches(p, path) for p in patterns)
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -289,7 +284,7 @@ def _select_or_empty(tree: Any, patterns: list[str]) -> Any:
     import lazyckpt
 
     try:
-        return lazyckpt.select(tree, _any_of(patterns))
+        return lazyckpt.select(tree, any_of(patterns))
     except NoMatchError:
         return {}
 

@@ -13,7 +13,7 @@ from lazyckpt._errors import LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._save import DEFAULT_CHUNK_BYTES, save
-from lazyckpt._tree import Predicate, map_leaves, matches
+from lazyckpt._tree import Predicate, any_of, map_leaves
 from lazyckpt._tree import select as select_tree
 
 
@@ -69,8 +69,7 @@ def convert(
 def _predicate(which: str | Sequence[str] | Predicate) -> str | Predicate:
     if isinstance(which, str) or callable(which):
         return which
-    patterns = list(which)
-    return lambda path, leaf: any(matches(pattern, path) for pattern in patterns)
+    return any_of(which)
 
 
 def _cast(leaf: Any, dtype: np.dtype[Any]) -> Any:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from lazyckpt._format import human_bytes
 from lazyckpt._lazy import LazyArray
-from lazyckpt._sharding import SavedSharding
-from lazyckpt._tree import Path, keystr
+from lazyckpt._sharding import SavedSharding, spec_str
+from lazyckpt._tree import Path, children_of, keystr
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
 _STYLE = """<style>
@@ -51,7 +50,7 @@ def spec_text(sharding: SavedSharding | None) -> tuple[str, str]:
         return "", ""
     if sharding.kind == "NamedSharding":
         mesh = " ".join(f"{name}={size}" for name, size in sharding.mesh_axes.items())
-        return str(sharding).split("spec=", 1)[1][:-1], f"mesh {mesh}"
+        return spec_str(sharding.partition_spec), f"mesh {mesh}"
     if sharding.kind == "SingleDeviceSharding":
         return "single device", str(sharding.device or "")
     return sharding.kind, ""
@@ -121,17 +120,9 @@ def rows(tree: Any) -> list[Row]:
     return out
 
 
-def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
-    if isinstance(node, dict):
-        return iter(node.items())
-    if isinstance(node, list | tuple) and node:
-        return iter(enumerate(node))
-    return None
-
-
 def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, int]:
-    children = _children(node) if not (isinstance(node, dict) and not node) else None
-    if children is None:
+    children = children_of(node)
+    if children is None or (isinstance(node, dict | list | tuple) and not node):
         if isinstance(node, LazyArray):
             out.append(Row(path, depth, False, 1, node.nbytes, node))
             return 1, node.nbytes

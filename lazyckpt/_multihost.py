@@ -58,10 +58,7 @@ def gather(flags: list[int]) -> list[list[int]]:
 
 def any_failed(failed: bool) -> list[int]:
     """Which processes report a failure (a collective: every process must call it)."""
-    if count() == 1:
-        return [0] if failed else []
-    gathered = _allgather(np.array([1 if failed else 0], np.int32)).reshape(-1)
-    return [i for i, flag in enumerate(gathered) if flag]
+    return [i for i, (flag,) in enumerate(gather([int(failed)])) if flag]
 
 
 def broadcast_text(text: str) -> str:

@@ -72,7 +72,7 @@ class SavedSharding:
         ]
         if missing:
             raise ShardingError(
-                f"the saved partition spec {_spec_str(self.partition_spec)} uses mesh axes "
+                f"the saved partition spec {spec_str(self.partition_spec)} uses mesh axes "
                 f"{missing} that the given mesh (axes {list(mesh.axis_names)}) lacks; "
                 "name the mesh axes as saved, or pass explicit shardings"
             )
@@ -103,7 +103,7 @@ class SavedSharding:
 
     def __repr__(self) -> str:
         if self.kind == "NamedSharding":
-            return f"NamedSharding(mesh={self.mesh_axes}, spec={_spec_str(self.partition_spec)})"
+            return f"NamedSharding(mesh={self.mesh_axes}, spec={spec_str(self.partition_spec)})"
         if self.kind == "SingleDeviceSharding":
             return f"SingleDeviceSharding(device={self.device!r})"
         if self.mesh_shape:
@@ -147,7 +147,8 @@ def _named_json(
     return json.dumps(entry)
 
 
-def _spec_str(spec: tuple[SpecEntry, ...]) -> str:
+def spec_str(spec: tuple[SpecEntry, ...]) -> str:
+    """A saved partition spec as JAX prints it: `P('x', None)`."""
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 

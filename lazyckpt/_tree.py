@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lazyckpt._errors import NoMatchError
@@ -17,7 +17,7 @@ def keystr(path: Path) -> str:
     return "/".join(str(k) for k in path)
 
 
-def _children(node: Any) -> Iterator[tuple[str | int, Any]] | None:
+def children_of(node: Any) -> Iterator[tuple[str | int, Any]] | None:
     if isinstance(node, dict):
         return iter(node.items())
     if isinstance(node, list | tuple):
@@ -48,7 +48,7 @@ def _walk(node: Any, path: Path, empty: bool) -> Iterator[tuple[Path, Any]]:
         if empty and path:
             yield path, node
         return
-    children = _children(node)
+    children = children_of(node)
     if children is None or (empty and not node):
         if children is None or path:
             yield path, node
@@ -79,6 +79,16 @@ def matches(pattern: str, path: str) -> bool:
     """
     parts = [part for part in pattern.strip("/").split("/") if part]
     return _matches(parts, path.split("/") if path else [])
+
+
+def any_of(patterns: Sequence[str]) -> Predicate:
+    """A predicate for `select` that keeps leaves matching any of `patterns`.
+
+    >>> select({"a": 1, "b": 2, "c": 3}, any_of(["a", "c"]))
+    {'a': 1, 'c': 3}
+    """
+    parts = list(patterns)
+    return lambda path, _leaf: any(matches(pattern, path) for pattern in parts)
 
 
 def _as_predicate(which: str | Predicate) -> Predicate:
@@ -115,7 +125,7 @@ def select(tree: Any, which: str | Predicate) -> Any:
 
 
 def _select(node: Any, path: Path, predicate: Predicate) -> Any:
-    children = _children(node)
+    children = children_of(node)
     if children is None:
         return node if predicate(keystr(path), node) else _DROPPED
     picked = [(key, _select(child, (*path, key), predicate)) for key, child in children]
@@ -129,7 +139,7 @@ def _select(node: Any, path: Path, predicate: Predicate) -> Any:
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
     """`tree` with `fn` applied to each leaf; dicts, lists and tuples rebuilt."""
-    children = _children(tree)
+    children = children_of(tree)
     if children is None:
         return fn(tree)
     mapped = [(key, map_leaves(fn, child)) for key, child in children]

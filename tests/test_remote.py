@@ -62,23 +62,19 @@ def guarded_server() -> Iterator[str]:
 def s3() -> Iterator[Any]:
     """A moto S3 server on 127.0.0.1 with a bucket `ckpts`; its endpoint in the
     environment, as users set it."""
-    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(CREDENTIALS)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-    client.create_bucket(Bucket="ckpts")
     try:
-        yield client
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in CREDENTIALS.items():
+                env.setenv(key, value)
+            env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+            client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+            client.create_bucket(Bucket="ckpts")
+            yield client
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def upload(client: Any, folder: Path, prefix: str) -> str:
@@ -183,7 +179,7 @@ def test_missing_credentials_say_so(s3: Any, monkeypatch: pytest.MonkeyPatch) ->
         lazyckpt.open("s3://ckpts/creds")
 
 
-def test_rejected_credentials_and_access_denied() -> None:
+def test_rejected_credentials_and_access_denied(monkeypatch: pytest.MonkeyPatch) -> None:
     """Against a server that checks credentials and IAM policies."""
     with guarded_server() as endpoint:
         admin = {"endpoint_url": endpoint, "region_name": "us-east-1"}
@@ -194,24 +190,13 @@ def test_rejected_credentials_and_access_denied() -> None:
         iam.create_user(UserName="reader")
         key = iam.create_access_key(UserName="reader")["AccessKey"]  # and no policy
         options = {"endpoint": endpoint, "region": "us-east-1"}
-        environment = {
-            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
-        }
-        saved = {k: os.environ.get(k) for k in environment}
-        os.environ.update(environment)
-        try:
-            with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
-                lazyckpt.open("s3://guarded/ckpt", storage_options=options)
-            os.environ["AWS_ACCESS_KEY_ID"] = "AKIANOTAKEY000000000"
-            with pytest.raises(lazyckpt.StorageAccessError, match="rejected the credentials"):
-                lazyckpt.open("s3://guarded/ckpt", storage_options=options)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
+            lazyckpt.open("s3://guarded/ckpt", storage_options=options)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEY000000000")
+        with pytest.raises(lazyckpt.StorageAccessError, match="rejected the credentials"):
+            lazyckpt.open("s3://guarded/ckpt", storage_options=options)
 
 
 def test_sharded_jax_arrays_save_to_a_bucket(s3: Any, mesh: Any) -> None:
@@ -251,20 +236,13 @@ def gcs() -> Iterator[str]:
     server = server_module.create_server("127.0.0.1", 0, in_memory=True, default_bucket="ckpts")
     server.start()
     port = server._api._httpd.server_port
-    saved = {
-        k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
-    }
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{port}"
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "lazyckpt-test"
     try:
-        yield "gs://ckpts"
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://127.0.0.1:{port}")
+            env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "lazyckpt-test")
+            yield "gs://ckpts"
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_open_and_slice_on_gcs(gcs: str, tmp_path: Path, mesh: Any) -> None:
