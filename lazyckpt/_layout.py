@@ -66,6 +66,36 @@ def _pytree_items(step_dir: str) -> list[str]:
     )
 
 
+# The file of a JSON item (`ocp.args.JsonSave`): Orbax's v0 JsonCheckpointHandler
+# writes `metadata`, v1's JsonHandler `data.json` (spec §1.2, §1.3).
+_JSON_ITEM_FILES = ("metadata", "data.json")
+
+
+def json_item_file(folder: str) -> str | None:
+    """The JSON file of a JSON item folder, or None if `folder` is not one."""
+    if not fs.isdir(folder) or is_pytree_dir(folder):
+        return None
+    names = fs.listdir(folder)
+    for name in _JSON_ITEM_FILES:
+        if name in names and fs.isfile(fs.join(folder, name)):
+            return fs.join(folder, name)
+    return None
+
+
+def _kinds(step_dir: str) -> dict[str, str]:
+    """The items of a step folder by name: `pytree` or `json`."""
+    found = {}
+    for name in fs.listdir(step_dir):
+        folder = fs.join(step_dir, name)
+        if is_unfinished(name):
+            continue
+        if is_pytree_dir(folder):
+            found[name] = "pytree"
+        elif json_item_file(folder) is not None:
+            found[name] = "json"
+    return dict(sorted(found.items()))
+
+
 def _listed_items(step_dir: str) -> list[str]:
     try:
         text = fs.read_text(fs.join(step_dir, "_CHECKPOINT_METADATA"))
@@ -101,19 +131,21 @@ def items(
     *,
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
-) -> list[str]:
-    """The PyTree items of a step folder (of the latest or given step of a root).
+) -> dict[str, str]:
+    """The items of a step folder (of the latest or given step of a root), by name,
+    with their kind: `'pytree'` (a PyTree checkpoint, opened as a lazy tree) or
+    `'json'` (an `ocp.args.JsonSave` item, opened as its value).
 
     Pass one of them to `lazyckpt.open(..., item=NAME)`.
 
     >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
-    (['extra', 'state'], ['state'])
+    ({'extra': 'pytree', 'state': 'pytree'}, {'state': 'pytree'})
     """
     with fs.session(storage_options):
         folder = _existing_folder(path)
         if is_pytree_dir(folder):
-            return []
-        return _pytree_items(_step_folder(folder, step))
+            return {}
+        return _kinds(_step_folder(folder, step))
 
 
 def _step_folder(folder: str, step: int | None) -> str:
@@ -151,7 +183,8 @@ def _existing_folder(path: str | os.PathLike[str]) -> str:
 
 
 def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
-    """The PyTree item folder that `path` (with `step` and `item`) points to."""
+    """The item folder that `path` (with `step` and `item`) points to: a PyTree item,
+    or a JSON item when one is asked for by name (or `path` is one)."""
     path = fs.normalize(path)
     if is_unfinished(fs.basename(path)):
         raise UnfinishedCheckpointError(
@@ -165,7 +198,7 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
             "_METADATA (or a CheckpointManager root or step folder)"
         )
-    if is_pytree_dir(path) and step is None and item is None:
+    if step is None and item is None and (is_pytree_dir(path) or json_item_file(path)):
         found = path
     else:
         folder = _step_folder(path, step)
@@ -200,19 +233,22 @@ def _committed(folder: str) -> bool:
 def _item(step_dir: str, item: str | None) -> str:
     present = _pytree_items(step_dir)
     if item is not None:
-        if item in present:
+        kinds = _kinds(step_dir)
+        if item in kinds:
             return fs.join(step_dir, item)
         if fs.isdir(fs.join(step_dir, item)):
             raise NotACheckpointError(
-                f"item {item!r} in {step_dir} is not a PyTree item (it holds "
-                f"{fs.listdir(fs.join(step_dir, item))[:5]}); PyTree items: {present}"
+                f"item {item!r} in {step_dir} is neither a PyTree nor a JSON item (it holds "
+                f"{fs.listdir(fs.join(step_dir, item))[:5]}); items: {kinds}"
             )
         if item in _listed_items(step_dir):
             raise CheckpointNotFoundError(
                 f"item {item!r} is listed in {step_dir}/_CHECKPOINT_METADATA but its folder "
-                f"is missing; items present: {present}"
+                f"is missing; items present: {list(kinds)}"
             )
-        raise CheckpointNotFoundError(f"{step_dir} has no item {item!r}; items present: {present}")
+        raise CheckpointNotFoundError(
+            f"{step_dir} has no item {item!r}; items present: {list(kinds)}"
+        )
     for name in _DEFAULT_ITEMS:
         if name in present:
             return fs.join(step_dir, name)

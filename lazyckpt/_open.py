@@ -15,7 +15,7 @@ import numpy as np
 from lazyckpt import _fs as fs
 from lazyckpt import _tree_metadata as tm
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._layout import locate
+from lazyckpt._layout import json_item_file, locate
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
 from lazyckpt._selection import Selection
@@ -34,9 +34,10 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     """Open an Orbax checkpoint as a pytree of `LazyArray`s, reading only metadata.
 
     `path` is a PyTree checkpoint folder, a step folder with items (`item` picks
-    one), or a CheckpointManager root (the latest committed step unless `step` is
-    given). Strings and Python scalars come back as their values; empty containers
-    and None as saved; every array as a `LazyArray`. `path` may be `s3://bucket/prefix`
+    one; see `lazyckpt.items`), or a CheckpointManager root (the latest committed
+    step unless `step` is given). Strings and Python scalars come back as their values
+    (reading the small scalar arrays); empty containers and None as saved; every
+    array as a `LazyArray`. A JSON item (`ocp.args.JsonSave`) opens as its value. `path` may be `s3://bucket/prefix`
     or `gs://bucket/prefix`; `storage_options` (`endpoint`, `region`, or tensorstore
     kvstore options) add to what the environment says (`AWS_ENDPOINT_URL`, ...).
 
@@ -45,7 +46,21 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
     with _gc_paused(), fs.session(storage_options):
-        return _open(locate(os.fspath(path), step=step, item=item))
+        found = locate(os.fspath(path), step=step, item=item)
+        json_file = json_item_file(found)
+        return _open(found) if json_file is None else _json_item(json_file)
+
+
+def _json_item(path: str) -> Any:
+    """The value of a JSON item (`ocp.args.JsonSave`)."""
+    text = fs.read_text(path)
+    try:
+        return json.loads(text or "")
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise CorruptCheckpointError(
+            f"{path} is not valid JSON ({error}); the JSON item is damaged, copy the "
+            "checkpoint again"
+        ) from None
 
 
 @contextlib.contextmanager

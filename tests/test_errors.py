@@ -83,16 +83,21 @@ def test_manager_root_steps_and_items(tmp_path: Path) -> None:
         r"steps: \[1, 2\]",
     ):
         lazyckpt.open(root, step=3)
+    assert lazyckpt.items(root) == {"extra": "json", "state": "pytree"}
+    assert lazyckpt.open(root, item="extra") == {"step": 2}  # a JSON item: its value
+    assert lazyckpt.open(root, step=1, item="extra") == {"step": 1}
+    (root / "ckpt_000002" / "notes").mkdir()
+    (root / "ckpt_000002" / "notes" / "readme.txt").write_text("not an item")
     with pytest.raises(
         NotACheckpointError,
-        match=r"item 'extra' in .*ckpt_000002 is not a PyTree "
-        r"item \(it holds \['commit_success.txt', 'metadata'\]\); PyTree items: \['state'\]",
+        match=r"item 'notes' in .*ckpt_000002 is neither a PyTree nor a JSON item \(it holds "
+        r"\['readme.txt'\]\); items: \{'extra': 'json', 'state': 'pytree'\}",
     ):
-        lazyckpt.open(root, item="extra")
+        lazyckpt.open(root, item="notes")
     with pytest.raises(
         CheckpointNotFoundError,
         match=r"ckpt_000002 has no item 'other'; items "
-        r"present: \['state'\]",
+        r"present: \['extra', 'state'\]",
     ):
         lazyckpt.open(root, item="other")
     shutil.rmtree(root / "ckpt_000002" / "state")

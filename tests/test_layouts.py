@@ -289,13 +289,19 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     )
     (root / "ckpt_000011.orbax-checkpoint-tmp").mkdir()
     assert lazyckpt.steps(root) == [5, 10]
-    assert lazyckpt.items(root) == ["params", "state"]
-    assert lazyckpt.items(root, step=5) == ["params", "state"]
+    assert lazyckpt.items(root) == {"params": "pytree", "state": "pytree"}
+    assert lazyckpt.items(root, step=5) == {"params": "pytree", "state": "pytree"}
     assert lazyckpt.open(root, step=5)["w"].get().tolist() == [5, 5, 5]  # `state` by default
     assert list(lazyckpt.open(root, item="params")) == ["p"]
     v1 = _v1_save(tmp_path / "v1", {"x": np.arange(3)})
-    assert (v1 / "orbax.checkpoint").exists() and lazyckpt.items(v1) == ["state"]
+    assert (v1 / "orbax.checkpoint").exists() and lazyckpt.items(v1) == {"state": "pytree"}
     assert lazyckpt.open(v1)["x"].get().tolist() == [0, 1, 2]
+    # v1's JsonHandler writes <item>/data.json (spec §1.3), as in Orbax's own corpus.
+    (v1 / "metadata").mkdir()
+    (v1 / "metadata" / "data.json").write_text('{"metadata": "json_data"}')
+    assert lazyckpt.items(v1) == {"metadata": "json", "state": "pytree"}
+    assert lazyckpt.open(v1, item="metadata") == {"metadata": "json_data"}
+    assert lazyckpt.open(v1)["x"].get().tolist() == [0, 1, 2]  # the PyTree stays the default
     with pytest.raises(lazyckpt.NotACheckpointError, match=r"is not a CheckpointManager root"):
         lazyckpt.steps(v1)
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match=r"has no item 'params'"):

@@ -118,7 +118,7 @@ def test_steps_items_and_unfinished_steps_in_a_bucket(s3: Any, tmp_path: Path) -
     # Step 3 lost its commit marker: on object storage it is unfinished.
     s3.delete_object(Bucket="ckpts", Key="run/ckpt_000003/commit_success.txt")
     assert lazyckpt.steps(url) == [1, 2]
-    assert lazyckpt.items(url) == ["state"]
+    assert lazyckpt.items(url) == {"state": "pytree"}
     assert lazyckpt.open(url)["w"].get().tolist() == [2, 2, 2]
     assert lazyckpt.open(url, step=1)["w"].get().tolist() == [1, 1, 1]
     with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"no commit_success\.txt"):
