@@ -163,11 +163,10 @@ def _show(args: argparse.Namespace) -> None:
 
     import lazyckpt
     from lazyckpt._lazy import LazyArray
-    from lazyckpt._tree import keystr, walk
 
     key, index = _split_index(args.key)
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
-    found = _subtree(tree, key, walk, keystr)
+    found = _subtree(tree, key)
     if not isinstance(found, LazyArray):
         if index:
             raise LazyckptError(f"{key} is not an array, so it takes no index [{index}]")
@@ -179,25 +178,21 @@ def _show(args: argparse.Namespace) -> None:
         print(view.get())
 
 
-def _subtree(tree: Any, key: str, walk: Any, keystr: Any) -> Any:
-    wanted = key.strip("/")
-    if not wanted:
-        return tree
-    for path, leaf in walk(tree, empty_containers=True):
-        if keystr(path) == wanted:
-            return leaf
-    node = tree
-    for part in wanted.split("/"):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            from lazyckpt._tree import leaves
+def _subtree(tree: Any, key: str) -> Any:
+    import lazyckpt
+    from lazyckpt._tree import subtree
 
-            near = [p for p, _ in leaves(tree)][:8]
-            raise NoMatchError(f"no key {wanted!r} in the checkpoint; its keys look like {near}")
-    return node
+    wanted = key.strip("/")
+    for path, leaf in lazyckpt.leaves(tree):  # keys may hold '/' themselves
+        if path == wanted:
+            return leaf
+    try:
+        return subtree(tree, wanted.split("/") if wanted else [])
+    except KeyError:
+        near = [p for p, _ in lazyckpt.leaves(tree)][:8]
+        raise NoMatchError(
+            f"no key {wanted!r} in the checkpoint; its keys look like {near}"
+        ) from None
 
 
 def _split_index(text: str) -> tuple[str, str]:

@@ -3,75 +3,134 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
-import attrs
 import jax
-from jax.sharding import Sharding
+from jax.sharding import Mesh, Sharding
 
 from lazyckpt import _multihost as multihost
 from lazyckpt._engine import Box, Scheduler, Target, schedule_fill, stored_bytes
-from lazyckpt._errors import ShardingError, TreeMismatchError
+from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
-from lazyckpt._tree import keystr, map_leaves, walk
-
-ShardingChoice: TypeAlias = (
-    Sharding | jax.ShapeDtypeStruct | Callable[[str, LazyArray], Sharding] | Any
-)
+from lazyckpt._sharding import resolve
+from lazyckpt._target import Missing, Placement, match
+from lazyckpt._tree import children, map_leaves
 
 
 def device_put(
     tree: Any,
-    shardings: ShardingChoice,
+    target: Any,
     *,
+    partial: bool = False,
+    missing: Missing = "error",
+    lossy_casts: bool = False,
+    mesh: Mesh | None = None,
     memory_budget: int | None = None,
     progress: bool | None = None,
 ) -> Any:
-    """Place every LazyArray in `tree` on devices as a `jax.Array`, shard by shard.
+    """Place the LazyArrays of `tree` on devices as `jax.Array`s, shard by shard.
 
-    `shardings` is one of:
-    - a `jax.sharding.Sharding`, used for every array;
-    - a callable `(path, lazy_array) -> Sharding`, e.g. `lazyckpt.saved_shardings(mesh)`;
-    - a pytree prefix of `tree` whose leaves are Shardings, `jax.ShapeDtypeStruct`s
-      with `.sharding` (an abstract target: arrays are also cast to its dtype), or
-      None (that subtree is left as it is).
+    `target` says where, in one of three forms:
+    - one `Sharding`, `jax.Device` or `PartitionSpec`, used for every array;
+    - a callable `(key, lazy_array) -> Sharding` (or Device, or PartitionSpec), given
+      each array's key in its checkpoint, e.g. `lazyckpt.saved_shardings(mesh)`;
+    - a target pytree, such as the abstract state of a model (`nnx.eval_shape`,
+      `jax.eval_shape`), a Linen `TrainState`, an optax state or a dict of
+      Shardings. Its leaves are `jax.ShapeDtypeStruct`s or `jax.Array`s (restored
+      with their shape, dtype and sharding; no sharding means the default device),
+      NumPy arrays (read to host), Shardings, Devices or PartitionSpecs (the
+      checkpoint's leaf or whole subtree there, placed so), None (left as it is), or
+      Python scalars. Leaves pair with the checkpoint's by key path as Orbax names
+      them on disk (int and str keys alike, fields by name, an `nnx.Variable`'s
+      `value` level optional), and the result has the target's structure: an
+      `nnx.State` target gives an `nnx.State`.
+
+    Matching is strict: a target leaf the checkpoint lacks, a checkpoint leaf the
+    target does not name, a different shape, or a cast that can change values (float
+    to int, int64 to int32) raises one `TreeMismatchError` that lists them all.
+    `partial=True` restores only what the target names (the rest is never read);
+    `missing="keep"` keeps target leaves the checkpoint lacks as they are, and a
+    function `(path, target_leaf) -> value` fills them; `lossy_casts=True` allows any
+    cast (floating-point precision changes never need it). NamedShardings on an
+    `AbstractMesh` and PartitionSpecs are laid out on `mesh`, else on the mesh of
+    `jax.set_mesh`.
 
     Each device's shard is read for exactly its index; devices that hold the same
     index (replicas) share one read, and a stored chunk that several shards need is
     read once and split among them. Reads of all arrays run concurrently with at most
     `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at least
-    64 MiB); shards are assembled in place in their host buffers, which CPU devices
-    adopt without a copy.
-    `progress` shows a bar on stderr (None: only for large reads on a terminal).
-    Leaves that are not LazyArrays pass through.
+    64 MiB and at most 1 GiB); shards are assembled in place in their host buffers,
+    which CPU devices adopt without a copy. `progress` shows a bar on stderr (None:
+    only for large reads on a terminal). Leaves that are not LazyArrays pass through.
 
     >>> tree = lazyckpt.open(path)
     >>> mesh = jax.make_mesh((8,), ("rows",))
     >>> w = lazyckpt.device_put(tree["params"]["w"], NamedSharding(mesh, P("rows")))
     >>> w.sharding.spec == P("rows"), w.addressable_shards[1].data
     (True, Array([[ 8.,  9., 10., 11., 12., 13., 14., 15.]], dtype=float32))
+    >>> abstract = {"params": {"w": jax.ShapeDtypeStruct((8, 8), np.float32,
+    ...                                                  sharding=NamedSharding(mesh, P()))}}
+    >>> lazyckpt.device_put(tree, abstract)
+    Traceback (most recent call last):
+    ...
+    lazyckpt.TreeMismatchError: the target does not match the checkpoint: 3 checkpoint leaves not in the target
+      not in the target: opt_state/mu  float32[8,8]
+      not in the target: params/b  float32[8]
+      not in the target: step  3
+    to restore anyway: partial=True restores only what the target names
+    >>> placed = lazyckpt.device_put(tree, abstract, partial=True)
+    >>> placed["params"]["w"].sharding.spec
+    P()
     """
-    plan = _plan(tree, shardings)
-    placements = [leaf for _, leaf in walk(plan) if isinstance(leaf, _Placement)]
+    if callable(target) and children(target) is None:  # a function, not a pytree (a Module)
+        choose: Callable[[str, LazyArray], Any] = target
+        plan = map_leaves(
+            lambda x: (
+                Placement(x, resolve(x.key, choose(x.key, x), mesh))
+                if isinstance(x, LazyArray)
+                else x
+            ),
+            tree,
+        )
+    else:
+        plan = match(
+            tree, target, partial=partial, missing=missing, lossy_casts=lossy_casts, mesh=mesh
+        )
+    return materialize(plan, memory_budget, progress, "lazyckpt device_put")
+
+
+def materialize(plan: Any, memory_budget: int | None, progress: bool | None, label: str) -> Any:
+    """`plan` with every `Placement` read: onto its sharding, or into a NumPy array."""
+    placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
-    bar = Progress.maybe(progress, total, "lazyckpt device_put")
-    multihost.agree(
-        "the arrays and shardings to place",
-        "\n".join(_describe(p) for p in placements),
-        "every process must call device_put with the same tree and the same shardings",
-    )
+    bar = Progress.maybe(progress, total, label)
+    on_devices = [p for p in placements if p.sharding is not None]
+    if on_devices:
+        multihost.agree(
+            "the arrays and shardings to place",
+            "\n".join(_describe(p) for p in on_devices),
+            "every process must call device_put with the same tree and the same shardings",
+        )
     scheduler = Scheduler(memory_budget, bar)
-    results: dict[int, jax.Array] = {}
+    results: dict[int, Any] = {}
     for placement in placements:
-        _schedule_put(placement, scheduler, results)
+        if placement.sharding is None:
+            _schedule_load(placement, scheduler, results)
+        else:
+            _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
     if bar is not None:
         bar.close()
-    return map_leaves(lambda x: results[id(x)] if isinstance(x, _Placement) else x, plan)
+    return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 
-def _describe(placement: _Placement) -> str:
+def _result(results: dict[int, Any], placement: Placement) -> Any:
+    found = results[id(placement)]
+    return found.buffer() if isinstance(found, Target) else found
+
+
+def _describe(placement: Placement) -> str:
     array, sharding = placement.array, placement.sharding
     layout = repr(sharding)
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -79,82 +138,15 @@ def _describe(placement: _Placement) -> str:
     return f"{array.key}|{array.shape}|{array.dtype}|{layout}"
 
 
-@attrs.frozen
-class _Placement:
-    """A LazyArray paired with its target sharding."""
-
-    array: LazyArray
-    sharding: Sharding
-
-
-def _plan(tree: Any, shardings: ShardingChoice) -> Any:
-    """`tree` with each LazyArray replaced by a `_Placement`."""
-    if callable(shardings) and not isinstance(shardings, Sharding | jax.ShapeDtypeStruct):
-        choose = shardings
-        return map_leaves(
-            lambda x: _place(x, choose(x.key, x)) if isinstance(x, LazyArray) else x, tree
-        )
-    return _broadcast(shardings, tree, ())
-
-
-def _broadcast(prefix: Any, tree: Any, path: tuple[str | int, ...]) -> Any:
-    """Pair the leaves of the `prefix` tree with the subtrees of `tree` they cover."""
-    if prefix is None:
-        return tree
-    if isinstance(prefix, Sharding | jax.ShapeDtypeStruct):
-        return map_leaves(lambda x: _place(x, prefix), tree)
-    where = keystr(path) or "root"
-    hint = (
-        "pass one Sharding, a callable (path, array) -> Sharding, or a tree whose "
-        "structure is a prefix of the checkpoint tree (None leaves a subtree as is)"
-    )
-    if isinstance(prefix, dict):
-        if not isinstance(tree, dict) or set(prefix) != set(tree):
-            found = sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__
-            missing = sorted(map(str, set(tree) - set(prefix))) if isinstance(tree, dict) else []
-            extra = sorted(map(str, set(prefix) - set(tree))) if isinstance(tree, dict) else []
-            raise TreeMismatchError(
-                f"the shardings tree does not match the checkpoint tree at {where}: the "
-                f"shardings have keys {sorted(map(str, prefix))}, the checkpoint has {found}"
-                + (f" (missing {missing}, unexpected {extra})" if missing or extra else "")
-                + f"; {hint}"
-            )
-        return {key: _broadcast(prefix[key], tree[key], (*path, key)) for key in tree}
-    if isinstance(prefix, list | tuple):
-        if not isinstance(tree, list | tuple) or len(prefix) != len(tree):
-            found = f"{len(tree)} items" if isinstance(tree, list | tuple) else type(tree).__name__
-            raise TreeMismatchError(
-                f"the shardings tree does not match the checkpoint tree at {where}: the "
-                f"shardings have a sequence of {len(prefix)} items, the checkpoint has {found}; "
-                f"{hint}"
-            )
-        pairs = enumerate(zip(prefix, tree, strict=True))
-        items = [_broadcast(p, t, (*path, i)) for i, (p, t) in pairs]
-        return items if isinstance(tree, list) else tuple(items)
-    return map_leaves(lambda x: _place(x, prefix), tree)
-
-
-def _place(leaf: Any, target: Any) -> Any:
-    if not isinstance(leaf, LazyArray):
-        return leaf
-    if isinstance(target, jax.ShapeDtypeStruct):
-        if tuple(target.shape) != leaf.shape:
-            raise TreeMismatchError(
-                f"{leaf.key}: the target has shape {tuple(target.shape)} but the checkpoint "
-                f"array has shape {leaf.shape}; slice the LazyArray or fix the target"
-            )
-        if target.sharding is None:
-            raise TreeMismatchError(
-                f"{leaf.key}: the target ShapeDtypeStruct has no sharding; give it one with "
-                "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
-            )
-        leaf, target = leaf.astype(target.dtype), target.sharding
-    if not isinstance(target, Sharding):
-        raise TreeMismatchError(
-            f"{leaf.key}: expected a jax.sharding.Sharding, found {type(target).__name__} "
-            f"{target!r}"
-        )
-    return _Placement(leaf, target)
+def _schedule_load(placement: Placement, scheduler: Scheduler, results: dict[int, Any]) -> None:
+    """Read the whole view into a NumPy array (typed PRNG keys: a jax.Array of keys)."""
+    array = placement.array
+    if array.key_impl:
+        results[id(placement)] = array.get()  # typed keys are small
+        return
+    target = Target(tuple((0, n) for n in array.shape), array.dtype)
+    schedule_fill(array, [target], scheduler, lambda: None)
+    results[id(placement)] = target
 
 
 def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:
@@ -178,10 +170,10 @@ def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]
 
 
 def _schedule_put(
-    placement: _Placement, scheduler: Scheduler, results: dict[int, jax.Array]
+    placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, Any]
 ) -> None:
     """Fill one host buffer per distinct region, then hand them to the devices."""
-    array, sharding = placement.array, placement.sharding
+    array = placement.array
     groups = _regions(array, sharding)
     if array.key_impl:
         # Typed keys are small: read each region as keys, then place them.

@@ -172,10 +172,9 @@ def _compare_values(
     total = sum(old.nbytes + new.nbytes for _, old, new in pairs)
     bar = Progress.maybe(progress, total, "lazyckpt diff")
     budget = None if memory_budget is None else max(1, memory_budget // 2)
-    by_key = {old.key: (path, new) for path, old, new in pairs}
     worst: dict[str, tuple[float, float, bool]] = {}
-    for old, index, left in engine_blocks([old for _, old, _ in pairs], budget, bar):
-        path, new = by_key[old.key]
+    for position, index, left in engine_blocks([old for _, old, _ in pairs], budget, bar):
+        path, _, new = pairs[position]
         right = new[index].get()
         abs_diff, rel_diff, differs = _block_difference(left, right)
         prev = worst.get(path, (0.0, 0.0, False))

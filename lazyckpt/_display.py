@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from typing import Any
 
 import attrs
+import jax
+import numpy as np
 
 from lazyckpt._format import human_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._sharding import SavedSharding, spec_str
-from lazyckpt._tree import Path, children_of, keystr
+from lazyckpt._tree import Key, Path, children, keystr
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
 _STYLE = """<style>
@@ -66,14 +69,21 @@ class Row:
     arrays: int = 0  # arrays at or below this row
     nbytes: int = 0  # their size as views, in their dtypes
     leaf: Any = None
+    kind: str = ""
+    """The container's type, where it is not a dict, list or tuple (`State`, `Param`)."""
+    keys_shown: int = 1
+    """Trailing keys of `path` the row's name shows: a leaf alone in a box such as an
+    `nnx.Variable` shows as `kernel/value`."""
 
     @property
     def name(self) -> str:
-        return str(self.path[-1]) if self.path else "(root)"
+        return keystr(self.path[-self.keys_shown :]) if self.path else "(root)"
 
     def describe(self) -> dict[str, Any]:
         """The row as JSON-ready data (what `lazyckpt inspect --json` prints)."""
         out: dict[str, Any] = {"path": keystr(self.path)}
+        if self.kind:
+            out["type"] = self.kind
         if self.group:
             out.update(kind="tree", arrays=self.arrays, nbytes=self.nbytes)
             return out
@@ -90,6 +100,14 @@ class Row:
             )
             if leaf.dtype != leaf.stored.dtype and not leaf.key_impl:
                 out["stored_dtype"] = str(leaf.stored.dtype)
+            return out
+        if is_array(leaf):
+            out.update(
+                kind="array",
+                shape=list(leaf.shape),
+                dtype=str(leaf.dtype),
+                nbytes=array_nbytes(leaf),
+            )
             return out
         out.update(kind="value", value=_json_value(leaf))
         return out
@@ -120,23 +138,43 @@ def rows(tree: Any) -> list[Row]:
     return out
 
 
+_PLAIN = (dict, list, tuple)
+
+
 def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, int]:
-    children = children_of(node)
-    if children is None or (isinstance(node, dict | list | tuple) and not node):
-        if isinstance(node, LazyArray):
-            out.append(Row(path, depth, False, 1, node.nbytes, node))
-            return 1, node.nbytes
+    kids = children(node)
+    if not kids:  # a leaf, None or an empty container
+        if is_array(node):
+            out.append(Row(path, depth, False, 1, array_nbytes(node), node))
+            return 1, array_nbytes(node)
         out.append(Row(path, depth, False, leaf=node))
         return 0, 0
+    kind = "" if type(node) in _PLAIN else type(node).__name__
+    if len(kids) == 1 and (kind or kids[0][0] == "value") and children(kids[0][1]) is None:
+        # A box around one leaf (nnx.Variable, nn.Partitioned, or such a box as saved):
+        # one row, `kernel/value`.
+        key, leaf = kids[0]
+        count = int(is_array(leaf))
+        nbytes = array_nbytes(leaf) if count else 0
+        out.append(Row((*path, key), depth, False, count, nbytes, leaf, kind, keys_shown=2))
+        return count, nbytes
     index = len(out)
-    out.append(Row(path, depth, True))
+    out.append(Row(path, depth, True, kind=kind))
     arrays = nbytes = 0
-    for key, child in children:
+    for key, child in _display_order(kids):
         count, size = _collect(child, (*path, key), depth + 1, out)
         arrays += count
         nbytes += size
     out[index] = attrs.evolve(out[index], arrays=arrays, nbytes=nbytes)
     return arrays, nbytes
+
+
+def _display_order(kids: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
+    """Layers keyed '0', '1', ..., '10' (as checkpoints store int keys) in numeric
+    order, not jax's string order."""
+    if all(isinstance(key, str) and key.isdigit() for key, _ in kids):
+        return sorted(kids, key=lambda kid: int(kid[0]))
+    return kids
 
 
 @attrs.frozen
@@ -167,11 +205,10 @@ class Summary:
                 continue
             indent = "  " * (row.depth - 1)
             if row.group:
-                count = _count(row.arrays) if row.arrays else ""
-                table.append((f"{indent}{row.name}/", count, _size(row), "", ""))
-            elif isinstance(row.leaf, LazyArray):
-                spec, mesh = spec_text(row.leaf.sharding)
-                table.append((f"{indent}{row.name}", array_type(row.leaf), _size(row), spec, mesh))
+                table.append((f"{indent}{row.name}/", _group_type(row), _size(row), "", ""))
+            elif is_array(row.leaf):
+                spec, mesh = _spec_of(row.leaf)
+                table.append((f"{indent}{row.name}", _leaf_type(row), _size(row), spec, mesh))
             else:
                 table.append((f"{indent}{row.name}", _short(row.leaf), "", "", ""))
         widths = [max((len(r[i]) for r in table), default=0) for i in range(5)]
@@ -202,15 +239,15 @@ class Summary:
             name = html.escape(row.name)
             if row.group:
                 opened = " open" if open_all or row.depth == 1 else ""
-                count = _count(row.arrays) if row.arrays else ""
                 parts.append(
                     f'<details{opened} data-path="{key}"><summary class="row">'
-                    f'{_key(name + "/", row.depth)}<span class="t">{count}</span>'
+                    f"{_key(name + '/', row.depth)}"
+                    f'<span class="t">{html.escape(_group_type(row))}</span>'
                     f'<span class="n">{_size(row)}</span></summary><div class="kids">'
                 )
                 depth_open.append(row.depth)
-            elif isinstance(row.leaf, LazyArray):
-                parts.append(_array_row(key, name, row.leaf, row.depth))
+            elif is_array(row.leaf):
+                parts.append(_array_row(key, name, row.leaf, row.depth, row.kind))
             else:
                 value = html.escape(_short(row.leaf))
                 parts.append(
@@ -231,15 +268,17 @@ def _key(name: str, depth: int) -> str:
 _KEY_EM = 18
 
 
-def _array_row(key: str, name: str, array: LazyArray, depth: int = 1) -> str:
-    spec, mesh = spec_text(array.sharding)
-    chunks = "chunks " + "x".join(str(n) for n in array.chunks) if array.chunks else ""
+def _array_row(key: str, name: str, array: Any, depth: int = 1, kind: str = "") -> str:
+    spec, mesh = _spec_of(array)
+    chunks = getattr(array, "chunks", None) if isinstance(array, LazyArray) else None
+    chunks_text = "chunks " + "x".join(str(n) for n in chunks) if chunks else ""
+    typed = f"{kind} {array_type(array)}" if kind else array_type(array)
     return (
         f'<div class="row leaf" data-path="{key}">{_key(name, depth)}'
-        f'<span class="t">{html.escape(array_type(array))}</span>'
-        f'<span class="n">{human_bytes(array.nbytes)}</span>'
+        f'<span class="t">{html.escape(typed)}</span>'
+        f'<span class="n">{human_bytes(array_nbytes(array))}</span>'
         f'<span class="s">{html.escape(spec)}</span><span class="m">{html.escape(mesh)}</span>'
-        f'<span class="c">{chunks}</span></div>'
+        f'<span class="c">{chunks_text}</span></div>'
     )
 
 
@@ -257,7 +296,35 @@ def _size(row: Row) -> str:
     return human_bytes(row.nbytes) if row.arrays else ""
 
 
+def _group_type(row: Row) -> str:
+    return ", ".join(part for part in (row.kind, _count(row.arrays) if row.arrays else "") if part)
+
+
+def _leaf_type(row: Row) -> str:
+    return f"{row.kind} {array_type(row.leaf)}" if row.kind else array_type(row.leaf)
+
+
+def _spec_of(array: Any) -> tuple[str, str]:
+    return spec_text(array.sharding) if isinstance(array, LazyArray) else ("", "")
+
+
+def is_array(value: Any) -> bool:
+    """Whether a leaf shows as an array: a LazyArray, a jax or NumPy array, or an
+    abstract one (`jax.ShapeDtypeStruct`)."""
+    return isinstance(value, LazyArray | np.ndarray | jax.Array | jax.ShapeDtypeStruct)
+
+
+def array_nbytes(array: Any) -> int:
+    """An array's size in its dtype; 0 where the dtype has no byte size."""
+    itemsize = int(getattr(array.dtype, "itemsize", 0) or 0)
+    return int(math.prod(array.shape)) * itemsize
+
+
 def _short(value: Any, limit: int = 60) -> str:
+    if callable(value) and not isinstance(value, type):
+        # Functions held in a model (an activation, an apply_fn): by name, not address.
+        name = getattr(value, "__name__", None) or type(value).__name__
+        return f"<function {name}>"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

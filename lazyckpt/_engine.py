@@ -447,17 +447,18 @@ def _same(value: Any) -> Any:
 
 def iter_blocks(
     arrays: Sequence[Any], budget: int | None, progress: Progress | None = None
-) -> Iterator[tuple[Any, tuple[slice, ...], np.ndarray]]:
-    """`(array, index, values)` for consecutive chunk-aligned blocks of each LazyArray.
+) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
+    """`(position, index, values)` for consecutive chunk-aligned blocks of each
+    LazyArray in `arrays`, where `arrays[position][index]` equals `values`.
 
     Reads run ahead of the consumer, but the blocks in flight plus the one the
     consumer holds stay within `budget` bytes (one block at least).
     """
     limits = Scheduler(budget)
-    pending: collections.deque[tuple[Any, tuple[slice, ...], ts.Future[Any], int]]
+    pending: collections.deque[tuple[int, tuple[slice, ...], ts.Future[Any], int]]
     pending = collections.deque()
     in_flight = 0
-    for array in arrays:
+    for position, array in enumerate(arrays):
         for index, nbytes, start in _view_blocks(array, limits.block_bytes):
             held = nbytes * _HELD
             while pending and in_flight + held > limits.budget:
@@ -470,7 +471,7 @@ def iter_blocks(
                 if progress is not None:
                     progress.advance(done_held // _HELD)
             in_flight += held
-            pending.append((array, index, start(), held))
+            pending.append((position, index, start(), held))
     while pending:
         owner, done_index, future, done_held = pending.popleft()
         yield owner, done_index, future.result()

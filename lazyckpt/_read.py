@@ -7,67 +7,73 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt._engine import Scheduler, Target, schedule_fill, stored_bytes
+from lazyckpt._device_put import materialize
 from lazyckpt._engine import iter_blocks as _iter_blocks
+from lazyckpt._engine import stored_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
-from lazyckpt._tree import Predicate, leaves, map_leaves, select
+from lazyckpt._target import Missing, host, match
+from lazyckpt._tree import Predicate, leaves, select
 
 
-def arrays_of(tree: Any) -> list[LazyArray]:
-    return [leaf for _, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
+def arrays_of(tree: Any) -> list[tuple[str, LazyArray]]:
+    """`(key path, LazyArray)` for every LazyArray leaf of `tree`."""
+    return [(path, leaf) for path, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
 
 
 def load(
     tree: Any,
     which: str | Predicate | None = None,
     *,
+    like: Any = None,
+    partial: bool = False,
+    missing: Missing = "error",
+    lossy_casts: bool = False,
     memory_budget: int | None = None,
     progress: bool | None = None,
 ) -> Any:
     """Read every LazyArray in `tree` (or in `select(tree, which)`) into NumPy arrays.
 
+    With `like`, a target pytree (an abstract model state, a `TrainState`, a dict
+    with int keys...), the result has the target's structure and dtypes, matched as
+    `device_put` matches a target (same `partial`, `missing` and `lossy_casts`), on
+    host: what Orbax's restore onto a target gives, without a full-size target.
+
     Reads of all arrays run concurrently, in blocks cut along stored chunks, with at
     most `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at
-    least 64 MiB) besides the returned arrays; blocks are written straight into the returned arrays where the
-    dtype allows. `progress` shows a bar on stderr (None: only for large reads on a
-    terminal). Leaves that are not LazyArrays are returned as they are.
+    least 64 MiB and at most 1 GiB) besides the returned arrays; blocks are written
+    straight into the returned arrays where the dtype allows. `progress` shows a bar
+    on stderr (None: only for large reads on a terminal). Leaves that are not
+    LazyArrays are returned as they are; typed PRNG keys come back as `jax.Array`s.
 
     >>> params = lazyckpt.load(lazyckpt.open(path), "params/b")
     >>> params
     {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)}}
+    >>> lazyckpt.load(lazyckpt.open(path), like={"step": 0, "params": {"b": np.zeros(8, "float16")}},
+    ...               partial=True)
+    {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float16)}, 'step': 3}
     """
     if which is not None:
         tree = select(tree, which)
-    bar = Progress.maybe(progress, stored_bytes(arrays_of(tree)), "lazyckpt load")
-    scheduler = Scheduler(memory_budget, bar)
-
-    def start(leaf: Any) -> Any:
-        if not isinstance(leaf, LazyArray):
-            return leaf
-        if leaf.key_impl:
-            return leaf.get()  # typed keys are small; they come back as jax.Arrays
-        target = Target(tuple((0, n) for n in leaf.shape), leaf.dtype)
-        schedule_fill(leaf, [target], scheduler, lambda: None)
-        return target
-
-    pending = map_leaves(start, tree)
-    scheduler.drain()
-    if bar is not None:
-        bar.close()
-    return map_leaves(lambda x: x.buffer() if isinstance(x, Target) else x, pending)
+    if like is None:
+        plan = host(tree)
+    else:
+        plan = match(
+            tree, like, partial=partial, missing=missing, lossy_casts=lossy_casts, to_host=True
+        )
+    return materialize(plan, memory_budget, progress, "lazyckpt load")
 
 
 def iter_blocks(
     tree: Any, *, memory_budget: int | None = None, progress: bool | None = None
 ) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
-    """Stream every LazyArray in `tree` as `(key, index, values)` blocks.
+    """Stream every LazyArray in `tree` as `(key path, index, values)` blocks.
 
-    Blocks follow the stored chunks (whole chunks, grouped up to the budget), and
-    `array[index]` equals `values`. Reads run ahead of the consumer, but the blocks
-    in flight plus the one being consumed stay within `memory_budget` bytes
-    (default 32 MiB per core, at least 64 MiB; a single chunk larger than the budget
-    is still read whole), so a
+    `key path` is the array's path in `tree`; blocks follow the stored chunks (whole
+    chunks, grouped up to the budget), and `array[index]` equals `values`. Reads run
+    ahead of the consumer, but the blocks in flight plus the one being consumed stay
+    within `memory_budget` bytes (default 32 MiB per core, at least 64 MiB and at most
+    1 GiB; a single chunk larger than the budget is still read whole), so a
     checkpoint larger than memory can be reduced chunk by chunk.
 
     >>> tree = lazyckpt.open(path)
@@ -77,9 +83,10 @@ def iter_blocks(
     >>> total == float(np.arange(64).sum() + 8)
     True
     """
-    arrays = arrays_of(tree)
+    found = arrays_of(tree)
+    arrays = [array for _, array in found]
     bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
-    for array, index, values in _iter_blocks(arrays, memory_budget, bar):
-        yield array.key, index, values
+    for position, index, values in _iter_blocks(arrays, memory_budget, bar):
+        yield found[position][0], index, values
     if bar is not None:
         bar.close()

@@ -6,12 +6,14 @@ import base64
 import functools
 import json
 import math
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from lazyckpt._errors import CorruptCheckpointError, ShardingError
 
@@ -77,6 +79,22 @@ class SavedSharding:
                 "name the mesh axes as saved, or pass explicit shardings"
             )
         return NamedSharding(mesh, self.spec)
+
+    def on_saved_devices(self) -> Sharding | None:
+        """This sharding on the devices it was saved from, as Orbax restores an array
+        whose target names no sharding; None unless this run has all of them."""
+        by_id = {device.id: device for device in jax.devices()}
+        if self.kind == "NamedSharding" and self.device_ids:
+            if not all(i in by_id for i in self.device_ids):
+                return None
+            devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.mesh_shape)
+            return NamedSharding(Mesh(devices, self.axis_names), self.spec)
+        if self.kind == "SingleDeviceSharding" and self.device:
+            # "cpu:0" since jax 0.10, "TFRT_CPU_0" before: the id is the trailing number.
+            digits = re.search(r"(\d+)\D*$", self.device)
+            device = by_id.get(int(digits[1])) if digits else None
+            return jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        return None
 
     def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of one device's shard of an array of `shape` under this sharding."""
@@ -247,3 +265,51 @@ def saved_shardings(
             raise ShardingError(f"{path}: {error}") from None
 
     return choose
+
+
+Layout: TypeAlias = Sharding | jax.Device | PartitionSpec
+"""What a caller may name as an array's place: a Sharding, one Device, or a
+PartitionSpec on the current (or given) mesh."""
+
+LAYOUTS = (Sharding, jax.Device, PartitionSpec)
+
+
+def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
+    """The concrete sharding that `layout` names for the array at `where`.
+
+    A Device means that device alone; a PartitionSpec, or a NamedSharding on an
+    `AbstractMesh` (what `jax.eval_shape` and `nnx.eval_shape` give under
+    `jax.set_mesh`), is laid out on `mesh`, else on the mesh set by `jax.set_mesh`;
+    None means the default device, as `jax.device_put(x)` does.
+    """
+    if layout is None:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(layout, jax.Device):
+        return jax.sharding.SingleDeviceSharding(layout)
+    if isinstance(layout, PartitionSpec):
+        return NamedSharding(_concrete_mesh(where, mesh, None), layout)
+    if isinstance(layout, NamedSharding) and isinstance(layout.mesh, AbstractMesh):
+        concrete = _concrete_mesh(where, mesh, layout.mesh)
+        return NamedSharding(concrete, layout.spec, memory_kind=layout.memory_kind)
+    return layout
+
+
+def _concrete_mesh(where: str, mesh: Mesh | None, abstract: AbstractMesh | None) -> Mesh:
+    """`mesh`, or the mesh of `jax.set_mesh`; it must have the abstract mesh's axes."""
+    found = mesh if mesh is not None else jax.sharding.get_mesh()
+    what = (
+        f"a NamedSharding on an AbstractMesh {dict(abstract.shape)}"
+        if abstract is not None
+        else "a PartitionSpec"
+    )
+    if not isinstance(found, Mesh) or found.empty:
+        raise ShardingError(
+            f"{where or 'the target'}: {what} names no devices; pass mesh=jax.make_mesh(...) "
+            "or call inside `with jax.set_mesh(mesh):`"
+        )
+    if abstract is not None and dict(found.shape) != dict(abstract.shape):
+        raise ShardingError(
+            f"{where or 'the target'}: {what} needs a mesh with those axes, but the mesh "
+            f"given is {dict(found.shape)}; pass mesh= with the same axis names and sizes"
+        )
+    return found

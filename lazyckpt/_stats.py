@@ -129,41 +129,40 @@ def stats(
         )
     if which is not None:
         tree = select(tree, which)
-    arrays = [array for array in arrays_of(tree) if summarizable(array)]
+    found = [(path, array) for path, array in arrays_of(tree) if summarizable(array)]
+    arrays = [array for _, array in found]
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     bar = Progress.maybe(progress, total, "lazyckpt stats")
-    running = {array.key: _Running() for array in arrays}
-    for array, _, values in engine_blocks(arrays, memory_budget, bar):
-        running[array.key].add(values)
-    histograms: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    running = [_Running() for _ in arrays]
+    for position, _, values in engine_blocks(arrays, memory_budget, bar):
+        running[position].add(values)
+    histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
     if bins:
-        histograms = _histograms(arrays, running, bins, memory_budget, bar)
+        histograms = list(_histograms(arrays, running, bins, memory_budget, bar))
     if bar is not None:
         bar.close()
-    out = {key: r.result(histograms.get(key)) for key, r in running.items()}
-    return out[arrays[0].key] if single else out
+    results = [r.result(h) for r, h in zip(running, histograms, strict=True)]
+    return results[0] if single else {path: s for (path, _), s in zip(found, results, strict=True)}
 
 
 def _histograms(
     arrays: list[LazyArray],
-    running: dict[str, _Running],
+    running: list[_Running],
     bins: int,
     memory_budget: int | None,
     bar: Progress | None,
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    counts: dict[str, np.ndarray] = {}
-    edges: dict[str, np.ndarray] = {}
-    for array in arrays:
-        r = running[array.key]
-        low, high = (r.low, r.high) if r.count else (0.0, 1.0)
-        edges[array.key] = np.histogram_bin_edges([], bins, (low, high))
-        counts[array.key] = np.zeros(bins, np.int64)
-    for array, _, values in engine_blocks(arrays, memory_budget, bar):
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    edges = [
+        np.histogram_bin_edges([], bins, (r.low, r.high) if r.count else (0.0, 1.0))
+        for r in running
+    ]
+    counts = [np.zeros(bins, np.int64) for _ in arrays]
+    for position, _, values in engine_blocks(arrays, memory_budget, bar):
         if values.dtype.kind == "b":
             values = values.view(np.uint8)
         finite = values[np.isfinite(values)] if values.dtype.kind == "f" else values
-        counts[array.key] += np.histogram(finite, edges[array.key])[0]
-    return {key: (counts[key], edges[key]) for key in counts}
+        counts[position] += np.histogram(finite, edges[position])[0]
+    return list(zip(counts, edges, strict=True))
 
 
 def summarizable(array: LazyArray) -> bool:

@@ -1,4 +1,13 @@
-"""Walking lazy trees: key paths, selecting subtrees, and loading them to host."""
+"""Walking pytrees: key paths, leaves, selecting subtrees, mapping leaves.
+
+There is one tree model, `jax.tree_util`'s: every registered pytree node (dicts,
+lists, tuples, NamedTuples, dataclasses, flax structs, `nnx.State`, `nnx.Variable`,
+equinox Modules...) is a container, and walking or rebuilding a tree keeps its node
+types; everything else (LazyArrays, arrays, strings, scalars) is a leaf, and None is
+an empty subtree. A key path is written one way everywhere: each key as Orbax names
+it on disk (a dict key, an attribute or field name, an index), joined by `/`, as in
+`blocks/0/attn/kernel/value`.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,35 @@ import fnmatch
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
+
 from lazyckpt._errors import NoMatchError
 
-Path = tuple[str | int, ...]
+Key = str | int
+Path = tuple[Key, ...]
 Predicate = Callable[[str, Any], bool]
+
+_tu = jax.tree_util
+
+
+def key_of(entry: Any) -> Key:
+    """One entry of a jax key path as Orbax names it: `DictKey('a')` -> `'a'`,
+    `GetAttrKey('mu')` -> `'mu'`, `SequenceKey(0)` -> `0`."""
+    if isinstance(entry, _tu.DictKey):
+        key = entry.key
+        return key if isinstance(key, str | int) else str(key)
+    if isinstance(entry, _tu.GetAttrKey):
+        return str(entry.name)
+    if isinstance(entry, _tu.SequenceKey):
+        return int(entry.idx)
+    if isinstance(entry, _tu.FlattenedIndexKey):
+        return int(entry.key)
+    return str(entry)
+
+
+def path_of(key_path: Sequence[Any]) -> Path:
+    """A jax key path as a tuple of keys (see `key_of`)."""
+    return tuple(key_of(entry) for entry in key_path)
 
 
 def keystr(path: Path) -> str:
@@ -17,44 +51,59 @@ def keystr(path: Path) -> str:
     return "/".join(str(k) for k in path)
 
 
-def children_of(node: Any) -> Iterator[tuple[str | int, Any]] | None:
-    if isinstance(node, dict):
-        return iter(node.items())
-    if isinstance(node, list | tuple):
-        return iter(enumerate(node))
-    return None
+def flatten(tree: Any) -> list[tuple[Path, Any]]:
+    """`(key path, leaf)` for every leaf of `tree`, in `jax.tree_util` order."""
+    flat, _ = _tu.tree_flatten_with_path(tree)
+    return [(path_of(key_path), leaf) for key_path, leaf in flat]
+
+
+def children(node: Any) -> list[tuple[Key, Any]] | None:
+    """The children of a pytree node with their keys; None if `node` is a leaf.
+
+    None and empty containers are nodes without children.
+    """
+    if node is None:
+        return []
+    flat, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    if len(flat) == 1 and not flat[0][0]:
+        return None
+    return [(key_of(key_path[0]), child) for key_path, child in flat]
+
+
+def rebuild(node: Any, new_children: Sequence[Any]) -> Any:
+    """A node of the same type and metadata as `node`, with `new_children`."""
+    treedef = _tu.tree_structure(node, is_leaf=lambda child: child is not node)
+    return _tu.tree_unflatten(treedef, new_children)
 
 
 def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
-    """`(key path string, leaf)` for every leaf of `tree`, in tree order.
+    """`(key path string, leaf)` for every leaf of `tree`, in `jax.tree_util` order.
 
-    Dicts, lists and tuples are containers; everything else (LazyArrays, arrays,
-    strings, scalars) is a leaf. As in `jax.tree_util`, None and empty containers
-    are empty subtrees and yield nothing.
+    Any registered pytree node is a container; LazyArrays, arrays, strings and
+    scalars are leaves. As in `jax.tree_util`, None and empty containers are empty
+    subtrees and yield nothing.
 
     >>> list(leaves({"a": [1, "x"], "b": None, "c": {}}))
     [('a/0', 1), ('a/1', 'x')]
     """
-    return ((keystr(path), leaf) for path, leaf in walk(tree))
+    return ((keystr(path), leaf) for path, leaf in flatten(tree))
 
 
-def walk(tree: Any, *, empty_containers: bool = False) -> Iterator[tuple[Path, Any]]:
-    """`(key path, leaf)` for every leaf; empty containers too if asked."""
-    yield from _walk(tree, (), empty_containers)
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with `fn` applied to each leaf; every node rebuilt as its own type."""
+    return _tu.tree_map(fn, tree)
 
 
-def _walk(node: Any, path: Path, empty: bool) -> Iterator[tuple[Path, Any]]:
-    if node is None:  # an empty subtree, as in jax.tree_util
-        if empty and path:
-            yield path, node
-        return
-    children = children_of(node)
-    if children is None or (empty and not node):
-        if children is None or path:
-            yield path, node
-        return
-    for key, child in children:
-        yield from _walk(child, (*path, key), empty)
+def subtree(tree: Any, keys: Sequence[str]) -> Any:
+    """The node of `tree` at the key path `keys` (each key as a string, so `'0'`
+    finds list index 0 and int dict key 0); KeyError if there is none."""
+    node = tree
+    for depth, key in enumerate(keys):
+        found = [child for child_key, child in children(node) or [] if str(child_key) == key]
+        if not found:
+            raise KeyError("/".join(keys[: depth + 1]))
+        node = found[0]
+    return node
 
 
 def _matches(pattern: list[str], path: list[str]) -> bool:
@@ -106,9 +155,11 @@ def select(tree: Any, which: str | Predicate) -> Any:
 
     `which` is a path pattern (segments joined by `/`; `*` matches within a
     segment, `**` any number of segments; a pattern selects whole subtrees below
-    what it matches) or a predicate `(path, leaf) -> bool`. Dicts keep only
-    selected keys; lists keep their length and put None (an empty subtree) where
-    nothing is selected, so indices keep their meaning.
+    what it matches) or a predicate `(path, leaf) -> bool`. Dicts keep only the
+    selected keys; every other container (lists, tuples, NamedTuples, dataclasses,
+    `nnx.State`...) keeps its type and shape, with None (an empty subtree) where
+    nothing is selected, so that indices and fields keep their meaning. Flax NNX
+    state paths end in `/value`: `blocks/*/attn/**` or `**/kernel/value` match them.
 
     >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
     >>> select(tree, "params/**/kernel")
@@ -125,25 +176,13 @@ def select(tree: Any, which: str | Predicate) -> Any:
 
 
 def _select(node: Any, path: Path, predicate: Predicate) -> Any:
-    children = children_of(node)
-    if children is None:
+    # Plain dicts keep their own key order; other nodes go in jax's order.
+    kids = list(node.items()) if type(node) is dict else children(node)
+    if kids is None:
         return node if predicate(keystr(path), node) else _DROPPED
-    picked = [(key, _select(child, (*path, key), predicate)) for key, child in children]
+    picked = [(key, _select(child, (*path, key), predicate)) for key, child in kids]
     if all(value is _DROPPED for _, value in picked):
         return _DROPPED
-    if isinstance(node, dict):
+    if type(node) is dict:
         return {key: value for key, value in picked if value is not _DROPPED}
-    kept = [None if value is _DROPPED else value for _, value in picked]
-    return kept if isinstance(node, list) else tuple(kept)
-
-
-def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """`tree` with `fn` applied to each leaf; dicts, lists and tuples rebuilt."""
-    children = children_of(tree)
-    if children is None:
-        return fn(tree)
-    mapped = [(key, map_leaves(fn, child)) for key, child in children]
-    if isinstance(tree, dict):
-        return dict(mapped)
-    values = [value for _, value in mapped]
-    return values if isinstance(tree, list) else tuple(values)
+    return rebuild(node, [None if value is _DROPPED else value for _, value in picked])

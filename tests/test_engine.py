@@ -116,7 +116,7 @@ def test_iter_blocks_streams_views_within_the_budget(big: tuple[Path, np.ndarray
         hits = np.zeros(want.shape, np.int8)
         tracemalloc.start()
         for key, index, block in lazyckpt.iter_blocks({"v": view}, memory_budget=budget):
-            assert key == "w" and block.dtype == want.dtype, name
+            assert key == "v" and block.dtype == want.dtype, name  # its path in the tree
             got[index] = block
             hits[index] += 1
         _, peak = tracemalloc.get_traced_memory()

@@ -1,0 +1,370 @@
+"""Matching a lazy tree to the caller's target tree, as Orbax restores onto a target.
+
+A target is any pytree (`nnx.State`, a Linen `TrainState`, optax states, dicts with
+int keys, `nn.Partitioned` boxes...) whose leaves say what to restore there:
+`jax.ShapeDtypeStruct`s and `jax.Array`s (that shape, dtype and sharding), NumPy
+arrays (to host, in that dtype), Shardings, Devices or PartitionSpecs (the
+checkpoint's leaf or subtree there, placed so), None (that subtree left as it is),
+or Python scalars and strings (the checkpoint's value, of that type).
+
+Leaves are paired by key path the way Orbax names them on disk: int and str keys
+are equal (`0` and `'0'`), NamedTuple and dataclass fields go by name, and a final
+`value` level (an `nnx.Variable` or `nn.Partitioned` box) may be on either side only.
+The result has the target's structure. Matching is strict: every difference is
+collected, then reported at once in one `TreeMismatchError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, Sharding
+
+from lazyckpt._errors import TreeMismatchError
+from lazyckpt._lazy import LazyArray, key_dtype
+from lazyckpt._sharding import LAYOUTS, resolve
+from lazyckpt._tree import Path, keystr, map_leaves, path_of, subtree
+
+Missing = Literal["error", "keep"] | Callable[[str, Any], Any]
+
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_ARRAYS = (jax.ShapeDtypeStruct, jax.Array, np.ndarray)
+_VALUES = (bool, int, float, complex, str, np.generic)
+_TARGET_LEAVES = (*LAYOUTS, *_ARRAYS, *_VALUES)
+_MAX_LINES = 20
+# Per kind of difference: how the headline counts one, and several; how a line starts.
+_LABELS = {
+    "missing": (
+        "target leaf missing from the checkpoint",
+        "target leaves missing from the checkpoint",
+        "missing from the checkpoint",
+    ),
+    "unexpected": (
+        "checkpoint leaf not in the target",
+        "checkpoint leaves not in the target",
+        "not in the target",
+    ),
+    "shape": ("shape differs", "shapes differ", "shape"),
+    "dtype": ("dtype needs a lossy cast", "dtypes need a lossy cast", "lossy cast"),
+    "kind": ("leaf of another kind", "leaves of another kind", "kind"),
+}
+
+
+@attrs.frozen(eq=False)
+class Placement:
+    """A LazyArray to read, and where: a sharding, or None for a NumPy array."""
+
+    array: LazyArray
+    sharding: Sharding | None
+
+
+def host(tree: Any) -> Any:
+    """`tree` with every LazyArray marked for reading to host memory."""
+    return map_leaves(lambda x: Placement(x, None) if isinstance(x, LazyArray) else x, tree)
+
+
+def match(
+    tree: Any,
+    target: Any,
+    *,
+    partial: bool = False,
+    missing: Missing = "error",
+    lossy_casts: bool = False,
+    mesh: Mesh | None = None,
+    to_host: bool = False,
+) -> Any:
+    """`target`'s structure, each leaf replaced by what restores it: a `Placement`,
+    a value, or (for layout and None leaves) the checkpoint's subtree there.
+
+    `to_host` reads every array into NumPy (the shardings are not used).
+    """
+    if missing not in ("error", "keep") and not callable(missing):
+        raise ValueError(f"missing={missing!r}: expected 'error', 'keep' or a function")
+    matcher = _Matcher(tree, partial, missing, lossy_casts, mesh, to_host)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+    restored = [matcher.restore(path_of(key_path), leaf) for key_path, leaf in flat]
+    matcher.check()
+    return jax.tree_util.tree_unflatten(treedef, restored)
+
+
+def _norm(path: Path) -> tuple[str, ...]:
+    return tuple(str(key) for key in path)
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, LazyArray | jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+        return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
+    text = repr(leaf) if not isinstance(leaf, Sharding) else type(leaf).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Matcher:
+    """The checkpoint's leaves by normalized key path, and what matching found."""
+
+    def __init__(
+        self,
+        tree: Any,
+        partial: bool,
+        missing: Missing,
+        lossy_casts: bool,
+        mesh: Mesh | None,
+        to_host: bool,
+    ) -> None:
+        self.tree = tree
+        self.partial = partial
+        self.missing = missing
+        self.lossy_casts = lossy_casts
+        self.mesh = mesh
+        self.to_host = to_host
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+        self.leaves: dict[tuple[str, ...], tuple[Path, Any]] = {}
+        for key_path, leaf in flat:
+            path = path_of(key_path)
+            self.leaves[_norm(path)] = (path, leaf)
+        self.prefixes = {norm[:i] for norm in self.leaves for i in range(len(norm))}
+        self.used: set[tuple[str, ...]] = set()
+        self.problems: dict[str, list[tuple[str, str]]] = {kind: [] for kind in _LABELS}
+        self.missing_paths: list[tuple[str, ...]] = []
+
+    def restore(self, path: Path, want: Any) -> Any:
+        """What the target leaf `want` at `path` becomes."""
+        norm = _norm(path)
+        where = keystr(path)
+        if not isinstance(want, _TARGET_LEAVES) and want is not None:
+            return self._problem(
+                "kind",
+                where or "(the root)",
+                f"the target leaf is a {type(want).__name__}; expected a ShapeDtypeStruct, "
+                "jax.Array, NumPy array, Sharding, Device, PartitionSpec, None or a scalar",
+            )
+        is_layout = want is None or isinstance(want, LAYOUTS)
+        if is_layout and norm in self.prefixes:
+            return self._subtree(path, norm, want)
+        found = self._find(norm)
+        if found is None:
+            if want is None:
+                return None
+            return self._missing(where, norm, want)
+        self.used.add(found)
+        _, leaf = self.leaves[found]
+        where = where or (leaf.key if isinstance(leaf, LazyArray) else "") or "(the root)"
+        if want is None:
+            return leaf
+        if isinstance(want, LAYOUTS):
+            return self._place(where, leaf, want)
+        if isinstance(want, _ARRAYS):
+            return self._array(where, leaf, want)
+        return self._value(where, leaf, want)
+
+    def _find(self, norm: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The checkpoint leaf at `norm`, allowing a final `value` level on one side."""
+        if norm in self.leaves:
+            return norm
+        if norm and norm[-1] == "value" and norm[:-1] in self.leaves:
+            return norm[:-1]
+        if (*norm, "value") in self.leaves:
+            return (*norm, "value")
+        return None
+
+    def _subtree(self, path: Path, norm: tuple[str, ...], want: Any) -> Any:
+        """The checkpoint's subtree at `norm`, its arrays placed as `want` says."""
+        for other in self.leaves:
+            if other[: len(norm)] == norm:
+                self.used.add(other)
+        node = subtree(self.tree, norm)
+        if want is None:
+            return node
+        where = keystr(path)
+        return map_leaves(lambda leaf: self._place(where, leaf, want), node)
+
+    def _place(self, where: str, leaf: Any, layout: Any) -> Any:
+        if not isinstance(leaf, LazyArray):
+            return leaf
+        if self.to_host:
+            return Placement(leaf, None)
+        return Placement(leaf, resolve(leaf.key or where, layout, self.mesh))
+
+    def _array(self, where: str, leaf: Any, want: Any) -> Any:
+        shape, dtype = tuple(want.shape), want.dtype
+        if isinstance(leaf, LazyArray):
+            keys = _as_keys(leaf, dtype, shape)
+            if keys is None and leaf.shape != shape:
+                return self._problem("shape", where, f"target {shape}, checkpoint {leaf.shape}")
+            view = keys if keys is not None else self._cast(where, leaf, dtype)
+            if view is None:
+                return None
+            if self.to_host or isinstance(want, np.ndarray):
+                return Placement(view, None)
+            layout = want.sharding
+            if layout is None and leaf.sharding is not None:
+                layout = leaf.sharding.on_saved_devices()  # as Orbax does
+            return Placement(view, resolve(where, layout, self.mesh))
+        if isinstance(leaf, bool | int | float | complex | np.generic) and shape == ():
+            value = self._scalar(where, leaf, dtype)
+            if value is None or self.to_host or isinstance(want, np.ndarray):
+                return value
+            return jax.device_put(value, resolve(where, getattr(want, "sharding", None), self.mesh))
+        return self._kind(where, want, leaf)
+
+    def _value(self, where: str, leaf: Any, want: Any) -> Any:
+        if isinstance(leaf, LazyArray) and leaf.shape == () and not leaf.key_impl:
+            leaf = leaf.get().item()
+        if isinstance(want, str) != isinstance(leaf, str) or isinstance(leaf, LazyArray):
+            return self._kind(where, want, leaf)
+        if isinstance(want, str) or type(leaf) is type(want):
+            return leaf
+        value = self._scalar(where, leaf, np.asarray(want).dtype)
+        return None if value is None else type(want)(value.item())
+
+    def _cast(self, where: str, leaf: LazyArray, dtype: Any) -> Any:
+        if leaf.dtype == dtype:
+            return leaf
+        keys = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        if keys or leaf.key_impl or not (self.lossy_casts or lossless(leaf.dtype, dtype)):
+            return self._problem("dtype", where, f"target {dtype}, checkpoint {leaf.dtype}")
+        return leaf.astype(dtype)
+
+    def _scalar(self, where: str, value: Any, dtype: Any) -> Any:
+        converted = np.asarray(value).astype(dtype)
+        exact = bool(converted == np.asarray(value))
+        source = np.asarray(value).dtype
+        if not (exact or self.lossy_casts or lossless(source, dtype)):
+            return self._problem("dtype", where, f"target {dtype}, checkpoint {value!r}")
+        return converted
+
+    def _missing(self, where: str, norm: tuple[str, ...], want: Any) -> Any:
+        if self.missing == "keep":
+            return want
+        if callable(self.missing):
+            return self.missing(where, want)
+        self.missing_paths.append(norm)
+        return self._problem("missing", where or "(the root)", _describe(want))
+
+    def _kind(self, where: str, want: Any, leaf: Any) -> Any:
+        return self._problem(
+            "kind", where, f"target {_describe(want)}, checkpoint {_describe(leaf)}"
+        )
+
+    def _problem(self, kind: str, where: str, detail: str) -> Any:
+        self.problems[kind].append((where, detail))
+        return None
+
+    def check(self) -> None:
+        """Raise one error listing every difference found."""
+        if not self.partial:
+            for norm, (path, leaf) in self.leaves.items():
+                if norm not in self.used:
+                    self._problem("unexpected", keystr(path), _describe(leaf))
+        if not any(self.problems.values()):
+            return
+        raise TreeMismatchError("\n".join(self._report()))
+
+    def _report(self) -> list[str]:
+        counts = {kind: len(found) for kind, found in self.problems.items()}
+        summary = ", ".join(
+            f"{n} {_LABELS[kind][0 if n == 1 else 1]}" for kind, n in counts.items() if n
+        )
+        lines = [f"the target does not match the checkpoint: {summary}"]
+        groups = [
+            (kind, line, size)
+            for kind, found in self.problems.items()
+            for line, size in _grouped(found)
+        ]
+        for shown, (kind, line, _) in enumerate(groups):
+            if shown == _MAX_LINES:
+                rest = sum(size for _, _, size in groups[shown:])
+                lines.append(f"  ... and {rest} more")
+                break
+            lines.append(f"  {_LABELS[kind][2]}: {line}")
+        hint = self._hint()
+        if hint:
+            lines.append(hint)
+        fixes = []
+        if counts["unexpected"]:
+            fixes.append("partial=True restores only what the target names")
+        if counts["missing"]:
+            fixes.append("missing='keep' (or a function of path and target leaf) fills the rest")
+        if counts["dtype"]:
+            fixes.append("lossy_casts=True allows casts that may change values")
+        if fixes:
+            lines.append("to restore anyway: " + "; ".join(fixes))
+        return lines
+
+    def _hint(self) -> str:
+        """Where the checkpoint holds all the missing paths under one prefix: name it."""
+        if not self.missing_paths:
+            return ""
+        first = self.missing_paths[0]
+        places = []
+        for norm in self.leaves:
+            if len(norm) > len(first) and norm[len(norm) - len(first) :] == first:
+                prefix = norm[: len(norm) - len(first)]
+                if all((*prefix, *m) in self.leaves for m in self.missing_paths):
+                    places.append(prefix)
+        if not places:
+            return ""
+        index = "".join(f"[{key!r}]" for key in places[0])
+        others = f" (and {len(places) - 1} other places)" if len(places) > 1 else ""
+        return (
+            f"  hint: the checkpoint has the target's leaves under {'/'.join(places[0])!r}"
+            f"{others}: pass tree{index} as the tree"
+        )
+
+
+def _as_keys(leaf: LazyArray, dtype: Any, shape: tuple[int, ...]) -> LazyArray | None:
+    """Typed PRNG keys of `dtype` and `shape` read from the raw uint32 key data that
+    `leaf` holds (checkpoints that do not record the key implementation); None when
+    that is not what `leaf` is."""
+    if leaf.key_impl or leaf.dtype != np.uint32 or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    for impl in _KEY_IMPLS:
+        key, data_shape = key_dtype(impl)
+        if key == dtype and leaf.shape == (*shape, *data_shape):
+            return attrs.evolve(leaf, dtype=key, key_impl=impl)
+    return None
+
+
+def _grouped(found: list[tuple[str, str]]) -> Iterator[tuple[str, int]]:
+    """One line per path and detail, paths that differ only in one integer key
+    (layers) folded into one: `blocks/{0..11}/kernel  float32[8,8]`; with the number of
+    leaves each line stands for."""
+    groups: dict[tuple[tuple[str, ...], str], list[list[str]]] = {}
+    for where, detail in found:
+        parts = where.split("/")
+        pattern = tuple("*" if part.isdigit() else part for part in parts)
+        groups.setdefault((pattern, detail), []).append(parts)
+    for (pattern, detail), members in groups.items():
+        varying = [
+            i for i, key in enumerate(pattern) if key == "*" and len({m[i] for m in members}) > 1
+        ]
+        if len(members) == 1 or len(varying) != 1:
+            for parts in members:
+                yield f"{'/'.join(parts)}  {detail}", 1
+            continue
+        (at,) = varying
+        parts = list(members[0])
+        parts[at] = _int_set(sorted({int(m[at]) for m in members}))
+        yield f"{'/'.join(parts)}  {detail}", len(members)
+
+
+def _int_set(values: list[int]) -> str:
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{{{values[0]}..{values[-1]}}}"
+    shown = ",".join(map(str, values[:6])) + (",..." if len(values) > 6 else "")
+    return f"{{{shown}}}"
+
+
+def lossless(source: Any, dest: Any) -> bool:
+    """Whether casting `source` to `dest` leaves values as they are, up to rounding of
+    floating-point numbers (float32 to bfloat16 restores mixed-precision models)."""
+    if jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(dest, jnp.floating):
+        return True
+    try:
+        return bool(np.can_cast(source, dest, "safe"))
+    except TypeError:
+        return False
