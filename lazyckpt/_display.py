@@ -145,8 +145,9 @@ def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, in
     kids = children(node)
     if not kids:  # a leaf, None or an empty container
         if is_array(node):
-            out.append(Row(path, depth, False, 1, array_nbytes(node), node))
-            return 1, array_nbytes(node)
+            nbytes = array_nbytes(node)
+            out.append(Row(path, depth, False, 1, nbytes, node))
+            return 1, nbytes
         out.append(Row(path, depth, False, leaf=node))
         return 0, 0
     kind = "" if type(node) in _PLAIN else type(node).__name__

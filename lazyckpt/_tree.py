@@ -64,6 +64,12 @@ def children(node: Any) -> list[tuple[Key, Any]] | None:
     """
     if node is None:
         return []
+    # Plain containers as jax.tree_util takes them apart (dict keys sorted), without a
+    # call into jax: opened checkpoints are all dicts and lists.
+    if type(node) is dict:
+        return sorted(node.items(), key=lambda item: item[0])
+    if type(node) is list or type(node) is tuple:
+        return list(enumerate(node))
     flat, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
     if len(flat) == 1 and not flat[0][0]:
         return None
