@@ -145,7 +145,9 @@ def main() -> None:
     if not (root / "1").exists():
         start = time.perf_counter()
         made = in_fresh_process(make_checkpoint, root)
-        print(f"wrote {root} ({fmt_bytes(made['stored_bytes'])}) in {time.perf_counter() - start:.1f} s")
+        print(
+            f"wrote {root} ({fmt_bytes(made['stored_bytes'])}) in {time.perf_counter() - start:.1f} s"
+        )
     for case in ("model", "everything"):
         runs: dict[str, list[dict[str, Any]]] = {"orbax": [], "lazyckpt": []}
         for _ in range(args.repeat):  # alternate, so both see the same machine state

@@ -39,6 +39,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._sharding import sharding_json
 from lazyckpt._store import then
+from lazyckpt._tree import key_of
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Stored chunk size that `save` aims for: small enough that reading a few rows
@@ -291,19 +292,15 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
     for key_path, leaf in flat:
         keys: list[tuple[str, int]] = []
         for entry in key_path:
-            if isinstance(entry, jax.tree_util.DictKey):
-                if not isinstance(entry.key, str | int):
-                    raise UnsavableError(
-                        f"{_path_str(keys)}: dict key {entry.key!r} is a "
-                        f"{type(entry.key).__name__}; checkpoints keep str and int keys only"
-                    )
-                keys.append((str(entry.key), _DICT_KEY))
-            elif isinstance(entry, jax.tree_util.GetAttrKey):
-                keys.append((entry.name, _DICT_KEY))
-            elif isinstance(entry, jax.tree_util.SequenceKey):
-                keys.append((str(entry.idx), _SEQUENCE_KEY))
-            elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
-                keys.append((str(entry.key), _SEQUENCE_KEY))
+            if isinstance(entry, jax.tree_util.DictKey) and not isinstance(entry.key, str | int):
+                raise UnsavableError(
+                    f"{_path_str(keys)}: dict key {entry.key!r} is a "
+                    f"{type(entry.key).__name__}; checkpoints keep str and int keys only"
+                )
+            if isinstance(entry, jax.tree_util.DictKey | jax.tree_util.GetAttrKey):
+                keys.append((str(key_of(entry)), _DICT_KEY))
+            elif isinstance(entry, jax.tree_util.SequenceKey | jax.tree_util.FlattenedIndexKey):
+                keys.append((str(key_of(entry)), _SEQUENCE_KEY))
             else:
                 raise UnsavableError(f"{_path_str(keys)}: unknown pytree key {entry!r}")
         yield tuple(keys), leaf

@@ -216,6 +216,18 @@ def test_nnx_restore_to_one_device_and_to_host(nnx_run: dict[str, Any]) -> None:
     _assert_same_leaves(one, nnx.state(nnx_run["model"]), shardings=False)
 
 
+def test_a_restored_nnx_state_saves_and_restores_again(
+    nnx_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """`save` walks an nnx.State like any pytree: Orbax's key paths, `value` levels."""
+    root, mesh = nnx_run["root"], nnx_run["mesh"]
+    _, abstract = nnx.get_abstract_model(lambda: Model(nnx.Rngs(0, dropout=1)), mesh)
+    restored = lazyckpt.device_put(lazyckpt.open(root), abstract)
+    again = lazyckpt.save(tmp_path / "again", restored)
+    assert not lazyckpt.diff(lazyckpt.open(again), lazyckpt.open(root), values=True)
+    _assert_same_leaves(lazyckpt.device_put(lazyckpt.open(again), abstract), restored)
+
+
 def test_nnx_pure_dict_target_with_int_keys(nnx_run: dict[str, Any]) -> None:
     """`to_pure_dict()` keys layers by int, the checkpoint by str: they match."""
     root, mesh = nnx_run["root"], nnx_run["mesh"]
