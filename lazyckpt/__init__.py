@@ -35,6 +35,7 @@ from lazyckpt._errors import (
 from lazyckpt._layout import items, steps
 from lazyckpt._lazy import LazyArray
 from lazyckpt._legacy import InferredStructureWarning
+from lazyckpt._memory import malloc_tuning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._read import iter_blocks, load
 from lazyckpt._save import save
@@ -69,6 +70,7 @@ __all__ = [
     "iter_blocks",
     "leaves",
     "load",
+    "malloc_tuning",
     "open",
     "save",
     "saved_shardings",

@@ -9,10 +9,13 @@ import jax
 from jax.sharding import Mesh, Sharding
 
 from lazyckpt import _multihost as multihost
-from lazyckpt._engine import Box, Scheduler, Target, schedule_fill, stored_bytes
+from lazyckpt._engine import schedule_fill, stored_bytes
 from lazyckpt._errors import ShardingError
+from lazyckpt._geometry import Box
 from lazyckpt._lazy import LazyArray
+from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
+from lazyckpt._scheduler import Scheduler
 from lazyckpt._sharding import resolve
 from lazyckpt._target import Missing, Placement, match
 from lazyckpt._tree import children, map_leaves

@@ -1,302 +1,64 @@
-"""The read engine shared by `load`, `device_put` and `iter_blocks`.
+"""The read engine shared by `load`, `device_put`, `iter_blocks`, `stats`, `diff`, `save`.
 
-Each array is read into destination buffers ("targets": a region of the view and
-the NumPy array that receives it) in blocks cut along stored chunk boundaries, so
-that every stored chunk is read and decoded once per call, however the targets
-cut through the chunks. A `Scheduler` keeps the bytes of blocks in flight within a
-host-memory budget across the whole tree, and runs the reads of many arrays
-concurrently.
+Each array is read into destination buffers ("targets": a region of the view and the
+NumPy array that receives it) so that every stored chunk is decoded once per call,
+however the targets cut through the chunks, with the host memory of reads in flight
+within a budget across the whole tree. Two ways:
 
-Two ways to fill targets:
-- *direct*: when each target is a union of whole stored chunks (the saved layout,
-  or a coarser one), its blocks are read by tensorstore straight into the target.
-- *routed*: otherwise blocks tile the union of the targets, each block is read
-  once into a temporary buffer, and its pieces are copied to every target that
-  overlaps it (Orbax was measured reading up to 2.9x the needed bytes this way in
-  a 4-process restore).
+- *decoded*: arrays whose chunks have a `Codec` and hold at least 1 MiB (Orbax's
+  usual layouts: one chunk per device shard, or per NumPy array) are decoded by
+  lazyckpt (`lazyckpt._decode`): one job per chunk on the decoding threads, slab by
+  slab, straight into the target where the layouts match, else through one scratch
+  slab whose pieces are copied to every target that needs them. A job holds a few
+  MiB whatever the chunk's size; reading stops after the last slab a target needs.
+- *tensorstore*: other arrays (small chunks, other codecs, values held in the legacy
+  msgpack file, typed PRNG keys) are read by tensorstore in blocks cut along the
+  stored chunks: straight into the target where it is a union of whole chunks, else
+  each block once into a temporary, copied to every target that overlaps it (Orbax
+  was measured reading up to 2.9x the needed bytes this way in a 4-process restore).
+
+`iter_blocks` streams blocks instead: whole chunks grouped up to a block's share of
+the budget, or, for chunks larger than that, slabs of the chunk cut along its leading
+stored dimension, decoded in order by one job that hands each slab over as soon as
+it is complete.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
-import itertools
 import math
-import mmap
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._decode import READ_BYTES, ChunkStream, decodes, stream_bytes
+from lazyckpt._geometry import (
+    Box,
+    as_slices,
+    bounds,
+    box_bytes,
+    chunk_blocks,
+    chunk_box,
+    chunks_in,
+    in_view,
+    intersect,
+    on_grid,
+    piece,
+    slabs,
+    slices,
+    split_dim,
+    stored_map,
+    to_stored,
+)
+from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
-from lazyckpt._selection import NewAxis, Range
-from lazyckpt._store import then
+from lazyckpt._scheduler import HELD, Scheduler, in_pool
+from lazyckpt._selection import Selection
+from lazyckpt._store import ready, then
 
-DEFAULT_MEMORY_BUDGET = min(1 << 30, max(64 << 20, (32 << 20) * (os.cpu_count() or 1)))
-"""Host bytes that reads may hold at once unless a call asks otherwise: 32 MiB per
-core, at least 64 MiB and at most 1 GiB; enough blocks in flight to keep every core
-decoding, and little more."""
-# What a block in flight holds, in multiples of its decoded size: its stored
-# (compressed) bytes and the chunk tensorstore decodes them into, which is also
-# the temporary that routed blocks are copied from. Measured, not assumed: counting
-# a third copy kept one 12.5 MiB block in flight at the default budget, and a
-# misaligned 1 GiB restore took 2.6 s instead of 1.4 s, with peak RSS within
-# the budget either way (tests/test_engine.py checks it in a fresh process).
-_HELD = 2
-_BLOCKS_IN_FLIGHT = 4
-
-Box = tuple[tuple[int, int], ...]
-
-
-@attrs.define(eq=False)
-class Target:
-    """Read the view's elements in `region` (half-open per view dimension) into `out`.
-
-    Without `out`, the engine allocates it, or adopts the array that a read of the
-    whole region returns (no copy); `aligned` asks for a 64-byte aligned buffer.
-    """
-
-    region: Box
-    dtype: Any
-    aligned: bool = False
-    out: np.ndarray | None = None
-    on_allocate: Callable[[int], None] | None = None
-    """Told the size of `out` when the engine allocates it."""
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(high - low for low, high in self.region)
-
-    def out_nbytes(self) -> int:
-        return math.prod(self.shape) * int(np.dtype(self.dtype).itemsize)
-
-    def buffer(self) -> np.ndarray:
-        if self.out is None:
-            self.out = result_empty(self.shape, self.dtype)
-            if self.on_allocate is not None:
-                self.on_allocate(self.out.nbytes)
-        return self.out
-
-
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 16 << 20
-"""Buffers at least this large are mapped on their own, and unmapped when freed."""
-
-
-def release_free_memory() -> None:
-    """Return freed memory that glibc's arenas keep to the OS (malloc_trim)."""
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(ctypes.c_size_t(0))
-
-
-def settle_allocator(budget: int) -> None:
-    """Fix glibc's mmap and trim thresholds, so that freed read buffers are returned.
-
-    By default glibc raises both thresholds each time a large mapped buffer is freed
-    (up to 32 MiB and 64 MiB), after which decoded chunks come from per-thread
-    arenas that each keep up to 64 MiB when freed: streaming 2 GiB of 32 MiB chunks
-    through a 256 MiB budget grew the process by 334 MiB, and placing it on devices
-    needed 314 MiB beyond the arrays. Here buffers of `MMAP_THRESHOLD` and more are
-    mapped alone, and an arena keeps at most a quarter of the budget free at its top
-    (so that the next block reuses the last one's memory rather than faulting it in
-    again): the same reads measured 161 MiB and 71-112 MiB.
-
-    Left alone when the process set `MALLOC_MMAP_THRESHOLD_` or
-    `MALLOC_TRIM_THRESHOLD_` itself, when `LAZYCKPT_KEEP_MALLOC` is set, or where
-    the C library is not glibc.
-    """
-    if any(
-        os.environ.get(name)
-        for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LAZYCKPT_KEEP_MALLOC")
-    ):
-        return
-    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
-        trim = min(max(budget // 4, 1 << 20), 2 * MMAP_THRESHOLD)
-        _LIBC.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD))
-        _LIBC.mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(trim))
-
-
-def _rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class MemoryGuard:
-    """Trims freed memory when the process has grown by more than it should.
-
-    A read may grow the process by its results, the blocks in flight and a little
-    slack. Freed buffers that the allocator keeps beyond that are returned to the OS;
-    trimming only then avoids refaulting memory that is within the budget anyway.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.slack = budget // 4
-        self.start = _rss()
-        self.results = 0
-
-    def keep(self, nbytes: int) -> None:
-        """Count `nbytes` of results: memory the read is meant to leave behind."""
-        self.results += nbytes
-
-    def check(self, in_flight: int) -> None:
-        if self.start is None:
-            return
-        now = _rss()
-        if now is not None and now - self.start > self.results + in_flight + self.slack:
-            release_free_memory()
-
-
-class Scheduler:
-    """Runs reads with at most `budget` bytes of blocks in flight (one block at least).
-
-    Completion work (copies, casts, device transfers) runs on the calling thread,
-    in the order reads were started.
-    """
-
-    def __init__(self, budget: int | None, progress: Progress | None = None) -> None:
-        self.budget = DEFAULT_MEMORY_BUDGET if budget is None else int(budget)
-        if self.budget <= 0:
-            raise ValueError(f"memory_budget must be a positive number of bytes, not {budget}")
-        # Count each block at what it holds in flight, and cut blocks small enough
-        # that several fit, to keep every core decoding.
-        self.block_bytes = max(1, self.budget // (_HELD * _BLOCKS_IN_FLIGHT))
-        self.progress = progress
-        self._pending: collections.deque[tuple[ts.Future[Any], int, int, Callable[[Any], None]]]
-        self._pending = collections.deque()
-        self._in_flight = 0
-        self.guard = MemoryGuard(self.budget)
-        settle_allocator(self.budget)
-
-    def submit(
-        self,
-        nbytes: int,
-        start: Callable[[], ts.Future[Any]],
-        done: Callable[[Any], None],
-    ) -> None:
-        """Start a read of a block of `nbytes` decoded bytes once the budget allows."""
-        held = nbytes * _HELD
-        while self._pending and self._in_flight + held > self.budget:
-            self._finish_oldest()
-        self._in_flight += held
-        self._pending.append((start(), held, nbytes, done))
-
-    def drain(self) -> None:
-        while self._pending:
-            self._finish_oldest()
-
-    def abandon(self) -> None:
-        """Wait for every read still in flight, discarding results and errors; after a
-        failure, so that nothing touches the caller's buffers or files afterwards."""
-        while self._pending:
-            future, held, _, _ = self._pending.popleft()
-            with contextlib.suppress(Exception):  # the first failure is already raised
-                future.result()
-            self._in_flight -= held
-
-    def _finish_oldest(self) -> None:
-        future, held, nbytes, done = self._pending.popleft()
-        try:
-            done(future.result())
-        finally:
-            self._in_flight -= held
-        self.guard.check(self._in_flight)
-        if self.progress is not None:
-            self.progress.advance(nbytes)
-
-
-def stored_map(array: Any) -> list[tuple[int, int] | None] | None:
-    """For each view dim, `(stored dim, offset)`, or None for a new axis; None overall
-    if some kept stored dimension is strided (those views are read whole per target)."""
-    mapping: list[tuple[int, int] | None] = []
-    for dim in array.selection.view:
-        if isinstance(dim, NewAxis):
-            mapping.append(None)
-            continue
-        stored = array.selection.stored[dim]
-        assert isinstance(stored, Range)
-        if stored.step != 1:
-            return None
-        mapping.append((dim, stored.start))
-    return mapping
-
-
-def _to_stored(array: Any, mapping: Sequence[tuple[int, int] | None], region: Box) -> Box:
-    box = [(s, s + 1) if isinstance(s, int) else (0, 0) for s in array.selection.stored]
-    for (low, high), entry in zip(region, mapping, strict=True):
-        if entry is not None:
-            dim, offset = entry
-            box[dim] = (offset + low, offset + high)
-    return tuple(box)
-
-
-def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
-    """`box` cut along the chunk grid into blocks of at most `budget` bytes (or one
-    chunk, if a chunk is larger), growing blocks along trailing dimensions first so
-    that they stay contiguous."""
-    if any(low >= high for low, high in box):
-        return
-    spans = [((low // c), (high - 1) // c) for (low, high), c in zip(box, chunks, strict=True)]
-    per_block = [1] * len(box)  # chunks per block, per dimension
-    limit = max(1, budget // itemsize)
-    for dim in reversed(range(len(box))):
-        others = math.prod(c * k for c, k in zip(chunks, per_block, strict=True)) // chunks[dim]
-        fit = max(1, limit // (others * chunks[dim]))
-        first, last = spans[dim]
-        per_block[dim] = min(last - first + 1, fit)
-        if per_block[dim] <= last - first:
-            break
-    edges = []
-    for (low, high), c, (first, last), k in zip(box, chunks, spans, per_block, strict=True):
-        edges.append([(max(low, g * c), min(high, (g + k) * c)) for g in range(first, last + 1, k)])
-    yield from itertools.product(*edges)
-
-
-def on_grid(box: Box, array_box: Box, chunks: Sequence[int]) -> bool:
-    """Whether `box` starts and ends on chunk boundaries (or the array's edges)."""
-    return all(
-        low % chunk == 0 and (high % chunk == 0 or high == edge)
-        for (low, high), (_, edge), chunk in zip(box, array_box, chunks, strict=True)
-    )
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return out if all(low < high for low, high in out) else None
-
-
-def box_bytes(box: Box, itemsize: int) -> int:
-    return math.prod(high - low for low, high in box) * itemsize
-
-
-def _in_view(
-    mapping: Sequence[tuple[int, int] | None], part: Box, origins: Sequence[int]
-) -> tuple[tuple[slice, ...], tuple[int, ...]]:
-    """The index and shape, in view dimensions, of the stored box `part`, where
-    `origins[d]` is the stored index that index 0 of stored dimension d maps to."""
-    index = tuple(
-        slice(part[e[0]][0] - origins[e[0]], part[e[0]][1] - origins[e[0]])
-        if e is not None
-        else slice(None)
-        for e in mapping
-    )
-    shape = tuple(part[e[0]][1] - part[e[0]][0] if e is not None else 1 for e in mapping)
-    return index, shape
+_END = object()
 
 
 def stored_bytes(arrays: Iterable[Any]) -> int:
@@ -304,8 +66,10 @@ def stored_bytes(arrays: Iterable[Any]) -> int:
     return sum(array.size * array.stored.dtype.itemsize for array in arrays)
 
 
-def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
-    return tuple(slice(low - o, high - o) for (low, high), (o, _) in zip(box, origin, strict=True))
+def _windows(budget: int) -> tuple[int, int]:
+    """Bytes per kvstore read and per scratch slab of a decoding job, for `budget`."""
+    read = min(READ_BYTES, max(256 << 10, budget // 64))
+    return read, min(READ_BYTES, max(256 << 10, budget // 16))
 
 
 def schedule_fill(
@@ -321,14 +85,136 @@ def schedule_fill(
 
     for target in targets:
         target.on_allocate = scheduler.guard.keep
-    mapping = stored_map(array)
     stored = array.stored
-    if mapping is None or stored.inline is not None or array.key_impl:
+    mapping = stored_map(array)
+    if decodes(stored) and not array.key_impl:
+        _schedule_decoded(array, targets, scheduler, finished, remaining)
+    elif mapping is None or stored.inline is not None or array.key_impl:
         _schedule_whole(array, targets, scheduler, finished, remaining)
     else:
         _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)
     if remaining[0] == 0:
         on_done()
+
+
+# The decoded path.
+
+
+Consumer = tuple[Target, Selection]
+
+
+def _schedule_decoded(
+    array: Any,
+    targets: Sequence[Target],
+    scheduler: Scheduler,
+    finished: Callable[[Any], None],
+    remaining: list[int],
+) -> None:
+    """One decoding job per stored chunk that some target needs."""
+    stored = array.stored
+    consumers = [(t, array.selection[as_slices(t.region)]) for t in targets if 0 not in t.shape]
+    if not consumers:
+        return
+    read_bytes, window = _windows(scheduler.budget)
+    held = stream_bytes(read_bytes) + window
+    every = [bounds(selection) for _, selection in consumers]
+    union = tuple(
+        (min(b[d][0] for b in every), max(b[d][1] for b in every)) for d in range(len(stored.shape))
+    )
+    for index in chunks_in(union, stored.chunks):
+        inside = _clip(chunk_box(index, stored.chunks), stored.shape)
+        users = [(t, s) for t, s in consumers if piece(s, inside) is not None]
+        if not users:
+            continue
+        remaining[0] += 1
+        work = box_bytes(inside, stored.dtype.itemsize)
+
+        def start(index: tuple[int, ...] = index, users: list[Consumer] = users) -> Any:
+            return in_pool(lambda: decode_into(array, index, users, read_bytes, window))
+
+        scheduler.submit(start, finished, held=held, work=work)
+
+
+def _clip(box: Box, shape: Sequence[int]) -> Box:
+    return tuple((low, min(high, n)) for (low, high), n in zip(box, shape, strict=True))
+
+
+def decode_into(
+    array: Any, index: tuple[int, ...], users: Sequence[Consumer], read_bytes: int, window: int
+) -> None:
+    """Decode stored chunk `index` of `array` slab by slab into every user's buffer,
+    stopping after the last slab one needs."""
+    for _ in decode_slabs(array, index, users, read_bytes, window):
+        pass
+
+
+def decode_slabs(
+    array: Any, index: tuple[int, ...], users: Sequence[Consumer], read_bytes: int, window: int
+) -> Iterator[list[Target]]:
+    """`decode_into`, one slab at a time: after each slab, the targets it completed."""
+    stored = array.stored
+    codec = stored.codec
+    itemsize = stored.dtype.itemsize
+    box = chunk_box(index, stored.chunks)
+    split = split_dim(box, codec.order, itemsize, window)
+    cuts = {stored.shape[split]} if stored.shape else set()
+    for _, selection in users:
+        cuts.update(bounds(selection)[split])
+    plan = []
+    for slab in slabs(box, codec.order, itemsize, window, sorted(cuts)):
+        inside = intersect(slab, _clip(slab, stored.shape)) if slab else ()
+        parts = (
+            []
+            if inside is None
+            else [(t, found) for t, s in users if (found := piece(s, inside)) is not None]
+        )
+        plan.append((slab, inside, parts))
+    needed = [i for i, (_, _, parts) in enumerate(plan) if parts]
+    if not needed:
+        return
+    direct_ok = (
+        codec.order == tuple(range(len(stored.shape)))
+        and codec.byteorder in ("|", "<" if np.little_endian else ">")
+        and array.dtype == stored.dtype
+    )
+    left = {id(t): math.prod(s.shape) for t, s in users}
+    stream = ChunkStream(stored, index, read_bytes)
+    try:
+        for slab, inside, parts in plan[: needed[-1] + 1]:
+            into = _direct(slab, inside, parts) if direct_ok else None
+            values = stream.next(slab, into)
+            completed = []
+            for target, (in_slab, in_view_index) in parts:
+                out = target.buffer()[in_view_index]
+                if into is None:
+                    assert values is not None and inside is not None
+                    piece_values = values[slices(inside, slab)][in_slab]
+                    np.copyto(out, piece_values.reshape(out.shape), casting="unsafe")
+                left[id(target)] -= out.size
+                if not left[id(target)]:
+                    completed.append(target)
+            yield completed
+        if needed[-1] == len(plan) - 1:
+            stream.finish()
+    finally:
+        stream.close()
+
+
+def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | None:
+    """The memory to decode `slab` straight into: one target's buffer region that holds
+    exactly the slab's elements, contiguous and in the same order; else None."""
+    if len(parts) != 1 or inside != slab:
+        return None
+    target, (in_slab, in_view_index) = parts[0]
+    if any(isinstance(s, slice) and s.step not in (None, 1) for s in in_slab):
+        return None
+    region = target.buffer()[in_view_index]
+    if region.size != math.prod(high - low for low, high in slab) or not region.flags.c_contiguous:
+        return None
+    return memoryview(region.reshape(-1).view(np.uint8))
+
+
+# The tensorstore path.
 
 
 def _schedule_whole(
@@ -347,7 +233,7 @@ def _schedule_whole(
             np.copyto(target.buffer(), np.asarray(data), casting="unsafe")
             finished(None)
 
-        scheduler.submit(view.nbytes, view.read, copy)
+        scheduler.submit(view.read, copy, held=view.nbytes * HELD, work=view.nbytes)
 
 
 def _schedule_blocks(
@@ -361,7 +247,7 @@ def _schedule_blocks(
     stored = array.stored
     itemsize = stored.dtype.itemsize
     array_box = tuple((0, n) for n in stored.shape)
-    boxes = [_to_stored(array, mapping, t.region) for t in targets]
+    boxes = [to_stored(array, mapping, t.region) for t in targets]
     plain = all(entry is not None for entry in mapping) and len(mapping) == len(stored.shape)
     direct = (
         plain
@@ -381,12 +267,15 @@ def _schedule_blocks(
                     scheduler.guard.keep(data.nbytes)
                     finished(None)
 
-                scheduler.submit(target.out_nbytes(), _read_box(stored, opened, blocks[0]), adopt)
+                nbytes = target.out_nbytes()
+                start = _read_box(stored, opened, blocks[0])
+                scheduler.submit(start, adopt, held=nbytes * HELD, work=nbytes)
                 continue
             for block in blocks:
                 remaining[0] += 1
                 nbytes = box_bytes(block, itemsize)
-                scheduler.submit(nbytes, _direct(stored, opened, target, block, box), finished)
+                start = _direct_read(stored, opened, target, block, box)
+                scheduler.submit(start, finished, held=nbytes * HELD, work=nbytes)
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
@@ -395,7 +284,7 @@ def _schedule_blocks(
         consumers = [
             (t, b, part)
             for t, b in zip(targets, boxes, strict=True)
-            if (part := _intersect(block, b)) is not None
+            if (part := intersect(block, b)) is not None
         ]
         if not consumers:
             continue
@@ -408,22 +297,22 @@ def _schedule_blocks(
             consumers: list[tuple[Target, Box, Box]] = consumers,
         ) -> None:
             for target, box, part in consumers:
-                piece = data[_slices(part, block)]
-                out_index, view_shape = _in_view(mapping, part, [b[0] for b in box])
-                np.copyto(target.buffer()[out_index], piece.reshape(view_shape), casting="unsafe")
+                values = data[slices(part, block)]
+                out_index, view_shape = in_view(mapping, part, [b[0] for b in box])
+                np.copyto(target.buffer()[out_index], values.reshape(view_shape), casting="unsafe")
             finished(None)
 
-        scheduler.submit(nbytes, _read_box(stored, opened, block), route)
+        scheduler.submit(_read_box(stored, opened, block), route, held=nbytes * HELD, work=nbytes)
 
 
-def _direct(
+def _direct_read(
     stored: Any, opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
         out = target.buffer()
 
         def write(source: ts.TensorStore) -> ts.Future[Any]:
-            dest = ts.array(out, copy=False, write=True)[_slices(block, box)].translate_to[0]
+            dest = ts.array(out, copy=False, write=True)[slices(block, box)].translate_to[0]
             return dest.write(source[tuple(slice(*r) for r in block)].translate_to[0]).commit
 
         return then(then(opened, write), _same, stored.read_error)
@@ -445,98 +334,190 @@ def _same(value: Any) -> Any:
     return value
 
 
+# Streaming blocks.
+
+
+class _Job:
+    """Consecutive blocks of one array; `step()` starts producing the next, a future
+    of `(index, values, work)` or `_END`. Steps of one job run one after another."""
+
+    def __init__(self, position: int, held: int, steps: Iterator[Callable[[], Any]]) -> None:
+        self.position, self.held, self._steps = position, held, steps
+
+    def step(self) -> ts.Future[Any]:
+        start = next(self._steps, None)
+        if start is None:
+            return ready(_END)
+        result: ts.Future[Any] = start()
+        return result
+
+
 def iter_blocks(
     arrays: Sequence[Any], budget: int | None, progress: Progress | None = None
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
-    """`(position, index, values)` for consecutive chunk-aligned blocks of each
-    LazyArray in `arrays`, where `arrays[position][index]` equals `values`.
+    """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
+    where `arrays[position][index]` equals `values`.
 
-    Reads run ahead of the consumer, but the blocks in flight plus the one the
-    consumer holds stay within `budget` bytes (one block at least).
+    Reads run ahead of the consumer: every job in flight holds at most its stream and
+    one block, and the one the consumer holds counts too, within `budget` bytes (one
+    job at least).
     """
     limits = Scheduler(budget)
-    pending: collections.deque[tuple[int, tuple[slice, ...], ts.Future[Any], int]]
-    pending = collections.deque()
-    in_flight = 0
-    for position, array in enumerate(arrays):
-        for index, nbytes, start in _view_blocks(array, limits.block_bytes):
-            held = nbytes * _HELD
-            while pending and in_flight + held > limits.budget:
-                owner, done_index, future, done_held = pending.popleft()
-                values = future.result()
-                yield owner, done_index, values
-                del values
-                in_flight -= done_held  # the consumer has let go of it
-                limits.guard.check(in_flight)
-                if progress is not None:
-                    progress.advance(done_held // _HELD)
-            in_flight += held
-            pending.append((position, index, start(), held))
-    while pending:
-        owner, done_index, future, done_held = pending.popleft()
-        yield owner, done_index, future.result()
+    block = max(1, limits.budget // 8)
+    jobs = (job for position, array in enumerate(arrays) for job in _jobs(position, array, limits))
+    active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
+    reserved = block  # the block the consumer holds
+    upcoming = next(jobs, None)
+
+    def start_more() -> None:
+        nonlocal reserved, upcoming
+        while upcoming is not None and (not active or reserved + upcoming.held <= limits.budget):
+            reserved += upcoming.held
+            active.append((upcoming, upcoming.step()))
+            upcoming = next(jobs, None)
+
+    start_more()
+    while active:
+        job, pending = active[0]
+        result = pending.result()
+        if result is _END:
+            active.popleft()
+            reserved -= job.held
+            start_more()
+            continue
+        index, values, work = result
+        active[0] = (job, job.step())  # decode the next block while this one is used
+        yield job.position, index, values
+        del values, result
+        limits.guard.check(reserved)
         if progress is not None:
-            progress.advance(done_held // _HELD)
+            progress.advance(work)
 
 
-def _view_blocks(
-    array: Any, budget: int
-) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], ts.Future[Any]]]]:
-    """The view's blocks: its index, bytes, and how to start reading it."""
-    mapping = stored_map(array)
+def _jobs(position: int, array: Any, limits: Scheduler) -> Iterator[_Job]:
+    """The jobs that stream one view, in order."""
     stored = array.stored
-    if mapping is None or array.key_impl or 0 in array.shape:
-        index = tuple(slice(0, n) for n in array.shape)
-        yield index, array.nbytes, array.read
+    mapping = stored_map(array)
+    budget = limits.budget
+    block = max(1, budget // 8)
+    itemsize = stored.dtype.itemsize
+    if array.key_impl or 0 in array.shape or (mapping is None and not decodes(stored)):
+        whole = tuple(slice(0, n) for n in array.shape)
+        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, whole, array.nbytes)]))
         return
-    box = _to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    opened = stored.open() if stored.inline is None else None
-    # A view's index i in a kept dimension is stored index `offset + i`.
+    if not decodes(stored):
+        assert mapping is not None
+        yield from _ts_jobs(position, array, mapping, limits)
+        return
+    read_bytes, window = _windows(budget)
+    window = min(window, block)
+    held = stream_bytes(read_bytes) + window + block
+    if mapping is None:  # strided: bands of the view, each decoded from its chunks
+        for region in _view_bands(array, block // itemsize):
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
     origins = [0] * len(stored.shape)
     for entry in mapping:
         if entry is not None:
             origins[entry[0]] = entry[1]
-    for block in chunk_blocks(box, stored.chunks, stored.dtype.itemsize, budget):
-        index, shape = _in_view(mapping, block, origins)
+    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
+    if math.prod(stored.chunks) * itemsize <= block:
+        for part in chunk_blocks(box, stored.chunks, itemsize, block):
+            region = _region(in_view(mapping, part, origins)[0], array.shape)
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
+    for index in chunks_in(box, stored.chunks):
+        overlap = intersect(chunk_box(index, stored.chunks), box)
+        assert overlap is not None
+        bands = list(slabs(overlap, stored.codec.order, itemsize, block))
+        steps = _chunk_bands(array, index, bands, mapping, origins, read_bytes, window)
+        yield _Job(position, held, steps)
+
+
+def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _view_bands(array: Any, elements: int) -> Iterator[Box]:
+    """The view cut along its first dimension into bands of at most `elements`."""
+    shape = array.shape
+    row = math.prod(shape[1:])
+    rows = max(1, elements // max(row, 1))
+    for low in range(0, shape[0], rows):
+        yield ((low, min(low + rows, shape[0])), *((0, n) for n in shape[1:]))
+
+
+def _decoded_block(
+    array: Any, region: Box, read_bytes: int, window: int
+) -> Callable[[], ts.Future[Any]]:
+    """A step that fills one block, `array[region]`, from every chunk it touches."""
+
+    def fill() -> tuple[tuple[slice, ...], np.ndarray, int]:
+        target = Target(region, array.dtype)
+        selection = array.selection[as_slices(region)]
+        box = bounds(selection)
+        for index in chunks_in(box, array.stored.chunks) if box else [()]:
+            decode_into(array, index, [(target, selection)], read_bytes, window)
+        nbytes = target.out_nbytes()
+        return as_slices(region), target.buffer(), nbytes
+
+    return lambda: in_pool(fill)
+
+
+def _chunk_bands(
+    array: Any,
+    index: tuple[int, ...],
+    bands: list[Box],
+    mapping: Sequence[tuple[int, int] | None],
+    origins: Sequence[int],
+    read_bytes: int,
+    window: int,
+) -> Iterator[Callable[[], ts.Future[Any]]]:
+    """Steps that decode one chunk larger than a block, each up to the end of its next
+    band (a slab of the chunk along its leading stored dimension), handing it over."""
+    regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands]
+    targets = [Target(region, array.dtype) for region in regions]
+    users = [(t, array.selection[as_slices(t.region)]) for t in targets]
+
+    def produce() -> Iterator[tuple[tuple[slice, ...], np.ndarray, int]]:
+        for completed in decode_slabs(array, index, users, read_bytes, window):
+            for target in completed:
+                yield as_slices(target.region), target.buffer(), target.out_nbytes()
+                target.out = None  # handed over: the job keeps no reference
+
+    bands_out = produce()
+    for _ in targets:
+        yield lambda: in_pool(lambda: next(bands_out))
+
+
+def _ts_step(array: Any, index: tuple[slice, ...], nbytes: int) -> Callable[[], ts.Future[Any]]:
+    return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
+
+
+def _ts_jobs(
+    position: int, array: Any, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
+) -> Iterator[_Job]:
+    """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
+    stored = array.stored
+    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
+    opened = stored.open() if stored.inline is None else None
+    origins = [0] * len(stored.shape)
+    for entry in mapping:
+        if entry is not None:
+            origins[entry[0]] = entry[1]
+    itemsize = stored.dtype.itemsize
+    for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
+        index, shape = in_view(mapping, part, origins)
+        nbytes = box_bytes(part, itemsize)
         if opened is None:
-            yield index, array[index].nbytes, array[index].read
+            yield _Job(position, nbytes * HELD, iter([_ts_step(array, index, array[index].nbytes)]))
             continue
-        nbytes = box_bytes(block, stored.dtype.itemsize)
 
-        def start(block: Box = block, shape: tuple[int, ...] = shape) -> ts.Future[Any]:
-            future = _read_box(stored, opened, block)()
-            return then(future, lambda data: data.reshape(shape).astype(array.dtype, copy=False))
+        def start(part: Box = part, index: Any = index, shape: Any = shape, n: int = nbytes) -> Any:
+            future = _read_box(stored, opened, part)()
+            return then(
+                future,
+                lambda data: (index, data.reshape(shape).astype(array.dtype, copy=False), n),
+            )
 
-        yield index, nbytes, start
-
-
-MAPPED_BYTES = 1 << 20
-"""Results at least this large get memory mapped for them alone (`result_empty`)."""
-
-
-def result_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialized array to read results into, starting on a 64-byte boundary
-    so that `jax.device_put` on CPU adopts it without a copy.
-
-    Large ones are mapped on their own: page-aligned, returned to the OS as soon as
-    they are freed, and without the transparent huge pages NumPy asks for. Faulting
-    those in stalls on the kernel's synchronous compaction: a 1 GiB restore here took
-    0.6-1.9 s with them (up to 2.8 s of system time) and 0.72-0.80 s without.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MAPPED_BYTES:
-        return aligned_empty(shape, dtype)
-    out: np.ndarray = np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
-    return out
-
-
-def aligned_empty(shape: Sequence[int], dtype: Any, alignment: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on an `alignment`-byte boundary, which
-    lets `jax.device_put` on CPU adopt it without a copy."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    offset = -raw.ctypes.data % alignment
-    out: np.ndarray = raw[offset : offset + nbytes].view(dtype).reshape(shape)
-    return out
+        yield _Job(position, nbytes * HELD, iter([start]))

@@ -150,6 +150,7 @@ def _materialize(
                 info.dtype,
                 info.chunks,
                 fill_missing,
+                codec=info.codec,
             )
             if leaf.value_type == "scalar":
                 scalars.append((leaf.path, array.read(Selection.full(info.shape))))

@@ -33,10 +33,11 @@ import tensorstore as ts
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
-from lazyckpt._engine import Box, Scheduler, box_bytes, chunk_blocks, on_grid, stored_map
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
+from lazyckpt._geometry import Box, box_bytes, chunk_blocks, on_grid, stored_map
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
+from lazyckpt._scheduler import HELD, Scheduler
 from lazyckpt._sharding import sharding_json
 from lazyckpt._store import then
 from lazyckpt._tree import key_of
@@ -552,7 +553,7 @@ def _schedule(
             return then(written, lambda _: None, failed)
 
         # A failed block raises from the scheduler, and `publishing` discards the save.
-        scheduler.submit(nbytes, start, _ignore)
+        scheduler.submit(start, _ignore, held=nbytes * HELD, work=nbytes)
     return then(opened, _ignore, failed)
 
 

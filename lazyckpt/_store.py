@@ -18,6 +18,7 @@ import tensorstore as ts
 from lazyckpt import _fs as fs
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._selection import Selection
+from lazyckpt._zarr import Codec
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -143,6 +144,8 @@ class StoredArray:
     fill_missing: bool
     inline: np.ndarray | None = attrs.field(default=None, repr=False)
     """The values themselves, for arrays kept in the legacy msgpack file."""
+    codec: Codec | None = attrs.field(default=None, repr=False)
+    """How its chunks are encoded, where lazyckpt decodes them itself."""
     _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 

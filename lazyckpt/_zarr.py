@@ -1,9 +1,17 @@
-"""Zarr v2 and v3 array metadata as Orbax writes it (spec §4.3)."""
+"""Zarr v2 and v3 array metadata as Orbax writes it (spec §4.3), and its chunk codecs.
+
+`parse_zarr` gives what reading needs: shape, dtype, the read-chunk shape, and, when
+lazyckpt decodes the chunks itself (`lazyckpt._decode`), their `Codec`: zstd or no
+compression, C, F or transposed order, either byte order, and zarr3's
+`sharding_indexed` shards with their index. Other codecs (blosc, gzip, a crc32c over
+chunk data, filters) have no `Codec`, and tensorstore reads those arrays.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Any
 
 import attrs
@@ -16,13 +24,60 @@ ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"
 
 
 @attrs.frozen
+class Codec:
+    """How one stored chunk's bytes become its values, for chunks lazyckpt decodes."""
+
+    zstd: bool
+    """Compressed as one zstd frame; else the raw bytes."""
+    byteorder: str
+    """`<` or `>` as stored; `|` for one-byte types."""
+    order: tuple[int, ...]
+    """The stored dimension behind each dimension of the decoded byte stream, which is
+    in C order: identity for C order, reversed for zarr v2's F order, or zarr3's
+    `transpose`."""
+    separator: str
+    """Between chunk indices in chunk keys."""
+    prefix: str = ""
+    """Before the chunk indices: `c/` for zarr3's default key encoding."""
+    shard: tuple[int, ...] | None = None
+    """zarr3 `sharding_indexed`: the shard shape, a whole number of read chunks."""
+    index_at_end: bool = True
+    index_byteorder: str = "<"
+    index_checksum: bool = True
+    fill: Any = 0
+    """The value of elements in a chunk that was never written."""
+
+    def chunk_key(self, name: str, index: tuple[int, ...], chunks: tuple[int, ...]) -> str:
+        """The store key of the chunk (for shards, of the shard) at grid `index`."""
+        if self.shard is not None:
+            index = tuple(i * c // s for i, c, s in zip(index, chunks, self.shard, strict=True))
+        if index:
+            cell = self.separator.join(str(i) for i in index)
+        else:
+            cell = "0" if not self.prefix else ""
+        key = f"{self.prefix}{cell}" if cell else self.prefix.rstrip("/")
+        return f"{name}/{key}" if name else key
+
+    def position_in_shard(self, index: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, int]:
+        """The chunk's entry in its shard's index, and the number of entries."""
+        assert self.shard is not None
+        counts = [s // c for s, c in zip(self.shard, chunks, strict=True)]
+        position = 0
+        for i, count in zip(index, counts, strict=True):
+            position = position * count + i % count
+        return position, math.prod(counts)
+
+
+@attrs.frozen
 class ZarrInfo:
-    """What reading an array needs: its driver, shape, dtype and read-chunk shape."""
+    """What reading an array needs: its driver, shape, dtype and read-chunk shape, and
+    the codec of its chunks when lazyckpt decodes them itself."""
 
     driver: str
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     chunks: tuple[int, ...]
+    codec: Codec | None = None
 
 
 def metadata_key(name: str, zarr3: bool) -> str:
@@ -49,6 +104,7 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
     # Cached: arrays of one shape and dtype have byte-identical metadata.
     meta = json.loads(raw)
     shape = tuple(int(n) for n in meta["shape"])
+    codec: Codec | None
     if zarr3:
         dtype = ts.dtype(meta["data_type"]).numpy_dtype
         chunks = meta["chunk_grid"]["configuration"]["chunk_shape"]
@@ -56,12 +112,116 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
         if codecs and codecs[0].get("name") == "sharding_indexed":
             # Reads go by the inner chunk of a shard, not the whole shard.
             chunks = codecs[0]["configuration"]["chunk_shape"]
+        codec = _zarr3_codec(meta, len(shape), dtype)
     else:
         name = meta["dtype"]
-        dtype = np.dtype(name) if name[:1] in "<>|=" else ts.dtype(name).numpy_dtype
-        dtype = dtype.newbyteorder("=") if dtype.byteorder in "<>" else dtype
+        stored = np.dtype(name) if name[:1] in "<>|=" else ts.dtype(name).numpy_dtype
+        dtype = stored.newbyteorder("=") if stored.byteorder in "<>" else stored
         chunks = meta["chunks"]
+        codec = _zarr2_codec(meta, len(shape), stored)
     chunks = tuple(int(n) for n in chunks)
     if any(n < 0 for n in shape) or len(chunks) != len(shape) or any(n <= 0 for n in chunks):
         raise ValueError(f"shape {shape} with chunks {chunks}")
-    return ZarrInfo("zarr3" if zarr3 else "zarr", shape, dtype, chunks)
+    if (
+        codec is not None
+        and codec.shard is not None
+        and any(s % c for s, c in zip(codec.shard, chunks, strict=True))
+    ):
+        raise ValueError(f"shard shape {codec.shard} is not a multiple of chunks {chunks}")
+    return ZarrInfo("zarr3" if zarr3 else "zarr", shape, dtype, chunks, codec)
+
+
+def _byteorder(dtype: np.dtype[Any]) -> str:
+    if dtype.itemsize == 1 or dtype.byteorder == "|":
+        return "|"
+    if dtype.byteorder == "=":
+        return "<" if np.little_endian else ">"
+    return dtype.byteorder
+
+
+def _plain(dtype: np.dtype[Any]) -> bool:
+    """A dtype stored as its bytes, one element after another: numbers, bools, and the
+    bfloat16 and float8 types of ml_dtypes (not the packed int4 and int2 types)."""
+    if dtype.kind in "biufc":
+        return True
+    return dtype.fields is None and dtype.itemsize in (1, 2) and "float" in dtype.name
+
+
+def _zarr2_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec | None:
+    compressor = meta.get("compressor")
+    if meta.get("filters") or not _plain(dtype):
+        return None
+    if compressor is not None and compressor.get("id") != "zstd":
+        return None
+    order = tuple(range(ndim)) if meta.get("order", "C") == "C" else tuple(reversed(range(ndim)))
+    fill = meta.get("fill_value")
+    return Codec(
+        zstd=compressor is not None,
+        byteorder=_byteorder(dtype),
+        order=order,
+        separator=meta.get("dimension_separator") or ".",
+        fill=_fill(fill, dtype),
+    )
+
+
+def _zarr3_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec | None:
+    codecs = list(meta.get("codecs") or [])
+    encoding = meta.get("chunk_key_encoding") or {"name": "default"}
+    separator = (encoding.get("configuration") or {}).get(
+        "separator", "/" if encoding.get("name") == "default" else "."
+    )
+    prefix = "c/" if encoding.get("name", "default") == "default" else ""
+    if encoding.get("name", "default") not in ("default", "v2") or not _plain(dtype):
+        return None
+    shard: tuple[int, ...] | None = None
+    index: dict[str, Any] = {}
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        config = codecs[0]["configuration"]
+        shard = tuple(int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        index_codecs = [c.get("name") for c in config.get("index_codecs") or []]
+        if index_codecs not in (["bytes"], ["bytes", "crc32c"]) or len(codecs) > 1:
+            return None
+        index_bytes = (config["index_codecs"][0].get("configuration") or {}).get("endian")
+        index = {
+            "index_at_end": config.get("index_location", "end") == "end",
+            "index_byteorder": "<" if index_bytes in (None, "little") else ">",
+            "index_checksum": index_codecs[-1] == "crc32c",
+        }
+        codecs = list(config.get("codecs") or [])
+    order = tuple(range(ndim))
+    if codecs and codecs[0].get("name") == "transpose":
+        order = tuple(int(d) for d in codecs.pop(0)["configuration"]["order"])
+        if sorted(order) != list(range(ndim)):
+            return None
+    if not codecs or codecs[0].get("name") != "bytes":
+        return None
+    endian = (codecs.pop(0).get("configuration") or {}).get("endian", "little")
+    names = [c.get("name") for c in codecs]
+    if names not in ([], ["zstd"]):
+        return None  # crc32c over the data, gzip, blosc...: tensorstore reads those
+    byteorder = "|" if dtype.itemsize == 1 else ("<" if endian == "little" else ">")
+    return Codec(
+        zstd=names == ["zstd"],
+        byteorder=byteorder,
+        order=order,
+        separator=separator,
+        prefix=prefix,
+        shard=shard,
+        fill=_fill(meta.get("fill_value"), dtype),
+        **index,
+    )
+
+
+def _fill(value: Any, dtype: np.dtype[Any]) -> Any:
+    """The fill value as a scalar of `dtype`; null (zarr v2's default) is zero."""
+    if value is None:
+        return np.zeros((), dtype)[()]
+    if isinstance(value, str):  # "NaN", "Infinity", "-Infinity", or zarr3's "0x..." bits
+        special = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}
+        if value in special:
+            return np.array(special[value]).astype(dtype)[()]
+        bits = np.array(int(value, 16), np.dtype(f"u{dtype.itemsize}"))
+        return bits.view(dtype.newbyteorder("="))[()]
+    if isinstance(value, list):  # complex
+        return np.array(complex(value[0], value[1])).astype(dtype)[()]
+    return np.array(value).astype(dtype)[()]

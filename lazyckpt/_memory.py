@@ -1,0 +1,206 @@
+"""Host memory: result buffers, the process's growth during a read, glibc's thresholds.
+
+Results of 1 MiB or more are mapped on their own (returned to the OS when freed, and
+without transparent huge pages); a `MemoryGuard` trims what the allocator keeps once
+the process has grown by more than the read should hold; `settle_allocator` fixes
+glibc's mmap and trim thresholds where that was measured to matter, unless the caller
+opts out with `malloc_tuning(False)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import math
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+Box = tuple[tuple[int, int], ...]
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+# glibc's mallopt parameters (malloc.h), and Linux's madvise advice.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MADV_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+MMAP_THRESHOLD = 16 << 20
+"""Buffers at least this large are mapped on their own, and unmapped when freed."""
+MAPPED_BYTES = 1 << 20
+"""Results at least this large get memory mapped for them alone (`result_empty`)."""
+
+_TUNING: contextvars.ContextVar[bool] = contextvars.ContextVar("lazyckpt_malloc", default=True)
+
+
+@contextlib.contextmanager
+def malloc_tuning(enabled: bool) -> Iterator[None]:
+    """Within this block, lazyckpt leaves glibc's malloc thresholds as they are (with
+    `False`), or sets them as it does by default (`True`).
+
+    By default every read with a budget fixes glibc's mmap threshold at 16 MiB and
+    its trim threshold at a quarter of the budget (at most 32 MiB), process-wide: with
+    glibc's dynamic thresholds, freed chunk buffers stayed in per-thread arenas and a
+    256 MiB stream of 32 MiB chunks grew the process by 334 MiB. The settings outlast
+    the call (glibc cannot report the old ones). Setting `MALLOC_MMAP_THRESHOLD_`,
+    `MALLOC_TRIM_THRESHOLD_` or `LAZYCKPT_KEEP_MALLOC` in the environment opts out for
+    the whole process.
+
+    >>> with lazyckpt.malloc_tuning(False):
+    ...     values = lazyckpt.load(lazyckpt.open(path)["params"]["b"])
+    """
+    token = _TUNING.set(enabled)
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
+
+
+def release_free_memory() -> None:
+    """Return freed memory that glibc's arenas keep to the OS (malloc_trim)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(ctypes.c_size_t(0))
+
+
+def settle_allocator(budget: int) -> None:
+    """Fix glibc's mmap and trim thresholds, so that freed read buffers are returned.
+
+    By default glibc raises both thresholds each time a large mapped buffer is freed
+    (up to 32 MiB and 64 MiB), after which decoded chunks come from per-thread
+    arenas that each keep up to 64 MiB when freed. Here buffers of `MMAP_THRESHOLD`
+    and more are mapped alone, and an arena keeps at most a quarter of the budget free
+    at its top (so that the next block reuses the last one's memory rather than
+    faulting it in again). See `malloc_tuning` for the measurements and opting out.
+    """
+    if not _TUNING.get() or any(
+        os.environ.get(name)
+        for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LAZYCKPT_KEEP_MALLOC")
+    ):
+        return
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        trim = min(max(budget // 4, 1 << 20), 2 * MMAP_THRESHOLD)
+        _LIBC.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD))
+        _LIBC.mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(trim))
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class MemoryGuard:
+    """Trims freed memory when the process has grown by more than it should.
+
+    A read may grow the process by its results, the blocks in flight and a little
+    slack. Freed buffers that the allocator keeps beyond that are returned to the OS;
+    trimming only then avoids refaulting memory that is within the budget anyway.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.slack = budget // 4
+        self.start = _rss()
+        self.results = 0
+        self._lock = threading.Lock()
+
+    def keep(self, nbytes: int) -> None:
+        """Count `nbytes` of results: memory the read is meant to leave behind."""
+        with self._lock:
+            self.results += nbytes
+
+    def check(self, in_flight: int) -> None:
+        if self.start is None:
+            return
+        now = _rss()
+        if now is not None and now - self.start > self.results + in_flight + self.slack:
+            release_free_memory()
+
+
+@attrs.define(eq=False)
+class Target:
+    """Read the view's elements in `region` (half-open per view dimension) into `out`.
+
+    Without `out`, the engine allocates it, once, from whichever thread writes first,
+    or adopts the array that a read of the whole region returns (no copy); `aligned`
+    asks for a 64-byte aligned buffer.
+    """
+
+    region: Box
+    dtype: Any
+    aligned: bool = False
+    out: np.ndarray | None = None
+    on_allocate: Callable[[int], None] | None = None
+    """Told the size of `out` when the engine allocates it."""
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(high - low for low, high in self.region)
+
+    def out_nbytes(self) -> int:
+        return math.prod(self.shape) * int(np.dtype(self.dtype).itemsize)
+
+    def buffer(self) -> np.ndarray:
+        if self.out is None:
+            with self._lock:
+                if self.out is None:
+                    out = result_empty(self.shape, self.dtype)
+                    if self.on_allocate is not None:
+                        self.on_allocate(out.nbytes)
+                    self.out = out
+        return self.out
+
+
+def result_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialized array to read results into, starting on a 64-byte boundary
+    so that `jax.device_put` on CPU adopts it without a copy.
+
+    Large ones are mapped on their own: page-aligned, returned to the OS as soon as
+    they are freed, and without the transparent huge pages NumPy asks for. Faulting
+    those in stalls on the kernel's synchronous compaction: a 1 GiB restore here took
+    0.6-1.9 s with them (up to 2.8 s of system time) and 0.72-0.80 s without.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MAPPED_BYTES:
+        return aligned_empty(shape, dtype)
+    out: np.ndarray = np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+    return out
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an `alignment`-byte boundary, which
+    lets `jax.device_put` on CPU adopt it without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    out: np.ndarray = raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    return out
+
+
+def populate(memory: memoryview) -> None:
+    """Fault in the pages of `memory` in one call (Linux's MADV_POPULATE_WRITE), before
+    decoding into it: one system call instead of a fault per 4 KiB page, on the
+    decoding thread. Does nothing where the kernel or memory does not allow it."""
+    if _LIBC is None or len(memory) < 16 * _PAGE:
+        return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + len(memory)) // _PAGE * _PAGE
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE)
