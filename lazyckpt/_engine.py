@@ -353,18 +353,27 @@ class _Job:
 
 
 def iter_blocks(
-    arrays: Sequence[Any], budget: int | None, progress: Progress | None = None
+    arrays: Sequence[Any],
+    budget: int | None,
+    progress: Progress | None = None,
+    grids: Sequence[tuple[int, ...] | None] | None = None,
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
     where `arrays[position][index]` equals `values`.
 
-    Reads run ahead of the consumer: every job in flight holds at most its stream and
-    one block, and the one the consumer holds counts too, within `budget` bytes (one
-    job at least).
+    `grids[position]`, where given, is a chunk grid of the view (a new checkpoint's
+    chunks) that every block must be a union of whole cells of. Reads run ahead of the
+    consumer: every job in flight holds at most its stream and one block, and the one
+    the consumer holds counts too, within `budget` bytes (one job at least).
     """
     limits = Scheduler(budget)
     block = max(1, limits.budget // 8)
-    jobs = (job for position, array in enumerate(arrays) for job in _jobs(position, array, limits))
+    cells = list(grids) if grids is not None else [None] * len(arrays)
+    jobs = (
+        job
+        for position, (array, grid) in enumerate(zip(arrays, cells, strict=True))
+        for job in _jobs(position, array, limits, grid)
+    )
     active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
     reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
@@ -394,57 +403,122 @@ def iter_blocks(
             progress.advance(work)
 
 
-def _jobs(position: int, array: Any, limits: Scheduler) -> Iterator[_Job]:
+def _jobs(
+    position: int, array: Any, limits: Scheduler, grid: tuple[int, ...] | None
+) -> Iterator[_Job]:
     """The jobs that stream one view, in order."""
     stored = array.stored
     mapping = stored_map(array)
     budget = limits.budget
     block = max(1, budget // 8)
     itemsize = stored.dtype.itemsize
+    whole = tuple((0, n) for n in array.shape)
     if array.key_impl or 0 in array.shape or (mapping is None and not decodes(stored)):
-        whole = tuple(slice(0, n) for n in array.shape)
-        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, whole, array.nbytes)]))
+        index = as_slices(whole)
+        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, index, array.nbytes)]))
         return
     if not decodes(stored):
         assert mapping is not None
-        yield from _ts_jobs(position, array, mapping, limits)
+        if grid is None:
+            yield from _ts_jobs(position, array, mapping, limits)
+            return
+        cells = widened(array, grid, itemsize, block)
+        for part in chunk_blocks(whole, cells, itemsize, block):
+            index = as_slices(part)
+            held = box_bytes(part, itemsize) * HELD
+            yield _Job(position, held, iter([_ts_step(array, index, box_bytes(part, itemsize))]))
         return
     read_bytes, window = _windows(budget)
     window = min(window, block)
     held = stream_bytes(read_bytes) + window + block
     if mapping is None:  # strided: bands of the view, each decoded from its chunks
-        for region in _view_bands(array, block // itemsize):
+        for region in _view_bands(array, block // itemsize, grid):
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
     origins = [0] * len(stored.shape)
     for entry in mapping:
         if entry is not None:
             origins[entry[0]] = entry[1]
-    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    if math.prod(stored.chunks) * itemsize <= block:
-        for part in chunk_blocks(box, stored.chunks, itemsize, block):
-            region = _region(in_view(mapping, part, origins)[0], array.shape)
+    box = to_stored(array, mapping, whole)
+    stored_cells = _stored_cells(array, mapping, grid)
+    if math.prod(stored.chunks) * itemsize <= block or stored_cells is None:
+        regions: Iterable[Box] = (
+            (
+                _region(in_view(mapping, part, origins)[0], array.shape)
+                for part in chunk_blocks(box, stored.chunks, itemsize, block)
+            )
+            if grid is None
+            else chunk_blocks(whole, widened(array, grid, itemsize, block), itemsize, block)
+        )
+        for region in regions:
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
-    for index in chunks_in(box, stored.chunks):
-        overlap = intersect(chunk_box(index, stored.chunks), box)
+    order = stored.codec.order
+    for chunk in chunks_in(box, stored.chunks):
+        overlap = intersect(chunk_box(chunk, stored.chunks), box)
         assert overlap is not None
-        bands = list(slabs(overlap, stored.codec.order, itemsize, block))
-        steps = _chunk_bands(array, index, bands, mapping, origins, read_bytes, window)
+        split = split_dim(overlap, order, itemsize, block)
+        if any(stored_cells[d] > 1 for d in order[: order.index(split)]):
+            # Bands would cut cells of the grid: whole cells instead, decoded per block.
+            view_part = _region(in_view(mapping, overlap, origins)[0], array.shape)
+            for region in chunk_blocks(view_part, grid or (), itemsize, block):
+                job = _decoded_block(array, region, read_bytes, window)
+                yield _Job(position, held, iter([job]))
+            continue
+        bands = list(slabs(overlap, order, itemsize, block, unit=stored_cells[split]))
+        steps = _chunk_bands(array, chunk, bands, mapping, origins, read_bytes, window)
         yield _Job(position, held, steps)
+
+
+def _stored_cells(
+    array: Any, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """`grid`'s cell size along each stored dimension (1 without a grid, and for
+    dimensions the view drops), or None when its cells straddle stored chunks, so
+    that slabs of a stored chunk cannot be unions of whole cells."""
+    stored = array.stored
+    cells = [1] * len(stored.shape)
+    if grid is None:
+        return tuple(cells)
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            continue
+        dim, offset = entry
+        if stored.chunks[dim] % cell or offset % cell:
+            return None
+        cells[dim] = cell
+    return tuple(cells)
+
+
+def widened(array: Any, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
+    """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
+    grids line up (so that no stored chunk is read twice), as long as such a block is
+    no larger than a stored chunk or a block of the budget."""
+    mapping = stored_map(array)
+    if mapping is None:
+        return grid
+    cells = []
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            cells.append(cell)
+            continue
+        dim, offset = entry
+        stored = array.stored.chunks[dim]
+        cells.append(math.lcm(cell, stored) if offset % stored == 0 else cell)
+    widest = max(block, math.prod(array.stored.chunks) * itemsize)
+    if math.prod(cells) * itemsize > widest:
+        return grid
+    return tuple(cells)
 
 
 def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _view_bands(array: Any, elements: int) -> Iterator[Box]:
-    """The view cut along its first dimension into bands of at most `elements`."""
-    shape = array.shape
-    row = math.prod(shape[1:])
-    rows = max(1, elements // max(row, 1))
-    for low in range(0, shape[0], rows):
-        yield ((low, min(low + rows, shape[0])), *((0, n) for n in shape[1:]))
+def _view_bands(array: Any, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
+    """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
+    cells = grid if grid is not None else (1,) * len(array.shape)
+    yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
 
 
 def _decoded_block(

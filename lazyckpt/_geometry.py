@@ -84,20 +84,26 @@ def on_grid(box: Box, array_box: Box, chunks: Sequence[int]) -> bool:
 
 
 def slabs(
-    box: Box, order: Sequence[int], itemsize: int, max_bytes: int, cuts: Sequence[int] = ()
+    box: Box,
+    order: Sequence[int],
+    itemsize: int,
+    max_bytes: int,
+    cuts: Sequence[int] = (),
+    unit: int = 1,
 ) -> Iterator[Box]:
     """`box` (a chunk) cut into slabs that follow each other in its byte stream, which
     runs in C order over the stored dimensions `order`: single indices in the leading
     stream dimensions, a range in one, whole extents in the rest. Each slab holds at
-    most `max_bytes` (at least one element row of the split dimension), and slabs are
-    also cut at the stored indices `cuts` of the split dimension."""
+    most `max_bytes` (at least one element row of the split dimension, or `unit`
+    rows: slab lengths are multiples of `unit` in the split dimension), and slabs
+    are also cut at the stored indices `cuts` of the split dimension."""
     if not box:
         yield ()
         return
     stream = [box[d] for d in order]
     split = order.index(split_dim(box, order, itemsize, max_bytes))
     row = math.prod(high - low for low, high in stream[split + 1 :]) * itemsize
-    step = max(1, max_bytes // max(row, 1))
+    step = max(unit, max_bytes // max(row, 1) // unit * unit)
     low, high = stream[split]
     edges = sorted({low, high, *range(low, high, step), *(c for c in cuts if low < c < high)})
     runs = list(itertools.pairwise(edges))

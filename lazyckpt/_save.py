@@ -33,8 +33,9 @@ import tensorstore as ts
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
+from lazyckpt._engine import iter_blocks
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
-from lazyckpt._geometry import Box, box_bytes, chunk_blocks, on_grid, stored_map
+from lazyckpt._geometry import Box, box_bytes, chunk_blocks, on_grid
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._scheduler import HELD, Scheduler
@@ -170,20 +171,82 @@ def _write_arrays(
     context = _context()
     kvstore = {"driver": "ocdbt", "base": base, "config": {"max_inline_value_bytes": 1024}}
     created: list[ts.Future[Any]] = []
+    streamed = [leaf for leaf in leaves if leaf.stored and _streamed(leaf)]
+    # Lazy leaves are read by one stream with half the budget; their writes get the rest.
+    writes = Scheduler(max(1, scheduler.budget // 2), scheduler.progress) if streamed else None
     try:
         for leaf in leaves:
-            if leaf.stored:
+            if leaf.stored and not _streamed(leaf):
                 created.append(_schedule(leaf, kvstore, context, scheduler, final))
+        if writes is not None:
+            _stream(streamed, kvstore, context, writes, final, created)
+            writes.drain()
         scheduler.drain()
         for future in created:  # arrays without blocks (size 0) too
             future.result()
     except BaseException:
         # Let writes in flight end before the folder is removed.
         scheduler.abandon()
+        if writes is not None:
+            writes.abandon()
         for future in created:
             with contextlib.suppress(Exception):
                 future.result()
         raise
+
+
+def _streamed(leaf: _Leaf) -> bool:
+    """LazyArray leaves of at least one dimension: read by the engine's stream."""
+    return isinstance(leaf.value, LazyArray) and bool(leaf.shape)
+
+
+def _stream(
+    leaves: Sequence[_Leaf],
+    kvstore: dict[str, Any],
+    context: ts.Context,
+    writes: Scheduler,
+    final: str,
+    created: list[ts.Future[Any]],
+) -> None:
+    """Write LazyArray leaves from one stream of blocks, each a union of whole new
+    chunks, read ahead within half the budget while earlier blocks are written; the
+    creation of each array goes into `created` first, to be awaited on failure too."""
+    opened = [ts.open(_zarr3_spec(kvstore, leaf), context=context) for leaf in leaves]
+    failures = [_failure(final, leaf) for leaf in leaves]
+    created.extend(
+        then(store, _ignore, failed) for store, failed in zip(opened, failures, strict=True)
+    )
+    views = [leaf.value for leaf in leaves]
+    grids = [leaf.chunks for leaf in leaves]
+    for position, index, values in iter_blocks(views, writes.budget, grids=grids):
+        leaf = leaves[position]
+        cost = _block_cost(leaf, values.size)
+
+        def start(
+            store: ts.Future[Any] = opened[position],
+            index: tuple[slice, ...] = index,
+            values: np.ndarray = values,
+            failed: Callable[[Exception], Exception] = failures[position],
+        ) -> ts.Future[Any]:
+            written = then(store, lambda array: array[index].write(values).commit)
+            return then(written, _ignore, failed)
+
+        writes.submit(start, _ignore, held=values.nbytes * HELD, work=cost)
+
+
+def _failure(final: str, leaf: _Leaf) -> Callable[[Exception], Exception]:
+    def failed(error: Exception) -> Exception:
+        if isinstance(error, LazyckptError):
+            return error
+        return LazyckptError(f"{final}: writing {leaf.path!r} failed ({error})")
+
+    return failed
+
+
+def _block_cost(leaf: _Leaf, size: int) -> int:
+    """What a block of `size` elements counts for on the progress bar (see `_cost`)."""
+    stored = int(leaf.value.stored.dtype.itemsize) if isinstance(leaf.value, LazyArray) else 0
+    return size * (int(np.dtype(leaf.dtype).itemsize) + stored)
 
 
 def _save_together(
@@ -534,12 +597,7 @@ def _schedule(
     """Submit the writes of one array leaf, block by block, to `scheduler`; return
     the creation of its zarr array."""
     opened = ts.open(_zarr3_spec(kvstore, leaf), context=context)
-
-    def failed(error: Exception) -> Exception:
-        if isinstance(error, LazyckptError):
-            return error
-        return LazyckptError(f"{final}: writing {leaf.path!r} failed ({error})")
-
+    failed = _failure(final, leaf)
     for index, nbytes, values in _blocks_of(leaf, scheduler.block_bytes):
 
         def start(
@@ -568,19 +626,12 @@ def _blocks_of(
     block's values or a future of them."""
     value = leaf.value
     full: Box = tuple((0, n) for n in leaf.shape)
-    if not leaf.shape:
+    if not leaf.shape:  # (LazyArrays of one dimension or more are streamed: `_stream`)
         if isinstance(value, LazyArray):
             yield (), max(1, _cost(leaf)), value.read
         else:
             data = np.asarray(value)
             yield (), max(1, data.nbytes), _const(data)
-        return
-    if isinstance(value, LazyArray):
-        itemsize = np.dtype(leaf.dtype).itemsize + value.stored.dtype.itemsize
-        grid = _lazy_grid(value, leaf.chunks, itemsize, block_bytes)
-        for block in chunk_blocks(full, grid, itemsize, block_bytes):
-            index = _index(block)
-            yield index, box_bytes(block, itemsize), value[index].read
         return
     itemsize = np.dtype(leaf.dtype).itemsize
     if isinstance(value, jax.Array):
@@ -656,29 +707,6 @@ def _shard_piece(data: jax.Array, local: tuple[slice, ...]) -> Callable[[], np.n
         return np.asarray(data[local])  # copy only this block to the host
 
     return piece
-
-
-def _lazy_grid(
-    array: LazyArray, chunks: tuple[int, ...], itemsize: int, block_bytes: int
-) -> tuple[int, ...]:
-    """Blocks for streaming `array`: whole new chunks, widened to whole stored chunks
-    too where the two grids line up (so that no stored chunk is read twice), as long
-    as such a block is no larger than a stored chunk or a block of the budget."""
-    mapping = stored_map(array)
-    if mapping is None:
-        return chunks
-    grid = []
-    for chunk, entry in zip(chunks, mapping, strict=True):
-        if entry is None:
-            grid.append(chunk)
-            continue
-        dim, offset = entry
-        stored = array.stored.chunks[dim]
-        grid.append(math.lcm(chunk, stored) if offset % stored == 0 else chunk)
-    widest = max(block_bytes, math.prod(array.stored.chunks) * itemsize)
-    if math.prod(grid) * itemsize > widest:
-        return chunks
-    return tuple(grid)
 
 
 def _write_metadata(tmp: str, final: str, leaves: Sequence[_Leaf]) -> None:

@@ -55,6 +55,9 @@ class Stats:
         return f"{values}  nan {self.nan}  inf {self.inf}  (of {self.size})"
 
 
+_PIECE = 1 << 18  # elements folded in at once: 2 MiB of float64
+
+
 @attrs.define
 class _Running:
     """Chan et al.'s pairwise combination of counts, means and squared deviations."""
@@ -69,7 +72,13 @@ class _Running:
     high: float = -math.inf
 
     def add(self, values: np.ndarray) -> None:
-        values = np.asarray(values)
+        """Fold in a block, a slice of `_PIECE` elements at a time: the float64 copy and
+        the masks of a slice are all the temporaries, whatever the block's size."""
+        flat = np.asarray(values).reshape(-1)
+        for start in range(0, flat.size, _PIECE):
+            self._add(flat[start : start + _PIECE])
+
+    def _add(self, values: np.ndarray) -> None:
         self.size += values.size
         if values.dtype.kind in "biu":
             finite = values.reshape(-1)
@@ -158,10 +167,14 @@ def _histograms(
     ]
     counts = [np.zeros(bins, np.int64) for _ in arrays]
     for position, _, values in engine_blocks(arrays, memory_budget, bar):
-        if values.dtype.kind == "b":
-            values = values.view(np.uint8)
-        finite = values[np.isfinite(values)] if values.dtype.kind == "f" else values
-        counts[position] += np.histogram(finite, edges[position])[0]
+        flat = values.reshape(-1)
+        if flat.dtype.kind == "b":
+            flat = flat.view(np.uint8)
+        for start in range(0, flat.size, _PIECE):
+            part = flat[start : start + _PIECE]
+            floating = jnp.issubdtype(part.dtype, jnp.floating)
+            finite = part[np.isfinite(part)] if floating else part
+            counts[position] += np.histogram(finite, edges[position])[0]
     return list(zip(counts, edges, strict=True))
 
 

@@ -341,7 +341,7 @@ def test_jax_shards_that_cut_through_chunks_are_assembled_per_block(
 def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
     tmp_path: Path,
 ) -> None:
-    from lazyckpt._save import _lazy_grid
+    from lazyckpt._engine import widened
 
     value = np.zeros((400, 4096), np.float32)
     path = lazyckpt.save(tmp_path / "src", {"w": value}, chunk_bytes=4 * 4096 * 4)
@@ -349,9 +349,9 @@ def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
     assert lazy.chunks == (4, 4096)
     # New 5-row chunks: the common grid (20 rows) is 5 stored chunks, more than the
     # budget's block, so blocks stay single new chunks.
-    assert _lazy_grid(lazy, (5, 4096), 8, 50 << 10) == (5, 4096)
+    assert widened(lazy, (5, 4096), 8, 50 << 10) == (5, 4096)
     # New 2-row chunks divide the stored ones: blocks are whole stored chunks.
-    assert _lazy_grid(lazy, (2, 4096), 8, 50 << 10) == (4, 4096)
+    assert widened(lazy, (2, 4096), 8, 50 << 10) == (4, 4096)
 
 
 def test_a_folder_of_step_checkpoints_opens_as_a_run(tmp_path: Path) -> None:
