@@ -257,9 +257,12 @@ class ChunkStream:
         """After the last slab: check that the stored bytes end with the chunk."""
         if self._missing or not self._opened or self.done < self.total:
             return
-        extra = self._reader.read(1) if self._reader is not None else None
-        if extra is None and self._source is not None:
-            extra = self._source.read(1)
+        try:
+            extra = self._reader.read(1) if self._reader is not None else None
+            if extra is None and self._source is not None:
+                extra = self._source.read(1)
+        except zstandard.ZstdError:
+            extra = b"?"  # bytes after the frame that are no zstd frame either
         if extra:
             raise self._fail(f"holds more than its {self.total} decoded bytes")
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import numpy as np
 
+from lazyckpt._decode import decodes
 from lazyckpt._engine import iter_blocks as engine_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._progress import Progress
+from lazyckpt._read import load
 from lazyckpt._tree import leaves
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
@@ -171,16 +174,15 @@ def _compare_values(
 ) -> None:
     total = sum(old.nbytes + new.nbytes for _, old, new in pairs)
     bar = Progress.maybe(progress, total, "lazyckpt diff")
-    budget = None if memory_budget is None else max(1, memory_budget // 2)
     worst: dict[str, tuple[float, float, bool]] = {}
-    for position, index, left in engine_blocks([old for _, old, _ in pairs], budget, bar):
-        path, _, new = pairs[position]
-        right = new[index].get()
+    arrays = [(old, new) for _, old, new in pairs]
+    for position, left, right in _paired_blocks(arrays, memory_budget):
+        path = pairs[position][0]
         abs_diff, rel_diff, differs = _block_difference(left, right)
         prev = worst.get(path, (0.0, 0.0, False))
         worst[path] = (max(prev[0], abs_diff), max(prev[1], rel_diff), prev[2] or differs)
         if bar is not None:
-            bar.advance(right.nbytes)
+            bar.advance(left.nbytes + right.nbytes)
     if bar is not None:
         bar.close()
     for path, (abs_diff, rel_diff, differs) in worst.items():
@@ -190,9 +192,53 @@ def _compare_values(
             )
 
 
+def _paired_blocks(
+    pairs: list[tuple[LazyArray, LazyArray]], memory_budget: int | None
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """`(position, left, right)`: the same block of both arrays of each pair, each side
+    within half the budget. Arrays stored alike (two steps of one run) stream side by
+    side, so each stored chunk is decoded once; otherwise the second array is read
+    region by region for the first one's blocks."""
+    half = None if memory_budget is None else max(1, memory_budget // 2)
+    alike = [i for i, (old, new) in enumerate(pairs) if _stored_alike(old, new)]
+    olds = engine_blocks([pairs[i][0] for i in alike], half)
+    news = engine_blocks([pairs[i][1] for i in alike], half)
+    for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
+        assert a == b and index == other, "arrays stored alike stream alike"
+        yield alike[a], left, right
+    rest = [i for i in range(len(pairs)) if i not in set(alike)]
+    for position, index, left in engine_blocks([pairs[i][0] for i in rest], half):
+        yield rest[position], left, load(pairs[rest[position]][1][index], memory_budget=half)
+
+
+def _stored_alike(old: LazyArray, new: LazyArray) -> bool:
+    """Whether the engine cuts both views into the same blocks."""
+    a, b = old.stored, new.stored
+    return (
+        old.selection == new.selection
+        and (a.shape, a.chunks, a.dtype.itemsize) == (b.shape, b.chunks, b.dtype.itemsize)
+        and decodes(a) == decodes(b)
+        and (a.codec is None or b.codec is None or a.codec.order == b.codec.order)
+        and (a.inline is None) == (b.inline is None)
+    )
+
+
+_PIECE = 1 << 18  # elements compared at once: a few MiB of float64 temporaries
+
+
 def _block_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float, bool]:
     """Largest absolute and relative difference of two blocks, and whether any
-    element differs (NaN matching NaN does not)."""
+    element differs (NaN matching NaN does not); `_PIECE` elements at a time, so the
+    float64 temporaries stay small whatever the block's size."""
+    a, b = left.reshape(-1), right.reshape(-1)
+    worst = (0.0, 0.0, False)
+    for start in range(0, a.size, _PIECE):
+        found = _piece_difference(a[start : start + _PIECE], b[start : start + _PIECE])
+        worst = (max(worst[0], found[0]), max(worst[1], found[1]), worst[2] or found[2])
+    return worst
+
+
+def _piece_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float, bool]:
     if left.dtype.kind == "b":
         differs = bool(np.any(left != right))
         return float(differs), float(differs), differs
@@ -251,7 +297,7 @@ def _equal_values(old: Any, new: Any, memory_budget: int | None) -> bool:
         return _same_value(old, new)
     if old.key_impl:
         return _equal_keys(old, new)
-    for _, index, left in engine_blocks([old], memory_budget, None):
-        if _block_difference(left, new[index].get())[2]:
-            return False
-    return True
+    return not any(
+        _block_difference(left, right)[2]
+        for _, left, right in _paired_blocks([(old, new)], memory_budget)
+    )

@@ -156,10 +156,12 @@ def decode_slabs(
     codec = stored.codec
     itemsize = stored.dtype.itemsize
     box = chunk_box(index, stored.chunks)
-    split = split_dim(box, codec.order, itemsize, window)
-    cuts = {stored.shape[split]} if stored.shape else set()
-    for _, selection in users:
-        cuts.update(bounds(selection)[split])
+    cuts: set[int] = set()
+    if stored.shape:  # slabs are also cut where targets and the array end
+        split = split_dim(box, codec.order, itemsize, window)
+        cuts.add(stored.shape[split])
+        for _, selection in users:
+            cuts.update(bounds(selection)[split])
     plan = []
     for slab in slabs(box, codec.order, itemsize, window, sorted(cuts)):
         inside = intersect(slab, _clip(slab, stored.shape)) if slab else ()
@@ -185,7 +187,7 @@ def decode_slabs(
             values = stream.next(slab, into)
             completed = []
             for target, (in_slab, in_view_index) in parts:
-                out = target.buffer()[in_view_index]
+                out = target.buffer()[(*in_view_index, Ellipsis)]  # a view, even for 0-d
                 if into is None:
                     assert values is not None and inside is not None
                     piece_values = values[slices(inside, slab)][in_slab]
@@ -208,7 +210,7 @@ def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | Non
     target, (in_slab, in_view_index) = parts[0]
     if any(isinstance(s, slice) and s.step not in (None, 1) for s in in_slab):
         return None
-    region = target.buffer()[in_view_index]
+    region = target.buffer()[(*in_view_index, Ellipsis)]
     if region.size != math.prod(high - low for low, high in slab) or not region.flags.c_contiguous:
         return None
     return memoryview(region.reshape(-1).view(np.uint8))

@@ -31,11 +31,13 @@ from lazyckpt._store import StoredArray
 ZARR_FORMATS = ["zarr2", "zarr3"]
 
 
-def orbax_save(path: Path, tree: Any, *, zarr3: bool = False) -> Path:
-    """Save `tree` with the real orbax-checkpoint, as PyTreeCheckpointHandler does."""
+def orbax_save(path: Path, tree: Any, *, zarr3: bool = False, **options: Any) -> Path:
+    """Save `tree` with the real orbax-checkpoint, as PyTreeCheckpointHandler does
+    (`options` for the handler: `use_ocdbt=False`...)."""
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)) as checkpointer:
+    handler = ocp.PyTreeCheckpointHandler(use_zarr3=zarr3, **options)
+    with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
     return path
 

@@ -1,11 +1,12 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
-    python -m tests.rss_probe PATH stream|device_put BUDGET_BYTES
+    python -m tests.rss_probe PATH load|device_put|stream|stats|slice BUDGET_BYTES
     python -m tests.rss_probe PATH convert BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
-kernel's high-water mark is reset first) and `kept` (bytes of arrays the read
-returned). Linux only (`/proc/self/clear_refs`).
+kernel's high-water mark is reset first), `kept` (bytes of arrays the read
+returned) and, for `stream`, `largest` (bytes of the largest block). `slice` loads
+rows 100:110 of the first array. Linux only (`/proc/self/clear_refs`).
 """
 
 from __future__ import annotations
@@ -43,16 +44,28 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
     baseline = _rss()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current RSS
-    kept = 0
+    kept = largest = 0
     if mode == "convert":
         lazyckpt.convert(path, extra[0], dtype="bfloat16", memory_budget=budget)
     elif mode == "stream":
         for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
             total += float(values.sum(dtype=np.float64))
+            largest = max(largest, values.nbytes)
+    elif mode == "stats":
+        found = lazyckpt.stats(tree, memory_budget=budget)
+        total = sum(s.mean or 0.0 for s in found.values())
+    elif mode == "load":
+        loaded = lazyckpt.load(tree, memory_budget=budget)
+        kept = sum(leaf.nbytes for _, leaf in lazyckpt.leaves(loaded))
+    elif mode == "slice":
+        first = next(leaf for _, leaf in lazyckpt.leaves(tree))
+        rows = lazyckpt.load(first[100:110], memory_budget=budget)
+        kept = rows.nbytes
     else:
         placed = jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
         kept = sum(leaf.nbytes for leaf in jax.tree.leaves(placed))
-    print(json.dumps({"peak": _peak() - baseline, "kept": kept, "total": total}))
+    out = {"peak": _peak() - baseline, "kept": kept, "total": total, "largest": largest}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
