@@ -107,6 +107,27 @@ def test_open_slice_and_place_a_checkpoint_from_s3(
     np.testing.assert_array_equal(placed["dense"]["kernel"], kernel)
 
 
+def test_large_chunks_decode_through_byte_ranges_of_the_bucket(
+    s3: Any, tmp_path: Path, count_bytes: Any
+) -> None:
+    """A 4 MiB NumPy array in one chunk (orbax's default) is decoded by lazyckpt from
+    ranged GETs: a few rows near the start read only a prefix of the object."""
+    from lazyckpt import _decode
+
+    value = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
+    url = upload(s3, orbax_save(tmp_path / "one", {"w": value}), "one-chunk")
+    lazy = lazyckpt.open(url)["w"]
+    assert _decode.decodes(lazy.stored)
+    np.testing.assert_array_equal(lazyckpt.load(lazy), value)
+    with count_bytes() as read:
+        rows = lazyckpt.load(lazy[10:20], memory_budget=1 << 20)
+    np.testing.assert_array_equal(rows, value[10:20])
+    assert read[0] < value.nbytes // 4
+    mesh = jax.make_mesh((8,), ("d",))
+    placed = lazyckpt.device_put(lazy, NamedSharding(mesh, P(None, "d")))
+    np.testing.assert_array_equal(np.asarray(placed), value)
+
+
 def test_steps_items_and_unfinished_steps_in_a_bucket(s3: Any, tmp_path: Path) -> None:
     import orbax.checkpoint as ocp
 
