@@ -10,11 +10,11 @@ import attrs
 import numpy as np
 
 from lazyckpt._decode import decodes
-from lazyckpt._engine import iter_blocks as engine_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._progress import Progress
 from lazyckpt._read import load
+from lazyckpt._stream import iter_blocks as engine_blocks
 from lazyckpt._tree import leaves
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._device_put import materialize
-from lazyckpt._engine import iter_blocks as _iter_blocks
 from lazyckpt._engine import stored_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
+from lazyckpt._stream import iter_blocks as _iter_blocks
 from lazyckpt._target import Missing, host, match
 from lazyckpt._tree import Predicate, leaves, select
 

@@ -33,7 +33,6 @@ import tensorstore as ts
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
-from lazyckpt._engine import iter_blocks
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
 from lazyckpt._geometry import Box, box_bytes, chunk_blocks, on_grid
 from lazyckpt._lazy import LazyArray
@@ -41,6 +40,7 @@ from lazyckpt._progress import Progress
 from lazyckpt._scheduler import HELD, Scheduler
 from lazyckpt._sharding import sharding_json
 from lazyckpt._store import then
+from lazyckpt._stream import iter_blocks
 from lazyckpt._tree import key_of
 
 DEFAULT_CHUNK_BYTES = 4 << 20

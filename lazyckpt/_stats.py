@@ -9,12 +9,12 @@ import attrs
 import jax.numpy as jnp
 import numpy as np
 
-from lazyckpt._engine import iter_blocks as engine_blocks
 from lazyckpt._errors import LazyTypeError
 from lazyckpt._format import human_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._read import arrays_of
+from lazyckpt._stream import iter_blocks as engine_blocks
 from lazyckpt._tree import Predicate, select
 
 

@@ -1,0 +1,305 @@
+"""Streaming blocks of lazy arrays within a budget: `iter_blocks` for `stats`, `diff`,
+`save` and `lazyckpt.iter_blocks`.
+
+Blocks are whole stored chunks grouped up to a block's share of the budget (an
+eighth), or, for chunks larger than that, slabs of the chunk cut along its leading
+stored dimension, which one job decodes in order and hands over as each is complete
+(`lazyckpt._engine.decode_slabs`); arrays lazyckpt does not decode itself are read by
+tensorstore block by block. Given a grid (a new checkpoint's chunks), every block is a
+union of whole cells of it. Jobs run ahead of the consumer, each holding its stream
+and one block, within the budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._decode import decodes, stream_bytes
+from lazyckpt._engine import decode_into, decode_slabs, read_box, windows
+from lazyckpt._geometry import (
+    Box,
+    as_slices,
+    bounds,
+    box_bytes,
+    chunk_blocks,
+    chunk_box,
+    chunks_in,
+    in_view,
+    intersect,
+    slabs,
+    split_dim,
+    stored_map,
+    to_stored,
+)
+from lazyckpt._memory import Target
+from lazyckpt._progress import Progress
+from lazyckpt._scheduler import HELD, Scheduler, in_pool
+from lazyckpt._store import ready, then
+
+_END = object()
+
+
+class _Job:
+    """Consecutive blocks of one array; `step()` starts producing the next, a future
+    of `(index, values, work)` or `_END`. Steps of one job run one after another."""
+
+    def __init__(self, position: int, held: int, steps: Iterator[Callable[[], Any]]) -> None:
+        self.position, self.held, self._steps = position, held, steps
+
+    def step(self) -> ts.Future[Any]:
+        start = next(self._steps, None)
+        if start is None:
+            return ready(_END)
+        result: ts.Future[Any] = start()
+        return result
+
+
+def iter_blocks(
+    arrays: Sequence[Any],
+    budget: int | None,
+    progress: Progress | None = None,
+    grids: Sequence[tuple[int, ...] | None] | None = None,
+) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
+    """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
+    where `arrays[position][index]` equals `values`.
+
+    `grids[position]`, where given, is a chunk grid of the view (a new checkpoint's
+    chunks) that every block must be a union of whole cells of. Reads run ahead of the
+    consumer: every job in flight holds at most its stream and one block, and the one
+    the consumer holds counts too, within `budget` bytes (one job at least).
+    """
+    limits = Scheduler(budget)
+    block = max(1, limits.budget // 8)
+    cells = list(grids) if grids is not None else [None] * len(arrays)
+    jobs = (
+        job
+        for position, (array, grid) in enumerate(zip(arrays, cells, strict=True))
+        for job in _jobs(position, array, limits, grid)
+    )
+    active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
+    reserved = block  # the block the consumer holds
+    upcoming = next(jobs, None)
+
+    def start_more() -> None:
+        nonlocal reserved, upcoming
+        while upcoming is not None and (not active or reserved + upcoming.held <= limits.budget):
+            reserved += upcoming.held
+            active.append((upcoming, upcoming.step()))
+            upcoming = next(jobs, None)
+
+    start_more()
+    while active:
+        job, pending = active[0]
+        result = pending.result()
+        if result is _END:
+            active.popleft()
+            reserved -= job.held
+            start_more()
+            continue
+        index, values, work = result
+        active[0] = (job, job.step())  # decode the next block while this one is used
+        yield job.position, index, values
+        del values, result
+        limits.guard.check(reserved)
+        if progress is not None:
+            progress.advance(work)
+
+
+def _jobs(
+    position: int, array: Any, limits: Scheduler, grid: tuple[int, ...] | None
+) -> Iterator[_Job]:
+    """The jobs that stream one view, in order."""
+    stored = array.stored
+    mapping = stored_map(array)
+    budget = limits.budget
+    block = max(1, budget // 8)
+    itemsize = stored.dtype.itemsize
+    whole = tuple((0, n) for n in array.shape)
+    if array.key_impl or 0 in array.shape or (mapping is None and not decodes(stored)):
+        index = as_slices(whole)
+        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, index, array.nbytes)]))
+        return
+    if not decodes(stored):
+        assert mapping is not None
+        if grid is None:
+            yield from _ts_jobs(position, array, mapping, limits)
+            return
+        cells = widened(array, grid, itemsize, block)
+        for part in chunk_blocks(whole, cells, itemsize, block):
+            index = as_slices(part)
+            held = box_bytes(part, itemsize) * HELD
+            yield _Job(position, held, iter([_ts_step(array, index, box_bytes(part, itemsize))]))
+        return
+    read_bytes, window = windows(budget)
+    window = min(window, block)
+    held = stream_bytes(read_bytes) + window + block
+    if mapping is None:  # strided: bands of the view, each decoded from its chunks
+        for region in _view_bands(array, block // itemsize, grid):
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
+    origins = [0] * len(stored.shape)
+    for entry in mapping:
+        if entry is not None:
+            origins[entry[0]] = entry[1]
+    box = to_stored(array, mapping, whole)
+    stored_cells = _stored_cells(array, mapping, grid)
+    if math.prod(stored.chunks) * itemsize <= block or stored_cells is None:
+        regions: Iterable[Box] = (
+            (
+                _region(in_view(mapping, part, origins)[0], array.shape)
+                for part in chunk_blocks(box, stored.chunks, itemsize, block)
+            )
+            if grid is None
+            else chunk_blocks(whole, widened(array, grid, itemsize, block), itemsize, block)
+        )
+        for region in regions:
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
+    order = stored.codec.order
+    for chunk in chunks_in(box, stored.chunks):
+        overlap = intersect(chunk_box(chunk, stored.chunks), box)
+        assert overlap is not None
+        split = split_dim(overlap, order, itemsize, block)
+        if any(stored_cells[d] > 1 for d in order[: order.index(split)]):
+            # Bands would cut cells of the grid: whole cells instead, decoded per block.
+            view_part = _region(in_view(mapping, overlap, origins)[0], array.shape)
+            for region in chunk_blocks(view_part, grid or (), itemsize, block):
+                job = _decoded_block(array, region, read_bytes, window)
+                yield _Job(position, held, iter([job]))
+            continue
+        bands = list(slabs(overlap, order, itemsize, block, unit=stored_cells[split]))
+        steps = _chunk_bands(array, chunk, bands, mapping, origins, read_bytes, window)
+        yield _Job(position, held, steps)
+
+
+def _stored_cells(
+    array: Any, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """`grid`'s cell size along each stored dimension (1 without a grid, and for
+    dimensions the view drops), or None when its cells straddle stored chunks, so
+    that slabs of a stored chunk cannot be unions of whole cells."""
+    stored = array.stored
+    cells = [1] * len(stored.shape)
+    if grid is None:
+        return tuple(cells)
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            continue
+        dim, offset = entry
+        if stored.chunks[dim] % cell or offset % cell:
+            return None
+        cells[dim] = cell
+    return tuple(cells)
+
+
+def widened(array: Any, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
+    """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
+    grids line up (so that no stored chunk is read twice), as long as such a block is
+    no larger than a stored chunk or a block of the budget."""
+    mapping = stored_map(array)
+    if mapping is None:
+        return grid
+    cells = []
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            cells.append(cell)
+            continue
+        dim, offset = entry
+        stored = array.stored.chunks[dim]
+        cells.append(math.lcm(cell, stored) if offset % stored == 0 else cell)
+    widest = max(block, math.prod(array.stored.chunks) * itemsize)
+    if math.prod(cells) * itemsize > widest:
+        return grid
+    return tuple(cells)
+
+
+def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _view_bands(array: Any, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
+    """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
+    cells = grid if grid is not None else (1,) * len(array.shape)
+    yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
+
+
+def _decoded_block(
+    array: Any, region: Box, read_bytes: int, window: int
+) -> Callable[[], ts.Future[Any]]:
+    """A step that fills one block, `array[region]`, from every chunk it touches."""
+
+    def fill() -> tuple[tuple[slice, ...], np.ndarray, int]:
+        target = Target(region, array.dtype)
+        selection = array.selection[as_slices(region)]
+        box = bounds(selection)
+        for index in chunks_in(box, array.stored.chunks) if box else [()]:
+            decode_into(array, index, [(target, selection)], read_bytes, window)
+        nbytes = target.out_nbytes()
+        return as_slices(region), target.buffer(), nbytes
+
+    return lambda: in_pool(fill)
+
+
+def _chunk_bands(
+    array: Any,
+    index: tuple[int, ...],
+    bands: list[Box],
+    mapping: Sequence[tuple[int, int] | None],
+    origins: Sequence[int],
+    read_bytes: int,
+    window: int,
+) -> Iterator[Callable[[], ts.Future[Any]]]:
+    """Steps that decode one chunk larger than a block, each up to the end of its next
+    band (a slab of the chunk along its leading stored dimension), handing it over."""
+    regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands]
+    targets = [Target(region, array.dtype) for region in regions]
+    users = [(t, array.selection[as_slices(t.region)]) for t in targets]
+
+    def produce() -> Iterator[tuple[tuple[slice, ...], np.ndarray, int]]:
+        for completed in decode_slabs(array, index, users, read_bytes, window):
+            for target in completed:
+                yield as_slices(target.region), target.buffer(), target.out_nbytes()
+                target.out = None  # handed over: the job keeps no reference
+
+    bands_out = produce()
+    for _ in targets:
+        yield lambda: in_pool(lambda: next(bands_out))
+
+
+def _ts_step(array: Any, index: tuple[slice, ...], nbytes: int) -> Callable[[], ts.Future[Any]]:
+    return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
+
+
+def _ts_jobs(
+    position: int, array: Any, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
+) -> Iterator[_Job]:
+    """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
+    stored = array.stored
+    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
+    opened = stored.open() if stored.inline is None else None
+    origins = [0] * len(stored.shape)
+    for entry in mapping:
+        if entry is not None:
+            origins[entry[0]] = entry[1]
+    itemsize = stored.dtype.itemsize
+    for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
+        index, shape = in_view(mapping, part, origins)
+        nbytes = box_bytes(part, itemsize)
+        if opened is None:
+            yield _Job(position, nbytes * HELD, iter([_ts_step(array, index, array[index].nbytes)]))
+            continue
+
+        def start(part: Box = part, index: Any = index, shape: Any = shape, n: int = nbytes) -> Any:
+            future = read_box(stored, opened, part)()
+            return then(
+                future,
+                lambda data: (index, data.reshape(shape).astype(array.dtype, copy=False), n),
+            )
+
+        yield _Job(position, nbytes * HELD, iter([start]))
