@@ -23,6 +23,7 @@ within a budget across the whole tree. Two ways:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ from lazyckpt._geometry import (
     to_stored,
 )
 from lazyckpt._memory import Target
-from lazyckpt._scheduler import HELD, Scheduler, in_pool
+from lazyckpt._scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._selection import Selection
 from lazyckpt._store import then
 
@@ -88,6 +89,49 @@ def schedule_fill(
         _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)
     if remaining[0] == 0:
         on_done()
+
+
+def read_view(array: Any) -> ts.Future[np.ndarray]:
+    """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
+    touches, on the decoding threads (no job waits on another, so any thread may call
+    this). Each job holds a few MiB while it runs; the result is allocated once."""
+    stored = array.stored
+    target = Target(tuple((0, n) for n in array.shape), array.dtype)
+    promise: ts.Promise[np.ndarray]
+    future: ts.Future[np.ndarray]
+    promise, future = ts.Promise.new()
+    selection = array.selection
+    if 0 in array.shape:
+        promise.set_result(target.buffer())
+        return future
+    read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
+    indices = list(chunks_in(bounds(selection), stored.chunks))
+    state = {"left": len(indices), "failed": False}
+    lock = threading.Lock()
+
+    def done(job: ts.Future[Any]) -> None:
+        try:
+            job.result()
+        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+            with lock:
+                first, state["failed"] = not state["failed"], True
+            if first:
+                promise.set_exception(error)
+            return
+        with lock:
+            state["left"] -= 1
+            last = state["left"] == 0 and not state["failed"]
+        if last:
+            promise.set_result(target.buffer())
+
+    users = [(target, selection)]
+    for index in indices:
+
+        def run(index: tuple[int, ...] = index) -> None:
+            decode_into(array, index, users, read_bytes, window)
+
+        in_pool(run).add_done_callback(done)
+    return future
 
 
 # The decoded path.

@@ -13,6 +13,8 @@ import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
+from lazyckpt._decode import decodes
+from lazyckpt._engine import read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._selection import Index, Selection, expand
 from lazyckpt._sharding import SavedSharding
@@ -132,6 +134,8 @@ class LazyArray:
     def read(self) -> ts.Future[Any]:
         """Start reading this view; the future resolves to a NumPy array (for typed
         PRNG keys, a `jax.Array` of keys)."""
+        if decodes(self.stored) and not self.key_impl:
+            return read_view(self)  # decoded by lazyckpt, cast as it is copied
         data = self.stored.read(self.selection)
         if self.key_impl:
             impl = self.key_impl

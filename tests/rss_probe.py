@@ -1,12 +1,12 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
-    python -m tests.rss_probe PATH load|device_put|stream|stats|slice BUDGET_BYTES
+    python -m tests.rss_probe PATH load|device_put|stream|stats|slice|get BUDGET_BYTES
     python -m tests.rss_probe PATH convert BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
 kernel's high-water mark is reset first), `kept` (bytes of arrays the read
 returned) and, for `stream`, `largest` (bytes of the largest block). `slice` loads
-rows 100:110 of the first array. Linux only (`/proc/self/clear_refs`).
+rows 100:110 of the first array, `get` reads them with `.get()` (no budget given). Linux only (`/proc/self/clear_refs`).
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
     elif mode == "load":
         loaded = lazyckpt.load(tree, memory_budget=budget)
         kept = sum(leaf.nbytes for _, leaf in lazyckpt.leaves(loaded))
-    elif mode == "slice":
+    elif mode in ("slice", "get"):
         first = next(leaf for _, leaf in lazyckpt.leaves(tree))
-        rows = lazyckpt.load(first[100:110], memory_budget=budget)
+        view = first[100:110]
+        rows = lazyckpt.load(view, memory_budget=budget) if mode == "slice" else view.get()
         kept = rows.nbytes
     else:
         placed = jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
