@@ -17,6 +17,7 @@ from lazyckpt._device_put import device_put
 from lazyckpt._diff import Diff, diff
 from lazyckpt._display import summary
 from lazyckpt._errors import (
+    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -27,6 +28,7 @@ from lazyckpt._errors import (
     NotACheckpointError,
     ShardingError,
     StorageAccessError,
+    TooLargeError,
     TreeMismatchError,
     UnfinishedCheckpointError,
     UnsavableError,
@@ -44,6 +46,7 @@ from lazyckpt._stats import Stats, stats
 from lazyckpt._tree import leaves, select
 
 __all__ = [
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -59,6 +62,7 @@ __all__ = [
     "ShardingError",
     "Stats",
     "StorageAccessError",
+    "TooLargeError",
     "TreeMismatchError",
     "UnfinishedCheckpointError",
     "UnsavableError",

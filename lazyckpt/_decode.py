@@ -27,6 +27,7 @@ import zstandard
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._geometry import Box, chunk_box
 from lazyckpt._memory import populate
+from lazyckpt._store import changed_error
 
 if TYPE_CHECKING:
     from lazyckpt._store import StoredArray
@@ -134,7 +135,9 @@ class ChunkStream:
             f"{list(self.index)} (stored as {self.key!r})"
         )
 
-    def _fail(self, what: str) -> CorruptCheckpointError:
+    def _fail(self, what: str) -> LazyckptError:
+        if self.stored.store.changed():
+            return changed_error(self.stored.store.location)
         return CorruptCheckpointError(
             f"{self._where()} {what}; the checkpoint's data is damaged, copy it again"
         )

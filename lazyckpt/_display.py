@@ -173,7 +173,7 @@ def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, in
 def _display_order(kids: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
     """Layers keyed '0', '1', ..., '10' (as checkpoints store int keys) in numeric
     order, not jax's string order."""
-    if all(isinstance(key, str) and key.isdigit() for key, _ in kids):
+    if all(isinstance(key, str) and key.isascii() and key.isdigit() for key, _ in kids):
         return sorted(kids, key=lambda kid: int(kid[0]))
     return kids
 

@@ -49,7 +49,7 @@ from lazyckpt._geometry import (
     stored_map,
     to_stored,
 )
-from lazyckpt._memory import Target
+from lazyckpt._memory import Target, check_fits
 from lazyckpt._scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._selection import Selection
 from lazyckpt._store import then
@@ -79,6 +79,7 @@ def schedule_fill(
 
     for target in targets:
         target.on_allocate = scheduler.guard.keep
+        check_fits(f"reading {array.key!r} {target.shape}", target.out_nbytes())
     stored = array.stored
     mapping = stored_map(array)
     if decodes(stored) and not array.key_impl:
@@ -97,6 +98,7 @@ def read_view(array: Any) -> ts.Future[np.ndarray]:
     this). Each job holds a few MiB while it runs; the result is allocated once."""
     stored = array.stored
     target = Target(tuple((0, n) for n in array.shape), array.dtype)
+    check_fits(f"reading {array.key!r} {array.shape}", target.out_nbytes())
     promise: ts.Promise[np.ndarray]
     future: ts.Future[np.ndarray]
     promise, future = ts.Promise.new()

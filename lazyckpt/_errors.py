@@ -89,3 +89,15 @@ class StorageAccessError(LazyckptError, PermissionError):
     """Object storage refused a request: no credentials, rejected ones, or access denied."""
 
     __module__ = "lazyckpt"
+
+
+class TooLargeError(LazyckptError, MemoryError):
+    """A read whose result, or whose stored chunk, cannot fit in this machine's memory."""
+
+    __module__ = "lazyckpt"
+
+
+class CheckpointChangedError(LazyckptError, RuntimeError):
+    """The checkpoint was replaced (overwritten, deleted) after it was opened."""
+
+    __module__ = "lazyckpt"

@@ -19,12 +19,18 @@ import contextlib
 import contextvars
 import os
 import posixpath
+import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorstore as ts
 
-from lazyckpt._errors import CheckpointNotFoundError, LazyckptError, StorageAccessError
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LazyckptError,
+    StorageAccessError,
+)
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}
 
@@ -272,25 +278,147 @@ def isfile(path: str) -> bool:
     return read_bytes(path) is not None  # one GET, rather than listing the parent
 
 
-def read_bytes(path: str) -> bytes | None:
-    """The file's contents, or None if it does not exist."""
+METADATA_LIMIT = 1 << 30
+"""The largest metadata file (`_METADATA`, `_sharding`, `_strings.json`...) read: 1 GiB,
+about five million leaves' worth; anything larger is damage, or hostile."""
+
+
+def read_bytes(path: str, limit: int = METADATA_LIMIT) -> bytes | None:
+    """The file's contents, or None if it does not exist.
+
+    Only regular files are read (a link to /dev/zero or a FIFO in a checkpoint is
+    refused, never read or waited on), and only up to `limit` bytes.
+    """
     if not is_remote(path):
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            # Non-blocking, so that opening a FIFO does not wait for a writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
+        except OSError as error:
+            raise CorruptCheckpointError(
+                f"{path} cannot be read ({error.strerror}); check its permissions"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                return None
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptCheckpointError(
+                    f"{path} is not a regular file ({_kind(info.st_mode)}); a checkpoint's "
+                    "files are plain files: the checkpoint is damaged or hostile, refusing "
+                    "to read it"
+                )
+            _check_size(path, info.st_size, limit)
+            data = f.read(info.st_size + 1)  # (read asks for its size up front: not limit)
+            _check_size(path, len(data), limit)
+            return data
     _, _, key = _split(path)
     try:
-        result = _bucket(path).read(key).result()
+        result = _bucket(path).read(key, byte_range=slice(0, limit + 1)).result()
+    except ValueError as error:
+        if "OUT_OF_RANGE" not in str(error):
+            raise storage_error(path, error) from None
+        result = _bucket(path).read(key).result()  # shorter than the range: all of it
     except Exception as error:  # noqa: BLE001 - turned into a clear error
         raise storage_error(path, error) from None
-    return result.value if result.state == "value" else None
+    if result.state != "value":
+        return None
+    _check_size(path, len(result.value), limit)
+    return result.value
 
 
-def read_text(path: str) -> str | None:
-    data = read_bytes(path)
-    return None if data is None else data.decode("utf-8")
+def _check_size(path: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{path} is {size} bytes, more than the {limit} such a file can need; the "
+            "checkpoint is damaged or hostile, refusing to read it"
+        )
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def read_text(path: str, limit: int = METADATA_LIMIT) -> str | None:
+    """The file's text (UTF-8), or None if it does not exist; see `read_bytes`."""
+    data = read_bytes(path, limit)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CorruptCheckpointError(
+            f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); the file is "
+            "damaged, copy the checkpoint again"
+        ) from None
+
+
+_GENERATION_FILES = ("_METADATA", "manifest.ocdbt", "_sharding", "_strings.json", "checkpoint")
+
+
+def generation(folder: str) -> tuple[Any, ...]:
+    """What identifies the checkpoint in `folder` as it is now. It changes when the
+    checkpoint is replaced (a save with overwrite=True renames a new folder into
+    place) or its metadata is rewritten: on a local disk, the folder's inode and its
+    metadata files' inodes, times and sizes (a few stats); in a bucket, the object
+    generation of `_METADATA` and the OCDBT manifest (two requests)."""
+    if is_remote(folder):
+        _, _, key = _split(folder)
+        out = []
+        for name in _GENERATION_FILES[:2]:
+            try:
+                result = _bucket(folder).read(
+                    f"{key}/{name}" if key else name, byte_range=slice(0, 0)
+                ).result()
+            except Exception as error:  # noqa: BLE001 - turned into a clear error
+                raise storage_error(folder, error) from None
+            out.append((result.state, result.stamp.generation))
+        return tuple(out)
+    try:
+        top = os.stat(folder)
+    except OSError:
+        return (None,)
+    found: list[Any] = [(top.st_dev, top.st_ino)]
+    for name in _GENERATION_FILES:
+        try:
+            info = os.stat(os.path.join(folder, name))
+            found.append((info.st_ino, info.st_mtime_ns, info.st_size))
+        except OSError:
+            found.append(None)
+    return tuple(found)
+
+
+def links_outside(folder: str) -> list[tuple[str, str]]:
+    """Symlinks under the local `folder` that resolve outside it, as (link, target)
+    pairs (no links are followed while looking)."""
+    if is_remote(folder):
+        return []
+    root = os.path.realpath(folder)
+    found = []
+    todo = [folder]
+    while todo:
+        current = todo.pop()
+        try:
+            entries = list(os.scandir(current))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_symlink():
+                target = os.path.realpath(entry.path)
+                if target != root and not target.startswith(root + os.sep):
+                    found.append((os.path.relpath(entry.path, folder), target))
+            elif entry.is_dir(follow_symlinks=False):
+                todo.append(entry.path)
+    return sorted(found)
 
 
 def walk_files(path: str) -> Iterator[str]:

@@ -233,6 +233,11 @@ def _committed(folder: str) -> bool:
 def _item(step_dir: str, item: str | None) -> str:
     present = _pytree_items(step_dir)
     if item is not None:
+        if not item or item in (".", "..") or any(c in item for c in "/\\\0"):
+            raise NotACheckpointError(
+                f"item={item!r} is not an item name: items are folders directly inside a "
+                f"step folder ({step_dir}), named like 'state' or 'params'"
+            )
         kinds = _kinds(step_dir)
         if item in kinds:
             return fs.join(step_dir, item)

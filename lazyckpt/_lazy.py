@@ -39,6 +39,12 @@ def key_dtype(impl: str) -> tuple[Any, tuple[int, ...]]:
     return key.dtype, tuple(data.shape)
 
 
+def _unchanged(store: Any, values: Any) -> Any:
+    """`values`, once the checkpoint they were read from is known not to have changed."""
+    store.check_unchanged()
+    return values
+
+
 @attrs.frozen(repr=False)
 class LazyArray:
     """An array in a checkpoint, or a view of one, that reads nothing until asked.
@@ -134,9 +140,11 @@ class LazyArray:
     def read(self) -> ts.Future[Any]:
         """Start reading this view; the future resolves to a NumPy array (for typed
         PRNG keys, a `jax.Array` of keys)."""
+        store = self.stored.store
         if decodes(self.stored) and not self.key_impl:
-            return read_view(self)  # decoded by lazyckpt, cast as it is copied
-        data = self.stored.read(self.selection)
+            # Decoded by lazyckpt, cast as it is copied.
+            return then(read_view(self), lambda values: _unchanged(store, values))
+        data = then(self.stored.read(self.selection), lambda values: _unchanged(store, values))
         if self.key_impl:
             impl = self.key_impl
             return then(data, lambda array: jax.random.wrap_key_data(jnp.asarray(array), impl=impl))

@@ -14,6 +14,7 @@ from typing import Any
 
 from lazyckpt import _fs as fs
 from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._memory import physical_memory
 from lazyckpt._msgpack import decode
 from lazyckpt._store import Store
 from lazyckpt._tree_metadata import INLINE, STORED, Leaf, Path
@@ -32,7 +33,7 @@ class InferredStructureWarning(UserWarning):
 def read_msgpack(location: str) -> Any | None:
     """The decoded legacy msgpack tree, or None if the file does not exist."""
     path = fs.join(location, MSGPACK_FILE)
-    data = fs.read_bytes(path)
+    data = fs.read_bytes(path, limit=physical_memory())
     return None if data is None else decode(data, where=path)
 
 
@@ -61,17 +62,21 @@ def msgpack_leaves(tree: Any) -> list[Leaf]:
     return leaves
 
 
-def _walk(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
-    if isinstance(node, dict) and node:
-        # Sorted as jax flattens dicts, so every layout gives the same key order.
-        for key, child in sorted(node.items(), key=lambda item: str(item[0])):
-            yield from _walk(child, (*path, str(key)))
-    elif isinstance(node, list | tuple) and node:
-        for index, child in enumerate(node):
-            yield from _walk(child, (*path, index))
-    else:
-        # Empty containers, None and ndarrays are leaves; a 0-d ndarray too.
-        yield path, node if not isinstance(node, tuple) else list(node)
+def _walk(tree: Any, root: Path) -> Iterator[tuple[Path, Any]]:
+    """`(path, leaf)` in jax's order, with a stack of its own rather than recursion (the
+    msgpack tree may be 512 levels deep)."""
+    todo: list[tuple[Any, Path]] = [(tree, root)]
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, dict) and node:
+            # Sorted as jax flattens dicts, so every layout gives the same key order.
+            items = sorted(node.items(), key=lambda item: str(item[0]))
+            todo.extend((child, (*path, str(key))) for key, child in reversed(items))
+        elif isinstance(node, list | tuple) and node:
+            todo.extend((child, (*path, i)) for i, child in reversed(list(enumerate(node))))
+        else:
+            # Empty containers, None and ndarrays are leaves; a 0-d ndarray too.
+            yield path, node if not isinstance(node, tuple) else list(node)
 
 
 def listed_leaves(store: Store) -> list[Leaf]:

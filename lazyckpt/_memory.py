@@ -22,6 +22,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from lazyckpt._errors import TooLargeError
+from lazyckpt._format import human_bytes
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -66,6 +69,30 @@ def malloc_tuning(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _TUNING.reset(token)
+
+
+def physical_memory() -> int:
+    """This machine's memory and swap, in bytes: more than any one read can use."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(total)
+
+
+def check_fits(what: str, nbytes: int) -> None:
+    """Refuse, with a clear error, to allocate more than this machine has: a damaged
+    header can declare any size, and allocating it would abort the process."""
+    if nbytes > physical_memory():
+        raise TooLargeError(
+            f"{what} needs {human_bytes(nbytes)}, more than this machine's memory and swap "
+            f"({human_bytes(physical_memory())}); read a slice of it, or stream it with "
+            "lazyckpt.iter_blocks"
+        )
 
 
 def release_free_memory() -> None:
@@ -158,6 +185,7 @@ class Target:
         if self.out is None:
             with self._lock:
                 if self.out is None:
+                    check_fits("a result", self.out_nbytes())
                     out = result_empty(self.shape, self.dtype)
                     if self.on_allocate is not None:
                         self.on_allocate(out.nbytes)

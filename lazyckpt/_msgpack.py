@@ -21,7 +21,8 @@ from typing import Any, TypeGuard
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._zarr import readable
 
 __all__ = ["MAX_DEPTH", "decode"]
 
@@ -259,6 +260,12 @@ class _Decoder:
         if dtype is None:
             detail = f"expected a dtype name such as 'float32', found {_show(dtype_name)}"
             raise self.fail(start, "has an ndarray of unknown dtype", detail, _UNKNOWN)
+        if not readable(dtype):
+            raise UnsupportedCheckpointError(
+                f"{self.where}: msgpack data has an ndarray of dtype {dtype_name!r} at byte "
+                f"{self.base + start}, which lazyckpt does not read (numbers, bools, "
+                "bfloat16, float8 and int4 it does)"
+            )
         size = math.prod(shape) * dtype.itemsize
         if size != len(buffer):
             detail = f"shape {tuple(shape)} of {dtype} needs {size} bytes, found {len(buffer)}"

@@ -14,13 +14,17 @@ import numpy as np
 
 from lazyckpt import _fs as fs
 from lazyckpt import _tree_metadata as tm
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+)
 from lazyckpt._layout import json_item_file, locate
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
 from lazyckpt._selection import Selection
 from lazyckpt._sharding import read_shardings
-from lazyckpt._store import Store, StoredArray
+from lazyckpt._store import Store, StoredArray, changed_error
 from lazyckpt._zarr import ZarrInfo, metadata_key, parse_zarr
 
 
@@ -30,6 +34,7 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     step: int | None = None,
     item: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    allow_outside_links: bool = False,
 ) -> Any:
     """Open an Orbax checkpoint as a pytree of `LazyArray`s, reading only metadata.
 
@@ -40,6 +45,9 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     array as a `LazyArray`. A JSON item (`ocp.args.JsonSave`) opens as its value. `path` may be `s3://bucket/prefix`
     or `gs://bucket/prefix`; `storage_options` (`endpoint`, `region`, or tensorstore
     kvstore options) add to what the environment says (`AWS_ENDPOINT_URL`, ...).
+    Symlinks inside the checkpoint folder that lead out of it are refused (a copied
+    checkpoint could otherwise read any file as array data) unless
+    `allow_outside_links=True`.
 
     >>> tree = lazyckpt.open(path)
     >>> tree["step"], tree["params"]["b"]
@@ -47,8 +55,21 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     """
     with _gc_paused(), fs.session(storage_options):
         found = locate(os.fspath(path), step=step, item=item)
+        if not allow_outside_links:
+            _refuse_outside_links(found)
         json_file = json_item_file(found)
         return _open(found) if json_file is None else _json_item(json_file)
+
+
+def _refuse_outside_links(folder: str) -> None:
+    links = fs.links_outside(folder)
+    if links:
+        link, target = links[0]
+        raise NotACheckpointError(
+            f"{folder}: {link} is a symlink to {target}, outside the checkpoint folder "
+            f"({len(links)} such link(s)); refusing to read through it. Pass "
+            "allow_outside_links=True to lazyckpt.open if you trust these links"
+        )
 
 
 def _json_item(path: str) -> Any:
@@ -80,6 +101,17 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _open(location: str) -> Any:
+    """The tree of the checkpoint at `location`, from one generation of it: a save that
+    replaces it meanwhile makes the metadata read again (once), never a mix."""
+    for _ in range(2):
+        before = fs.generation(location)
+        tree = _open_once(location, before)
+        if fs.generation(location) == before:
+            return tree
+    raise changed_error(location)
+
+
+def _open_once(location: str, generation: tuple[Any, ...]) -> Any:
     text = _read_text(location, "_METADATA")
     metadata, leaves = tm.parse(location, text) if text is not None else ({}, [])
     # A tree without arrays (strings, scalars read from _strings.json, None) has no
@@ -87,7 +119,7 @@ def _open(location: str) -> Any:
     needs_store = text is None or any(
         leaf.value_type in (*tm.ARRAY_TYPES, tm.STORED) for leaf in leaves
     )
-    store = _open_store(location, metadata, required=needs_store)
+    store = _open_store(location, metadata, generation, required=needs_store)
     legacy = read_msgpack(location)
     if text is None:
         leaves = msgpack_leaves(legacy) if legacy is not None else listed_leaves(store)
@@ -172,7 +204,14 @@ def _lazy(
     impl = key_impls.get(leaf.name)
     dtype: Any = array.dtype
     if impl is not None:
-        dtype, data_shape = key_dtype(impl)
+        try:
+            dtype, data_shape = key_dtype(impl)
+        except (ValueError, TypeError, KeyError):  # jax knows no such implementation
+            raise UnsupportedCheckpointError(
+                f"{location}: {leaf.key!r} is recorded as PRNG keys of implementation "
+                f"{impl!r}, which this jax does not know; delete array_metadatas/ to read "
+                "the keys as their uint32 data"
+            ) from None
         if array.shape[len(array.shape) - len(data_shape) :] != data_shape:
             raise CorruptCheckpointError(
                 f"{location}: {leaf.key!r} is recorded as {impl} PRNG keys, whose data ends "
@@ -211,7 +250,9 @@ def _read_text(location: str, name: str) -> str | None:
     return fs.read_text(fs.join(location, name))
 
 
-def _open_store(location: str, metadata: dict[str, Any], *, required: bool = True) -> Store:
+def _open_store(
+    location: str, metadata: dict[str, Any], generation: tuple[Any, ...], *, required: bool = True
+) -> Store:
     names = fs.listdir(location)
     per_process = sorted(n for n in names if n.startswith("ocdbt.process_"))
     use_ocdbt = metadata.get("use_ocdbt")
@@ -232,7 +273,7 @@ def _open_store(location: str, metadata: dict[str, Any], *, required: bool = Tru
                     f"OCDBT {what} {location}/{needed} is missing{hint}; the checkpoint "
                     "cannot be read as saved, copy it again"
                 )
-    return Store.open(location, ocdbt=ocdbt)
+    return Store.open(location, ocdbt=ocdbt, generation=generation)
 
 
 def _zarr_infos(
@@ -339,20 +380,28 @@ def _strings(location: str, leaves: Sequence[tm.Leaf]) -> dict[tm.Path, str]:
             f"{location}/_strings.json is missing but _METADATA lists string leaves "
             f"{[leaf.key for leaf in leaves[:3]]}; copy the checkpoint again"
         )
-    values = {}
     try:
         table = json.loads(text)
-        for leaf in leaves:
-            # Orbax looks strings up with the JSON pointer "/" + name (spec §5).
-            node = table
+    except (ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(
+            f"{location}/_strings.json is not valid JSON ({str(error)[:100]}); the file is "
+            "damaged, copy the checkpoint again"
+        ) from None
+    values = {}
+    for leaf in leaves:
+        # Orbax looks strings up with the JSON pointer "/" + name (spec §5).
+        node = table
+        try:
             for part in leaf.name.split("/"):
                 node = node[part.replace("~1", "/").replace("~0", "~")]
-            if not isinstance(node, str):
-                raise TypeError(f"expected a string, found {type(node).__name__}")
-            values[leaf.path] = node
-    except (ValueError, KeyError, TypeError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{location}/_strings.json: cannot read the string for {leaf.key!r} "
-            f"({error!r}); the file is damaged, copy the checkpoint again"
-        ) from None
+        except (KeyError, TypeError):
+            node = None
+        if not isinstance(node, str):
+            found = "nothing" if node is None else f"a {type(node).__name__}"
+            raise CorruptCheckpointError(
+                f"{location}/_strings.json: expected the string of {leaf.key!r} at "
+                f"{'/' + leaf.name!r}, found {found}; the file is damaged, copy the "
+                "checkpoint again"
+            )
+        values[leaf.path] = node
     return values

@@ -178,28 +178,63 @@ def _entry(value: Any) -> SpecEntry:
     raise ValueError(f"partition spec entry {value!r} is not null, a name or a list of names")
 
 
+def _sizes(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(n) is int and n >= 1 for n in value):
+        raise ValueError(f"{what} {value!r} is not a list of positive ints")
+    return tuple(value)
+
+
 @functools.lru_cache(maxsize=1024)
 def parse_sharding(text: str) -> SavedSharding | None:
     """Parse one `_sharding` entry (a JSON string); None when it records nothing.
 
-    Cached: a checkpoint's arrays mostly share a handful of distinct entries.
+    Every field is checked here, so that a damaged entry fails when the checkpoint is
+    opened, never later in a repr or a conversion. Cached: a checkpoint's arrays
+    mostly share a handful of distinct entries.
     """
     if not text:
         return None
     data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, found {type(data).__name__}")
     kind = data.get("sharding_type")
     if kind == "NamedSharding":
-        mesh = data.get("device_mesh", {}).get("mesh")
+        shape = _sizes(data.get("shape"), "mesh shape")
+        names = data.get("axis_names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"axis names {names!r} are not a list of names")
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            raise ValueError(f"mesh shape {list(shape)} does not fit axis names {names}")
+        spec = data.get("partition_spec", [])
+        if not isinstance(spec, list):
+            raise ValueError(f"partition spec {spec!r} is not a list")
+        entries = tuple(_entry(e) for e in spec)
+        used = [n for e in entries for n in ((e,) if isinstance(e, str) else e or ())]
+        unknown = sorted(set(used) - set(names))
+        if unknown or len(set(used)) != len(used):
+            raise ValueError(
+                f"partition spec {spec_str(entries)} names axes {unknown or used} that the "
+                f"mesh {names} lacks or uses twice"
+            )
+        mesh = (data.get("device_mesh") or {}).get("mesh")
+        ids = tuple(d["id"] for d in _flatten(mesh)) if mesh else ()
+        if ids and (
+            len(ids) != math.prod(shape)
+            or len(set(ids)) != len(ids)
+            or not all(type(i) is int and i >= 0 for i in ids)
+        ):
+            raise ValueError(f"device mesh of {len(ids)} ids does not fit mesh shape {list(shape)}")
         return SavedSharding(
-            kind,
-            mesh_shape=tuple(int(n) for n in data["shape"]),
-            axis_names=tuple(str(a) for a in data["axis_names"]),
-            partition_spec=tuple(_entry(e) for e in data.get("partition_spec", [])),
-            device_ids=tuple(d["id"] for d in _flatten(mesh)) if mesh else (),
+            kind, mesh_shape=shape, axis_names=tuple(names), partition_spec=entries, device_ids=ids
         )
     if kind == "SingleDeviceSharding":
-        return SavedSharding(kind, device=str(data.get("device_str")))
-    return SavedSharding(str(kind), mesh_shape=tuple(int(n) for n in data.get("shape", ())))
+        device = data.get("device_str")
+        if device is not None and not isinstance(device, str):
+            raise ValueError(f"device {device!r} is not a string")
+        return SavedSharding(kind, device=device)
+    if not isinstance(kind, str):
+        raise ValueError(f"sharding_type {kind!r} is not a string")
+    return SavedSharding(kind, mesh_shape=_sizes(data.get("shape", []), "shape"))
 
 
 def _flatten(nested: Any) -> list[Any]:
@@ -219,6 +254,12 @@ def read_shardings(location: str, text: str | None, names: list[str]) -> dict[st
             f"{location}/_sharding is not valid JSON ({error}); delete the file to open "
             "the checkpoint without saved shardings"
         ) from error
+    if not isinstance(table, dict):
+        raise CorruptCheckpointError(
+            f"{location}/_sharding holds {type(table).__name__}, expected an object of "
+            "entries by array name; delete the file to open the checkpoint without saved "
+            "shardings"
+        )
     found = {}
     for name in names:
         # Keys are base64 of the name since 2023-10; the raw name before that.

@@ -6,9 +6,10 @@ Everything here returns tensorstore futures, so callers either `.result()` them 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -16,7 +17,8 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt import _fs as fs
-from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
+from lazyckpt._memory import check_fits
 from lazyckpt._selection import Selection
 from lazyckpt._zarr import Codec
 
@@ -78,6 +80,19 @@ def ready(value: T) -> ts.Future[T]:
     return future
 
 
+def changed_error(location: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"{location} was overwritten or changed since it was opened, so what was read "
+        "might mix the old checkpoint and the new one; open it again"
+    )
+
+
+def check_unchanged(stores: Iterable[Store]) -> None:
+    """After a read: that none of the checkpoints it read from changed meanwhile."""
+    for store in {id(store): store for store in stores}.values():
+        store.check_unchanged()
+
+
 @attrs.frozen(eq=False)
 class Store:
     """Where one PyTree item's arrays live, and the context used to read them."""
@@ -87,9 +102,21 @@ class Store:
     context: ts.Context = attrs.field(repr=False)
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)
     kvstore: ts.KvStore = attrs.field(repr=False)
+    generation: tuple[Any, ...] = attrs.field(default=(), repr=False)
+    """The checkpoint's `fs.generation` when it was opened."""
+
+    def changed(self) -> bool:
+        """Whether the checkpoint was replaced or rewritten since it was opened."""
+        return bool(self.generation) and fs.generation(self.location) != self.generation
+
+    def check_unchanged(self) -> None:
+        """Raise `CheckpointChangedError` if the checkpoint changed since it was opened:
+        what was read may mix the old checkpoint and the new one."""
+        if self.changed():
+            raise changed_error(self.location)
 
     @classmethod
-    def open(cls, location: str, *, ocdbt: bool) -> Store:
+    def open(cls, location: str, *, ocdbt: bool, generation: tuple[Any, ...] = ()) -> Store:
         context = ts.Context(
             {
                 "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
@@ -110,7 +137,7 @@ class Store:
             if not fs.is_remote(location):
                 raise
             raise fs.storage_error(location, error) from None
-        return cls(location, ocdbt, context, spec, kvstore)
+        return cls(location, ocdbt, context, spec, kvstore, generation)
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""
@@ -150,7 +177,13 @@ class StoredArray:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def open(self) -> ts.Future[ts.TensorStore]:
-        """Open the array once; later calls share the same future."""
+        """Open the array once; later calls share the same future.
+
+        Only for tensorstore's reads, which decode a stored chunk whole: a chunk that
+        cannot fit in memory is refused before tensorstore would try (and abort)."""
+        if self.inline is None:
+            chunk = math.prod(self.chunks) * self.dtype.itemsize
+            check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
         with self._lock:
             if not self._opened and self.inline is not None:
                 self._opened.append(ready(ts.array(self.inline)))
@@ -184,6 +217,7 @@ class StoredArray:
     def read(self, selection: Selection) -> ts.Future[np.ndarray]:
         """Read exactly the stored elements that `selection` picks, as its view."""
         shape = selection.shape
+        check_fits(f"reading {self.key!r} {shape}", math.prod(shape) * self.dtype.itemsize)
         if 0 in shape:
             return ready(np.empty(shape, self.dtype))
         index: list[int | slice] = []
@@ -205,9 +239,12 @@ class StoredArray:
         return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
 
     def read_error(self, error: Exception) -> Exception:
-        """The error to show for a failed read of this array's data."""
+        """The error to show for a failed read of this array's data: that the checkpoint
+        was replaced, where it was, else that its files are damaged."""
         if isinstance(error, LazyckptError):
             return error
+        if self.store.changed():
+            return changed_error(self.store.location)
         return CorruptCheckpointError(
             f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
             f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"

@@ -40,7 +40,7 @@ from lazyckpt._geometry import (
 from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
 from lazyckpt._scheduler import HELD, Scheduler, in_pool
-from lazyckpt._store import ready, then
+from lazyckpt._store import check_unchanged, ready, then
 
 _END = object()
 
@@ -109,6 +109,7 @@ def iter_blocks(
         limits.guard.check(reserved)
         if progress is not None:
             progress.advance(work)
+    check_unchanged(array.stored.store for array in arrays)
 
 
 def _jobs(

@@ -336,7 +336,7 @@ def _grouped(found: list[tuple[str, str]]) -> Iterator[tuple[str, int]]:
     groups: dict[tuple[tuple[str, ...], str], list[list[str]]] = {}
     for where, detail in found:
         parts = where.split("/")
-        pattern = tuple("*" if part.isdigit() else part for part in parts)
+        pattern = tuple("*" if part.isascii() and part.isdigit() else part for part in parts)
         groups.setdefault((pattern, detail), []).append(parts)
     for (pattern, detail), members in groups.items():
         varying = [

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._msgpack import MAX_DEPTH
 
 Path = tuple[str | int, ...]
 
@@ -81,9 +82,14 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
             f"{location}/_METADATA: entry {outer} is malformed ({error!r}); expected "
             "key_metadata and value_metadata.value_type"
         ) from None
+    if len(keys) > MAX_DEPTH:
+        raise CorruptCheckpointError(
+            f"{location}/_METADATA: an entry's key path is {len(keys)} keys long, deeper than "
+            f"the {MAX_DEPTH} levels any checkpoint tree has; the file is damaged or hostile"
+        )
     path: list[str | int] = []
     for key, key_type in keys:
-        if key_type == _SEQUENCE_KEY and key.isdigit():
+        if key_type == _SEQUENCE_KEY and key.isascii() and key.isdigit():
             path.append(int(key))
         elif key_type == _DICT_KEY:
             path.append(key)
@@ -108,11 +114,17 @@ def drop_stale_prefixes(leaves: list[Leaf]) -> list[Leaf]:
     """Drop entries whose path is a strict prefix of another's.
 
     A partial save can leave a stale empty-container entry above real entries;
-    Orbax drops those too (spec §3.2).
+    Orbax drops those too (spec §3.2). The paths go into a trie, so the work is linear
+    in their total length, however deep they are.
     """
-    paths = {leaf.path for leaf in leaves}
-    prefixes = {p[:i] for p in paths for i in range(len(p))}
-    return [leaf for leaf in leaves if leaf.path not in prefixes]
+    root: dict[Any, Any] = {}
+    ends = []
+    for leaf in leaves:
+        node = root
+        for key in leaf.path:
+            node = node.setdefault(key, {})
+        ends.append(node)
+    return [leaf for leaf, end in zip(leaves, ends, strict=True) if not end]
 
 
 def build(location: str, entries: list[tuple[Path, Any]]) -> Any:
@@ -137,19 +149,34 @@ def build(location: str, entries: list[tuple[Path, Any]]) -> Any:
     return _to_lists(location, root, ())
 
 
-def _to_lists(location: str, node: Any, path: Path) -> Any:
-    if not isinstance(node, dict) or not node:
-        return node
-    where = "/".join(map(str, path)) or "<root>"
-    kinds = {isinstance(k, int) for k in node}
-    if kinds == {True}:
-        indices = sorted(node)
-        if indices != list(range(len(indices))):
-            raise CorruptCheckpointError(
-                f"{location}: list {where!r} has indices {indices[:10]}; "
-                f"expected 0..{len(indices) - 1}"
-            )
-        return [_to_lists(location, node[i], (*path, i)) for i in indices]
-    if kinds == {False}:
-        return {k: _to_lists(location, v, (*path, k)) for k, v in node.items()}
-    raise CorruptCheckpointError(f"{location}: {where!r} mixes list indices and dict keys")
+def _to_lists(location: str, root: Any, path: Path) -> Any:
+    """Dicts keyed 0..n-1 (list indices) become lists, bottom up, without recursing:
+    the tree is as deep as the checkpoint says."""
+    result: list[Any] = [None]
+    # (node, its path, where the converted node goes)
+    todo: list[tuple[Any, Path, Any, Any]] = [(root, path, result, 0)]
+    while todo:
+        node, where_path, parent, slot = todo.pop()
+        if not isinstance(node, dict) or not node:
+            parent[slot] = node
+            continue
+        where = "/".join(map(str, where_path)) or "<root>"
+        kinds = {isinstance(k, int) for k in node}
+        if kinds == {True}:
+            indices = sorted(node)
+            if indices != list(range(len(indices))):
+                raise CorruptCheckpointError(
+                    f"{location}: list {where!r} has indices {indices[:10]}; "
+                    f"expected 0..{len(indices) - 1}"
+                )
+            converted: Any = [None] * len(indices)
+            for i in indices:
+                todo.append((node[i], (*where_path, i), converted, i))
+        elif kinds == {False}:
+            converted = dict.fromkeys(node)
+            for key, child in node.items():
+                todo.append((child, (*where_path, key), converted, key))
+        else:
+            raise CorruptCheckpointError(f"{location}: {where!r} mixes list indices and dict keys")
+        parent[slot] = converted
+    return result[0]

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"
 
@@ -86,11 +86,27 @@ def metadata_key(name: str, zarr3: bool) -> str:
     return f"{name}/{suffix}" if name else suffix
 
 
+MAX_RANK = 32  # tensorstore's
+_MAX_BYTES = 1 << 62  # what an index can count (tensorstore's limit on a dimension)
+
+
+class _Unreadable(Exception):
+    """A well-formed array of a type lazyckpt does not read."""
+
+
 def parse_zarr(where: str, key: str, raw: bytes) -> ZarrInfo:
-    """Parse the zarr metadata stored at `key` (zarr v3 if `key` ends in zarr.json)."""
+    """Parse the zarr metadata stored at `key` (zarr v3 if `key` ends in zarr.json).
+
+    Shapes and chunks are checked against what can exist (rank, sizes that fit an
+    index), and dtypes against what can be read, before anything is read."""
     zarr3 = key.endswith(ZARR3_KEY)
     try:
         return _parse(raw, zarr3)
+    except _Unreadable as error:
+        raise UnsupportedCheckpointError(
+            f"{where}: zarr metadata {key!r} declares {error}, which lazyckpt does not read "
+            "(numbers, bools, bfloat16, float8 and int4 it does); the array cannot be read"
+        ) from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as error:
         raise CorruptCheckpointError(
             f"{where}: zarr metadata {key!r} is malformed ({error}); expected zarr "
@@ -122,6 +138,12 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
     chunks = tuple(int(n) for n in chunks)
     if any(n < 0 for n in shape) or len(chunks) != len(shape) or any(n <= 0 for n in chunks):
         raise ValueError(f"shape {shape} with chunks {chunks}")
+    if not readable(dtype):
+        raise _Unreadable(f"dtype {dtype.str!r}")
+    if len(shape) > MAX_RANK or any(
+        math.prod(sizes) * dtype.itemsize >= _MAX_BYTES for sizes in (shape, chunks)
+    ):
+        raise ValueError(f"shape {shape} with chunks {chunks}, larger than any array can be")
     if (
         codec is not None
         and codec.shard is not None
@@ -129,6 +151,14 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
     ):
         raise ValueError(f"shard shape {codec.shard} is not a multiple of chunks {chunks}")
     return ZarrInfo("zarr3" if zarr3 else "zarr", shape, dtype, chunks, codec)
+
+
+def readable(dtype: np.dtype[Any]) -> bool:
+    """Numbers and bools, and ml_dtypes' types (bfloat16, float8, int4); not bytes,
+    strings, dates, objects or records."""
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.hasobject:
+        return False
+    return dtype.kind in "biufc" or (dtype.kind == "V" and dtype.type is not np.void)
 
 
 def _byteorder(dtype: np.dtype[Any]) -> str:
