@@ -62,7 +62,7 @@ class _Source:
 
     def __init__(self, kvstore: Any, key: str, start: int, stop: int | None, window: int) -> None:
         self.kvstore, self.key, self.window, self.stop = kvstore, key, window, stop
-        self.next_start = start
+        self.next_start = self._origin = start
         self.ahead = self._request()
         self.held = b""
 
@@ -92,6 +92,19 @@ class _Source:
             return result.state, b""
         self.ahead = self._request()
         return "value", result.value
+
+    def check_length(self, length: int) -> bool:
+        """Whether the bytes hold at least `length` from where they start."""
+        if self.stop is not None:
+            return self.stop - self._origin >= length
+        last = self._origin + length - 1
+        try:
+            result = self.kvstore.read(self.key, byte_range=slice(last, last + 1)).result()
+        except ValueError as error:
+            if "OUT_OF_RANGE" not in str(error):
+                raise
+            return False
+        return bool(result.state == "value")
 
     def first(self) -> str:
         """Read the first window; the key's state (`value` or `missing`)."""
@@ -174,6 +187,19 @@ class ChunkStream:
             read_size=self.read_bytes,
             read_across_frames=False,
         )
+
+    def check(self) -> None:
+        """Check, before anything is planned, that the stored bytes can hold the chunk
+        its header declares (the zstd frame's size, or the raw bytes' length); then
+        release what that read."""
+        try:
+            self._open()
+            source = self._source
+            if source is not None and not self.codec.zstd and not source.check_length(self.total):
+                raise self._fail(f"holds fewer than the {self.total} bytes it declares")
+        finally:
+            self.close()
+            self._opened = False
 
     def _locate(self) -> tuple[int, int | None] | None:
         """The byte range of the chunk's stored bytes in its key's value; None when it

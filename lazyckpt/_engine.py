@@ -22,6 +22,7 @@ within a budget across the whole tree. Two ways:
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -190,38 +191,45 @@ def decode_into(
 def decode_slabs(
     array: Any, index: tuple[int, ...], users: Sequence[Consumer], read_bytes: int, window: int
 ) -> Iterator[list[Target]]:
-    """`decode_into`, one slab at a time: after each slab, the targets it completed."""
+    """`decode_into`, one slab at a time: after each slab, the targets it completed.
+
+    Slabs are planned as the stream goes, and each is matched only against the users
+    whose extent along the split dimension it meets, so the work is linear in the
+    slabs decoded and the users, whatever a (damaged) header declares."""
     stored = array.stored
     codec = stored.codec
     itemsize = stored.dtype.itemsize
     box = chunk_box(index, stored.chunks)
-    cuts: set[int] = set()
-    if stored.shape:  # slabs are also cut where targets and the array end
-        split = split_dim(box, codec.order, itemsize, window)
-        cuts.add(stored.shape[split])
-        for _, selection in users:
-            cuts.update(bounds(selection)[split])
-    plan = []
-    for slab in slabs(box, codec.order, itemsize, window, sorted(cuts)):
-        inside = intersect(slab, _clip(slab, stored.shape)) if slab else ()
-        parts = (
-            []
-            if inside is None
-            else [(t, found) for t, s in users if (found := piece(s, inside)) is not None]
-        )
-        plan.append((slab, inside, parts))
-    needed = [i for i, (_, _, parts) in enumerate(plan) if parts]
-    if not needed:
-        return
+    order = codec.order
+    extents = [bounds(selection) for _, selection in users]
+    split = split_dim(box, order, itemsize, window) if stored.shape else 0
+    cuts: set[int] = {stored.shape[split]} if stored.shape else set()
+    for extent in extents:  # slabs are also cut where targets and the array end
+        cuts.update(extent[split] if extent else ())
+    # The last element any user needs, in stream order: decoding stops after it.
+    last = max(tuple(extent[d][1] - 1 for d in order) for extent in extents)
+    find = _Finder([extent[split] if extent else (0, 1) for extent in extents])
     direct_ok = (
-        codec.order == tuple(range(len(stored.shape)))
+        order == tuple(range(len(stored.shape)))
         and codec.byteorder in ("|", "<" if np.little_endian else ">")
         and array.dtype == stored.dtype
     )
     left = {id(t): math.prod(s.shape) for t, s in users}
     stream = ChunkStream(stored, index, read_bytes)
+    whole = True  # whether every slab of the chunk was decoded
     try:
-        for slab, inside, parts in plan[: needed[-1] + 1]:
+        for slab in slabs(box, order, itemsize, window, sorted(cuts)):
+            if tuple(slab[d][0] for d in order) > last:
+                whole = False
+                break
+            inside = intersect(slab, _clip(slab, stored.shape)) if slab else ()
+            parts = []
+            if inside is not None:
+                span = slab[split] if slab else (0, 1)
+                for i in find(span):
+                    found = piece(users[i][1], inside)
+                    if found is not None:
+                        parts.append((users[i][0], found))
             into = _direct(slab, inside, parts) if direct_ok else None
             values = stream.next(slab, into)
             completed = []
@@ -235,10 +243,33 @@ def decode_slabs(
                 if not left[id(target)]:
                     completed.append(target)
             yield completed
-        if needed[-1] == len(plan) - 1:
+        if whole:
             stream.finish()
     finally:
         stream.close()
+
+
+class _Finder:
+    """The users whose extents along one dimension meet a span: by bisection where the
+    extents are disjoint (the bands of a chunk), else by looking at each."""
+
+    def __init__(self, extents: list[tuple[int, int]]) -> None:
+        self.order = sorted(range(len(extents)), key=lambda i: extents[i])
+        self.lows = [extents[i][0] for i in self.order]
+        self.highs = [extents[i][1] for i in self.order]
+        self.disjoint = all(h <= lo for h, lo in zip(self.highs, self.lows[1:], strict=False))
+
+    def __call__(self, span: tuple[int, int]) -> list[int]:
+        low, high = span
+        if not self.disjoint:
+            return [
+                i
+                for i, a, b in zip(self.order, self.lows, self.highs, strict=True)
+                if a < high and b > low
+            ]
+        first = bisect.bisect_right(self.highs, low)
+        stop = bisect.bisect_left(self.lows, high)
+        return self.order[first:stop]
 
 
 def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | None:

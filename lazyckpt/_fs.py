@@ -376,9 +376,11 @@ def generation(folder: str) -> tuple[Any, ...]:
         out = []
         for name in _GENERATION_FILES[:2]:
             try:
-                result = _bucket(folder).read(
-                    f"{key}/{name}" if key else name, byte_range=slice(0, 0)
-                ).result()
+                result = (
+                    _bucket(folder)
+                    .read(f"{key}/{name}" if key else name, byte_range=slice(0, 0))
+                    .result()
+                )
             except Exception as error:  # noqa: BLE001 - turned into a clear error
                 raise storage_error(folder, error) from None
             out.append((result.state, result.stamp.generation))

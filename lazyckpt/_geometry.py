@@ -8,7 +8,7 @@ the piece of a slab that a view needs, as index tuples on both sides.
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,10 +37,42 @@ def as_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(low, high) for low, high in box)
 
 
+def product(axes: Sequence[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """`itertools.product` in C order for sequences too long to list (ranges over a
+    huge grid: `itertools.product` would copy each into a tuple first)."""
+    if any(len(axis) == 0 for axis in axes):
+        return
+    position = [0] * len(axes)
+    while True:
+        yield tuple(axis[i] for axis, i in zip(axes, position, strict=True))
+        for dim in reversed(range(len(axes))):
+            position[dim] += 1
+            if position[dim] < len(axes[dim]):
+                break
+            position[dim] = 0
+        else:
+            return
+
+
+class _Edges(Sequence[tuple[int, int]]):
+    """Blocks of `k` chunks of size `c` along one dimension, clipped to `[low, high)`."""
+
+    def __init__(self, low: int, high: int, c: int, k: int) -> None:
+        self.low, self.high, self.c, self.k = low, high, c, k
+        self.groups = range(low // c, (high - 1) // c + 1, k)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: Any) -> Any:
+        g = self.groups[i]
+        return max(self.low, g * self.c), min(self.high, (g + self.k) * self.c)
+
+
 def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
     """`box` cut along the chunk grid into blocks of at most `budget` bytes (or one
     chunk, if a chunk is larger), growing blocks along trailing dimensions first so
-    that they stay contiguous."""
+    that they stay contiguous. Lazily: a huge grid is never listed."""
     if any(low >= high for low, high in box):
         return
     spans = [((low // c), (high - 1) // c) for (low, high), c in zip(box, chunks, strict=True)]
@@ -53,10 +85,10 @@ def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) ->
         per_block[dim] = min(last - first + 1, fit)
         if per_block[dim] <= last - first:
             break
-    edges = []
-    for (low, high), c, (first, last), k in zip(box, chunks, spans, per_block, strict=True):
-        edges.append([(max(low, g * c), min(high, (g + k) * c)) for g in range(first, last + 1, k)])
-    yield from itertools.product(*edges)
+    edges = [
+        _Edges(low, high, c, k) for (low, high), c, k in zip(box, chunks, per_block, strict=True)
+    ]
+    yield from product(edges)
 
 
 def chunks_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
@@ -67,7 +99,7 @@ def chunks_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
     ranges = [
         range(low // c, (high - 1) // c + 1) for (low, high), c in zip(box, chunks, strict=True)
     ]
-    yield from itertools.product(*ranges)
+    yield from product(ranges)
 
 
 def chunk_box(index: Sequence[int], chunks: Sequence[int]) -> Box:
@@ -105,15 +137,24 @@ def slabs(
     row = math.prod(high - low for low, high in stream[split + 1 :]) * itemsize
     step = max(unit, max_bytes // max(row, 1) // unit * unit)
     low, high = stream[split]
-    edges = sorted({low, high, *range(low, high, step), *(c for c in cuts if low < c < high)})
-    runs = list(itertools.pairwise(edges))
-    for head in itertools.product(*(range(a, b) for a, b in stream[:split])):
-        for run in runs:
+    inner = sorted(c for c in cuts if low < c < high)
+    for head in product([range(a, b) for a, b in stream[:split]]):
+        for run in _runs(low, high, step, inner):
             slab = [(i, i + 1) for i in head] + [run] + list(stream[split + 1 :])
             out: list[tuple[int, int]] = [(0, 0)] * len(box)
             for position, dim in enumerate(order):
                 out[dim] = slab[position]
             yield tuple(out)
+
+
+def _runs(low: int, high: int, step: int, cuts: list[int]) -> Iterator[tuple[int, int]]:
+    """`[low, high)` cut every `step` and at `cuts` (sorted, inside), lazily."""
+    start = low
+    for point in heapq.merge(range(low + step, high, step), cuts):
+        if point > start:
+            yield start, point
+            start = point
+    yield start, high
 
 
 def split_dim(box: Box, order: Sequence[int], itemsize: int, max_bytes: int) -> int:

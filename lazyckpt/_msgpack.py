@@ -35,6 +35,8 @@ _LIST, _MAP, _TUPLE = 0, 1, 2
 # flax writes `dtype.name`. Names are looked up, never given to np.dtype(), which parses
 # any string (field lists, sub-arrays) and raises SyntaxError or warns on some.
 _NUMPY_DTYPES = {d.name: d for d in map(np.dtype, set(np.sctypeDict.values()))}
+# numpy dtype names that flax can write and lazyckpt does not read (dates, text, bytes).
+_UNREADABLE = ("datetime64", "timedelta64", "str", "bytes", "object", "void")
 _CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
 _INT8 = struct.Struct(">b")
 # Type bytes 0xca-0xd3: a fixed-size number follows.
@@ -257,10 +259,10 @@ class _Decoder:
             raise self.fail(start, "has a bad ndarray", detail)
         dtype_name = str(name, "utf-8", "replace")
         dtype = _dtype(dtype_name)
-        if dtype is None:
+        if dtype is None and not dtype_name.startswith(_UNREADABLE):
             detail = f"expected a dtype name such as 'float32', found {_show(dtype_name)}"
             raise self.fail(start, "has an ndarray of unknown dtype", detail, _UNKNOWN)
-        if not readable(dtype):
+        if dtype is None or not readable(dtype):
             raise UnsupportedCheckpointError(
                 f"{self.where}: msgpack data has an ndarray of dtype {dtype_name!r} at byte "
                 f"{self.base + start}, which lazyckpt does not read (numbers, bools, "

@@ -13,6 +13,8 @@ and one block, within the budget.
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._decode import decodes, stream_bytes
+from lazyckpt._decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine import decode_into, decode_slabs, read_box, windows
 from lazyckpt._geometry import (
     Box,
@@ -174,7 +176,7 @@ def _jobs(
                 job = _decoded_block(array, region, read_bytes, window)
                 yield _Job(position, held, iter([job]))
             continue
-        bands = list(slabs(overlap, order, itemsize, block, unit=stored_cells[split]))
+        bands = functools.partial(slabs, overlap, order, itemsize, block, unit=stored_cells[split])
         steps = _chunk_bands(array, chunk, bands, mapping, origins, read_bytes, window)
         yield _Job(position, held, steps)
 
@@ -250,27 +252,30 @@ def _decoded_block(
 def _chunk_bands(
     array: Any,
     index: tuple[int, ...],
-    bands: list[Box],
+    bands: Callable[[], Iterable[Box]],
     mapping: Sequence[tuple[int, int] | None],
     origins: Sequence[int],
     read_bytes: int,
     window: int,
 ) -> Iterator[Callable[[], ts.Future[Any]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
-    band (a slab of the chunk along its leading stored dimension), handing it over."""
-    regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands]
-    targets = [Target(region, array.dtype) for region in regions]
-    users = [(t, array.selection[as_slices(t.region)]) for t in targets]
+    band (a slab of the chunk along its leading stored dimension), handing it over;
+    the last step's result is `_END`. The chunk's stored bytes are checked against
+    its declared size before its bands are planned: a damaged header may declare
+    petabytes."""
 
-    def produce() -> Iterator[tuple[tuple[slice, ...], np.ndarray, int]]:
+    def produce() -> Iterator[Any]:
+        ChunkStream(array.stored, index, read_bytes).check()
+        regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
+        targets = [Target(region, array.dtype) for region in regions]
+        users = [(t, array.selection[as_slices(t.region)]) for t in targets]
         for completed in decode_slabs(array, index, users, read_bytes, window):
             for target in completed:
                 yield as_slices(target.region), target.buffer(), target.out_nbytes()
                 target.out = None  # handed over: the job keeps no reference
 
     bands_out = produce()
-    for _ in targets:
-        yield lambda: in_pool(lambda: next(bands_out))
+    return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
 
 
 def _ts_step(array: Any, index: tuple[slice, ...], nbytes: int) -> Callable[[], ts.Future[Any]]:

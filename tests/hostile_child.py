@@ -1,0 +1,76 @@
+"""Run hostile cases in this process, under a memory limit: what each did, as JSON lines.
+
+    python -m tests.hostile_child CASES.json
+
+CASES.json is a list of `{"name", "path", "do", "kwargs"}`. For each case this prints
+`{"name": ..., "started": true}` before it runs and `{"name": ..., "outcome": ...}`
+after, where the outcome is `ok`, `lazyckpt:<ErrorClass>: <message>` or
+`other:<ErrorClass>: <message>`; a case that crashes the interpreter or hangs leaves
+only its `started` line, and the parent sees the exit status or the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import sys
+from typing import Any
+
+
+def _do(lazyckpt: Any, case: dict[str, Any]) -> None:
+    path, do, kwargs = case["path"], case["do"], case.get("kwargs", {})
+    if do == "open":
+        lazyckpt.open(path, **kwargs)
+    elif do == "summary":
+        str(lazyckpt.summary(lazyckpt.open(path, **kwargs)))
+    elif do == "load":
+        lazyckpt.load(lazyckpt.open(path, **kwargs), memory_budget=64 << 20)
+    elif do == "get":
+        next(leaf for _, leaf in lazyckpt.leaves(lazyckpt.open(path))).get()
+    elif do == "get_slice":
+        next(leaf for _, leaf in lazyckpt.leaves(lazyckpt.open(path)))[:4].get()
+    elif do == "stats":
+        lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 20)
+    elif do in ("show", "inspect"):
+        from lazyckpt._cli import main
+
+        args = [do, path, *case.get("args", [])]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = main([*args, "--traceback"]) if case.get("traceback") else main(args)
+        if code:
+            raise lazyckpt.LazyckptError(f"the command exited with {code}")
+    else:
+        raise ValueError(f"unknown case action {do!r}")
+
+
+def main(cases_file: str) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+
+    import lazyckpt
+
+    jax.devices()
+    limit = int(os.environ.get("HOSTILE_MEMORY", str(4 << 30)))
+    # Beyond what the interpreter and jax already mapped: the cases get `limit` more.
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + limit, mapped + limit))
+    with open(cases_file) as f:
+        cases = json.load(f)
+    for case in cases:
+        print(json.dumps({"name": case["name"], "started": True}), flush=True)
+        try:
+            _do(lazyckpt, case)
+            outcome = "ok"
+        except lazyckpt.LazyckptError as error:
+            outcome = f"lazyckpt:{type(error).__name__}: {error}"
+        except BaseException as error:  # noqa: BLE001 - what the parent checks for
+            outcome = f"other:{type(error).__name__}: {str(error)[:300]}"
+        print(json.dumps({"name": case["name"], "outcome": outcome}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

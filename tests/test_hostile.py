@@ -1,0 +1,362 @@
+"""Hostile and damaged checkpoints: every case ends in a result or a `LazyckptError`,
+never a crash, a hang, a raw exception or unbounded memory.
+
+The cases run in one child process (`tests/hostile_child.py`) with a memory limit and
+a timeout, so that an abort, a memory bomb or a blocking read fails the test instead of
+taking the test run down with it. Inputs are real checkpoints written by
+orbax-checkpoint and then damaged the way a bad copy, a bad disk or a hostile sender
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import orbax_save
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_cases(cases: list[dict[str, Any]], tmp_path: Path, timeout: int = 240) -> dict[str, str]:
+    """Outcome by case name; fails the test if the child crashed or timed out."""
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps(cases))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.hostile_child", str(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as expired:
+        lines = (
+            (expired.stdout or b"").decode().splitlines()
+            if isinstance(expired.stdout, bytes)
+            else (expired.stdout or "").splitlines()
+        )
+        last = json.loads(lines[-1])["name"] if lines else "(none)"
+        pytest.fail(f"the cases hung; the last one started was {last!r}")
+    outcomes: dict[str, str] = {}
+    last = None
+    for line in result.stdout.splitlines():
+        record = json.loads(line)
+        if "outcome" in record:
+            outcomes[record["name"]] = record["outcome"]
+        last = record["name"]
+    if result.returncode != 0:
+        pytest.fail(
+            f"the child exited with {result.returncode} during case {last!r}: "
+            f"{result.stderr[-2000:]}"
+        )
+    return outcomes
+
+
+def _folder_checkpoint(path: Path, tree: Any, **options: Any) -> Path:
+    return orbax_save(path, tree, use_ocdbt=False, **options)
+
+
+def _edit_json(path: Path, edit: Any) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _metadata_only(path: Path, entries: dict[str, Any]) -> Path:
+    """A PyTree folder of nothing but a `_METADATA` holding `entries`."""
+    path.mkdir(parents=True)
+    (path / "_METADATA").write_text(json.dumps({"tree_metadata": entries, "use_ocdbt": False}))
+    return path
+
+
+def _entry(keys: list[tuple[str, int]], value_type: str = "None") -> dict[str, Any]:
+    return {
+        "key_metadata": [{"key": k, "key_type": t} for k, t in keys],
+        "value_metadata": {"value_type": value_type, "skip_deserialize": True},
+    }
+
+
+def _msgpack_chain(depth: int, leaf: bytes = b"\x01") -> bytes:
+    """msgpack for {"k": {"k": ... leaf}} nested `depth` maps deep."""
+    return b"\x81\xa1k" * depth + leaf
+
+
+def _expect(outcomes: dict[str, str], expected: dict[str, str]) -> None:
+    """Each case's outcome starts with what is expected: `ok`, or `lazyckpt:<Error>`."""
+    wrong = {
+        name: outcomes.get(name, "(no outcome)")
+        for name, want in expected.items()
+        if not outcomes.get(name, "").startswith(want)
+    }
+    assert not wrong, json.dumps(wrong, indent=1)
+
+
+def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
+    """A zarr header edited to declare [10**15] elements (in one chunk, or in 64-element
+    chunks) or 10**6 x 10**6: refused before anything is allocated."""
+    cases = []
+    expected = {}
+    for name, shape, chunks in (
+        ("one_chunk", [10**15], [10**15]),
+        ("small_chunks", [10**15], [64]),
+        ("square", [10**6, 10**6], [10**6, 10**6]),
+    ):
+        value = np.arange(8, dtype=np.float32) if len(shape) == 1 else np.ones((2, 2), np.float32)
+        item = _folder_checkpoint(tmp_path / name, {"w": value})
+
+        def edit(
+            meta: dict[str, Any], shape: list[int] = shape, chunks: list[int] = chunks
+        ) -> None:
+            meta.update(shape=shape, chunks=chunks)
+
+        _edit_json(item / "w" / ".zarray", edit)
+        for do in ("open", "summary", "get", "get_slice", "load", "stats", "show"):
+            case = {"name": f"{name}:{do}", "path": str(item), "do": do}
+            if do == "show":
+                case["args"] = ["w[0:4]"]
+            cases.append(case)
+        expected.update(
+            {
+                f"{name}:open": "ok",
+                f"{name}:summary": "ok",
+                f"{name}:get": "lazyckpt:TooLargeError",
+                f"{name}:load": "lazyckpt:TooLargeError",
+                f"{name}:get_slice": "lazyckpt:",
+                f"{name}:stats": "lazyckpt:",
+                f"{name}:show": "lazyckpt:",
+            }
+        )
+    outcomes = run_cases(cases, tmp_path)
+    _expect(outcomes, expected)
+    assert "needs 3.6 PiB, more than this machine's memory" in outcomes["one_chunk:get"]
+    assert (
+        "read a slice of it, or stream it with lazyckpt.iter_blocks" in outcomes["one_chunk:load"]
+    )
+
+
+def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:
+    """`_METADATA` key paths and legacy msgpack maps hundreds to thousands of levels
+    deep: up to 512 open like any tree (Orbax restores depth 511); deeper ones are a
+    clear error, in time and memory linear in the file's size."""
+    cases = []
+    for depth in (511, 1000, 40_000):
+        keys = [(f"k{i}", 2) for i in range(depth)]
+        item = _metadata_only(tmp_path / f"metadata_{depth}", {"x": _entry(keys)})
+        cases.append({"name": f"metadata:{depth}", "path": str(item), "do": "summary"})
+    for depth in (300, 511, 600):
+        item = tmp_path / f"msgpack_{depth}"
+        item.mkdir()
+        (item / "checkpoint").write_bytes(_msgpack_chain(depth))
+        cases.append({"name": f"msgpack:{depth}", "path": str(item), "do": "load"})
+    # 300 KB of 500-deep maps, side by side.
+    wide = tmp_path / "msgpack_wide"
+    wide.mkdir()
+    count = 150
+    body = b"".join(b"\xa4" + f"{i:04d}".encode() + _msgpack_chain(500) for i in range(count))
+    (wide / "checkpoint").write_bytes(b"\xde" + struct.pack(">H", count) + body)
+    cases.append({"name": "msgpack:wide", "path": str(wide), "do": "summary"})
+    outcomes = run_cases(cases, tmp_path)
+    _expect(
+        outcomes,
+        {
+            "metadata:511": "ok",
+            "metadata:1000": "lazyckpt:CorruptCheckpointError",
+            "metadata:40000": "lazyckpt:CorruptCheckpointError",
+            "msgpack:300": "ok",
+            "msgpack:511": "ok",
+            "msgpack:600": "lazyckpt:CorruptCheckpointError",
+            "msgpack:wide": "ok",
+        },
+    )
+    assert "deeper than the 512 levels" in outcomes["metadata:40000"]
+
+
+@pytest.fixture
+def sharded(tmp_path: Path, mesh: Any) -> Path:
+    """A small OCDBT checkpoint with a sharded array, a string and typed PRNG keys."""
+    tree = {
+        "w": jax.device_put(
+            np.arange(64, dtype=np.float32).reshape(8, 8),
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y")),
+        ),
+        "name": "run",
+        "key": jax.random.key(1),
+    }
+    return orbax_save(tmp_path / "good", tree)
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target, symlinks=True)
+    return target
+
+
+def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path) -> None:
+    cases = []
+    expected = {}
+
+    def case(name: str, damage: Any, want: str, do: str = "load") -> None:
+        item = _copy(sharded, tmp_path / name)
+        damage(item)
+        cases.append({"name": name, "path": str(item), "do": do})
+        expected[name] = want
+
+    corrupt = "lazyckpt:CorruptCheckpointError"
+    for file in ("_METADATA", "_sharding", "_strings.json"):
+        case(f"latin1 {file}", lambda p, f=file: (p / f).write_bytes(b'{"\xff": 1}'), corrupt)
+    for top in ("[]", "null", "3"):
+        case(f"_sharding {top}", lambda p, t=top: (p / "_sharding").write_text(t), corrupt)
+    case("_strings truncated", lambda p: (p / "_strings.json").write_text('{"na'), corrupt)
+    case("_strings deep", lambda p: (p / "_strings.json").write_text("[" * 100_000), corrupt)
+
+    def sharding_entry(edit: Any) -> Any:
+        def damage(item: Path) -> None:
+            table = json.loads((item / "_sharding").read_text())
+            for key, text in table.items():
+                entry = json.loads(text)
+                if entry.get("sharding_type") == "NamedSharding":
+                    edit(entry)
+                    table[key] = json.dumps(entry)
+            (item / "_sharding").write_text(json.dumps(table))
+
+        return damage
+
+    case("mesh of other rank", sharding_entry(lambda e: e.update(shape=[4, 2, 1])), corrupt)
+    case("unknown axis", sharding_entry(lambda e: e.update(partition_spec=["x", "zz"])), corrupt)
+    case("empty mesh axis", sharding_entry(lambda e: e.update(shape=[0, 2])), corrupt)
+
+    def key_impl(item: Path) -> None:
+        for file in (item / "array_metadatas").iterdir():
+            text = file.read_text().replace("threefry2x32", "no_such_impl")
+            file.write_text(text)
+
+    case("unknown PRNG impl", key_impl, "lazyckpt:UnsupportedCheckpointError", do="open")
+    outcomes = run_cases(cases, tmp_path)
+    _expect(outcomes, expected)
+    assert "_strings.json is not valid JSON" in outcomes["_strings truncated"]
+    assert "not UTF-8 text" in outcomes["latin1 _METADATA"]
+
+
+def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
+    cases = []
+    superscript = _metadata_only(tmp_path / "superscript", {"x": _entry([("l", 2), ("²", 1)])})
+    cases.append({"name": "superscript index", "path": str(superscript), "do": "open"})
+    for dtype in ("|S4", "|V8"):
+        item = _folder_checkpoint(tmp_path / dtype.strip("|"), {"w": np.zeros(4, np.float32)})
+        _edit_json(item / "w" / ".zarray", lambda m, d=dtype: m.update(dtype=d))
+        cases.append({"name": f"zarr {dtype}", "path": str(item), "do": "open"})
+    dates = tmp_path / "dates"
+    dates.mkdir()
+    payload = b"\x93\x91\x02\xaedatetime64[ns]\xc4\x10" + bytes(16)
+    (dates / "checkpoint").write_bytes(b"\x81\xa1d\xc7" + bytes([len(payload), 1]) + payload)
+    cases.append({"name": "msgpack datetime64", "path": str(dates), "do": "open"})
+    outcomes = run_cases(cases, tmp_path)
+    _expect(
+        outcomes,
+        {
+            "superscript index": "lazyckpt:CorruptCheckpointError",
+            "zarr |S4": "lazyckpt:UnsupportedCheckpointError",
+            "zarr |V8": "lazyckpt:UnsupportedCheckpointError",
+            "msgpack datetime64": "lazyckpt:UnsupportedCheckpointError",
+        },
+    )
+    assert "declares dtype '|S4', which lazyckpt does not read" in outcomes["zarr |S4"]
+
+
+def test_devices_fifos_and_links_out_of_the_folder(sharded: Path, tmp_path: Path) -> None:
+    cases = []
+    expected = {}
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.json").write_text('{"name": "not yours"}')
+    for file in ("_METADATA", "_sharding"):
+        for target in ("/dev/zero", "/dev/urandom"):
+            item = _copy(sharded, tmp_path / f"{file}-{target.rsplit('/', 1)[1]}")
+            (item / file).unlink()
+            (item / file).symlink_to(target)
+            name = f"{file} -> {target}"
+            cases.append({"name": name, "path": str(item), "do": "open"})
+            cases.append(
+                {
+                    "name": name + " allowed",
+                    "path": str(item),
+                    "do": "open",
+                    "kwargs": {"allow_outside_links": True},
+                }
+            )
+            expected[name] = "lazyckpt:NotACheckpointError"
+            expected[name + " allowed"] = "lazyckpt:CorruptCheckpointError"
+        fifo = _copy(sharded, tmp_path / f"{file}-fifo")
+        (fifo / file).unlink()
+        os.mkfifo(fifo / file)
+        cases.append({"name": f"{file} fifo", "path": str(fifo), "do": "open"})
+        expected[f"{file} fifo"] = "lazyckpt:CorruptCheckpointError"
+    legacy = tmp_path / "msgpack-zero"
+    legacy.mkdir()
+    (legacy / "checkpoint").symlink_to("/dev/zero")
+    cases.append(
+        {
+            "name": "checkpoint -> /dev/zero",
+            "path": str(legacy),
+            "do": "open",
+            "kwargs": {"allow_outside_links": True},
+        }
+    )
+    expected["checkpoint -> /dev/zero"] = "lazyckpt:CorruptCheckpointError"
+    strings = _copy(sharded, tmp_path / "strings-out")
+    (strings / "_strings.json").unlink()
+    (strings / "_strings.json").symlink_to(outside / "secret.json")
+    cases.append({"name": "_strings.json out", "path": str(strings), "do": "open"})
+    cases.append(
+        {
+            "name": "_strings.json out, allowed",
+            "path": str(strings),
+            "do": "open",
+            "kwargs": {"allow_outside_links": True},
+        }
+    )
+    expected["_strings.json out"] = "lazyckpt:NotACheckpointError"
+    expected["_strings.json out, allowed"] = "ok"
+    folders = _folder_checkpoint(tmp_path / "folders", {"w": np.arange(4.0), "v": np.ones(2)})
+    os.rename(folders / "w", outside / "w")
+    (folders / "w").symlink_to(outside / "w")
+    cases.append({"name": "array folder out", "path": str(folders), "do": "load"})
+    expected["array folder out"] = "lazyckpt:NotACheckpointError"
+    inside = _folder_checkpoint(tmp_path / "inside", {"w": np.arange(4.0)})
+    os.rename(inside / "w", inside / "w-real")
+    (inside / "w").symlink_to(inside / "w-real")
+    cases.append({"name": "link inside the folder", "path": str(inside), "do": "load"})
+    expected["link inside the folder"] = "ok"
+    outcomes = run_cases(cases, tmp_path, timeout=180)
+    _expect(outcomes, expected)
+    assert (
+        "is not a regular file (a character device)" in outcomes["_METADATA -> /dev/zero allowed"]
+    )
+    assert "is not a regular file (a FIFO)" in outcomes["_METADATA fifo"]
+    assert "allow_outside_links=True" in outcomes["array folder out"]
+
+
+def test_item_names_stay_inside_the_step(tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    import lazyckpt
+    from tests.conftest import orbax_manager_save
+
+    root = orbax_manager_save(
+        tmp_path / "run", {1: {"state": ocp.args.StandardSave({"w": np.zeros(2)})}}
+    )
+    for item in ("/etc", "../..", "..", "a/b", ""):
+        with pytest.raises(lazyckpt.NotACheckpointError, match=r"is not an item name") as caught:
+            lazyckpt.open(root, item=item)
+        assert "passwd" not in str(caught.value)
