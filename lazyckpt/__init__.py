@@ -12,6 +12,7 @@ LazyArray('params/w', shape=(8, 8), dtype=float32, chunks=(2, 4), sharding=Named
 array([ 8.,  9., 10., 11.], dtype=float32)
 """
 
+from lazyckpt._commit import LeftoverWarning
 from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
 from lazyckpt._diff import Diff, diff
@@ -20,6 +21,7 @@ from lazyckpt._errors import (
     CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     LazyckptError,
     LazyIndexError,
@@ -49,6 +51,7 @@ __all__ = [
     "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "Diff",
     "InferredStructureWarning",
@@ -56,6 +59,7 @@ __all__ = [
     "LazyIndexError",
     "LazyTypeError",
     "LazyckptError",
+    "LeftoverWarning",
     "NoMatchError",
     "NotACheckpointError",
     "SavedSharding",

@@ -18,10 +18,16 @@ import re
 import secrets
 import shutil
 import socket
+import warnings
 from collections.abc import Iterator
 
 from lazyckpt import _fs as fs
-from lazyckpt._errors import CheckpointExistsError, LazyckptError
+from lazyckpt._errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    LazyckptError,
+    StorageAccessError,
+)
 from lazyckpt._layout import is_pytree_dir, is_unfinished
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -58,11 +64,19 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
             "parent is, or can be, a folder"
         ) from None
     tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
+    try:
+        os.mkdir(tmp)
+    except OSError as error:
+        raise write_error(final, error) from None
     try:
         yield tmp
         _sync_tree(tmp)
         _publish(tmp, final, overwrite)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, LazyckptError):
+            raise
+        raise write_error(final, error) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -89,6 +103,8 @@ def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
                 f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
                 "only checkpoints, delete it yourself if it should go"
             )
+        # Before deleting anything: can we write here at all?
+        fs.probe_write(final)
         fs.delete_folder(final)  # commit_success.txt goes first: never half old, half new
     try:
         yield
@@ -122,6 +138,56 @@ def _check_destination(final: str, overwrite: bool) -> None:
             "_CHECKPOINT_METADATA or OCDBT database); lazyckpt replaces only "
             "checkpoints, delete it yourself if it should go"
         )
+    _check_removable(final)
+
+
+def write_error(final: str, error: OSError) -> LazyckptError:
+    """The error for a file system failure while saving to `final`."""
+    where = error.filename or final
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageAccessError(
+            f"{final}: cannot write {where} ({error.strerror}); nothing was saved. Save to "
+            "a folder you can write, or fix its permissions"
+        )
+    return CheckpointWriteError(
+        error.errno or 0,
+        f"{final}: writing {where} failed ({error.strerror}); nothing was saved"
+        + ("; free some space and save again" if error.errno == errno.ENOSPC else ""),
+    )
+
+
+def write_failure(final: str, what: str, error: Exception) -> LazyckptError:
+    """The error for a failed write of `what` by tensorstore while saving to `final`."""
+    if isinstance(error, LazyckptError):
+        return error
+    if fs.is_remote(final):
+        return fs.storage_error(final, error)
+    text = str(error)
+    if "No space left" in text or "RESOURCE_EXHAUSTED" in text or "File too large" in text:
+        return CheckpointWriteError(
+            errno.ENOSPC if "No space" in text else errno.EFBIG,
+            f"{final}: writing {what} failed, the file system refused the data "
+            f"({text[:160]}); nothing was saved; free some space and save again",
+        )
+    if any(s in text for s in ("Permission denied", "PERMISSION_DENIED", "Read-only file system")):
+        return StorageAccessError(
+            f"{final}: writing {what} was refused ({text[:160]}); nothing was saved. Save to "
+            "a folder you can write, or fix its permissions"
+        )
+    return LazyckptError(f"{final}: writing {what} failed ({text[:300]}); nothing was saved")
+
+
+def _check_removable(final: str) -> None:
+    """Before replacing `final`: that its old files can be deleted once the new
+    checkpoint is in place, so that a save never ends half done."""
+    for folder, subfolders, _ in os.walk(final):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StorageAccessError(
+                f"{final}: its folder {folder} is read-only, so the old checkpoint could "
+                "not be removed after the new one is in place; nothing was saved. Make it "
+                "writable, or save to a new path"
+            )
+        subfolders[:] = [s for s in subfolders if not os.path.islink(os.path.join(folder, s))]
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -140,7 +206,7 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
             os.rename(tmp, final)
         return
     if _renameat2(tmp, final, _RENAME_EXCHANGE):
-        shutil.rmtree(tmp)  # now holds the old checkpoint
+        _discard(tmp, final)  # now holds the old checkpoint
         return
     # No atomic exchange here (NFS, for one): move the old one aside first. A crash
     # between the two renames leaves no checkpoint at `final`; the old one stays in
@@ -148,7 +214,27 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
     aside = f"{_tmp_prefix(final)}{os.getpid()}-replaced-{secrets.token_hex(4)}"
     os.rename(final, aside)
     os.rename(tmp, final)
-    shutil.rmtree(aside)
+    _discard(aside, final)
+
+
+def _discard(old: str, final: str) -> None:
+    """Delete the replaced checkpoint; if that fails, the save still succeeded: say so,
+    and where the old one is."""
+    try:
+        shutil.rmtree(old)
+    except OSError as error:
+        warnings.warn(
+            f"saved {final}; the checkpoint it replaced, now at {old}, could not be deleted "
+            f"({error.strerror}); it is never read, delete it yourself",
+            LeftoverWarning,
+            stacklevel=5,
+        )
+
+
+class LeftoverWarning(UserWarning):
+    """A save succeeded but left the checkpoint it replaced behind."""
+
+    __module__ = "lazyckpt"
 
 
 def _renameat2(source: str, destination: str, flags: int) -> bool:

@@ -86,7 +86,8 @@ class UnsavableError(LazyckptError, TypeError):
 
 
 class StorageAccessError(LazyckptError, PermissionError):
-    """Object storage refused a request: no credentials, rejected ones, or access denied."""
+    """Storage refused a request: no credentials, rejected ones, access denied, a
+    read-only folder, or a service that cannot be reached."""
 
     __module__ = "lazyckpt"
 
@@ -99,5 +100,12 @@ class TooLargeError(LazyckptError, MemoryError):
 
 class CheckpointChangedError(LazyckptError, RuntimeError):
     """The checkpoint was replaced (overwritten, deleted) after it was opened."""
+
+    __module__ = "lazyckpt"
+
+
+class CheckpointWriteError(LazyckptError, OSError):
+    """Writing a checkpoint failed in the file system (no space left, an I/O error);
+    nothing was published."""
 
     __module__ = "lazyckpt"

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import os
 import posixpath
+import secrets
 import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -105,11 +106,28 @@ def _split(path: str) -> tuple[str, str, str]:
     return scheme, bucket, key.strip("/")
 
 
+RETRIES = 6
+"""Attempts at a failed storage request before it is an error, 0.25 s apart at first
+and doubling up to 8 s: about 16 s when the service is down (tensorstore's own default
+kept retrying for over ten minutes). `storage_options={"retries": n}` changes it."""
+
+
 def bucket_spec(path: str) -> dict[str, Any]:
     """The tensorstore kvstore spec of the bucket that `path` is in (no path)."""
     scheme, bucket, _ = _split(path)
     options = dict(_OPTIONS.get() or {})
-    spec: dict[str, Any] = {"driver": SCHEMES[scheme], "bucket": bucket}
+    retries = int(options.pop("retries", RETRIES))
+    spec: dict[str, Any] = {
+        "driver": SCHEMES[scheme],
+        "bucket": bucket,
+        "context": {
+            f"{SCHEMES[scheme]}_request_retries": {
+                "max_retries": max(1, retries),
+                "initial_delay": "0.25s",
+                "max_delay": "8s",
+            }
+        },
+    }
     if scheme == "s3":
         endpoint = options.pop("endpoint", None) or os.environ.get(
             "AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")
@@ -200,10 +218,20 @@ def storage_error(path: str, error: Exception) -> LazyckptError:
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or "
             "GOOGLE_APPLICATION_CREDENTIALS for gs://"
         )
-    if denied:
+    if denied or "forbidden" in lowered:
         return StorageAccessError(
             f"{path}: access denied ({text[:200]}); the credentials lack permission for "
             "this bucket or prefix"
+        )
+    if (
+        "could not connect" in lowered
+        or "couldn't connect" in lowered
+        or "retry attempts" in lowered
+    ):
+        return StorageAccessError(
+            f"{path}: the storage service could not be reached ({text[:200]}); check the "
+            "endpoint (AWS_ENDPOINT_URL, storage_options['endpoint']) and that the service "
+            "is up; storage_options={'retries': n} sets how often lazyckpt tries"
         )
     return LazyckptError(f"{path}: the storage request failed ({text[:300]})")
 
@@ -229,6 +257,18 @@ def write_bytes(path: str, data: bytes) -> None:
         _bucket(path).write(key, data).result()
     except Exception as error:  # noqa: BLE001 - turned into a clear error
         raise storage_error(path, error) from None
+
+
+def probe_write(path: str) -> None:
+    """That objects can be written beside the bucket folder `path`: one small object,
+    written and deleted; the storage's error (StorageAccessError) if not."""
+    probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"
+    write_bytes(probe, b"")
+    _, _, key = _split(probe)
+    try:
+        _bucket(probe).delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    except Exception as error:  # noqa: BLE001 - turned into a clear error
+        raise storage_error(probe, error) from None
 
 
 def delete_folder(path: str) -> None:

@@ -32,7 +32,7 @@ import tensorstore as ts
 
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
-from lazyckpt._commit import publishing
+from lazyckpt._commit import publishing, write_failure
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
 from lazyckpt._geometry import Box, box_bytes, chunk_blocks, on_grid
 from lazyckpt._lazy import LazyArray
@@ -235,12 +235,7 @@ def _stream(
 
 
 def _failure(final: str, leaf: _Leaf) -> Callable[[Exception], Exception]:
-    def failed(error: Exception) -> Exception:
-        if isinstance(error, LazyckptError):
-            return error
-        return LazyckptError(f"{final}: writing {leaf.path!r} failed ({error})")
-
-    return failed
+    return lambda error: write_failure(final, repr(leaf.path), error)
 
 
 def _block_cost(leaf: _Leaf, size: int) -> int:
@@ -352,7 +347,20 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
     def is_leaf(node: Any) -> bool:
         return node is None or _empty_node(node)
 
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    try:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    except (ValueError, TypeError) as error:
+        mixed = _mixed_keys(tree)
+        if mixed is None:
+            raise
+        where, mixed_keys = mixed
+        kinds = sorted({type(k).__name__ for k in mixed_keys})
+        raise UnsavableError(
+            f"{where or '(the root)'}: a dict mixes keys of types {kinds} "
+            f"({', '.join(map(repr, mixed_keys[:4]))}); "
+            "jax cannot order them and a checkpoint names keys as strings, so 1 and '1' "
+            "would collide: use keys of one type"
+        ) from error
     for key_path, leaf in flat:
         keys: list[tuple[str, int]] = []
         for entry in key_path:
@@ -368,6 +376,20 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
             else:
                 raise UnsavableError(f"{_path_str(keys)}: unknown pytree key {entry!r}")
         yield tuple(keys), leaf
+
+
+def _mixed_keys(tree: Any) -> tuple[str, list[Any]] | None:
+    """The first dict (its path, its keys) whose keys are not all of one type."""
+    todo: list[tuple[Any, str]] = [(tree, "")]
+    while todo:
+        node, where = todo.pop()
+        if isinstance(node, dict):
+            if len({type(k) for k in node}) > 1:
+                return where, list(node)
+            todo.extend((v, f"{where}/{k}".lstrip("/")) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            todo.extend((v, f"{where}/{i}".lstrip("/")) for i, v in enumerate(node))
+    return None
 
 
 def _empty_node(node: Any) -> bool:

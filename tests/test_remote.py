@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -33,13 +34,13 @@ CREDENTIALS = {
 
 
 @contextlib.contextmanager
-def guarded_server() -> Iterator[str]:
+def guarded_server(free_requests: int = 4) -> Iterator[str]:
     """A moto server in its own process that checks credentials and IAM policies
-    after its first 4 requests (moto reads that setting once, at import)."""
+    after its first `free_requests` requests (moto reads that setting once, at import)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(free_requests)}
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     with subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -202,6 +203,8 @@ def test_missing_credentials_say_so(s3: Any, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_rejected_credentials_and_access_denied(monkeypatch: pytest.MonkeyPatch) -> None:
     """Against a server that checks credentials and IAM policies."""
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
     with guarded_server() as endpoint:
         admin = {"endpoint_url": endpoint, "region_name": "us-east-1"}
         admin_s3 = boto3.client("s3", **admin)
@@ -218,6 +221,70 @@ def test_rejected_credentials_and_access_denied(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEY000000000")
         with pytest.raises(lazyckpt.StorageAccessError, match="rejected the credentials"):
             lazyckpt.open("s3://guarded/ckpt", storage_options=options)
+
+
+def test_an_overwrite_without_permission_to_write_keeps_the_old_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Credentials that may read, list and delete but not write: the overwrite stops
+    before deleting anything."""
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    old = Path(lazyckpt.save(tmp_path / "old", {"w": np.arange(3.0)}))
+    files = sum(1 for path in old.rglob("*") if path.is_file())
+    # The administrator's requests: the bucket, the upload, the user, policy and key.
+    with guarded_server(free_requests=files + 4) as endpoint:
+        admin = {"endpoint_url": endpoint, "region_name": "us-east-1"}
+        admin_s3 = boto3.client("s3", **admin)
+        admin_s3.create_bucket(Bucket="ckpts")
+        upload(admin_s3, old, "old")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="deleter")
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Effect": "Allow",
+                    "Action": ["s3:GetObject", "s3:ListBucket", "s3:DeleteObject"],
+                    "Resource": ["arn:aws:s3:::ckpts", "arn:aws:s3:::ckpts/*"],
+                }
+            ],
+        }
+        iam.put_user_policy(
+            UserName="deleter", PolicyName="no-put", PolicyDocument=json.dumps(policy)
+        )
+        key = iam.create_access_key(UserName="deleter")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        options = {"endpoint": endpoint, "region": "us-east-1"}
+        with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
+            lazyckpt.save(
+                "s3://ckpts/old", {"w": np.zeros(3)}, overwrite=True, storage_options=options
+            )
+        user = boto3.client(
+            "s3",
+            aws_access_key_id=key["AccessKeyId"],
+            aws_secret_access_key=key["SecretAccessKey"],
+            **admin,
+        )
+        listed = user.list_objects_v2(Bucket="ckpts", Prefix="old/")
+        names = {entry["Key"] for entry in listed.get("Contents", [])}
+        assert "old/_METADATA" in names and "old/commit_success.txt" in names
+
+
+def test_a_dead_endpoint_is_a_clear_error_within_a_minute(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    options = {"endpoint": f"http://127.0.0.1:{port}", "region": "us-east-1", "retries": 3}
+    for call in (
+        lambda: lazyckpt.open("s3://ckpts/run", storage_options=options),
+        lambda: lazyckpt.save("s3://ckpts/new", {"w": np.zeros(2)}, storage_options=options),
+    ):
+        start = time.monotonic()
+        with pytest.raises(lazyckpt.StorageAccessError, match=r"could not be reached"):
+            call()
+        assert time.monotonic() - start < 60
 
 
 def test_sharded_jax_arrays_save_to_a_bucket(s3: Any, mesh: Any) -> None:

@@ -1,0 +1,115 @@
+"""When a save fails in the file system, the error names the path and what happened,
+derives from `LazyckptError` and the matching `OSError`, and nothing is published."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lazyckpt
+from lazyckpt import _commit
+
+ROOT = Path(__file__).parent.parent
+
+
+def _entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_file_size_limit_mid_save_is_a_write_error(tmp_path: Path) -> None:
+    """In a child process limited to 64 KiB files (the kernel refuses more with EFBIG,
+    as a full disk refuses with ENOSPC): one clear error, nothing left behind."""
+    code = textwrap.dedent(
+        f"""
+        import resource, signal, numpy as np, lazyckpt
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+        tree = {{"w": np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32),
+                "note": "x" * 100_000}}
+        try:
+            lazyckpt.save({str(tmp_path / "out")!r}, tree)
+        except lazyckpt.LazyckptError as error:
+            print(type(error).__name__, isinstance(error, OSError), error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    kind, is_os_error, message = result.stdout.strip().split(" ", 2)
+    assert (kind, is_os_error) == ("CheckpointWriteError", "True"), result.stdout
+    assert str(tmp_path / "out") in message and "nothing was saved" in message
+    assert _entries(tmp_path) == []  # no checkpoint, no temporary folder
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_a_folder_that_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """(Tests run as root here, for whom every folder is writable: the kernel's answer
+    for a read-only mount or a folder of another user is given by hand.)"""
+    real = os.mkdir
+
+    def refuse(path: str, *args: object) -> None:
+        if ".orbax-checkpoint-tmp" in str(path):
+            raise OSError(code, os.strerror(code), str(path))
+        real(path, *args)
+
+    monkeypatch.setattr(_commit.os, "mkdir", refuse)
+    with pytest.raises(
+        lazyckpt.StorageAccessError, match=r"out: cannot write .*orbax-checkpoint-tmp"
+    ) as caught:
+        lazyckpt.save(tmp_path / "out", {"w": np.zeros(3)})
+    assert isinstance(caught.value, PermissionError)
+    assert os.strerror(code) in str(caught.value)
+    assert _entries(tmp_path) == []
+
+
+def test_replacing_a_read_only_checkpoint_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = lazyckpt.save(tmp_path / "ckpt", {"w": np.zeros(3)})
+    locked = Path(old) / "d"
+    real = os.access
+    monkeypatch.setattr(_commit.os, "access", lambda p, mode: real(p, mode) and Path(p) != locked)
+    with pytest.raises(lazyckpt.StorageAccessError, match=r"its folder .*/ckpt/d is read-only"):
+        lazyckpt.save(old, {"w": np.ones(3)}, overwrite=True)
+    assert _entries(tmp_path) == ["ckpt"]
+    assert lazyckpt.open(old)["w"].get().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_replaced_checkpoint_that_cannot_be_deleted_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = lazyckpt.save(tmp_path / "ckpt", {"w": np.zeros(3)})
+    real = shutil.rmtree
+
+    def stuck(path: str, *args: object, **kwargs: object) -> None:
+        if kwargs.get("ignore_errors"):
+            return real(path, *args, **kwargs)
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+
+    monkeypatch.setattr(_commit.shutil, "rmtree", stuck)
+    with pytest.warns(
+        lazyckpt.LeftoverWarning,
+        match=r"saved .*ckpt; the checkpoint it replaced, now at .*orbax-checkpoint-tmp.*, could not be deleted",
+    ):
+        lazyckpt.save(old, {"w": np.ones(3)}, overwrite=True)
+    assert lazyckpt.open(old)["w"].get().tolist() == [1.0, 1.0, 1.0]
+
+
+def test_dict_keys_of_mixed_types_are_unsavable(tmp_path: Path) -> None:
+    with pytest.raises(
+        lazyckpt.UnsavableError,
+        match=r"^params: a dict mixes keys of types \['int', 'str'\] \(1, '1'\); jax cannot order",
+    ):
+        lazyckpt.save(tmp_path / "out", {"params": {1: np.zeros(2), "1": np.ones(2)}})
+    assert _entries(tmp_path) == []
