@@ -7,11 +7,13 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from lazyckpt._errors import LazyckptError, NoMatchError
 from lazyckpt._fs import is_remote, normalize
+from lazyckpt._text import printable
 from lazyckpt._tree import any_of
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -102,10 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(text: Any = "", file: Any = None) -> None:
+    """Print `text`, with control characters escaped: keys and strings come from the
+    checkpoint, and must not drive the terminal."""
+    print(printable(str(text), lines=True), file=file)
+
+
+def _show_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+    _say(f"lazyckpt: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _RUN[args.command](args) or 0
+        with warnings.catch_warnings():
+            # One plain line per warning, as errors are: not Python's source-line form.
+            warnings.showwarning = _show_warning
+            return _RUN[args.command](args) or 0
     except BrokenPipeError:  # `lazyckpt inspect ... | head`
         return 0
     except Exception as error:
@@ -114,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = (
             str(error) if isinstance(error, LazyckptError) else f"{type(error).__name__}: {error}"
         )
-        print(f"lazyckpt: error: {message}", file=sys.stderr)
+        _say(f"lazyckpt: error: {message}", file=sys.stderr)
         return 1
 
 
@@ -137,7 +152,7 @@ def _inspect(args: argparse.Namespace) -> None:
         out = {"path": normalize(args.path), "steps": steps, "leaves": summary.describe()}
         print(json.dumps(out, indent=1))
         return
-    print(summary.text())
+    _say(summary.text())
 
 
 def _steps(path: str) -> list[int]:
@@ -170,12 +185,12 @@ def _show(args: argparse.Namespace) -> None:
     if not isinstance(found, LazyArray):
         if index:
             raise LazyckptError(f"{key} is not an array, so it takes no index [{index}]")
-        print(found if not isinstance(found, dict | list | tuple) else lazyckpt.summary(found))
+        _say(found if not isinstance(found, dict | list | tuple) else lazyckpt.summary(found))
         return
     view = found[parse_index(index)] if index else found
-    print(f"{view!r}")
+    _say(f"{view!r}")
     with np.printoptions(threshold=200, edgeitems=4, linewidth=100):
-        print(view.get())
+        _say(view.get())
 
 
 def _subtree(tree: Any, key: str) -> Any:
@@ -247,15 +262,15 @@ def _stats(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({key: s.describe() for key, s in results.items()}, indent=1))
         return
-    print(format_stats(results, {key: arrays[key].nbytes for key in results}))
+    _say(format_stats(results, {key: arrays[key].nbytes for key in results}))
     if args.bins:
         for key, s in results.items():
             if s.histogram is not None:
                 counts, edges = s.histogram
-                print(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
-                print("  " + " ".join(str(int(c)) for c in counts))
+                _say(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
+                _say("  " + " ".join(str(int(c)) for c in counts))
     if skipped:
-        print(f"\nnot summarized (not real numbers): {', '.join(skipped)}")
+        _say(f"\nnot summarized (not real numbers): {', '.join(skipped)}")
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -271,7 +286,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:
-        print(result)
+        _say(result)
     return 1 if args.exit_code and result else 0
 
 
@@ -286,8 +301,8 @@ def _select_or_empty(tree: Any, patterns: list[str]) -> Any:
 
 def _convert(args: argparse.Namespace) -> None:
     from lazyckpt._convert import convert
-    from lazyckpt._format import human_bytes
     from lazyckpt._save import DEFAULT_CHUNK_BYTES
+    from lazyckpt._text import human_bytes
 
     out = convert(
         args.path,
@@ -302,14 +317,14 @@ def _convert(args: argparse.Namespace) -> None:
         progress=False if args.quiet else None,
     )
     if is_remote(out):
-        print(f"wrote {out}")
+        _say(f"wrote {out}")
         return
     size = sum(
         os.path.getsize(os.path.join(folder, name))
         for folder, _, names in os.walk(out)
         for name in names
     )
-    print(f"wrote {out} ({human_bytes(size)})")
+    _say(f"wrote {out} ({human_bytes(size)})")
 
 
 def _dtype(name: str) -> Any:

@@ -18,7 +18,6 @@ import re
 import secrets
 import shutil
 import socket
-import warnings
 from collections.abc import Iterator
 
 from lazyckpt import _fs as fs
@@ -27,6 +26,7 @@ from lazyckpt._errors import (
     CheckpointWriteError,
     LazyckptError,
     StorageAccessError,
+    warn,
 )
 from lazyckpt._layout import is_pytree_dir, is_unfinished
 
@@ -223,11 +223,10 @@ def _discard(old: str, final: str) -> None:
     try:
         shutil.rmtree(old)
     except OSError as error:
-        warnings.warn(
+        warn(
             f"saved {final}; the checkpoint it replaced, now at {old}, could not be deleted "
             f"({error.strerror}); it is never read, delete it yourself",
             LeftoverWarning,
-            stacklevel=5,
         )
 
 

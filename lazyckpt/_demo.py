@@ -29,8 +29,8 @@ def _walkthrough(path: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import lazyckpt
-    from lazyckpt._format import human_bytes
     from lazyckpt._metrics import bytes_read
+    from lazyckpt._text import human_bytes
 
     devices = jax.devices()
     if len(devices) < _DEVICES:

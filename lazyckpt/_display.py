@@ -17,9 +17,9 @@ import attrs
 import jax
 import numpy as np
 
-from lazyckpt._format import human_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._sharding import SavedSharding, spec_str
+from lazyckpt._text import human_bytes, printable
 from lazyckpt._tree import Key, Path, children, keystr
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
@@ -205,13 +205,14 @@ class Summary:
             if not row.path:
                 continue
             indent = "  " * (row.depth - 1)
+            name = printable(row.name)  # keys come from the checkpoint: no escapes reach it
             if row.group:
-                table.append((f"{indent}{row.name}/", _group_type(row), _size(row), "", ""))
+                table.append((f"{indent}{name}/", _group_type(row), _size(row), "", ""))
             elif is_array(row.leaf):
                 spec, mesh = _spec_of(row.leaf)
-                table.append((f"{indent}{row.name}", _leaf_type(row), _size(row), spec, mesh))
+                table.append((f"{indent}{name}", _leaf_type(row), _size(row), spec, mesh))
             else:
-                table.append((f"{indent}{row.name}", _short(row.leaf), "", "", ""))
+                table.append((f"{indent}{name}", printable(_short(row.leaf)), "", "", ""))
         widths = [max((len(r[i]) for r in table), default=0) for i in range(5)]
         for r in table:
             cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2])]
@@ -221,7 +222,7 @@ class Summary:
     def _headline(self) -> str:
         root = self.rows[0] if self.rows else None
         arrays, nbytes = (root.arrays, root.nbytes) if root else (0, 0)
-        return f"{self.title}: {_count(arrays)}, {human_bytes(nbytes)}"
+        return f"{printable(self.title)}: {_count(arrays)}, {human_bytes(nbytes)}"
 
     def _repr_html_(self) -> str:
         total = sum(1 for row in self.rows if row.path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class LazyckptError(Exception):
     """Base class of every error lazyckpt raises on purpose."""
@@ -109,3 +112,11 @@ class CheckpointWriteError(LazyckptError, OSError):
     nothing was published."""
 
     __module__ = "lazyckpt"
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """Warn, pointing at the caller's own line: the first frame outside lazyckpt."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lazyckpt"):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)

@@ -42,8 +42,19 @@ def is_pytree_dir(path: str) -> bool:
 
 
 def _step_dirs(root: str) -> dict[int, str]:
-    """Committed step folders of a CheckpointManager root, by step number."""
-    found: dict[int, str] = {}
+    """Committed step folders of a CheckpointManager root, by step number.
+
+    As Orbax's `all_steps()`: step folders are named `<step>` or `<prefix>_<step>` with
+    one prefix for the whole run. Folders with several prefixes (`a_0`, `b_0`: separate
+    checkpoints side by side) or one step twice (`ckpt_1`, `ckpt_01`) are no run."""
+    return _step_groups(root)[0]
+
+
+def _step_groups(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]]:
+    """The steps, and the step-like folder names by prefix (when they make no run)."""
+    groups: dict[str | None, dict[int, str]] = {}
+    names: dict[str | None, list[str]] = {}
+    twice = False
     for name in fs.listdir(root):
         match = _STEP_NAME.match(name)
         if (
@@ -53,8 +64,13 @@ def _step_dirs(root: str) -> dict[int, str]:
             and fs.isdir(fs.join(root, name))
             and _committed(fs.join(root, name))
         ):
-            found[int(match["step"])] = fs.join(root, name)
-    return found
+            steps = groups.setdefault(match["prefix"], {})
+            twice = twice or int(match["step"]) in steps
+            steps[int(match["step"])] = fs.join(root, name)
+            names.setdefault(match["prefix"], []).append(name)
+    if len(groups) == 1 and not twice:
+        return next(iter(groups.values())), {}
+    return {}, names
 
 
 def _pytree_items(step_dir: str) -> list[str]:
@@ -117,11 +133,20 @@ def steps(
     """
     with fs.session(storage_options):
         root = _existing_folder(path)
-        found = _step_dirs(root)
+        found, mixed = _step_groups(root)
+        listed = fs.listdir(root)[:10]
+    if mixed:
+        some = [name for group in mixed.values() for name in group][:6]
+        raise NotACheckpointError(
+            f"{root} is not a CheckpointManager root: its step-like folders {some} have "
+            f"{len(mixed)} different prefixes or repeat a step, so they are separate "
+            "checkpoints, not the steps of one run (Orbax lists none of them); open one of "
+            "them"
+        )
     if not found:
         raise NotACheckpointError(
             f"{root} is not a CheckpointManager root: it has no committed step folders "
-            f"(names like '12' or 'ckpt_000012'; found {fs.listdir(root)[:10]})"
+            f"(names like '12' or 'ckpt_000012'; found {listed})"
         )
     return sorted(found)
 
@@ -259,6 +284,13 @@ def _item(step_dir: str, item: str | None) -> str:
             return fs.join(step_dir, name)
     if len(present) == 1:
         return fs.join(step_dir, present[0])
+    _, mixed = _step_groups(step_dir)
+    if mixed:
+        some = [name for group in mixed.values() for name in group][:6]
+        raise NotACheckpointError(
+            f"{step_dir} holds separate checkpoints {some}, not the steps of one run (their "
+            "names have different prefixes or repeat a step); open one of them"
+        )
     if present:
         raise NotACheckpointError(
             f"{step_dir} holds several items {present}; choose one with item=NAME"
@@ -268,6 +300,13 @@ def _item(step_dir: str, item: str | None) -> str:
         raise UnfinishedCheckpointError(
             f"{step_dir} holds only unfinished saves {unfinished}; wait for the save to "
             "finish or open an earlier checkpoint"
+        )
+    listed = [name for name in _listed_items(step_dir) if not fs.isdir(fs.join(step_dir, name))]
+    if listed:
+        raise CheckpointNotFoundError(
+            f"{step_dir}/_CHECKPOINT_METADATA lists the item(s) {listed}, but their folders "
+            f"are missing (found {fs.listdir(step_dir)[:10]}); the step was copied "
+            "incompletely: copy it again, or open another step"
         )
     raise NotACheckpointError(
         f"{step_dir} is not an Orbax checkpoint: it has no _METADATA, manifest.ocdbt, "

@@ -8,12 +8,11 @@ the tree is inferred from their names (spec §10): lossy, so it warns.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from lazyckpt import _fs as fs
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, warn
 from lazyckpt._memory import physical_memory
 from lazyckpt._msgpack import decode
 from lazyckpt._store import Store
@@ -82,12 +81,11 @@ def _walk(tree: Any, root: Path) -> Iterator[tuple[Path, Any]]:
 def listed_leaves(store: Store) -> list[Leaf]:
     """Leaves inferred from the arrays in the store: names split on '.' into dicts."""
     names = sorted(_ocdbt_names(store) if store.ocdbt else _folder_names(store.location))
-    warnings.warn(
+    warn(
         f"{store.location} has neither _METADATA nor a msgpack 'checkpoint' file, so its "
         "tree was inferred from array names: lists come back as dicts, keys containing '.' "
         "are split, and strings and scalar types are lost",
         InferredStructureWarning,
-        stacklevel=3,
     )
     return [Leaf(tuple(name.split(".")) if name else (), name, STORED) for name in names]
 

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 from lazyckpt._errors import TooLargeError
-from lazyckpt._format import human_bytes
+from lazyckpt._text import human_bytes
 
 Box = tuple[tuple[int, int], ...]
 

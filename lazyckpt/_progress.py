@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from lazyckpt._format import human_bytes
+from lazyckpt._text import human_bytes
 
 _AUTO_MIN_BYTES = 256 << 20  # below this a read is quick; no bar unless asked
 _REDRAW_SECONDS = 0.2

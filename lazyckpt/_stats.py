@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyckpt._errors import LazyTypeError
-from lazyckpt._format import human_bytes
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._read import arrays_of
 from lazyckpt._stream import iter_blocks as engine_blocks
+from lazyckpt._text import human_bytes
 from lazyckpt._tree import Predicate, select
 
 

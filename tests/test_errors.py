@@ -17,7 +17,7 @@ from lazyckpt import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
-from tests.conftest import orbax_manager_save
+from tests.conftest import orbax_manager_save, orbax_save
 
 
 def test_error_classes_inherit_builtins() -> None:
@@ -115,3 +115,96 @@ def test_cli_error_is_one_line(tmp_path: Path, capsys: Any) -> None:
     assert main(["demo", "--keep", str(tmp_path)]) == 1  # the folder exists already
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lazyckpt: error: ")
+
+
+def test_a_listed_item_whose_folder_is_missing(tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    root = orbax_manager_save(
+        tmp_path / "run", {1: {"state": ocp.args.StandardSave({"w": np.zeros(2)})}}
+    )
+    shutil.rmtree(root / "ckpt_000001" / "state")
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"ckpt_000001/_CHECKPOINT_METADATA lists the item\(s\) \['state'\], but their "
+        r"folders are missing .*copy it again",
+    ):
+        lazyckpt.open(root / "ckpt_000001")
+
+
+def test_step_naming_follows_orbax(tmp_path: Path) -> None:
+    """Separate checkpoints side by side (`a_0`, `b_0`) are no run: Orbax lists no steps
+    there, and lazyckpt says so rather than picking one. One prefix is one run."""
+    import orbax.checkpoint as ocp
+
+    side_by_side = tmp_path / "exports"
+    for name in ("model_0", "tokenizer_0", "ema_3"):
+        orbax_save(side_by_side / name, {"w": np.zeros(2, np.float32)})
+    with ocp.CheckpointManager(side_by_side) as manager:
+        assert list(manager.all_steps()) == []
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"exports is not a CheckpointManager root: its step-like folders .*'model_0'.* "
+        r"have 3 different prefixes .*separate checkpoints",
+    ):
+        lazyckpt.steps(side_by_side)
+    with pytest.raises(NotACheckpointError, match=r"holds separate checkpoints .*open one of them"):
+        lazyckpt.open(side_by_side)
+    assert lazyckpt.open(side_by_side / "ema_3")["w"].shape == (2,)
+
+    twice = tmp_path / "twice"
+    for name in ("ckpt_1", "ckpt_01"):
+        orbax_save(twice / name, {"w": np.zeros(2, np.float32)})
+    with pytest.raises(NotACheckpointError, match=r"repeat a step"):
+        lazyckpt.steps(twice)
+
+    run = tmp_path / "run"
+    options = ocp.CheckpointManagerOptions(step_prefix="run")
+    with ocp.CheckpointManager(run, options=options) as manager:
+        for step in (2, 7):
+            manager.save(step, args=ocp.args.StandardSave({"w": np.full(2, step)}))
+        manager.wait_until_finished()
+        assert list(manager.all_steps()) == lazyckpt.steps(run) == [2, 7]
+    assert lazyckpt.open(run)["w"].get().tolist() == [7, 7]
+
+
+def test_terminal_output_escapes_control_characters(tmp_path: Path, capsys: Any) -> None:
+    from lazyckpt._cli import main
+
+    key, note = "w\x1b]0;pwned\x07", "hi\x1b[2Jthere\u202e"
+    path = orbax_save(tmp_path / "esc", {key: np.zeros(2, np.float32), "note": note})
+    lazy = lazyckpt.open(path)
+    assert lazy["note"] == note  # the values stay as saved; only printing escapes
+    text = str(lazyckpt.summary(lazy))
+    assert r"w\x1b]0;pwned\x07" in text and r"hi\x1b[2Jthere\u202e" in text
+    for argv in (
+        ["inspect", str(path)],
+        ["show", str(path), "note"],
+        ["show", str(path), key],
+        ["show", str(path), "nope\x1b[31m"],
+    ):
+        main(argv)
+        out, err = capsys.readouterr()
+        assert out + err and not any(c in out + err for c in "\x1b\x07\u202e"), argv
+    assert r"nope\x1b[31m" in err
+
+
+def test_cli_warning_is_one_line_and_python_warnings_name_the_caller(
+    tmp_path: Path, capsys: Any
+) -> None:
+    import warnings
+
+    from lazyckpt._cli import main
+
+    path = orbax_save(tmp_path / "ckpt", {"w": np.zeros(2, np.float32)})
+    (path / "_METADATA").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # as outside pytest, which turns warnings into errors
+        assert main(["inspect", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lazyckpt: warning: ") and ".py" not in err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lazyckpt.open(path)
+    assert [w.category for w in caught] == [lazyckpt.InferredStructureWarning]
+    assert caught[0].filename == __file__
