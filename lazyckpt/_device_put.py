@@ -17,6 +17,7 @@ from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
 from lazyckpt._scheduler import Scheduler
 from lazyckpt._sharding import resolve
+from lazyckpt._store import check_unchanged
 from lazyckpt._target import Missing, Placement, match
 from lazyckpt._tree import children, map_leaves
 
@@ -125,6 +126,8 @@ def materialize(plan: Any, memory_budget: int | None, progress: bool | None, lab
     scheduler.drain()
     if bar is not None:
         bar.close()
+    # Everything was read from the checkpoints as they were opened, or it is refused.
+    check_unchanged(p.array.stored.store for p in placements)
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 

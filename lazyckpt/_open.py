@@ -16,6 +16,7 @@ from lazyckpt import _fs as fs
 from lazyckpt import _tree_metadata as tm
 from lazyckpt._errors import (
     CorruptCheckpointError,
+    LazyckptError,
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
@@ -105,7 +106,12 @@ def _open(location: str) -> Any:
     replaces it meanwhile makes the metadata read again (once), never a mix."""
     for _ in range(2):
         before = fs.generation(location)
-        tree = _open_once(location, before)
+        try:
+            tree = _open_once(location, before)
+        except LazyckptError:
+            if fs.generation(location) == before:
+                raise
+            continue  # files vanished or disagreed because a save replaced them: again
         if fs.generation(location) == before:
             return tree
     raise changed_error(location)

@@ -148,6 +148,8 @@ class Store:
             try:
                 result = future.result()
             except ValueError as error:
+                if self.changed():
+                    raise changed_error(self.location) from None
                 raise CorruptCheckpointError(
                     f"{self.location}: reading {key!r} from the "
                     f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); "
@@ -241,10 +243,10 @@ class StoredArray:
     def read_error(self, error: Exception) -> Exception:
         """The error to show for a failed read of this array's data: that the checkpoint
         was replaced, where it was, else that its files are damaged."""
-        if isinstance(error, LazyckptError):
-            return error
         if self.store.changed():
             return changed_error(self.store.location)
+        if isinstance(error, LazyckptError):
+            return error
         return CorruptCheckpointError(
             f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
             f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
