@@ -46,6 +46,7 @@ from lazyckpt._save import save
 from lazyckpt._sharding import SavedSharding, saved_shardings
 from lazyckpt._stats import Stats, stats
 from lazyckpt._tree import leaves, select
+from lazyckpt._verify import Verification, verify
 
 __all__ = [
     "CheckpointChangedError",
@@ -71,6 +72,7 @@ __all__ = [
     "UnfinishedCheckpointError",
     "UnsavableError",
     "UnsupportedCheckpointError",
+    "Verification",
     "convert",
     "device_put",
     "diff",
@@ -86,4 +88,5 @@ __all__ = [
     "stats",
     "steps",
     "summary",
+    "verify",
 ]

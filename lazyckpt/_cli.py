@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
 
+    verify = command("verify", "decode every chunk within the budget; report damage by key path")
+    selecting(verify)
+    budget(verify)
+    verify.add_argument("--json", action="store_true", help="print JSON for scripts")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
+
     diff = command(
         "diff", "compare two checkpoints: structure, shapes, dtypes, values", source=False
     )
@@ -273,6 +279,21 @@ def _stats(args: argparse.Namespace) -> None:
         _say(f"\nnot summarized (not real numbers): {', '.join(skipped)}")
 
 
+def _verify(args: argparse.Namespace) -> int:
+    import lazyckpt
+
+    result = lazyckpt.verify(
+        _open(args),
+        memory_budget=args.memory_budget,
+        progress=False if args.quiet or args.json else None,
+    )
+    if args.json:
+        print(json.dumps(result.describe(), indent=1))
+    else:
+        _say(result)
+    return 0 if result.ok else 1
+
+
 def _diff(args: argparse.Namespace) -> int:
     import lazyckpt
 
@@ -348,6 +369,7 @@ _RUN: dict[str, Any] = {
     "inspect": _inspect,
     "show": _show,
     "stats": _stats,
+    "verify": _verify,
     "diff": _diff,
     "convert": _convert,
     "demo": _demo,

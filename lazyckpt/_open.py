@@ -189,6 +189,8 @@ def _materialize(
                 info.chunks,
                 fill_missing,
                 codec=info.codec,
+                checksummed=info.checksummed,
+                keys=info.keys,
             )
             if leaf.value_type == "scalar":
                 scalars.append((leaf.path, array.read(Selection.full(info.shape))))

@@ -576,7 +576,7 @@ def _cost(leaf: _Leaf) -> int:
 def _zarr3_spec(kvstore: dict[str, Any], leaf: _Leaf) -> dict[str, Any]:
     codecs = [
         {"name": "bytes", "configuration": {"endian": "little"}},
-        {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
+        {"name": "zstd", "configuration": {"level": 1, "checksum": True}},
     ]
     return {
         "driver": "zarr3",

@@ -20,7 +20,7 @@ from lazyckpt import _fs as fs
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
 from lazyckpt._memory import check_fits
 from lazyckpt._selection import Selection
-from lazyckpt._zarr import Codec
+from lazyckpt._zarr import ChunkKeys, Codec
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -139,6 +139,22 @@ class Store:
             raise fs.storage_error(location, error) from None
         return cls(location, ocdbt, context, spec, kvstore, generation)
 
+    def list_keys(self, prefix: str) -> list[str]:
+        """The keys under `prefix` (every key when it is empty), in no order."""
+        start = prefix.encode()
+        end = start[:-1] + bytes([start[-1] + 1]) if start else b""
+        try:
+            found = self.kvstore.list(ts.KvStore.KeyRange(start, end)).result()
+        except ValueError as error:
+            if self.changed():
+                raise changed_error(self.location) from None
+            raise CorruptCheckpointError(
+                f"{self.location}: listing {prefix!r} in the "
+                f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); the "
+                "checkpoint's files are missing or damaged, copy it again"
+            ) from error
+        return [key.decode("utf-8", errors="replace") for key in found]
+
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""
         with ts.Batch() as batch:
@@ -175,6 +191,10 @@ class StoredArray:
     """The values themselves, for arrays kept in the legacy msgpack file."""
     codec: Codec | None = attrs.field(default=None, repr=False)
     """How its chunks are encoded, where lazyckpt decodes them itself."""
+    checksummed: bool = attrs.field(default=False, repr=False)
+    """Whether its chunks carry checksums that reading verifies (`ZarrInfo`)."""
+    keys: ChunkKeys | None = attrs.field(default=None, repr=False)
+    """Where its chunks are stored, when lazyckpt knows the key encoding."""
     _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 

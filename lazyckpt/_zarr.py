@@ -24,6 +24,44 @@ ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"
 
 
 @attrs.frozen
+class ChunkKeys:
+    """Where an array's chunks are stored: the key of each cell of its grid (a chunk,
+    or with zarr3's `sharding_indexed` a shard of whole chunks), under its name."""
+
+    separator: str
+    """Between chunk indices in chunk keys."""
+    prefix: str = ""
+    """Before the chunk indices: `c/` for zarr3's default key encoding."""
+    shard: tuple[int, ...] | None = None
+    """zarr3 `sharding_indexed`: the shard shape, a whole number of read chunks."""
+
+    def cells(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one stored cell: the shard, else the chunk."""
+        return self.shard if self.shard is not None else chunks
+
+    def key(self, name: str, cell: tuple[int, ...]) -> str:
+        """The store key of the cell at grid position `cell`."""
+        if cell:
+            key = self.prefix + self.separator.join(str(i) for i in cell)
+        else:
+            key = self.prefix.rstrip("/") or "0"  # zarr3's `c`, zarr2's `0`
+        return f"{name}/{key}" if name else key
+
+    def parse(self, name: str, key: str, rank: int) -> tuple[int, ...] | None:
+        """The grid position of a store key of this array; None for other keys
+        (its metadata, stray files)."""
+        head = f"{name}/{self.prefix}" if name else self.prefix
+        if rank == 0:
+            return () if key == self.key(name, ()) else None
+        if not key.startswith(head):
+            return None
+        parts = key[len(head) :].split(self.separator)
+        if len(parts) != rank or not all(p.isascii() and p.isdigit() for p in parts):
+            return None
+        return tuple(int(p) for p in parts)
+
+
+@attrs.frozen
 class Codec:
     """How one stored chunk's bytes become its values, for chunks lazyckpt decodes."""
 
@@ -35,28 +73,22 @@ class Codec:
     """The stored dimension behind each dimension of the decoded byte stream, which is
     in C order: identity for C order, reversed for zarr v2's F order, or zarr3's
     `transpose`."""
-    separator: str
-    """Between chunk indices in chunk keys."""
-    prefix: str = ""
-    """Before the chunk indices: `c/` for zarr3's default key encoding."""
-    shard: tuple[int, ...] | None = None
-    """zarr3 `sharding_indexed`: the shard shape, a whole number of read chunks."""
+    keys: ChunkKeys
     index_at_end: bool = True
     index_byteorder: str = "<"
     index_checksum: bool = True
     fill: Any = 0
     """The value of elements in a chunk that was never written."""
 
+    @property
+    def shard(self) -> tuple[int, ...] | None:
+        return self.keys.shard
+
     def chunk_key(self, name: str, index: tuple[int, ...], chunks: tuple[int, ...]) -> str:
         """The store key of the chunk (for shards, of the shard) at grid `index`."""
         if self.shard is not None:
             index = tuple(i * c // s for i, c, s in zip(index, chunks, self.shard, strict=True))
-        if index:
-            cell = self.separator.join(str(i) for i in index)
-        else:
-            cell = "0" if not self.prefix else ""
-        key = f"{self.prefix}{cell}" if cell else self.prefix.rstrip("/")
-        return f"{name}/{key}" if name else key
+        return self.keys.key(name, index)
 
     def position_in_shard(self, index: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, int]:
         """The chunk's entry in its shard's index, and the number of entries."""
@@ -78,6 +110,12 @@ class ZarrInfo:
     dtype: np.dtype[Any]
     chunks: tuple[int, ...]
     codec: Codec | None = None
+    checksummed: bool = False
+    """Whether each chunk's data carries a checksum that reading verifies (zstd's
+    content checksum, crc32c, gzip's or zlib's): damage to it is then an error, not
+    wrong values."""
+    keys: ChunkKeys | None = None
+    """Where its chunks are stored, when lazyckpt knows the key encoding."""
 
 
 def metadata_key(name: str, zarr3: bool) -> str:
@@ -107,7 +145,15 @@ def parse_zarr(where: str, key: str, raw: bytes) -> ZarrInfo:
             f"{where}: zarr metadata {key!r} declares {error}, which lazyckpt does not read "
             "(numbers, bools, bfloat16, float8 and int4 it does); the array cannot be read"
         ) from None
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as error:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        RecursionError,
+        ArithmeticError,
+    ) as error:
         raise CorruptCheckpointError(
             f"{where}: zarr metadata {key!r} is malformed ({error}); expected zarr "
             f"{'v3' if zarr3 else 'v2'} array metadata with non-negative shape, a dtype and "
@@ -128,13 +174,15 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
         if codecs and codecs[0].get("name") == "sharding_indexed":
             # Reads go by the inner chunk of a shard, not the whole shard.
             chunks = codecs[0]["configuration"]["chunk_shape"]
-        codec = _zarr3_codec(meta, len(shape), dtype)
+        keys = chunk_keys(meta, zarr3)
+        codec = _zarr3_codec(meta, len(shape), dtype, keys)
     else:
         name = meta["dtype"]
         stored = np.dtype(name) if name[:1] in "<>|=" else ts.dtype(name).numpy_dtype
         dtype = stored.newbyteorder("=") if stored.byteorder in "<>" else stored
         chunks = meta["chunks"]
-        codec = _zarr2_codec(meta, len(shape), stored)
+        keys = chunk_keys(meta, zarr3)
+        codec = _zarr2_codec(meta, len(shape), stored, keys)
     chunks = tuple(int(n) for n in chunks)
     if any(n < 0 for n in shape) or len(chunks) != len(shape) or any(n <= 0 for n in chunks):
         raise ValueError(f"shape {shape} with chunks {chunks}")
@@ -145,12 +193,39 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
     ):
         raise ValueError(f"shape {shape} with chunks {chunks}, larger than any array can be")
     if (
-        codec is not None
-        and codec.shard is not None
-        and any(s % c for s, c in zip(codec.shard, chunks, strict=True))
+        keys is not None
+        and keys.shard is not None
+        and (
+            len(keys.shard) != len(chunks)
+            or any(s % c for s, c in zip(keys.shard, chunks, strict=True))
+        )
     ):
-        raise ValueError(f"shard shape {codec.shard} is not a multiple of chunks {chunks}")
-    return ZarrInfo("zarr3" if zarr3 else "zarr", shape, dtype, chunks, codec)
+        raise ValueError(f"shard shape {keys.shard} is not a multiple of chunks {chunks}")
+    checksummed = _checksummed(meta, zarr3)
+    driver = "zarr3" if zarr3 else "zarr"
+    return ZarrInfo(driver, shape, dtype, chunks, codec, checksummed, keys)
+
+
+_CHECKED = ("crc32c", "gzip", "zlib")  # codecs whose decoding verifies a checksum
+
+
+def _checksummed(meta: dict[str, Any], zarr3: bool) -> bool:
+    """Whether the chunk data's codecs carry a checksum (a shard's index crc32c covers
+    only the index, not the data)."""
+    if not zarr3:
+        compressor = meta.get("compressor") or {}
+        name = compressor.get("id")
+        return bool(name in _CHECKED or (name == "zstd" and compressor.get("checksum")))
+    codecs = list(meta.get("codecs") or [])
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        codecs = list(codecs[0]["configuration"].get("codecs") or [])
+    for codec in codecs:
+        name = codec.get("name")
+        if name in _CHECKED:
+            return True
+        if name == "zstd" and (codec.get("configuration") or {}).get("checksum"):
+            return True
+    return False
 
 
 def readable(dtype: np.dtype[Any]) -> bool:
@@ -177,9 +252,35 @@ def _plain(dtype: np.dtype[Any]) -> bool:
     return dtype.fields is None and dtype.itemsize in (1, 2) and "float" in dtype.name
 
 
-def _zarr2_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec | None:
+def chunk_keys(meta: dict[str, Any], zarr3: bool) -> ChunkKeys | None:
+    """How the array's chunk keys are formed; None for encodings lazyckpt does not know
+    (tensorstore still reads those)."""
+    if not zarr3:
+        separator = meta.get("dimension_separator") or "."
+        if separator not in (".", "/"):
+            raise ValueError(f"dimension_separator {separator!r} is neither '.' nor '/'")
+        return ChunkKeys(separator)
+    encoding = meta.get("chunk_key_encoding") or {"name": "default"}
+    name = encoding.get("name", "default")
+    if name not in ("default", "v2"):
+        return None
+    separator = (encoding.get("configuration") or {}).get(
+        "separator", "/" if name == "default" else "."
+    )
+    if separator not in (".", "/"):
+        raise ValueError(f"chunk key separator {separator!r} is neither '.' nor '/'")
+    shard: tuple[int, ...] | None = None
+    codecs = meta.get("codecs") or []
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        shard = tuple(int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"])
+    return ChunkKeys(separator, "c/" if name == "default" else "", shard)
+
+
+def _zarr2_codec(
+    meta: dict[str, Any], ndim: int, dtype: np.dtype[Any], keys: ChunkKeys | None
+) -> Codec | None:
     compressor = meta.get("compressor")
-    if meta.get("filters") or not _plain(dtype):
+    if keys is None or meta.get("filters") or not _plain(dtype):
         return None
     if compressor is not None and compressor.get("id") != "zstd":
         return None
@@ -189,25 +290,20 @@ def _zarr2_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec
         zstd=compressor is not None,
         byteorder=_byteorder(dtype),
         order=order,
-        separator=meta.get("dimension_separator") or ".",
+        keys=keys,
         fill=_fill(fill, dtype),
     )
 
 
-def _zarr3_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec | None:
+def _zarr3_codec(
+    meta: dict[str, Any], ndim: int, dtype: np.dtype[Any], keys: ChunkKeys | None
+) -> Codec | None:
     codecs = list(meta.get("codecs") or [])
-    encoding = meta.get("chunk_key_encoding") or {"name": "default"}
-    separator = (encoding.get("configuration") or {}).get(
-        "separator", "/" if encoding.get("name") == "default" else "."
-    )
-    prefix = "c/" if encoding.get("name", "default") == "default" else ""
-    if encoding.get("name", "default") not in ("default", "v2") or not _plain(dtype):
+    if keys is None or not _plain(dtype):
         return None
-    shard: tuple[int, ...] | None = None
     index: dict[str, Any] = {}
-    if codecs and codecs[0].get("name") == "sharding_indexed":
+    if keys.shard is not None:
         config = codecs[0]["configuration"]
-        shard = tuple(int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"])
         index_codecs = [c.get("name") for c in config.get("index_codecs") or []]
         if index_codecs not in (["bytes"], ["bytes", "crc32c"]) or len(codecs) > 1:
             return None
@@ -234,9 +330,7 @@ def _zarr3_codec(meta: dict[str, Any], ndim: int, dtype: np.dtype[Any]) -> Codec
         zstd=names == ["zstd"],
         byteorder=byteorder,
         order=order,
-        separator=separator,
-        prefix=prefix,
-        shard=shard,
+        keys=keys,
         fill=_fill(meta.get("fill_value"), dtype),
         **index,
     )

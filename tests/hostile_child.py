@@ -4,7 +4,8 @@
 
 CASES.json is a list of `{"name", "path", "do", "kwargs"}`. For each case this prints
 `{"name": ..., "started": true}` before it runs and `{"name": ..., "outcome": ...}`
-after, where the outcome is `ok`, `lazyckpt:<ErrorClass>: <message>` or
+after, where the outcome is `ok` (`ok: <report>` for `verify`),
+`lazyckpt:<ErrorClass>: <message>` or
 `other:<ErrorClass>: <message>`; a case that crashes the interpreter or hangs leaves
 only its `started` line, and the parent sees the exit status or the timeout.
 """
@@ -20,7 +21,8 @@ import sys
 from typing import Any
 
 
-def _do(lazyckpt: Any, case: dict[str, Any]) -> None:
+def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
+    """Run the case; what it found, where that is more than success."""
     path, do, kwargs = case["path"], case["do"], case.get("kwargs", {})
     if do == "open":
         lazyckpt.open(path, **kwargs)
@@ -28,10 +30,14 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> None:
         str(lazyckpt.summary(lazyckpt.open(path, **kwargs)))
     elif do == "load":
         lazyckpt.load(lazyckpt.open(path, **kwargs), memory_budget=64 << 20)
-    elif do == "get":
-        next(leaf for _, leaf in lazyckpt.leaves(lazyckpt.open(path))).get()
-    elif do == "get_slice":
-        next(leaf for _, leaf in lazyckpt.leaves(lazyckpt.open(path)))[:4].get()
+    elif do in ("get", "get_slice"):
+        first = next((leaf for _, leaf in lazyckpt.leaves(lazyckpt.open(path))), None)
+        if not isinstance(first, lazyckpt.LazyArray):
+            return f"the first leaf is {type(first).__name__}"
+        (first[:4] if do == "get_slice" else first).get()
+    elif do == "verify":
+        result = lazyckpt.verify(lazyckpt.open(path), memory_budget=64 << 20, progress=False)
+        return str(result)
     elif do == "stats":
         lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 20)
     elif do in ("show", "inspect"):
@@ -39,11 +45,13 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> None:
 
         args = [do, path, *case.get("args", [])]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            code = main([*args, "--traceback"]) if case.get("traceback") else main(args)
+            # --traceback: errors that are no LazyckptError surface as themselves.
+            code = main(["--traceback", *args])
         if code:
             raise lazyckpt.LazyckptError(f"the command exited with {code}")
     else:
         raise ValueError(f"unknown case action {do!r}")
+    return None
 
 
 def main(cases_file: str) -> None:
@@ -63,8 +71,8 @@ def main(cases_file: str) -> None:
     for case in cases:
         print(json.dumps({"name": case["name"], "started": True}), flush=True)
         try:
-            _do(lazyckpt, case)
-            outcome = "ok"
+            found = _do(lazyckpt, case)
+            outcome = "ok" if found is None else f"ok: {found}"
         except lazyckpt.LazyckptError as error:
             outcome = f"lazyckpt:{type(error).__name__}: {error}"
         except BaseException as error:  # noqa: BLE001 - what the parent checks for

@@ -1,6 +1,6 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
-    python -m tests.rss_probe PATH load|device_put|stream|stats|slice|get BUDGET_BYTES
+    python -m tests.rss_probe PATH load|device_put|stream|stats|verify|slice|get BUDGET_BYTES
     python -m tests.rss_probe PATH convert BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
@@ -54,6 +54,10 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
     elif mode == "stats":
         found = lazyckpt.stats(tree, memory_budget=budget)
         total = sum(s.mean or 0.0 for s in found.values())
+    elif mode == "verify":
+        result = lazyckpt.verify(tree, memory_budget=budget)
+        arrays = [leaf for _, leaf in lazyckpt.leaves(tree) if isinstance(leaf, lazyckpt.LazyArray)]
+        assert result.ok and result.nbytes == sum(a.nbytes for a in arrays), result
     elif mode == "load":
         loaded = lazyckpt.load(tree, memory_budget=budget)
         kept = sum(leaf.nbytes for _, leaf in lazyckpt.leaves(loaded))

@@ -372,7 +372,9 @@ def big_chunk(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return orbax_save(tmp_path_factory.mktemp("big-chunk") / "ckpt", {"w": value})
 
 
-@pytest.mark.parametrize("mode", ["load", "device_put", "stream", "stats", "slice", "get"])
+@pytest.mark.parametrize(
+    "mode", ["load", "device_put", "stream", "stats", "verify", "slice", "get"]
+)
 def test_memory_stays_within_the_budget_whatever_the_chunk_size(big_chunk: Path, mode: str) -> None:
     """In a fresh process: one 96 MiB chunk read at a 16 MiB budget. Reads need at
     most the budget and 15% beyond their results; a few rows near the start of the
