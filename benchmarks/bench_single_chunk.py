@@ -8,7 +8,7 @@ as one chunk: here 1 GiB. Each measurement runs in a fresh process (best of
 `--repeat`); peak RSS is above the process's baseline.
 
 Goals (issue 13): `load` and `device_put` need at most budget + 15% beyond their
-results; `iter_blocks` and `stats` peak at most budget + 15%; 100 rows near the start
+results; `iter_blocks`, `stats` and `verify` peak at most budget + 15%; 100 rows near the start
 peak within the budget and read at most the stored prefix up to those rows plus one
 read window; `stats` takes at most 1.3x a plain `load`. Orbax, for contrast, restores
 the whole array for any of these.
@@ -69,6 +69,7 @@ def lazy(path: str, mode: str, budget: int) -> dict[str, Any]:
         ),
         "iter_blocks": stream,
         "stats": lambda: lazyckpt.stats(w, memory_budget=budget).mean,
+        "verify": lambda: lazyckpt.verify(w, memory_budget=budget, progress=False).ok,
         "100 rows at 1000": lambda: lazyckpt.load(w[1000:1100], memory_budget=budget).nbytes,
     }
     return measure(operations[mode], keep=True)
@@ -104,7 +105,7 @@ def main() -> None:
         f"checkpoint: {path} ({fmt_bytes(data)} in one chunk, {fmt_bytes(stored)} stored; "
         f"written in {time.perf_counter() - start:.1f} s); budget {fmt_bytes(budget)}\n"
     )
-    modes = ["load", "device_put", "iter_blocks", "stats", "100 rows at 1000"]
+    modes = ["load", "device_put", "iter_blocks", "stats", "verify", "100 rows at 1000"]
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in [*modes, "orbax restore"]}
     for _ in range(args.repeat):
         for mode in modes:

@@ -365,3 +365,14 @@ def test_urls_that_leave_the_bucket_are_refused(s3: Any) -> None:
         lazyckpt.save("s3://ckpts/../other/x", {"w": np.zeros(2)})
     with pytest.raises(lazyckpt.LazyckptError, match="mark unfinished saves"):
         lazyckpt.save("s3://ckpts/x.orbax-checkpoint-tmp", {"w": np.zeros(2)})
+
+
+def test_a_bucket_checkpoint_overwritten_after_open_says_so(s3: Any) -> None:
+    url = lazyckpt.save("s3://ckpts/replaced", {"w": np.arange(6.0), "note": "old"})
+    lazy = lazyckpt.open(url)
+    lazyckpt.save(url, {"w": np.arange(6.0) + 1, "note": "new"}, overwrite=True)
+    for read in (lambda: lazy["w"].get(), lambda: lazyckpt.load(lazy)):
+        with pytest.raises(lazyckpt.CheckpointChangedError, match="overwritten or changed"):
+            read()
+    reopened = lazyckpt.open(url)
+    assert reopened["note"] == "new" and reopened["w"].get().tolist() == [1, 2, 3, 4, 5, 6]
