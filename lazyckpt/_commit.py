@@ -28,15 +28,15 @@ from lazyckpt._errors import (
     StorageAccessError,
     warn,
 )
-from lazyckpt._layout import is_pytree_dir, is_unfinished
+from lazyckpt._layout import is_pytree_dir
+from lazyckpt._orbax import TMP_MARKER, is_unfinished
 
-_TMP_MARKER = ".orbax-checkpoint-tmp"
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
 _AT_FDCWD = -100
 
 
 def _tmp_prefix(final: str) -> str:
-    return f"{final}{_TMP_MARKER}-lazyckpt-{socket.gethostname()}-"
+    return f"{final}{TMP_MARKER}-lazyckpt-{socket.gethostname()}-"
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
     """
     if is_unfinished(fs.basename(final)):
         raise LazyckptError(
-            f"{final}: names containing {_TMP_MARKER!r} mark unfinished saves and are "
+            f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
             "never read; choose another name"
         )
     if fs.is_remote(final):
@@ -117,7 +117,7 @@ def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
 def _check_destination(final: str, overwrite: bool) -> None:
     if is_unfinished(os.path.basename(final)):
         raise LazyckptError(
-            f"{final}: names containing {_TMP_MARKER!r} mark unfinished saves and are "
+            f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
             "never read; choose another name"
         )
     if not os.path.lexists(final):

@@ -13,15 +13,12 @@ from lazyckpt._errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
+from lazyckpt._orbax import TMP_MARKER, is_process_folder, is_unfinished
+from lazyckpt._zarr import ZARR2_KEY, ZARR3_KEY
 
-_TMP_MARKER = ".orbax-checkpoint-tmp"
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
 _DEFAULT_ITEMS = ("state", "default", "pytree")
-_ZARR_METADATA = (".zarray", "zarr.json")
-
-
-def is_unfinished(name: str) -> bool:
-    return _TMP_MARKER in name
+_ZARR_METADATA = (ZARR2_KEY, ZARR3_KEY)
 
 
 def is_pytree_dir(path: str) -> bool:
@@ -31,7 +28,7 @@ def is_pytree_dir(path: str) -> bool:
     names = fs.listdir(path)
     if {"_METADATA", "checkpoint", "manifest.ocdbt"} & set(names):
         return True
-    if any(n.startswith("ocdbt.process_") for n in names):
+    if any(is_process_folder(n) for n in names):
         return True
     return any(
         fs.isfile(fs.join(fs.join(path, n), m))
@@ -60,7 +57,7 @@ def _step_groups(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]
         if (
             match
             and not is_unfinished(name)
-            and not name.startswith("ocdbt.process_")  # a PyTree's per-process database
+            and not is_process_folder(name)  # a PyTree's per-process database
             and fs.isdir(fs.join(root, name))
             and _committed(fs.join(root, name))
         ):
@@ -213,7 +210,7 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
     path = fs.normalize(path)
     if is_unfinished(fs.basename(path)):
         raise UnfinishedCheckpointError(
-            f"{path} is an unfinished save (its name contains {_TMP_MARKER!r}): the save "
+            f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
     if not fs.exists(path):

@@ -15,8 +15,8 @@ from lazyckpt import _fs as fs
 from lazyckpt._errors import CorruptCheckpointError, warn
 from lazyckpt._memory import physical_memory
 from lazyckpt._msgpack import decode
+from lazyckpt._orbax import INLINE, STORED, Leaf, Path
 from lazyckpt._store import Store
-from lazyckpt._tree_metadata import INLINE, STORED, Leaf, Path
 from lazyckpt._zarr import ZARR2_KEY, ZARR3_KEY
 
 MSGPACK_FILE = "checkpoint"

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 
 from lazyckpt import _fs as fs
-from lazyckpt import _tree_metadata as tm
+from lazyckpt import _orbax as tm
 from lazyckpt._errors import (
     CorruptCheckpointError,
     LazyckptError,
@@ -262,7 +262,7 @@ def _open_store(
     location: str, metadata: dict[str, Any], generation: tuple[Any, ...], *, required: bool = True
 ) -> Store:
     names = fs.listdir(location)
-    per_process = sorted(n for n in names if n.startswith("ocdbt.process_"))
+    per_process = sorted(n for n in names if tm.is_process_folder(n))
     use_ocdbt = metadata.get("use_ocdbt")
     ocdbt = (
         bool(use_ocdbt) if use_ocdbt is not None else bool("manifest.ocdbt" in names or per_process)
@@ -397,13 +397,7 @@ def _strings(location: str, leaves: Sequence[tm.Leaf]) -> dict[tm.Path, str]:
         ) from None
     values = {}
     for leaf in leaves:
-        # Orbax looks strings up with the JSON pointer "/" + name (spec §5).
-        node = table
-        try:
-            for part in leaf.name.split("/"):
-                node = node[part.replace("~1", "/").replace("~0", "~")]
-        except (KeyError, TypeError):
-            node = None
+        node = tm.find_string(table, leaf.name)
         if not isinstance(node, str):
             found = "nothing" if node is None else f"a {type(node).__name__}"
             raise CorruptCheckpointError(

@@ -336,6 +336,46 @@ def _zarr3_codec(
     )
 
 
+def zarr3_spec(
+    kvstore: dict[str, Any], name: str, shape: tuple[int, ...], dtype: Any, chunks: tuple[int, ...]
+) -> dict[str, Any]:
+    """A tensorstore spec creating the zarr3 array `name` as Orbax writes it, its
+    chunks zstd-compressed with their content checksum."""
+    codecs = [
+        {"name": "bytes", "configuration": {"endian": "little"}},
+        {"name": "zstd", "configuration": {"level": 1, "checksum": True}},
+    ]
+    return {
+        "driver": "zarr3",
+        "kvstore": {**kvstore, "path": f"{name}/" if name else ""},
+        "metadata": {
+            "shape": list(shape),
+            "data_type": ts.dtype(dtype).name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            "chunk_key_encoding": {"name": "default"},
+            # As Orbax writes it: a shard holding exactly one chunk, with a checksummed index.
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(chunks),
+                        "codecs": codecs,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                        "index_location": "end",
+                    },
+                }
+            ],
+        },
+        "create": True,
+        # Write every chunk, even all-zero ones: readers then treat a missing chunk
+        # as damage (store_array_data_equal_to_fill_value in _METADATA).
+        "store_data_equal_to_fill_value": True,
+    }
+
+
 def _fill(value: Any, dtype: np.dtype[Any]) -> Any:
     """The fill value as a scalar of `dtype`; null (zarr v2's default) is zero."""
     if value is None:

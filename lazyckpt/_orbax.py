@@ -1,9 +1,19 @@
-"""The saved tree's structure: `_METADATA` entries, and nesting leaves into a tree."""
+"""Orbax's PyTree format, read and written in one place (spec §1-§9).
+
+What the files are called and hold: `_METADATA` (the tree: one entry per leaf, with
+its key path, key types and value type), `_sharding`, `array_metadatas/process_<i>`,
+`_strings.json` (strings, found by a JSON pointer), `_CHECKPOINT_METADATA`,
+`commit_success.txt`, the per-process databases `ocdbt.process_<i>`, and the marker
+of an unfinished save. Readers parse with `parse` and nest leaves with `build`;
+`save` builds each file's contents with the `*_json` functions.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,8 +37,29 @@ EMPTY_VALUES: dict[str, Callable[[], Any]] = {
     "Tuple": list,  # Orbax rebuilds tuples as lists too
     "NamedTuple": lambda: None,
 }
-_SEQUENCE_KEY, _DICT_KEY = 1, 2
+SEQUENCE_KEY, DICT_KEY = 1, 2  # key_type codes in _METADATA (spec §3.1)
 _KNOWN_TYPES = frozenset([*EMPTY_VALUES, *ARRAY_TYPES, STRING])
+EMPTY_WRITTEN = ("None", "Dict", "List", "Tuple")
+"""The value types `save` writes for None and empty containers."""
+
+TMP_MARKER = ".orbax-checkpoint-tmp"
+"""In the name of a folder whose save has not committed (spec §1.4)."""
+PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+_PROCESS_PREFIX = "ocdbt.process_"
+
+
+def is_unfinished(name: str) -> bool:
+    """Whether a folder named `name` is a save that never committed."""
+    return TMP_MARKER in name
+
+
+def process_folder(process: int) -> str:
+    """The folder of process `process`'s OCDBT database in a multi-process save."""
+    return f"{_PROCESS_PREFIX}{process}"
+
+
+def is_process_folder(name: str) -> bool:
+    return name.startswith(_PROCESS_PREFIX)
 
 
 @attrs.frozen
@@ -89,9 +120,9 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
         )
     path: list[str | int] = []
     for key, key_type in keys:
-        if key_type == _SEQUENCE_KEY and key.isascii() and key.isdigit():
+        if key_type == SEQUENCE_KEY and key.isascii() and key.isdigit():
             path.append(int(key))
-        elif key_type == _DICT_KEY:
+        elif key_type == DICT_KEY:
             path.append(key)
         else:
             raise CorruptCheckpointError(
@@ -180,3 +211,148 @@ def _to_lists(location: str, root: Any, path: Path) -> Any:
             raise CorruptCheckpointError(f"{location}: {where!r} mixes list indices and dict keys")
         parent[slot] = converted
     return result[0]
+
+
+# Strings (spec §5): Orbax finds each with the JSON pointer "/" + its name.
+
+
+def pointer_parts(name: str) -> list[str]:
+    """The keys the JSON pointer `"/" + name` steps through."""
+    return [part.replace("~1", "/").replace("~0", "~") for part in name.split("/")]
+
+
+def valid_pointer(name: str) -> bool:
+    """Whether `"/" + name` is a JSON pointer: every '~' is followed by '0' or '1'."""
+    return not any(
+        c == "~" and part[i + 1 : i + 2] not in ("0", "1")
+        for part in name.split("/")
+        for i, c in enumerate(part)
+    )
+
+
+def find_string(table: Any, name: str) -> Any:
+    """What `_strings.json`'s `table` holds at the pointer of `name` (None if nothing)."""
+    node = table
+    try:
+        for part in pointer_parts(name):
+            node = node[part]
+    except (KeyError, TypeError):
+        return None
+    return node
+
+
+def strings_json(values: Mapping[str, str], where: Mapping[str, str]) -> dict[str, Any]:
+    """`_strings.json` for string leaves by name; `where[name]` names a leaf in errors.
+
+    Raises ValueError when two names would collide in the nesting."""
+    nested: dict[str, Any] = {}
+    for name, value in values.items():
+        *parents, last = pointer_parts(name)
+        node = nested
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(
+                    f"{where[name]}: its name {name!r} nests under another string leaf "
+                    f"({part!r}) in _strings.json; rename one of them"
+                )
+            node = child
+        if last in node:
+            raise ValueError(
+                f"{where[name]}: its name {name!r} collides with other string leaves in "
+                "_strings.json; rename one of them"
+            )
+        node[last] = value
+    return nested
+
+
+# Writing the other files.
+
+
+@attrs.frozen
+class Entry:
+    """One leaf as `_METADATA` records it."""
+
+    keys: tuple[tuple[str, int], ...]
+    """(key, key_type) per level."""
+    value_type: str
+    write_shape: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        """The storage name: the keys joined by '.' (spec §3.4)."""
+        return ".".join(key for key, _ in self.keys)
+
+
+def metadata_json(entries: Iterable[Entry]) -> dict[str, Any]:
+    """`_METADATA` for a checkpoint of one OCDBT database of zarr3 arrays, every chunk
+    written."""
+    tree_metadata = {}
+    for entry in entries:
+        value: dict[str, Any] = {
+            "value_type": entry.value_type,
+            "skip_deserialize": entry.value_type in EMPTY_WRITTEN,
+        }
+        if entry.write_shape is not None:
+            value["write_shape"] = list(entry.write_shape)
+        tree_metadata[str(tuple(key for key, _ in entry.keys))] = {
+            "key_metadata": [{"key": key, "key_type": kind} for key, kind in entry.keys],
+            "value_metadata": value,
+        }
+    return {
+        "tree_metadata": tree_metadata,
+        "use_ocdbt": True,
+        "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+
+
+def sharding_json(shardings: Mapping[str, str]) -> dict[str, str]:
+    """`_sharding`: each jax.Array's sharding entry, keyed by its name in base64."""
+    return {
+        base64.urlsafe_b64encode(name.encode()).decode(): entry for name, entry in shardings.items()
+    }
+
+
+@attrs.frozen
+class ArrayRecord:
+    """One jax.Array as `array_metadatas/process_<i>` records it."""
+
+    name: str
+    write_shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    key_impl: str | None = None
+
+
+def array_metadatas_json(records: Sequence[ArrayRecord]) -> dict[str, Any]:
+    return {
+        "array_metadatas": [
+            {
+                "array_metadata": {
+                    "param_name": r.name,
+                    "write_shape": list(r.write_shape),
+                    "chunk_shape": list(r.chunks),
+                    "ext_metadata": {"random_key_impl": r.key_impl} if r.key_impl else None,
+                }
+            }
+            for r in records
+        ]
+    }
+
+
+def checkpoint_metadata_json(started_ns: int) -> dict[str, Any]:
+    """`_CHECKPOINT_METADATA` of a save that started at `started_ns` and commits now."""
+    return {
+        "item_handlers": PYTREE_HANDLER,
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": started_ns,
+        "commit_timestamp_nsecs": time.time_ns(),
+        "custom_metadata": {},
+    }
+
+
+def commit_text(final: str) -> bytes:
+    """`commit_success.txt`: on object storage, the file whose presence commits."""
+    return f"Checkpoint commit was successful to {final}".encode()
