@@ -51,7 +51,7 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
             f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
             "never read; choose another name"
         )
-    if fs.is_remote(final):
+    if not fs.atomic_rename(final):
         with _publishing_to_bucket(final, overwrite=overwrite):
             yield final
         return

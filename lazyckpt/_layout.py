@@ -237,7 +237,7 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
 def _finished(item: str) -> bool:
     """Whether the save of the PyTree folder `item` finished: its step folder's commit
     marker when it is an item of a step, else its own."""
-    if not fs.is_remote(item):
+    if fs.atomic_rename(item):
         return True
     step = fs.dirname(item)
     in_step = not fs.isfile(fs.join(item, "_CHECKPOINT_METADATA")) and fs.isfile(
@@ -249,7 +249,7 @@ def _finished(item: str) -> bool:
 def _committed(folder: str) -> bool:
     """Whether a save to `folder` finished. On object storage only the presence of
     commit_success.txt says so (spec §1.1); on a local disk the rename did."""
-    return not fs.is_remote(folder) or fs.isfile(fs.join(folder, "commit_success.txt"))
+    return fs.atomic_rename(folder) or fs.isfile(fs.join(folder, "commit_success.txt"))
 
 
 def _item(step_dir: str, item: str | None) -> str:

@@ -64,7 +64,7 @@ def save(
     """
     final = fs.normalize(path)
     leaves = plan(tree, chunk_bytes)
-    if overwrite and fs.is_remote(final):
+    if overwrite and not fs.atomic_rename(final):
         _refuse_reading_from(final, leaves)
     multihost.agree(
         "the tree to save",

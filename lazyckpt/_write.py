@@ -250,9 +250,8 @@ def write_metadata(tmp: str, final: str, leaves: Sequence[Planned]) -> None:
     _write_json(tmp, "_METADATA", orbax.metadata_json(leaf.entry() for leaf in leaves))
     arrays = [leaf for leaf in leaves if leaf.value_type == "jax.Array"]
     _write_json(tmp, "_sharding", orbax.sharding_json({a.name: a.sharding or "" for a in arrays}))
-    if arrays and not fs.is_remote(tmp):
-        os.mkdir(os.path.join(tmp, "array_metadatas"))
     if arrays:
+        fs.make_folder(fs.join(tmp, "array_metadatas"))
         records = [
             orbax.ArrayRecord(a.name, a.write_shape or a.shape, a.chunks, a.key_impl)
             for a in arrays

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import lazyckpt
-from tests.conftest import orbax_save, refuse_data_reads
+from tests.helpers import orbax_save, refuse_data_reads
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
@@ -54,7 +54,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 def test_checkpoint_view_in_chromium(
     browser_page: Any, tmp_path: Path, mesh: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.conftest import reference_tree
+    from tests.helpers import reference_tree
 
     path = orbax_save(tmp_path / "ckpt", reference_tree(mesh), zarr3=True)
     tree = lazyckpt.open(path)

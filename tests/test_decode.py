@@ -28,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 import lazyckpt
 from lazyckpt import _decode
 from lazyckpt._decode import ChunkStream
-from tests.conftest import orbax_save, rss_probe
-from tests.test_layouts import LAYOUTS, assert_loaded, expected, rich_tree
+from tests.helpers import LAYOUTS, assert_loaded, expected, orbax_save, rich_tree, rss_probe
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from tests.conftest import assert_tree_equal, host_value
+from tests.helpers import assert_tree_equal, host_value
 
 
 def test_demo_walks_through_open_select_reshard_load(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
-from tests.conftest import stored_chunk_bytes
+from tests.helpers import stored_chunk_bytes
 
 
 def _assert_placed(array: jax.Array, sharding: jax.sharding.Sharding, want: np.ndarray) -> None:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt._geometry import chunk_blocks
-from tests.conftest import rss_probe, stored_chunk_bytes
+from tests.helpers import rss_probe, stored_chunk_bytes
 
 
 @pytest.fixture(scope="module")

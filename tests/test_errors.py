@@ -17,7 +17,7 @@ from lazyckpt import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
-from tests.conftest import orbax_manager_save, orbax_save
+from tests.helpers import orbax_manager_save, orbax_save
 
 
 def test_error_classes_inherit_builtins() -> None:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
-from tests.conftest import orbax_manager_save, orbax_save, refuse_data_reads
+from tests.helpers import orbax_manager_save, orbax_save, refuse_data_reads
 
 ROOT = Path(__file__).parent.parent
 

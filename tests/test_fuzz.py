@@ -22,8 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import orbax_save
-from tests.test_hostile import run_cases
+from tests.helpers import orbax_save, run_cases
 
 FUZZ_CASES = int(os.environ.get("LAZYCKPT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("LAZYCKPT_FUZZ_SEED", "20261201"))

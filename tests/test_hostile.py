@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,44 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import orbax_save
+from tests.helpers import expect, orbax_manager_save, orbax_save, run_cases
 
 ROOT = Path(__file__).parent.parent
-
-
-def run_cases(cases: list[dict[str, Any]], tmp_path: Path, timeout: int = 240) -> dict[str, str]:
-    """Outcome by case name; fails the test if the child crashed or timed out."""
-    spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps(cases))
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "tests.hostile_child", str(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-        )
-    except subprocess.TimeoutExpired as expired:
-        lines = (
-            (expired.stdout or b"").decode().splitlines()
-            if isinstance(expired.stdout, bytes)
-            else (expired.stdout or "").splitlines()
-        )
-        last = json.loads(lines[-1])["name"] if lines else "(none)"
-        pytest.fail(f"the cases hung; the last one started was {last!r}")
-    outcomes: dict[str, str] = {}
-    last = None
-    for line in result.stdout.splitlines():
-        record = json.loads(line)
-        if "outcome" in record:
-            outcomes[record["name"]] = record["outcome"]
-        last = record["name"]
-    if result.returncode != 0:
-        pytest.fail(
-            f"the child exited with {result.returncode} during case {last!r}: "
-            f"{result.stderr[-2000:]}"
-        )
-    return outcomes
 
 
 def _folder_checkpoint(path: Path, tree: Any, **options: Any) -> Path:
@@ -89,16 +52,6 @@ def _entry(keys: list[tuple[str, int]], value_type: str = "None") -> dict[str, A
 def _msgpack_chain(depth: int, leaf: bytes = b"\x01") -> bytes:
     """msgpack for {"k": {"k": ... leaf}} nested `depth` maps deep."""
     return b"\x81\xa1k" * depth + leaf
-
-
-def _expect(outcomes: dict[str, str], expected: dict[str, str]) -> None:
-    """Each case's outcome starts with what is expected: `ok`, or `lazyckpt:<Error>`."""
-    wrong = {
-        name: outcomes.get(name, "(no outcome)")
-        for name, want in expected.items()
-        if not outcomes.get(name, "").startswith(want)
-    }
-    assert not wrong, json.dumps(wrong, indent=1)
 
 
 def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
@@ -137,7 +90,7 @@ def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
             }
         )
     outcomes = run_cases(cases, tmp_path)
-    _expect(outcomes, expected)
+    expect(outcomes, expected)
     assert "needs 3.6 PiB, more than this machine's memory" in outcomes["one_chunk:get"]
     assert (
         "read a slice of it, or stream it with lazyckpt.iter_blocks" in outcomes["one_chunk:load"]
@@ -166,7 +119,7 @@ def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:
     (wide / "checkpoint").write_bytes(b"\xde" + struct.pack(">H", count) + body)
     cases.append({"name": "msgpack:wide", "path": str(wide), "do": "summary"})
     outcomes = run_cases(cases, tmp_path)
-    _expect(
+    expect(
         outcomes,
         {
             "metadata:511": "ok",
@@ -243,7 +196,7 @@ def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path
 
     case("unknown PRNG impl", key_impl, "lazyckpt:UnsupportedCheckpointError", do="open")
     outcomes = run_cases(cases, tmp_path)
-    _expect(outcomes, expected)
+    expect(outcomes, expected)
     assert "_strings.json is not valid JSON" in outcomes["_strings truncated"]
     assert "not UTF-8 text" in outcomes["latin1 _METADATA"]
 
@@ -262,7 +215,7 @@ def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
     (dates / "checkpoint").write_bytes(b"\x81\xa1d\xc7" + bytes([len(payload), 1]) + payload)
     cases.append({"name": "msgpack datetime64", "path": str(dates), "do": "open"})
     outcomes = run_cases(cases, tmp_path)
-    _expect(
+    expect(
         outcomes,
         {
             "superscript index": "lazyckpt:CorruptCheckpointError",
@@ -339,7 +292,7 @@ def test_devices_fifos_and_links_out_of_the_folder(sharded: Path, tmp_path: Path
     cases.append({"name": "link inside the folder", "path": str(inside), "do": "load"})
     expected["link inside the folder"] = "ok"
     outcomes = run_cases(cases, tmp_path, timeout=180)
-    _expect(outcomes, expected)
+    expect(outcomes, expected)
     assert (
         "is not a regular file (a character device)" in outcomes["_METADATA -> /dev/zero allowed"]
     )
@@ -351,7 +304,6 @@ def test_item_names_stay_inside_the_step(tmp_path: Path) -> None:
     import orbax.checkpoint as ocp
 
     import lazyckpt
-    from tests.conftest import orbax_manager_save
 
     root = orbax_manager_save(
         tmp_path / "run", {1: {"state": ocp.args.StandardSave({"w": np.zeros(2)})}}

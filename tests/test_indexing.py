@@ -12,7 +12,7 @@ import pytest
 import lazyckpt
 from lazyckpt import LazyIndexError
 from lazyckpt._selection import Range
-from tests.conftest import stored_chunk_bytes
+from tests.helpers import stored_chunk_bytes
 
 INDEXES = [
     (slice(None),),

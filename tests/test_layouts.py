@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -17,148 +15,17 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
-from tests.conftest import orbax_manager_save, orbax_save
-
-
-def rich_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """Every kind of leaf and key that Orbax can save (spec §3, §5, §9)."""
-    rng = np.random.default_rng(3)
-    return {
-        "sharded": jax.device_put(
-            rng.standard_normal((64, 32), dtype=np.float32), NamedSharding(mesh, P("x", "y"))
-        ),
-        "replicated": jax.device_put(np.arange(40, dtype=np.int32), NamedSharding(mesh, P())),
-        "dtypes": {
-            "bf16": np.linspace(-3, 3, 12).astype(jnp.bfloat16),
-            "f16": np.linspace(-3, 3, 12).astype(np.float16),
-            "i8": np.arange(-6, 6, dtype=np.int8),
-            "u8": np.arange(12, dtype=np.uint8),
-            "bool": np.arange(12) % 3 == 0,
-            "c64": (np.arange(4) + 1j).astype(np.complex64),
-        },
-        "zero_d": {"jax": jnp.float32(2.5) * jnp.ones(()), "numpy": np.array(7, np.int16)},
-        "scalars": {
-            "int": 3,
-            "float": 0.5,
-            "bool": True,
-            "np_int8": np.int8(-4),
-            "np_f32": np.float32(1.5),
-        },
-        "text": "hello",
-        "containers": {
-            "list": [np.ones(3, np.float32), "in a list", 4],
-            "tuple": (np.zeros(2, np.float32), 5),
-            "empty_dict": {},
-            "empty_list": [],
-            "none": None,
-        },
-        "keys": {
-            "one": jax.random.key(42),
-            "split": jax.random.split(jax.random.key(1), 3),
-            "raw": jax.random.PRNGKey(0),
-        },
-        "x.y": np.arange(3, dtype=np.float32),
-        "a/b": np.arange(4, dtype=np.float32),
-        "tilde~k": np.arange(5, dtype=np.float32),
-        "e/f": "slash string",
-        "int_keys": {7: {8: np.arange(2, dtype=np.int32)}, 9: "nine"},
-    }
-
-
-def expected(value: Any) -> Any:
-    """What lazyckpt.load returns for what was saved (spec §3.1, §15.6)."""
-    if isinstance(value, dict):
-        return {str(k): expected(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [expected(v) for v in value]
-    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-        return value
-    if isinstance(value, jax.Array | np.ndarray):
-        return np.asarray(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def assert_loaded(actual: Any, want: Any, key: str = "") -> None:
-    if isinstance(want, dict):
-        assert isinstance(actual, dict) and sorted(actual) == sorted(want), key
-        for k in want:
-            assert_loaded(actual[k], want[k], f"{key}/{k}")
-    elif isinstance(want, list):
-        assert isinstance(actual, list) and len(actual) == len(want), key
-        for i, (a, w) in enumerate(zip(actual, want, strict=True)):
-            assert_loaded(a, w, f"{key}/{i}")
-    elif isinstance(want, jax.Array):
-        assert actual.dtype == want.dtype, key
-        np.testing.assert_array_equal(jax.random.key_data(actual), jax.random.key_data(want))
-    elif isinstance(want, np.ndarray):
-        assert isinstance(actual, np.ndarray) and actual.dtype == want.dtype, key
-        np.testing.assert_array_equal(actual, want, err_msg=key)
-    else:
-        assert actual == want and type(actual) is type(want), key
-
-
-def _structure(tree: Any) -> list[tuple[str, Any]]:
-    out = []
-    for key, leaf in lazyckpt.leaves(tree):
-        if isinstance(leaf, LazyArray):
-            out.append((key, (leaf.shape, str(leaf.dtype), leaf.key_impl)))
-        else:
-            out.append((key, leaf))
-    return out
-
-
-def _handler_save(**options: Any) -> Callable[[Path, Any], Path]:
-    def save(path: Path, tree: Any) -> Path:
-        import orbax.checkpoint as ocp
-
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options)) as checkpointer:
-            checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
-        return path
-
-    return save
-
-
-def _chunked_save(zarr3: bool) -> Callable[[Path, Any], Path]:
-    def save(path: Path, tree: Any) -> Path:
-        import orbax.checkpoint as ocp
-
-        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=512), tree)
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)) as checkpointer:
-            checkpointer.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
-        return path
-
-    return save
-
-
-def _standard_save(path: Path, tree: Any) -> Path:
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, tree)
-    return path
-
-
-def _v1_save(path: Path, tree: Any) -> Path:
-    import orbax.checkpoint as ocp
-
-    ocp.v1.save(path, tree)
-    return path
-
-
-LAYOUTS: dict[str, Callable[[Path, Any], Path]] = {
-    "ocdbt_zarr2": _handler_save(use_ocdbt=True, use_zarr3=False),
-    "ocdbt_zarr3": _handler_save(use_ocdbt=True, use_zarr3=True),
-    "folders_zarr2": _handler_save(use_ocdbt=False, use_zarr3=False),
-    "folders_zarr3": _handler_save(use_ocdbt=False, use_zarr3=True),
-    "uncompressed_folders": _handler_save(use_ocdbt=False, use_compression=False),
-    "uncompressed_ocdbt_zarr3": _handler_save(use_zarr3=True, use_compression=False),
-    "subchunked_zarr2": _chunked_save(zarr3=False),
-    "subchunked_zarr3": _chunked_save(zarr3=True),
-    "standard_checkpointer": _standard_save,
-    "v1_api": _v1_save,
-}
+from tests.helpers import (
+    LAYOUTS,
+    assert_loaded,
+    expected,
+    handler_save,
+    orbax_manager_save,
+    orbax_save,
+    rich_tree,
+    structure,
+    v1_save,
+)
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +56,14 @@ def test_layout_opens_with_saved_values(
 
 def test_same_structure_across_layouts(written: tuple[dict[str, Any], dict[str, Path]]) -> None:
     _, paths = written
-    full = {name: _structure(lazyckpt.open(p)) for name, p in paths.items()}
+    full = {name: structure(lazyckpt.open(p)) for name, p in paths.items()}
     reference = full["ocdbt_zarr2"]
-    for name, structure in full.items():
+    for name, found in full.items():
         if name in ("standard_checkpointer", "v1_api"):
-            keys = {key for key, _ in structure}
-            assert structure == [(k, v) for k, v in reference if k in keys], name
+            keys = {key for key, _ in found}
+            assert found == [(k, v) for k, v in reference if k in keys], name
         else:
-            assert structure == reference, name
+            assert found == reference, name
 
 
 def test_layout_specific_metadata(written: tuple[dict[str, Any], dict[str, Path]]) -> None:
@@ -242,7 +109,7 @@ def test_keys_without_array_metadatas_are_uint32(
 def test_bare_array_tree(tmp_path: Path, mesh: Any) -> None:
     value = jax.device_put(np.arange(16.0, dtype=np.float32), NamedSharding(mesh, P("x")))
     for ocdbt in (True, False):
-        path = _handler_save(use_ocdbt=ocdbt)(tmp_path / f"bare_{ocdbt}", value)
+        path = handler_save(use_ocdbt=ocdbt)(tmp_path / f"bare_{ocdbt}", value)
         lazy = lazyckpt.open(path)
         assert isinstance(lazy, LazyArray) and lazy.path == () and lazy.key == ""
         np.testing.assert_array_equal(lazy.get(), np.asarray(value))
@@ -293,7 +160,7 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     assert lazyckpt.items(root, step=5) == {"params": "pytree", "state": "pytree"}
     assert lazyckpt.open(root, step=5)["w"].get().tolist() == [5, 5, 5]  # `state` by default
     assert list(lazyckpt.open(root, item="params")) == ["p"]
-    v1 = _v1_save(tmp_path / "v1", {"x": np.arange(3)})
+    v1 = v1_save(tmp_path / "v1", {"x": np.arange(3)})
     assert (v1 / "orbax.checkpoint").exists() and lazyckpt.items(v1) == {"state": "pytree"}
     assert lazyckpt.open(v1)["x"].get().tolist() == [0, 1, 2]
     # v1's JsonHandler writes <item>/data.json (spec §1.3), as in Orbax's own corpus.
@@ -315,7 +182,7 @@ def test_structure_inferred_from_the_store_without_metadata(tmp_path: Path, ocdb
         "layers": [np.zeros(2, np.float32), np.ones(2, np.float32)],
         "step": np.array(4, np.int64),
     }
-    path = _handler_save(use_ocdbt=ocdbt)(tmp_path / "ckpt", tree)
+    path = handler_save(use_ocdbt=ocdbt)(tmp_path / "ckpt", tree)
     (path / "_METADATA").unlink()
     with pytest.warns(
         lazyckpt.InferredStructureWarning,

@@ -20,8 +20,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import LazyArray
-from tests.conftest import orbax_save
-from tests.test_layouts import _structure, assert_loaded, expected
+from tests.helpers import assert_loaded, expected, orbax_save, structure
 
 
 def _ext_array(value: np.ndarray, code: int = 1) -> msgpack.ExtType:
@@ -111,7 +110,7 @@ def test_legacy_structure_equals_orbax_written_structure(tmp_path: Path) -> None
     tree = _tree()
     legacy = _legacy_checkpoint(tmp_path / "legacy", tree, aggregated=set())
     current = orbax_save(tmp_path / "current", tree)
-    assert _structure(lazyckpt.open(legacy)) == _structure(lazyckpt.open(current))
+    assert structure(lazyckpt.open(legacy)) == structure(lazyckpt.open(current))
 
 
 def test_inline_numpy_scalars_complex_and_empty_values(tmp_path: Path) -> None:

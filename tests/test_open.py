@@ -14,7 +14,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import LazyArray
-from tests.conftest import assert_tree_equal, host_value
+from tests.helpers import assert_tree_equal, host_value
 
 
 def test_tree_structure_and_leaf_kinds(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -126,7 +126,7 @@ def test_open_and_inspection_read_no_array_data(
     without_scalars = {k: v for k, v in tree.items() if k not in ("step", "lr")}
     path = saved[0].parent / "no_scalars"
     if not path.exists():
-        from tests.conftest import orbax_save
+        from tests.helpers import orbax_save
 
         orbax_save(path, without_scalars, zarr3="zarr3" in str(saved[0]))
     lazy = lazyckpt.open(path)
@@ -141,7 +141,7 @@ def test_open_reads_no_chunk_bytes(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path, count_bytes: Any
 ) -> None:
     tree = {k: v for k, v in saved[1].items() if k not in ("step", "lr")}
-    from tests.conftest import orbax_save
+    from tests.helpers import orbax_save
 
     path = orbax_save(tmp_path / "ckpt", tree, zarr3="zarr3" in str(saved[0]))
     chunk_data = _process_data_bytes(path)

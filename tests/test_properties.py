@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 import lazyckpt
 from tests import strategies
-from tests.conftest import orbax_save
+from tests.helpers import orbax_save
 
 INDEX = {"allow_newaxis": True, "allow_ellipsis": True}
 

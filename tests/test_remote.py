@@ -21,16 +21,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from tests.conftest import assert_tree_equal, host_value, orbax_manager_save, orbax_save
+from tests.helpers import (
+    CREDENTIALS,
+    assert_tree_equal,
+    handler_save,
+    host_value,
+    orbax_manager_save,
+    orbax_save,
+)
 
-moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "lazyckpt-test",
-    "AWS_SECRET_ACCESS_KEY": "lazyckpt-test",
-    "AWS_REGION": "us-east-1",
-}
 
 
 @contextlib.contextmanager
@@ -57,25 +57,6 @@ def guarded_server(free_requests: int = 4) -> Iterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             server.kill()
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[Any]:
-    """A moto S3 server on 127.0.0.1 with a bucket `ckpts`; its endpoint in the
-    environment, as users set it."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            for key, value in CREDENTIALS.items():
-                env.setenv(key, value)
-            env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-            client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-            client.create_bucket(Bucket="ckpts")
-            yield client
-    finally:
-        server.stop()
 
 
 def upload(client: Any, folder: Path, prefix: str) -> str:
@@ -316,33 +297,14 @@ def test_cli_on_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
     assert shown.stdout.splitlines()[-1] == "[2. 3. 4.]"
 
 
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[str]:
-    """A Google Cloud Storage emulator on 127.0.0.1 with a bucket `ckpts`; tensorstore's
-    gcs driver pointed at it the way its own tests do."""
-    server_module = pytest.importorskip("gcp_storage_emulator.server")
-    server = server_module.create_server("127.0.0.1", 0, in_memory=True, default_bucket="ckpts")
-    server.start()
-    port = server._api._httpd.server_port
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://127.0.0.1:{port}")
-            env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "lazyckpt-test")
-            yield "gs://ckpts"
-    finally:
-        server.stop()
-
-
 def test_open_and_slice_on_gcs(gcs: str, tmp_path: Path, mesh: Any) -> None:
     """gs:// through tensorstore's gcs driver. The emulator's object generations are
     not ones tensorstore's OCDBT driver accepts ("Malformed StorageGeneration"), so
     this uses Orbax's folder-per-array layout; OCDBT and saves on gs:// go through the
     same code as on s3:// but are not exercised here."""
-    from tests.test_layouts import _handler_save
-
     value = np.arange(96 * 8, dtype=np.float32).reshape(96, 8)
     tree = {"w": jax.device_put(value, NamedSharding(mesh, P("x"))), "step": 4}
-    path = _handler_save(use_ocdbt=False)(tmp_path / "ckpt", tree)
+    path = handler_save(use_ocdbt=False)(tmp_path / "ckpt", tree)
     bucket = ts.KvStore.open({"driver": "gcs", "bucket": "ckpts"}).result()
     for file in path.rglob("*"):
         if file.is_file():

@@ -22,8 +22,14 @@ from jax.sharding import PartitionSpec as P
 import lazyckpt
 from lazyckpt import LazyArray
 from tests import strategies
-from tests.conftest import orbax_save, rss_probe, stored_chunk_bytes
-from tests.test_layouts import assert_loaded, expected, rich_tree
+from tests.helpers import (
+    assert_loaded,
+    expected,
+    orbax_save,
+    rich_tree,
+    rss_probe,
+    stored_chunk_bytes,
+)
 
 
 def orbax_restore(path: Path) -> Any:

@@ -11,7 +11,7 @@ import pytest
 import lazyckpt
 from lazyckpt import LazyArray, NoMatchError
 from lazyckpt._store import StoredArray
-from tests.conftest import refuse_data_reads, stored_chunk_bytes
+from tests.helpers import refuse_data_reads, stored_chunk_bytes
 
 
 def _keys(tree: Any) -> list[str]:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
 from lazyckpt._store import StoredArray
-from tests.conftest import orbax_save, refuse_data_reads, stored_chunk_bytes
+from tests.helpers import orbax_save, refuse_data_reads, stored_chunk_bytes
 
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")

@@ -14,7 +14,7 @@ import pytest
 
 import lazyckpt
 from lazyckpt._cli import main
-from tests.conftest import orbax_save
+from tests.helpers import orbax_save
 
 FLIPS = 200
 
@@ -145,7 +145,7 @@ def test_verify_work_follows_what_is_stored(tmp_path: Path) -> None:
     """A header edited to declare 10**15 rows: verify lists what is stored, decodes
     that, and counts the missing chunks without visiting them (in a child process
     with a memory limit and a timeout). Sharded zarr3: a missing shard is named."""
-    from tests.test_hostile import run_cases
+    from tests.helpers import run_cases
 
     value = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
     folders = orbax_save(tmp_path / "folders", {"w": value, "v": value}, use_ocdbt=False)
