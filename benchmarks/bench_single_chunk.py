@@ -68,7 +68,7 @@ def lazy(path: str, mode: str, budget: int) -> dict[str, Any]:
             jax.block_until_ready(lazyckpt.device_put(w, sharding, memory_budget=budget)).nbytes
         ),
         "iter_blocks": stream,
-        "stats": lambda: lazyckpt.stats(w, memory_budget=budget).mean,
+        "stats": lambda: lazyckpt.stats(w, memory_budget=budget)[w.key].mean,
         "verify": lambda: lazyckpt.verify(w, memory_budget=budget, progress=False).ok,
         "100 rows at 1000": lambda: lazyckpt.load(w[1000:1100], memory_budget=budget).nbytes,
     }

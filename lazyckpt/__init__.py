@@ -12,6 +12,8 @@ LazyArray('params/w', shape=(8, 8), dtype=float32, chunks=(2, 4), sharding=Named
 array([ 8.,  9., 10., 11.], dtype=float32)
 """
 
+__version__ = "0.1.0"
+
 from lazyckpt._commit import LeftoverWarning
 from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
@@ -42,9 +44,11 @@ from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._memory import malloc_tuning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._read import iter_blocks, load
+from lazyckpt._rename import RenameError, rename
+from lazyckpt._safetensors_open import metadata as safetensors_metadata
 from lazyckpt._save import save
 from lazyckpt._sharding import SavedSharding, saved_shardings
-from lazyckpt._stats import Stats, stats
+from lazyckpt._stats import Stats, StatsTable, stats
 from lazyckpt._tree import leaves, select
 from lazyckpt._verify import Verification, verify
 
@@ -63,9 +67,11 @@ __all__ = [
     "LeftoverWarning",
     "NoMatchError",
     "NotACheckpointError",
+    "RenameError",
     "SavedSharding",
     "ShardingError",
     "Stats",
+    "StatsTable",
     "StorageAccessError",
     "TooLargeError",
     "TreeMismatchError",
@@ -73,6 +79,7 @@ __all__ = [
     "UnsavableError",
     "UnsupportedCheckpointError",
     "Verification",
+    "__version__",
     "convert",
     "device_put",
     "diff",
@@ -82,6 +89,8 @@ __all__ = [
     "load",
     "malloc_tuning",
     "open",
+    "rename",
+    "safetensors_metadata",
     "save",
     "saved_shardings",
     "select",

@@ -11,10 +11,17 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
+import lazyckpt
+from lazyckpt._demo import run as run_demo
 from lazyckpt._errors import LazyckptError, NoMatchError
-from lazyckpt._fs import is_remote, normalize
-from lazyckpt._text import printable
-from lazyckpt._tree import any_of
+from lazyckpt._fs import basename, is_remote, normalize
+from lazyckpt._layout import locate
+from lazyckpt._save_plan import DEFAULT_CHUNK_BYTES
+from lazyckpt._text import human_bytes, printable
+from lazyckpt._tree import subtree
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -63,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
     inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
     selecting(inspect)
+    inspect.add_argument("--depth", type=int, metavar="N", help="show N levels of the tree")
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     show = command("show", "print a few values: lazyckpt show PATH 'params/embed[0:3, :8]'")
@@ -86,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("first", help="checkpoint A")
     diff.add_argument("second", help="checkpoint B")
     diff.add_argument("--step", type=int, nargs=2, metavar=("A", "B"), help="steps of roots")
+    diff.add_argument("--item", help="item of the step folders (state, params, ...)")
     selecting(diff)
     budget(diff)
     diff.add_argument("--values", action="store_true", help="compare values too (reads data)")
@@ -93,13 +102,35 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--exit-code", action="store_true", help="exit with 1 if they differ")
 
     convert = command(
-        "convert", "rewrite a checkpoint: keep leaves, cast floats, re-chunk; streamed"
+        "convert",
+        "rewrite a checkpoint as Orbax or safetensors: keep leaves, rename, cast, re-chunk; "
+        "streamed",
     )
-    convert.add_argument("destination", help="folder to create")
+    convert.add_argument("destination", help="folder (or .safetensors file) to create")
+    convert.add_argument(
+        "--to", choices=("orbax", "safetensors"), help="format (default: from DESTINATION)"
+    )
     selecting(convert)
     budget(convert)
     convert.add_argument("--dtype", help="cast floating-point arrays to this dtype (bfloat16)")
-    convert.add_argument("--chunk-size", type=parse_size, metavar="SIZE", help="chunk size (4MiB)")
+    convert.add_argument(
+        "--rename",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("PATTERN", "REPLACEMENT"),
+        help="rename key paths by a regular expression ('^params/' 'model/'); repeatable",
+    )
+    convert.add_argument(
+        "--max-shard-size", type=parse_size, metavar="SIZE", help="safetensors: bytes per file"
+    )
+    convert.add_argument(
+        "--chunk-bytes",
+        type=parse_size,
+        default=DEFAULT_CHUNK_BYTES,
+        metavar="SIZE",
+        help="bytes per stored chunk (4MiB)",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -140,20 +171,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    import lazyckpt
-
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
-    if getattr(args, "select", None):
-        tree = lazyckpt.select(tree, any_of(args.select))
-    return tree
+    return lazyckpt.select(tree, args.select) if getattr(args, "select", None) else tree
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    import lazyckpt
-
     steps = _steps(args.path)
     tree = _open(args)
-    summary = lazyckpt.summary(tree, title=_title(args, steps))
+    summary = lazyckpt.summary(tree, title=_title(args, steps), depth=args.depth)
     if args.json:
         out = {"path": normalize(args.path), "steps": steps, "leaves": summary.describe()}
         print(json.dumps(out, indent=1))
@@ -162,8 +187,6 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _steps(path: str) -> list[int]:
-    import lazyckpt
-
     try:
         return lazyckpt.steps(path)
     except LazyckptError:
@@ -171,24 +194,27 @@ def _steps(path: str) -> list[int]:
 
 
 def _title(args: argparse.Namespace, steps: list[int]) -> str:
+    """The path, the steps of a root and the step shown, and the item shown of a step
+    with several (`item state; also: extra, metadata`)."""
     title = normalize(args.path)
+    notes = []
     if steps:
         shown = args.step if args.step is not None else steps[-1]
         listed = ", ".join(map(str, steps[-20:])) + (" ..." if len(steps) > 20 else "")
-        title += f" (steps: {listed}; showing {shown})"
-    return title
+        notes.append(f"steps: {listed}; showing {shown}")
+    items = lazyckpt.items(args.path, step=args.step) if steps or args.item else {}
+    if items:
+        item = basename(locate(args.path, step=args.step, item=args.item))
+        others = [name for name in items if name != item]
+        notes.append(f"item {item}" + (f"; also: {', '.join(others)}" if others else ""))
+    return title + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _show(args: argparse.Namespace) -> None:
-    import numpy as np
-
-    import lazyckpt
-    from lazyckpt._lazy import LazyArray
-
     key, index = _split_index(args.key)
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
     found = _subtree(tree, key)
-    if not isinstance(found, LazyArray):
+    if not isinstance(found, lazyckpt.LazyArray):
         if index:
             raise LazyckptError(f"{key} is not an array, so it takes no index [{index}]")
         _say(found if not isinstance(found, dict | list | tuple) else lazyckpt.summary(found))
@@ -200,9 +226,6 @@ def _show(args: argparse.Namespace) -> None:
 
 
 def _subtree(tree: Any, key: str) -> Any:
-    import lazyckpt
-    from lazyckpt._tree import subtree
-
     wanted = key.strip("/")
     for path, leaf in lazyckpt.leaves(tree):  # keys may hold '/' themselves
         if path == wanted:
@@ -256,32 +279,14 @@ def _integer(part: str, text: str) -> int:
 
 
 def _stats(args: argparse.Namespace) -> None:
-    import lazyckpt
-    from lazyckpt._stats import format_stats, summarizable
-
-    tree = _open(args)
-    arrays = dict(lazyckpt.leaves(tree))
-    skipped = [
-        k for k, v in arrays.items() if isinstance(v, lazyckpt.LazyArray) and not summarizable(v)
-    ]
-    results = lazyckpt.stats(tree, bins=args.bins, memory_budget=args.memory_budget)
+    results = lazyckpt.stats(_open(args), bins=args.bins, memory_budget=args.memory_budget)
     if args.json:
-        print(json.dumps({key: s.describe() for key, s in results.items()}, indent=1))
+        print(json.dumps(results.describe(), indent=1))
         return
-    _say(format_stats(results, {key: arrays[key].nbytes for key in results}))
-    if args.bins:
-        for key, s in results.items():
-            if s.histogram is not None:
-                counts, edges = s.histogram
-                _say(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
-                _say("  " + " ".join(str(int(c)) for c in counts))
-    if skipped:
-        _say(f"\nnot summarized (not real numbers): {', '.join(skipped)}")
+    _say(results)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    import lazyckpt
-
     result = lazyckpt.verify(
         _open(args),
         memory_budget=args.memory_budget,
@@ -295,15 +300,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    import lazyckpt
-
-    steps = args.step or (None, None)
-    first = lazyckpt.open(args.first, step=steps[0])
-    second = lazyckpt.open(args.second, step=steps[1])
-    if args.select:
-        first = _select_or_empty(first, args.select)
-        second = _select_or_empty(second, args.select)
-    result = lazyckpt.diff(first, second, values=args.values, memory_budget=args.memory_budget)
+    result = lazyckpt.diff(
+        args.first,
+        args.second,
+        select=args.select,
+        step=tuple(args.step) if args.step else None,
+        item=args.item,
+        values=args.values,
+        memory_budget=args.memory_budget,
+    )
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:
@@ -311,28 +316,18 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if args.exit_code and result else 0
 
 
-def _select_or_empty(tree: Any, patterns: list[str]) -> Any:
-    import lazyckpt
-
-    try:
-        return lazyckpt.select(tree, any_of(patterns))
-    except NoMatchError:
-        return {}
-
-
 def _convert(args: argparse.Namespace) -> None:
-    from lazyckpt._convert import convert
-    from lazyckpt._save import DEFAULT_CHUNK_BYTES
-    from lazyckpt._text import human_bytes
-
-    out = convert(
+    out = lazyckpt.convert(
         args.path,
         args.destination,
+        to=args.to,
         select=args.select,
         dtype=_dtype(args.dtype) if args.dtype else None,
+        rename=[tuple(rule) for rule in args.rename],
         step=args.step,
         item=args.item,
-        chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_size is None else args.chunk_size,
+        chunk_bytes=args.chunk_bytes,
+        max_shard_size=args.max_shard_size,
         memory_budget=args.memory_budget,
         overwrite=args.overwrite,
         progress=False if args.quiet else None,
@@ -340,17 +335,19 @@ def _convert(args: argparse.Namespace) -> None:
     if is_remote(out):
         _say(f"wrote {out}")
         return
-    size = sum(
-        os.path.getsize(os.path.join(folder, name))
-        for folder, _, names in os.walk(out)
-        for name in names
+    size = (
+        os.path.getsize(out)
+        if os.path.isfile(out)
+        else sum(
+            os.path.getsize(os.path.join(folder, name))
+            for folder, _, names in os.walk(out)
+            for name in names
+        )
     )
     _say(f"wrote {out} ({human_bytes(size)})")
 
 
 def _dtype(name: str) -> Any:
-    import jax.numpy as jnp
-
     try:
         return jnp.dtype(name)
     except TypeError:
@@ -360,9 +357,7 @@ def _dtype(name: str) -> Any:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from lazyckpt._demo import run
-
-    run(keep=args.keep)
+    run_demo(keep=args.keep)
 
 
 _RUN: dict[str, Any] = {

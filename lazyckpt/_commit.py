@@ -30,6 +30,7 @@ from lazyckpt._errors import (
 )
 from lazyckpt._layout import is_pytree_dir
 from lazyckpt._orbax import TMP_MARKER, is_unfinished
+from lazyckpt._safetensors_open import is_safetensors
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
 _AT_FDCWD = -100
@@ -40,11 +41,13 @@ def _tmp_prefix(final: str) -> str:
 
 
 @contextlib.contextmanager
-def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
-    """Yield a fresh temporary folder; on a clean exit, make it `final`.
+def publishing(final: str, *, overwrite: bool, file: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary folder (with `file=True`, the path of a file to write);
+    on a clean exit, make it `final`.
 
     Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
-    exception the temporary folder is removed and `final` is untouched.
+    exception the temporary folder is removed and `final` is untouched. In a bucket
+    the files are written in place (see `_publishing_to_bucket`).
     """
     if is_unfinished(fs.basename(final)):
         raise LazyckptError(
@@ -55,7 +58,7 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
         with _publishing_to_bucket(final, overwrite=overwrite):
             yield final
         return
-    _check_destination(final, overwrite)
+    _check_destination(final, overwrite, file)
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     except OSError as error:
@@ -65,7 +68,8 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
         ) from None
     tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        os.mkdir(tmp)
+        if not file:
+            os.mkdir(tmp)
     except OSError as error:
         raise write_error(final, error) from None
     try:
@@ -73,12 +77,12 @@ def publishing(final: str, *, overwrite: bool) -> Iterator[str]:
         _sync_tree(tmp)
         _publish(tmp, final, overwrite)
     except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _delete_quietly(tmp)
         if isinstance(error, LazyckptError):
             raise
         raise write_error(final, error) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _delete_quietly(tmp)
         raise
     _sync_dir(os.path.dirname(final))
     _remove_leftovers(final)
@@ -114,12 +118,7 @@ def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
         raise
 
 
-def _check_destination(final: str, overwrite: bool) -> None:
-    if is_unfinished(os.path.basename(final)):
-        raise LazyckptError(
-            f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
-            "never read; choose another name"
-        )
+def _check_destination(final: str, overwrite: bool, file: bool) -> None:
     if not os.path.lexists(final):
         return
     if not overwrite:
@@ -127,6 +126,14 @@ def _check_destination(final: str, overwrite: bool) -> None:
             f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
             "or choose a new path"
         )
+    if file:
+        if not os.path.isfile(final) or os.path.islink(final) or not is_safetensors(final):
+            raise CheckpointExistsError(
+                f"{final} exists and is not a safetensors file; lazyckpt replaces only "
+                "checkpoints, delete it yourself if it should go"
+            )
+        _check_removable(os.path.dirname(final))
+        return
     if not os.path.isdir(final) or os.path.islink(final):
         raise CheckpointExistsError(
             f"{final} exists and is not a folder; lazyckpt replaces only checkpoints, "
@@ -191,7 +198,11 @@ def _check_removable(final: str) -> None:
 
 
 def _is_checkpoint(path: str) -> bool:
-    return is_pytree_dir(path) or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
+    return (
+        is_pytree_dir(path)
+        or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
+        or is_safetensors(path)
+    )
 
 
 def _publish(tmp: str, final: str, overwrite: bool) -> None:
@@ -221,7 +232,7 @@ def _discard(old: str, final: str) -> None:
     """Delete the replaced checkpoint; if that fails, the save still succeeded: say so,
     and where the old one is."""
     try:
-        shutil.rmtree(old)
+        _delete(old)
     except OSError as error:
         warn(
             f"saved {final}; the checkpoint it replaced, now at {old}, could not be deleted "
@@ -255,8 +266,28 @@ def _renameat2(source: str, destination: str, flags: int) -> bool:
     raise OSError(code, os.strerror(code), destination)
 
 
+def _delete(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _delete_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        _delete(path)
+
+
 def _sync_tree(root: str) -> None:
-    """fsync every file and folder under `root`, so the rename publishes durable data."""
+    """fsync every file and folder under `root` (or the file `root`), so the rename
+    publishes durable data."""
+    if os.path.isfile(root):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
     for folder, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(folder, name), os.O_RDONLY)
@@ -289,7 +320,7 @@ def _remove_leftovers(final: str) -> None:
     for name in os.listdir(parent):
         match = pattern.fullmatch(name)
         if match and not _alive(int(match[1])):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            _delete_quietly(os.path.join(parent, name))
 
 
 def _alive(pid: int) -> bool:

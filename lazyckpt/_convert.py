@@ -6,38 +6,63 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._errors import LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
-from lazyckpt._save import DEFAULT_CHUNK_BYTES, save
-from lazyckpt._tree import Predicate, any_of, map_leaves
-from lazyckpt._tree import select as select_tree
+from lazyckpt._rename import rename as rename_keys
+from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save
+from lazyckpt._tree import Select, map_leaves, selected
 
 
 def convert(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
     *,
-    select: str | Sequence[str] | Predicate | None = None,
+    to: Format | None = None,
+    select: Select | None = None,
     dtype: DTypeLike | None = None,
+    rename: Sequence[tuple[str, str]] = (),
     step: int | None = None,
     item: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | None = None,
     memory_budget: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> str:
-    """Rewrite the checkpoint at `source` as a lazyckpt-saved one at `destination`.
+    """Rewrite the checkpoint at `source` at `destination`, as Orbax or safetensors.
 
-    `select` keeps only the leaves matching a pattern (or any of several, or
-    a predicate; see `select`); `dtype` casts floating-point arrays (integers,
-    booleans and PRNG keys keep theirs). Arrays stream from `source` to
-    `destination` block by block within `memory_budget`, never loaded whole; the
-    result is an Orbax PyTree checkpoint in chunks of about `chunk_bytes`.
+    Arrays stream from `source` to `destination` block by block within the budget,
+    each stored chunk read once, never loaded whole; `save` writes the result.
+
+    Args:
+        source: What `open` takes: an Orbax checkpoint, step folder or root, a
+            `.safetensors` file or a Hugging Face model folder.
+        destination: The folder (or `.safetensors` file) to create.
+        to: "orbax" or "safetensors"; by default as `save` decides from
+            `destination`.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        dtype: Cast floating-point arrays to this dtype (integers, booleans and PRNG
+            keys keep theirs).
+        rename: `(pattern, replacement)` rules for the key paths, applied after
+            `select` (see `lazyckpt.rename`): `[(r"^params/", "model/")]`.
+        step: As for `open`.
+        item: As for `open`.
+        chunk_bytes: As for `save`.
+        max_shard_size: As for `save`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+        overwrite: As for `save`.
+        storage_options: As for `open`, for both sides.
+
+    Returns:
+        The destination's absolute path (or URL).
 
     >>> out = lazyckpt.convert(path, tmp / "params16", select="params",
     ...                        dtype="float16")
@@ -45,8 +70,9 @@ def convert(
     LazyArray('params/b', shape=(8,), dtype=float16, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P()))
     """
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
-    if select is not None:
-        tree = select_tree(tree, _predicate(select))
+    tree = selected(tree, select)
+    if rename:
+        tree = rename_keys(tree, rename)
     if dtype is not None:
         target = np.dtype(dtype)
         if not _floating(target):
@@ -58,18 +84,14 @@ def convert(
     return save(
         destination,
         tree,
+        format=to,
         chunk_bytes=chunk_bytes,
+        max_shard_size=max_shard_size,
         memory_budget=memory_budget,
         overwrite=overwrite,
         progress=progress,
         storage_options=storage_options,
     )
-
-
-def _predicate(which: str | Sequence[str] | Predicate) -> str | Predicate:
-    if isinstance(which, str) or callable(which):
-        return which
-    return any_of(which)
 
 
 def _cast(leaf: Any, dtype: np.dtype[Any]) -> Any:
@@ -79,6 +101,4 @@ def _cast(leaf: Any, dtype: np.dtype[Any]) -> Any:
 
 
 def _floating(dtype: Any) -> bool:
-    import jax.numpy as jnp
-
     return bool(jnp.issubdtype(dtype, jnp.floating))

@@ -6,12 +6,20 @@ from __future__ import annotations
 import os
 import tempfile
 
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import lazyckpt
+from lazyckpt._metrics import bytes_read
+from lazyckpt._text import human_bytes
+
 _DEVICES = 8
 
 
 def run(keep: str | None = None) -> None:
     # Fake 8 CPU devices so the demo shards on any machine; must precede jax's
-    # backend start-up, which happens on first device use.
+    # backend start-up, which happens on first device use (not on import).
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
@@ -24,14 +32,6 @@ def run(keep: str | None = None) -> None:
 
 
 def _walkthrough(path: str) -> None:
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    import lazyckpt
-    from lazyckpt._metrics import bytes_read
-    from lazyckpt._text import human_bytes
-
     devices = jax.devices()
     if len(devices) < _DEVICES:
         raise lazyckpt.LazyckptError(

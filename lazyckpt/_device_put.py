@@ -19,13 +19,14 @@ from lazyckpt._scheduler import Scheduler
 from lazyckpt._sharding import resolve
 from lazyckpt._store import check_unchanged
 from lazyckpt._target import Missing, Placement, match
-from lazyckpt._tree import children, map_leaves
+from lazyckpt._tree import Select, children, map_leaves, selected
 
 
 def device_put(
     tree: Any,
     target: Any,
     *,
+    select: Select | None = None,
     partial: bool = False,
     missing: Missing = "error",
     lossy_casts: bool = False,
@@ -35,38 +36,49 @@ def device_put(
 ) -> Any:
     """Place the LazyArrays of `tree` on devices as `jax.Array`s, shard by shard.
 
-    `target` says where, in one of three forms:
-    - one `Sharding`, `jax.Device` or `PartitionSpec`, used for every array;
-    - a callable `(key, lazy_array) -> Sharding` (or Device, or PartitionSpec), given
-      each array's key in its checkpoint, e.g. `lazyckpt.saved_shardings(mesh)`;
-    - a target pytree, such as the abstract state of a model (`nnx.eval_shape`,
-      `jax.eval_shape`), a Linen `TrainState`, an optax state or a dict of
-      Shardings. Its leaves are `jax.ShapeDtypeStruct`s or `jax.Array`s (restored
-      with their shape, dtype and sharding; no sharding means the default device),
-      NumPy arrays (read to host), Shardings, Devices or PartitionSpecs (the
-      checkpoint's leaf or whole subtree there, placed so), None (left as it is), or
-      Python scalars. Leaves pair with the checkpoint's by key path as Orbax names
-      them on disk (int and str keys alike, fields by name, an `nnx.Variable`'s
-      `value` level optional), and the result has the target's structure: an
-      `nnx.State` target gives an `nnx.State`.
-
-    Matching is strict: a target leaf the checkpoint lacks, a checkpoint leaf the
-    target does not name, a different shape, or a cast that can change values (float
-    to int, int64 to int32) raises one `TreeMismatchError` that lists them all.
-    `partial=True` restores only what the target names (the rest is never read);
-    `missing="keep"` keeps target leaves the checkpoint lacks as they are, and a
-    function `(path, target_leaf) -> value` fills them; `lossy_casts=True` allows any
-    cast (floating-point precision changes never need it). NamedShardings on an
-    `AbstractMesh` and PartitionSpecs are laid out on `mesh`, else on the mesh of
-    `jax.set_mesh`.
-
     Each device's shard is read for exactly its index; devices that hold the same
     index (replicas) share one read, and a stored chunk that several shards need is
-    read once and split among them. Reads of all arrays run concurrently with at most
-    `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at least
-    64 MiB and at most 1 GiB); shards are assembled in place in their host buffers,
-    which CPU devices adopt without a copy. `progress` shows a bar on stderr (None:
-    only for large reads on a terminal). Leaves that are not LazyArrays pass through.
+    read once and split among them. Reads of all arrays run concurrently; shards are
+    assembled in place in their host buffers, which CPU devices adopt without a
+    copy. Leaves that are not LazyArrays pass through.
+
+    Args:
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        target: Where to place the arrays, in one of three forms:
+
+            - one `Sharding`, `jax.Device` or `PartitionSpec`, for every array;
+            - a callable `(key, lazy_array) -> Sharding` (or Device, or
+              PartitionSpec), given each array's key in its checkpoint, such as
+              `lazyckpt.saved_shardings(mesh)`;
+            - a target pytree: the abstract state of a model (`nnx.eval_shape`,
+              `nnx.get_abstract_model`, `jax.eval_shape`), a Linen `TrainState`, an
+              optax state, a dict of Shardings. Its leaves are
+              `jax.ShapeDtypeStruct`s or `jax.Array`s (restored with their shape,
+              dtype and sharding), NumPy arrays (read to host), Shardings, Devices
+              or PartitionSpecs (the checkpoint's leaf or whole subtree there, placed
+              so), None (left as it is), or Python scalars. Leaves pair with the
+              checkpoint's by key path as Orbax names them on disk (int and str keys
+              alike, fields by name, an `nnx.Variable`'s `value` level optional),
+              and the result has the target's structure.
+
+            Matching is strict: a target leaf the checkpoint lacks, a checkpoint
+            leaf the target does not name, a different shape, or a cast that can
+            change values (float to int, int64 to int32) raises one
+            `TreeMismatchError` that lists them all.
+        select: Only the leaves matching a path pattern, any of a list of patterns,
+            or a predicate `(path, leaf) -> bool`; see `select`.
+        partial: Restore only what a target pytree names; the rest is never read.
+        missing: What to do with target leaves the checkpoint lacks: "error",
+            "keep" (keep the target's leaf), or a function
+            `(path, target_leaf) -> value`.
+        lossy_casts: Allow any cast (floating-point precision changes never need it).
+        mesh: The mesh for NamedShardings on an `AbstractMesh` and for
+            PartitionSpecs; default: the mesh of `jax.set_mesh`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        `jax.Array`s in the structure of `tree`, or of a target pytree.
 
     >>> tree = lazyckpt.open(path)
     >>> mesh = jax.make_mesh((8,), ("rows",))
@@ -87,6 +99,7 @@ def device_put(
     >>> placed["params"]["w"].sharding.spec
     P()
     """
+    tree = selected(tree, select)
     if callable(target) and children(target) is None:  # a function, not a pytree (a Module)
         choose: Callable[[str, LazyArray], Any] = target
         plan = map_leaves(

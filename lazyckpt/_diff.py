@@ -7,15 +7,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+import jax
 import numpy as np
 
 from lazyckpt._decode import decodes
+from lazyckpt._errors import NoMatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._progress import Progress
 from lazyckpt._read import load
 from lazyckpt._stream import iter_blocks as engine_blocks
-from lazyckpt._tree import leaves
+from lazyckpt._tree import Select, leaves, selected
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 
@@ -98,22 +100,50 @@ def _signature(leaf: Any) -> Any:
     return ("value", repr(leaf))
 
 
+def _selected_or_empty(tree: Any, select: Select | None) -> Any:
+    """The selected part of one side; nothing where the pattern matches none of it,
+    so that what the other side has shows as added or removed."""
+    try:
+        return selected(tree, select)
+    except NoMatchError:
+        return {}
+
+
 def diff(
     first: Any,
     second: Any,
     *,
+    select: Select | None = None,
     values: bool = False,
+    step: int | tuple[int | None, int | None] | None = None,
+    item: str | None = None,
+    storage_options: dict[str, Any] | None = None,
     memory_budget: int | None = None,
     progress: bool | None = None,
 ) -> Diff:
-    """Compare two trees (or checkpoint paths): structure, shapes and dtypes from
-    metadata; with `values=True`, array values too, block by block within
-    `memory_budget`, reporting the largest absolute and relative difference.
+    """Compare two trees or checkpoints: structure, shapes and dtypes from metadata,
+    and with `values=True` array values, block by block.
 
     NaNs in the same places count as equal; a NaN or Inf facing a different value
     makes the difference infinite. A leaf that disappears from one path and
     appears at another with the same shape and dtype (and, if compared, values) is
     reported as moved.
+
+    Args:
+        first: A lazy tree (any pytree) or a path that `open` takes.
+        second: The same, compared against `first`.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`. A side with no match compares as empty.
+        values: Also compare array values, reporting the largest absolute and
+            relative difference.
+        step: For paths: one step for both, or `(step_of_first, step_of_second)`.
+        item: For paths: the item of the step folders, as for `open`.
+        storage_options: As for `open`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        A `Diff`: one `Change` per key path; true when the trees differ.
 
     >>> tree = lazyckpt.open(path)
     >>> changed = {**tree, "step": 4, "params": {"w": tree["params"]["w"]}}
@@ -122,11 +152,13 @@ def diff(
     - params/b  float32[8]
     ~ step  value: 3 -> 4
     """
-    if isinstance(first, str | os.PathLike):
-        first = open_checkpoint(first)
-    if isinstance(second, str | os.PathLike):
-        second = open_checkpoint(second)
-    a, b = dict(leaves(first)), dict(leaves(second))
+    steps = step if isinstance(step, tuple) else (step, step)
+    sides = []
+    for side, side_step in zip((first, second), steps, strict=True):
+        if isinstance(side, str | os.PathLike):
+            side = open_checkpoint(side, step=side_step, item=item, storage_options=storage_options)
+        sides.append(_selected_or_empty(side, select))
+    a, b = dict(leaves(sides[0])), dict(leaves(sides[1]))
     changes: dict[str, Change] = {}
     compare: list[tuple[str, LazyArray, LazyArray]] = []
     for path, old in a.items():
@@ -286,8 +318,6 @@ def _moves(
 
 def _equal_keys(old: LazyArray, new: LazyArray) -> bool:
     """Typed PRNG keys: equal when their key data is (they are small; read whole)."""
-    import jax
-
     left, right = (np.asarray(jax.random.key_data(array.get())) for array in (old, new))
     return old.key_impl == new.key_impl and np.array_equal(left, right)
 

@@ -9,54 +9,19 @@ at once; the HTML form (what notebooks display) is a collapsible tree.
 from __future__ import annotations
 
 import html
-import json
-import math
 from typing import Any
 
 import attrs
 import jax
 import numpy as np
 
+from lazyckpt._html import STYLE, array_nbytes, array_row, array_type, key_cell, spec_of
 from lazyckpt._lazy import LazyArray
-from lazyckpt._sharding import SavedSharding, spec_str
+from lazyckpt._sharding import SavedSharding
 from lazyckpt._text import human_bytes, printable
 from lazyckpt._tree import Key, Path, children, keystr
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
-_STYLE = """<style>
-.lazyckpt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.5}
-.lazyckpt details>summary{cursor:pointer;list-style:none;position:relative;padding-left:1.2em}
-.lazyckpt details>summary::-webkit-details-marker{display:none}
-.lazyckpt details>summary::before{content:"\\25B8";position:absolute;left:0;color:#888}
-.lazyckpt details[open]>summary::before{content:"\\25BE"}
-.lazyckpt .kids{margin-left:.5em;border-left:1px solid #ddd;padding-left:.7em}
-.lazyckpt .row{display:flex;gap:1.5em;white-space:nowrap}
-.lazyckpt .leaf{padding-left:1.2em}
-.lazyckpt .k{font-weight:600;overflow:hidden;text-overflow:ellipsis;flex:none}
-.lazyckpt .t{width:16em;color:#05a;flex:none}
-.lazyckpt .n{width:6em;text-align:right;color:#555;flex:none}
-.lazyckpt .s{width:11em;color:#a50;flex:none}
-.lazyckpt .m{width:11em;color:#777;flex:none}
-.lazyckpt .c{color:#777}
-.lazyckpt .head{font-weight:600;margin-bottom:.3em}
-</style>"""
-
-
-def array_type(array: LazyArray) -> str:
-    """`float32[64,128]`, as the type column shows an array."""
-    return f"{array.dtype}[{','.join(str(n) for n in array.shape)}]"
-
-
-def spec_text(sharding: SavedSharding | None) -> tuple[str, str]:
-    """The saved partition spec and mesh as two short strings ("" when unknown)."""
-    if sharding is None:
-        return "", ""
-    if sharding.kind == "NamedSharding":
-        mesh = " ".join(f"{name}={size}" for name, size in sharding.mesh_axes.items())
-        return spec_str(sharding.partition_spec), f"mesh {mesh}"
-    if sharding.kind == "SingleDeviceSharding":
-        return "single device", str(sharding.device or "")
-    return sharding.kind, ""
 
 
 @attrs.frozen
@@ -189,9 +154,6 @@ class Summary:
     def describe(self) -> list[dict[str, Any]]:
         return [row.describe() for row in self.rows if row.path]
 
-    def to_json(self) -> str:
-        return json.dumps(self.describe(), indent=1)
-
     def __str__(self) -> str:
         return self.text()
 
@@ -209,7 +171,7 @@ class Summary:
             if row.group:
                 table.append((f"{indent}{name}/", _group_type(row), _size(row), "", ""))
             elif is_array(row.leaf):
-                spec, mesh = _spec_of(row.leaf)
+                spec, mesh = spec_of(row.leaf)
                 table.append((f"{indent}{name}", _leaf_type(row), _size(row), spec, mesh))
             else:
                 table.append((f"{indent}{name}", printable(_short(row.leaf)), "", "", ""))
@@ -227,7 +189,7 @@ class Summary:
     def _repr_html_(self) -> str:
         total = sum(1 for row in self.rows if row.path)
         open_all = total <= _OPEN_ALL_UP_TO
-        parts = ['<div class="lazyckpt">', _STYLE]
+        parts = ['<div class="lazyckpt">', STYLE]
         if self.title:
             parts.append(f'<div class="head">{html.escape(self._headline())}</div>')
         depth_open: list[int] = []
@@ -243,51 +205,22 @@ class Summary:
                 opened = " open" if open_all or row.depth == 1 else ""
                 parts.append(
                     f'<details{opened} data-path="{key}"><summary class="row">'
-                    f"{_key(name + '/', row.depth)}"
+                    f"{key_cell(name + '/', row.depth)}"
                     f'<span class="t">{html.escape(_group_type(row))}</span>'
                     f'<span class="n">{_size(row)}</span></summary><div class="kids">'
                 )
                 depth_open.append(row.depth)
             elif is_array(row.leaf):
-                parts.append(_array_row(key, name, row.leaf, row.depth, row.kind))
+                parts.append(array_row(key, name, row.leaf, row.depth, row.kind))
             else:
                 value = html.escape(_short(row.leaf))
                 parts.append(
-                    f'<div class="row leaf" data-path="{key}">{_key(name, row.depth)}'
+                    f'<div class="row leaf" data-path="{key}">{key_cell(name, row.depth)}'
                     f'<span class="t">{value}</span></div>'
                 )
         parts.extend("</div></details>" for _ in depth_open)
         parts.append("</div>")
         return "".join(parts)
-
-
-def _key(name: str, depth: int) -> str:
-    """The key cell, narrower by each level's indent so later columns line up."""
-    width = f"calc({_KEY_EM}em - {depth - 1} * (1.2em + 1px))"
-    return f'<span class="k" style="width:{width}">{name}</span>'
-
-
-_KEY_EM = 18
-
-
-def _array_row(key: str, name: str, array: Any, depth: int = 1, kind: str = "") -> str:
-    spec, mesh = _spec_of(array)
-    chunks = getattr(array, "chunks", None) if isinstance(array, LazyArray) else None
-    chunks_text = "chunks " + "x".join(str(n) for n in chunks) if chunks else ""
-    typed = f"{kind} {array_type(array)}" if kind else array_type(array)
-    return (
-        f'<div class="row leaf" data-path="{key}">{_key(name, depth)}'
-        f'<span class="t">{html.escape(typed)}</span>'
-        f'<span class="n">{human_bytes(array_nbytes(array))}</span>'
-        f'<span class="s">{html.escape(spec)}</span><span class="m">{html.escape(mesh)}</span>'
-        f'<span class="c">{chunks_text}</span></div>'
-    )
-
-
-def array_html(array: LazyArray) -> str:
-    """A LazyArray as one summary row, for notebooks."""
-    name = html.escape(array.key or "(array)")
-    return f'<div class="lazyckpt">{_STYLE}{_array_row(name, name, array)}</div>'
 
 
 def _count(arrays: int) -> str:
@@ -306,20 +239,10 @@ def _leaf_type(row: Row) -> str:
     return f"{row.kind} {array_type(row.leaf)}" if row.kind else array_type(row.leaf)
 
 
-def _spec_of(array: Any) -> tuple[str, str]:
-    return spec_text(array.sharding) if isinstance(array, LazyArray) else ("", "")
-
-
 def is_array(value: Any) -> bool:
     """Whether a leaf shows as an array: a LazyArray, a jax or NumPy array, or an
     abstract one (`jax.ShapeDtypeStruct`)."""
     return isinstance(value, LazyArray | np.ndarray | jax.Array | jax.ShapeDtypeStruct)
-
-
-def array_nbytes(array: Any) -> int:
-    """An array's size in its dtype; 0 where the dtype has no byte size."""
-    itemsize = int(getattr(array.dtype, "itemsize", 0) or 0)
-    return int(math.prod(array.shape)) * itemsize
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -331,11 +254,18 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def summary(tree: Any, title: str = "") -> Summary:
+def summary(tree: Any, title: str = "", *, depth: int | None = None) -> Summary:
     """A summary of a lazy tree (or any pytree) from metadata alone.
 
     Shows as an aligned text table, and in notebooks as a collapsible HTML tree; each
     subtree carries the number and total size of the arrays below it.
+
+    Args:
+        tree: A lazy tree from `lazyckpt.open`, or any pytree (jax and NumPy arrays,
+            `jax.ShapeDtypeStruct`s, an `nnx.State`).
+        title: A headline with the total number and size of the arrays.
+        depth: Show rows down to this many levels; deeper subtrees show only as their
+            totals. `None` shows everything.
 
     >>> print(lazyckpt.summary(lazyckpt.open(path)))
     opt_state/  1 array       256 B
@@ -344,5 +274,12 @@ def summary(tree: Any, title: str = "") -> Summary:
       b         float32[8]     32 B  P()          mesh x=4 y=2
       w         float32[8,8]  256 B  P('x', 'y')  mesh x=4 y=2
     step        3
+    >>> print(lazyckpt.summary(lazyckpt.open(path), depth=1))
+    opt_state/  1 array   256 B
+    params/     2 arrays  288 B
+    step        3
     """
-    return Summary(tuple(rows(tree)), title)
+    if depth is not None and depth < 1:
+        raise ValueError(f"summary: depth must be 1 or more, found {depth}")
+    shown = [row for row in rows(tree) if depth is None or row.depth <= depth]
+    return Summary(tuple(shown), title)

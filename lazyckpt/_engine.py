@@ -22,11 +22,10 @@ within a budget across the whole tree. Two ways:
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
@@ -34,6 +33,7 @@ import tensorstore as ts
 from lazyckpt._decode import READ_BYTES, ChunkStream, decodes, stream_bytes
 from lazyckpt._geometry import (
     Box,
+    Spans,
     as_slices,
     bounds,
     box_bytes,
@@ -55,8 +55,12 @@ from lazyckpt._scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._selection import Selection
 from lazyckpt._store import then
 
+if TYPE_CHECKING:  # LazyArray reads through this module
+    from lazyckpt._lazy import LazyArray
+    from lazyckpt._store import StoredArray
 
-def stored_bytes(arrays: Iterable[Any]) -> int:
+
+def stored_bytes(arrays: Iterable[LazyArray]) -> int:
     """The decoded size of LazyArrays' views in their stored dtype: what reading costs."""
     return sum(array.size * array.stored.dtype.itemsize for array in arrays)
 
@@ -68,7 +72,7 @@ def windows(budget: int) -> tuple[int, int]:
 
 
 def schedule_fill(
-    array: Any, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
+    array: LazyArray, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
 ) -> None:
     """Read `array` (a LazyArray) into every target's `out`; call `on_done` after."""
     remaining = [0]
@@ -93,7 +97,7 @@ def schedule_fill(
         on_done()
 
 
-def read_view(array: Any) -> ts.Future[np.ndarray]:
+def read_view(array: LazyArray) -> ts.Future[np.ndarray]:
     """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
     touches, on the decoding threads (no job waits on another, so any thread may call
     this). Each job holds a few MiB while it runs; the result is allocated once."""
@@ -144,7 +148,7 @@ Consumer = tuple[Target, Selection]
 
 
 def _schedule_decoded(
-    array: Any,
+    array: LazyArray,
     targets: Sequence[Target],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
@@ -180,7 +184,11 @@ def _clip(box: Box, shape: Sequence[int]) -> Box:
 
 
 def decode_into(
-    array: Any, index: tuple[int, ...], users: Sequence[Consumer], read_bytes: int, window: int
+    array: LazyArray,
+    index: tuple[int, ...],
+    users: Sequence[Consumer],
+    read_bytes: int,
+    window: int,
 ) -> None:
     """Decode stored chunk `index` of `array` slab by slab into every user's buffer,
     stopping after the last slab one needs."""
@@ -189,7 +197,11 @@ def decode_into(
 
 
 def decode_slabs(
-    array: Any, index: tuple[int, ...], users: Sequence[Consumer], read_bytes: int, window: int
+    array: LazyArray,
+    index: tuple[int, ...],
+    users: Sequence[Consumer],
+    read_bytes: int,
+    window: int,
 ) -> Iterator[list[Target]]:
     """`decode_into`, one slab at a time: after each slab, the targets it completed.
 
@@ -198,6 +210,7 @@ def decode_slabs(
     slabs decoded and the users, whatever a (damaged) header declares."""
     stored = array.stored
     codec = stored.codec
+    assert codec is not None, "only arrays that lazyckpt decodes come here"
     itemsize = stored.dtype.itemsize
     box = chunk_box(index, stored.chunks)
     order = codec.order
@@ -208,7 +221,7 @@ def decode_slabs(
         cuts.update(extent[split] if extent else ())
     # The last element any user needs, in stream order: decoding stops after it.
     last = max(tuple(extent[d][1] - 1 for d in order) for extent in extents)
-    find = _Finder([extent[split] if extent else (0, 1) for extent in extents])
+    find = Spans([extent[split] if extent else (0, 1) for extent in extents])
     direct_ok = (
         order == tuple(range(len(stored.shape)))
         and codec.byteorder in ("|", "<" if np.little_endian else ">")
@@ -249,29 +262,6 @@ def decode_slabs(
         stream.close()
 
 
-class _Finder:
-    """The users whose extents along one dimension meet a span: by bisection where the
-    extents are disjoint (the bands of a chunk), else by looking at each."""
-
-    def __init__(self, extents: list[tuple[int, int]]) -> None:
-        self.order = sorted(range(len(extents)), key=lambda i: extents[i])
-        self.lows = [extents[i][0] for i in self.order]
-        self.highs = [extents[i][1] for i in self.order]
-        self.disjoint = all(h <= lo for h, lo in zip(self.highs, self.lows[1:], strict=False))
-
-    def __call__(self, span: tuple[int, int]) -> list[int]:
-        low, high = span
-        if not self.disjoint:
-            return [
-                i
-                for i, a, b in zip(self.order, self.lows, self.highs, strict=True)
-                if a < high and b > low
-            ]
-        first = bisect.bisect_right(self.highs, low)
-        stop = bisect.bisect_left(self.lows, high)
-        return self.order[first:stop]
-
-
 def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | None:
     """The memory to decode `slab` straight into: one target's buffer region that holds
     exactly the slab's elements, contiguous and in the same order; else None."""
@@ -290,7 +280,7 @@ def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | Non
 
 
 def _schedule_whole(
-    array: Any,
+    array: LazyArray,
     targets: Sequence[Target],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
@@ -309,7 +299,7 @@ def _schedule_whole(
 
 
 def _schedule_blocks(
-    array: Any,
+    array: LazyArray,
     mapping: Sequence[tuple[int, int] | None],
     targets: Sequence[Target],
     scheduler: Scheduler,
@@ -378,7 +368,7 @@ def _schedule_blocks(
 
 
 def _direct_read(
-    stored: Any, opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
+    stored: StoredArray, opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
         out = target.buffer()
@@ -393,7 +383,7 @@ def _direct_read(
 
 
 def read_box(
-    stored: Any, opened: ts.Future[ts.TensorStore], block: Box
+    stored: StoredArray, opened: ts.Future[ts.TensorStore], block: Box
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
         read = then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())

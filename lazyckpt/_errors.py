@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 
 class LazyckptError(Exception):
@@ -120,3 +123,29 @@ def warn(message: str, category: type[Warning]) -> None:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("lazyckpt"):
         level, frame = level + 1, frame.f_back  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def renamed(**new_names: str) -> Callable[[_F], _F]:
+    """Accept a keyword argument under its old name, with a DeprecationWarning:
+    `@renamed(which="select")` keeps `load(tree, which=...)` working."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old, new in new_names.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {old}= and {new}=; use {new}=")
+                warn(
+                    f"{fn.__name__}({old}=...) is now {fn.__name__}({new}=...)", DeprecationWarning
+                )
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap

@@ -202,10 +202,11 @@ def probe_write(path: str) -> None:
     storage(path).probe_write(path)
 
 
-def generation(folder: str) -> tuple[Any, ...]:
+def generation(folder: str, files: tuple[str, ...] = GENERATION_FILES) -> tuple[Any, ...]:
     """What identifies the checkpoint in `folder` as it is now. It changes when the
-    checkpoint is replaced (a save with overwrite=True) or its metadata rewritten."""
-    return storage(folder).generation(folder, GENERATION_FILES)
+    checkpoint is replaced (a save with overwrite=True) or its metadata (`files`)
+    rewritten."""
+    return storage(folder).generation(folder, files)
 
 
 def links_outside(folder: str) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ the piece of a slab that a view needs, as index tuples on both sides.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Iterator, Sequence
@@ -267,3 +268,26 @@ def in_view(
     )
     shape = tuple(part[e[0]][1] - part[e[0]][0] if e is not None else 1 for e in mapping)
     return index, shape
+
+
+class Spans:
+    """Which of some extents along one dimension meet a span: by bisection where the
+    extents are disjoint (the bands of a chunk), else by looking at each."""
+
+    def __init__(self, extents: list[tuple[int, int]]) -> None:
+        self.order = sorted(range(len(extents)), key=lambda i: extents[i])
+        self.lows = [extents[i][0] for i in self.order]
+        self.highs = [extents[i][1] for i in self.order]
+        self.disjoint = all(h <= lo for h, lo in zip(self.highs, self.lows[1:], strict=False))
+
+    def __call__(self, span: tuple[int, int]) -> list[int]:
+        low, high = span
+        if not self.disjoint:
+            return [
+                i
+                for i, a, b in zip(self.order, self.lows, self.highs, strict=True)
+                if a < high and b > low
+            ]
+        first = bisect.bisect_right(self.highs, low)
+        stop = bisect.bisect_left(self.lows, high)
+        return self.order[first:stop]

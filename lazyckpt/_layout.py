@@ -125,6 +125,10 @@ def steps(
 
     Unfinished saves (`*.orbax-checkpoint-tmp*`) are not listed.
 
+    Args:
+        path: The root folder, local or `s3://` / `gs://`.
+        storage_options: As for `open`.
+
     >>> lazyckpt.steps(run)
     [1, 2]
     """
@@ -159,6 +163,11 @@ def items(
     `'json'` (an `ocp.args.JsonSave` item, opened as its value).
 
     Pass one of them to `lazyckpt.open(..., item=NAME)`.
+
+    Args:
+        path: A step folder, or a CheckpointManager root.
+        step: The step of a root (default: the latest committed).
+        storage_options: As for `open`.
 
     >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
     ({'extra': 'pytree', 'state': 'pytree'}, {'state': 'pytree'})

@@ -16,6 +16,7 @@ from numpy.typing import DTypeLike
 from lazyckpt._decode import decodes
 from lazyckpt._engine import read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
+from lazyckpt._html import array_html
 from lazyckpt._selection import Index, Selection, expand
 from lazyckpt._sharding import SavedSharding
 from lazyckpt._store import StoredArray, then
@@ -174,8 +175,6 @@ class LazyArray:
 
     def _repr_html_(self) -> str:
         """One summary row for notebooks; reads nothing."""
-        from lazyckpt._display import array_html
-
         return array_html(self)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:

@@ -13,6 +13,7 @@ import hashlib
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from lazyckpt._errors import TreeMismatchError
 
@@ -28,8 +29,6 @@ def index() -> int:
 
 
 def _allgather(values: np.ndarray) -> np.ndarray:
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(values))
 
 
@@ -65,8 +64,6 @@ def broadcast_text(text: str) -> str:
     """Process 0's `text` on every process."""
     if count() == 1:
         return text
-    from jax.experimental import multihost_utils
-
     data = text.encode()[:_TEXT_BYTES]
     buffer = np.zeros(_TEXT_BYTES + 4, np.uint8)
     buffer[:4] = np.frombuffer(np.array([len(data)], np.int32).tobytes(), np.uint8)

@@ -23,9 +23,12 @@ from lazyckpt._errors import (
 from lazyckpt._layout import json_item_file, locate
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
+from lazyckpt._safetensors_open import is_safetensors, open_safetensors
 from lazyckpt._selection import Selection
 from lazyckpt._sharding import read_shardings
+from lazyckpt._side_files import key_impls_of, strings_of
 from lazyckpt._store import Store, StoredArray, changed_error
+from lazyckpt._tree import leaves
 from lazyckpt._zarr import ZarrInfo, metadata_key, parse_zarr
 
 
@@ -36,30 +39,54 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     item: str | None = None,
     storage_options: dict[str, Any] | None = None,
     allow_outside_links: bool = False,
+    flat: bool = False,
 ) -> Any:
-    """Open an Orbax checkpoint as a pytree of `LazyArray`s, reading only metadata.
+    """Open an Orbax checkpoint, or safetensors files, as a pytree of `LazyArray`s.
 
-    `path` is a PyTree checkpoint folder, a step folder with items (`item` picks
-    one; see `lazyckpt.items`), or a CheckpointManager root (the latest committed
-    step unless `step` is given). Strings and Python scalars come back as their values
-    (reading the small scalar arrays); empty containers and None as saved; every
-    array as a `LazyArray`. A JSON item (`ocp.args.JsonSave`) opens as its value. `path` may be `s3://bucket/prefix`
-    or `gs://bucket/prefix`; `storage_options` (`endpoint`, `region`, or tensorstore
-    kvstore options) add to what the environment says (`AWS_ENDPOINT_URL`, ...).
-    Symlinks inside the checkpoint folder that lead out of it are refused (a copied
-    checkpoint could otherwise read any file as array data) unless
-    `allow_outside_links=True`.
+    Reads metadata, and the small stored arrays of strings and Python scalars,
+    which come back as their values; every other array is a `LazyArray`, read only
+    when asked. Empty containers and None come back as saved. The tree is read from
+    one generation of the checkpoint: a later read of a checkpoint replaced since
+    raises `CheckpointChangedError`.
+
+    Args:
+        path: A PyTree checkpoint folder, a step folder with items, or a
+            CheckpointManager root; or a `.safetensors` file, or a Hugging Face model
+            folder (sharded with `model.safetensors.index.json`, or one file). Local,
+            `s3://bucket/prefix` or `gs://bucket/prefix`. Safetensors names
+            (`model.layers.0.mlp.up_proj.weight`) nest by their `.`-separated parts;
+            each tensor's header is read, none of its data; symlinks are followed
+            (the Hugging Face cache links files to its blobs).
+        step: The step of a CheckpointManager root (default: the latest committed).
+        item: The item of a step folder (see `lazyckpt.items`); a JSON item
+            (`ocp.args.JsonSave`) opens as its value. Default: `state`, `default` or
+            the only PyTree item.
+        storage_options: Added to what the environment says (`AWS_ENDPOINT_URL`,
+            ...): `endpoint`, `region`, tensorstore kvstore options, and `retries`
+            (how often a failed request is tried; 6 by default, about 16 s in all).
+        allow_outside_links: Read through symlinks that lead out of the checkpoint
+            folder (refused by default: a copied checkpoint could otherwise read any
+            file as array data).
+        flat: A flat dict by key path (`params/dense/kernel`; safetensors tensors by
+            their own names) instead of the nested tree.
+
+    Returns:
+        The checkpoint's tree, in the node types it was saved with.
 
     >>> tree = lazyckpt.open(path)
     >>> tree["step"], tree["params"]["b"]
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
     with _gc_paused(), fs.session(storage_options):
-        found = locate(os.fspath(path), step=step, item=item)
+        where = fs.normalize(path)
+        if step is None and item is None and is_safetensors(where):
+            return open_safetensors(where, flat=flat)
+        found = locate(where, step=step, item=item)
         if not allow_outside_links:
             _refuse_outside_links(found)
         json_file = json_item_file(found)
-        return _open(found) if json_file is None else _json_item(json_file)
+        tree = _open(found) if json_file is None else _json_item(json_file)
+    return dict(leaves(tree)) if flat else tree
 
 
 def _refuse_outside_links(folder: str) -> None:
@@ -160,7 +187,7 @@ def _materialize(
         info.dtype == np.uint32 and info.shape and info.shape[-1] in (2, 4)
         for info in infos.values()
     )
-    key_impls = _key_impls(location) if maybe_keys else {}
+    key_impls = key_impls_of(location) if maybe_keys else {}
     shardings = read_shardings(
         location, _read_text(location, "_sharding"), [leaf.name for leaf in stored_leaves]
     )
@@ -196,7 +223,7 @@ def _materialize(
                 scalars.append((leaf.path, array.read(Selection.full(info.shape))))
                 continue
             values[leaf.path] = _lazy(location, leaf, array, shardings, key_impls)
-    values.update(_strings(location, strings))
+    values.update(strings_of(location, strings))
     for leaf_path, future in scalars:
         values[leaf_path] = future.result().item()
     return tm.build(location, [(leaf.path, values[leaf.path]) for leaf in leaves])
@@ -345,65 +372,3 @@ def _check_declared(location: str, leaf: tm.Leaf, info: ZarrInfo) -> None:
             f"its zarr metadata has shape {info.shape} ({info.dtype}); the metadata files "
             "disagree, the checkpoint is damaged"
         )
-
-
-def _key_impls(location: str) -> dict[str, str]:
-    """PRNG key implementations by name, from `array_metadatas/process_*` (spec §8)."""
-    folder = fs.join(location, "array_metadatas")
-    if not fs.isdir(folder):
-        return {}
-    impls = {}
-    for name in fs.listdir(folder):
-        path = fs.join(folder, name)
-        try:
-            text = fs.read_text(path) or ""
-            if "random_key_impl" not in text:
-                continue  # the file's only use here is PRNG key identity; skip parsing
-            entries = json.loads(text)["array_metadatas"]
-            for entry in entries:
-                array = entry["array_metadata"]
-                impl = (array.get("ext_metadata") or {}).get("random_key_impl")
-                if impl is not None:
-                    impls[str(array["param_name"])] = str(impl)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
-            raise CorruptCheckpointError(
-                f"{path} is malformed ({error!r}); expected JSON with an 'array_metadatas' "
-                "list; delete the folder to read PRNG keys as their uint32 data"
-            ) from None
-    return impls
-
-
-def _strings(location: str, leaves: Sequence[tm.Leaf]) -> dict[tm.Path, str]:
-    if not leaves:
-        return {}
-    text = _read_text(location, "_strings.json")
-    if text is None:
-        stored = [leaf for leaf in leaves if leaf.value_type == tm.STORED]
-        if stored:
-            raise CorruptCheckpointError(
-                f"{location}: {stored[0].key!r} (stored as {stored[0].name!r}) has neither "
-                "zarr metadata nor an entry in _strings.json; the checkpoint is incomplete"
-            )
-        raise CorruptCheckpointError(
-            f"{location}/_strings.json is missing but _METADATA lists string leaves "
-            f"{[leaf.key for leaf in leaves[:3]]}; copy the checkpoint again"
-        )
-    try:
-        table = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{location}/_strings.json is not valid JSON ({str(error)[:100]}); the file is "
-            "damaged, copy the checkpoint again"
-        ) from None
-    values = {}
-    for leaf in leaves:
-        node = tm.find_string(table, leaf.name)
-        if not isinstance(node, str):
-            found = "nothing" if node is None else f"a {type(node).__name__}"
-            raise CorruptCheckpointError(
-                f"{location}/_strings.json: expected the string of {leaf.key!r} at "
-                f"{'/' + leaf.name!r}, found {found}; the file is damaged, copy the "
-                "checkpoint again"
-            )
-        values[leaf.path] = node
-    return values

@@ -9,11 +9,12 @@ import numpy as np
 
 from lazyckpt._device_put import materialize
 from lazyckpt._engine import stored_bytes
+from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._stream import iter_blocks as _iter_blocks
 from lazyckpt._target import Missing, host, match
-from lazyckpt._tree import Predicate, leaves, select
+from lazyckpt._tree import Select, leaves, selected
 
 
 def arrays_of(tree: Any) -> list[tuple[str, LazyArray]]:
@@ -21,9 +22,10 @@ def arrays_of(tree: Any) -> list[tuple[str, LazyArray]]:
     return [(path, leaf) for path, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
 
 
+@renamed(which="select")
 def load(
     tree: Any,
-    which: str | Predicate | None = None,
+    select: Select | None = None,
     *,
     like: Any = None,
     partial: bool = False,
@@ -32,19 +34,29 @@ def load(
     memory_budget: int | None = None,
     progress: bool | None = None,
 ) -> Any:
-    """Read every LazyArray in `tree` (or in `select(tree, which)`) into NumPy arrays.
+    """Read every LazyArray in `tree` into NumPy arrays, in the tree's own node types.
 
-    With `like`, a target pytree (an abstract model state, a `TrainState`, a dict
-    with int keys...), the result has the target's structure and dtypes, matched as
-    `device_put` matches a target (same `partial`, `missing` and `lossy_casts`), on
-    host: what Orbax's restore onto a target gives, without a full-size target.
-
-    Reads of all arrays run concurrently, in blocks cut along stored chunks, with at
-    most `memory_budget` bytes held by blocks in flight (default 32 MiB per core, at
-    least 64 MiB and at most 1 GiB) besides the returned arrays; blocks are written
-    straight into the returned arrays where the dtype allows. `progress` shows a bar
-    on stderr (None: only for large reads on a terminal). Leaves that are not
+    Reads of all arrays run concurrently, in blocks cut along stored chunks, written
+    straight into the returned arrays where the dtype allows. Leaves that are not
     LazyArrays are returned as they are; typed PRNG keys come back as `jax.Array`s.
+
+    Args:
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        like: A target pytree (an abstract model state, a `TrainState`, a dict with
+            int keys...): the result has its structure and dtypes, matched as
+            `device_put` matches a target, on host; what Orbax's restore onto a
+            target gives, without a full-size target.
+        partial: With `like`, read only what the target names.
+        missing: With `like`, what to do with target leaves the checkpoint lacks:
+            "error", "keep", or a function `(path, target_leaf) -> value`.
+        lossy_casts: With `like`, allow casts that can change values.
+        memory_budget: Bytes held by blocks in flight (default 32 MiB per core, at
+            least 64 MiB and at most 1 GiB); a stored chunk larger than the budget is
+            still read whole.
+        progress: A one-line bar on stderr: True always, False never, None (the
+            default) for reads of 256 MiB or more when stderr is a terminal.
 
     >>> params = lazyckpt.load(lazyckpt.open(path), "params/b")
     >>> params
@@ -53,8 +65,7 @@ def load(
     ...               partial=True)
     {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float16)}, 'step': 3}
     """
-    if which is not None:
-        tree = select(tree, which)
+    tree = selected(tree, select)
     if like is None:
         plan = host(tree)
     else:
@@ -65,16 +76,26 @@ def load(
 
 
 def iter_blocks(
-    tree: Any, *, memory_budget: int | None = None, progress: bool | None = None
+    tree: Any,
+    select: Select | None = None,
+    *,
+    memory_budget: int | None = None,
+    progress: bool | None = None,
 ) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
     """Stream every LazyArray in `tree` as `(key path, index, values)` blocks.
 
     `key path` is the array's path in `tree`; blocks follow the stored chunks (whole
     chunks, grouped up to the budget), and `array[index]` equals `values`. Reads run
     ahead of the consumer, but the blocks in flight plus the one being consumed stay
-    within `memory_budget` bytes (default 32 MiB per core, at least 64 MiB and at most
-    1 GiB; a single chunk larger than the budget is still read whole), so a
-    checkpoint larger than memory can be reduced chunk by chunk.
+    within the budget, so a checkpoint larger than memory can be reduced chunk by
+    chunk.
+
+    Args:
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
 
     >>> tree = lazyckpt.open(path)
     >>> total = 0.0
@@ -83,7 +104,7 @@ def iter_blocks(
     >>> total == float(np.arange(64).sum() + 8)
     True
     """
-    found = arrays_of(tree)
+    found = arrays_of(selected(tree, select))
     arrays = [array for _, array in found]
     bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
     for position, index, values in _iter_blocks(arrays, memory_budget, bar):

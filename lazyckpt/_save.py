@@ -12,8 +12,8 @@ published atomically (`lazyckpt._commit`).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
@@ -21,6 +21,7 @@ from lazyckpt._commit import publishing
 from lazyckpt._errors import CheckpointExistsError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
+from lazyckpt._safetensors_save import save_safetensors
 from lazyckpt._save_plan import DEFAULT_CHUNK_BYTES, Planned, cost, description, plan
 from lazyckpt._save_together import save_together
 from lazyckpt._scheduler import Scheduler
@@ -28,33 +29,59 @@ from lazyckpt._write import write_arrays, write_metadata
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save"]
 
+Format = Literal["orbax", "safetensors"]
+
 
 def save(
     path: str | os.PathLike[str],
     tree: Any,
     *,
+    format: Format | None = None,  # noqa: A002 - the name the API uses for it
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | None = None,
+    metadata: Mapping[str, str] | None = None,
     memory_budget: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> str:
-    """Write `tree` as an Orbax PyTree checkpoint at `path`; return its absolute path.
+    """Write `tree` as an Orbax PyTree checkpoint (OCDBT, zarr3, zstd chunks with their
+    checksums) that Orbax restores and `lazyckpt.open` reads back as saved; or as
+    safetensors, one file or Hugging Face's sharded layout.
 
-    Leaves may be LazyArrays (sliced or cast ones too), `jax.Array`s, NumPy arrays,
-    Python and NumPy scalars, strings and None; containers are dicts, lists, tuples
-    and any registered pytree node. LazyArrays are streamed: read and written block
-    by block with at most `memory_budget` bytes of blocks in flight (default 32 MiB
-    per core, at least 64 MiB), never loaded whole. Arrays are stored in chunks of
-    about `chunk_bytes`. The checkpoint appears at `path` only once complete; an
-    existing one is replaced only with `overwrite=True`. `path` may be an `s3://` or
-    `gs://` URL (see `open` for `storage_options`): there, with no rename to commit
-    with, `commit_success.txt` is written last and marks the save complete, and an
-    overwrite deletes the old checkpoint first. In a `jax.distributed` run every
-    process calls `save` with the same tree; each writes the shards it holds.
+    LazyArrays are streamed, read and written block by block, never loaded whole;
+    `jax.Array`s are written from their shards (each distinct shard once; typed PRNG
+    keys as their key data). The checkpoint appears at `path` only once complete: on
+    a local disk by a rename; in a bucket, with no rename to commit with,
+    `commit_success.txt` is written last and marks it complete. In a
+    `jax.distributed` run every process calls `save` with the same tree, and each
+    writes the shards it holds.
 
-    Orbax restores the result (`PyTreeCheckpointer`, `StandardCheckpointer`), and
-    `lazyckpt.open` reads it back as saved.
+    Args:
+        path: The folder to create, local or `s3://` / `gs://`.
+        tree: Any pytree of LazyArrays (sliced and cast views too), `jax.Array`s,
+            NumPy arrays, Python and NumPy scalars, strings and None.
+        format: "orbax" or "safetensors"; by default safetensors for a path ending
+            in `.safetensors`, else orbax. As safetensors, key paths are joined with
+            `.` (`model/layers/0/q` becomes `model.layers.0.q`); a path ending in
+            `.safetensors` is one file, any other a model folder: `model.safetensors`,
+            or shards `model-00001-of-0000N.safetensors` with
+            `model.safetensors.index.json` when the tensors pass `max_shard_size`.
+            In a bucket each file is uploaded in one request from memory.
+        chunk_bytes: Orbax: about how many bytes each stored chunk holds; chunks
+            tile each device's shard.
+        max_shard_size: Safetensors: the most bytes of tensors per file of a model
+            folder (default 5 GB, as `transformers`).
+        metadata: Safetensors: the files' `__metadata__` (default
+            `{"format": "pt"}`, what `transformers` loads).
+        memory_budget: As for `load`.
+        progress: As for `load`.
+        overwrite: Replace an existing checkpoint at `path` (a folder that is not a
+            checkpoint is never replaced); otherwise `CheckpointExistsError`.
+        storage_options: As for `open`.
+
+    Returns:
+        The checkpoint's absolute path (or URL).
 
     >>> tree = lazyckpt.open(path)
     >>> small = {"w": tree["params"]["w"][:2].astype("float16"), "note": "first rows"}
@@ -63,6 +90,22 @@ def save(
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
     final = fs.normalize(path)
+    kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
+    if kind not in ("orbax", "safetensors"):
+        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
+    if kind == "safetensors":
+        with fs.session(storage_options):
+            return save_safetensors(
+                final,
+                tree,
+                max_shard_size=max_shard_size,
+                metadata=metadata,
+                memory_budget=memory_budget,
+                overwrite=overwrite,
+                progress=progress,
+            )
+    if max_shard_size is not None or metadata is not None:
+        raise ValueError("save: max_shard_size and metadata apply to format='safetensors'")
     leaves = plan(tree, chunk_bytes)
     if overwrite and not fs.atomic_rename(final):
         _refuse_reading_from(final, leaves)

@@ -111,21 +111,6 @@ class Selection:
         view.extend(dims)
         return Selection(stored=tuple(stored), view=tuple(view))
 
-    def stored_box(self) -> tuple[tuple[int, int], ...]:
-        """Per stored dimension, the half-open interval of stored indices read.
-
-        Empty selections give an empty interval in their empty dimensions.
-        """
-        box = []
-        for s in self.stored:
-            if isinstance(s, int):
-                box.append((s, s + 1))
-            elif s.count == 0:
-                box.append((0, 0))
-            else:
-                box.append(s.bounds)
-        return tuple(box)
-
 
 def _normalize_int(item: int, size: int) -> int:
     position = item + size if item < 0 else item

@@ -9,13 +9,13 @@ import attrs
 import jax.numpy as jnp
 import numpy as np
 
-from lazyckpt._errors import LazyTypeError
+from lazyckpt._errors import LazyTypeError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
 from lazyckpt._read import arrays_of
 from lazyckpt._stream import iter_blocks as engine_blocks
 from lazyckpt._text import human_bytes
-from lazyckpt._tree import Predicate, select
+from lazyckpt._tree import Select, selected
 
 
 @attrs.frozen
@@ -32,10 +32,6 @@ class Stats:
     mean: float | None
     std: float | None
     histogram: tuple[np.ndarray, np.ndarray] | None = attrs.field(default=None, eq=False)
-
-    @property
-    def finite(self) -> int:
-        return self.size - self.nan - self.inf
 
     def describe(self) -> dict[str, Any]:
         """As JSON-ready data."""
@@ -109,36 +105,85 @@ class _Running:
         return Stats(self.size, self.nan, self.inf, self.low, self.high, self.mean, std, histogram)
 
 
+class StatsTable(dict[str, Stats]):
+    """What `stats` returns: `Stats` by key path, printed as an aligned table.
+
+    `skipped` lists the arrays left out (complex numbers, PRNG keys); `nbytes` the
+    size of each summarized array.
+    """
+
+    def __init__(self, results: dict[str, Stats], nbytes: dict[str, int], skipped: list[str]):
+        super().__init__(results)
+        self.nbytes = nbytes
+        self.skipped = skipped
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """As JSON-ready data (what `lazyckpt stats --json` prints)."""
+        return {key: s.describe() for key, s in self.items()}
+
+    def __str__(self) -> str:
+        lines = [format_stats(self, self.nbytes)]
+        for key, s in self.items():
+            if s.histogram is not None:
+                counts, edges = s.histogram
+                lines.append(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
+                lines.append("  " + " ".join(str(int(c)) for c in counts))
+        if self.skipped:
+            lines.append(f"\nnot summarized (not real numbers): {', '.join(self.skipped)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@renamed(which="select")
 def stats(
     tree: Any,
-    which: str | Predicate | None = None,
+    select: Select | None = None,
     *,
     bins: int | None = None,
     memory_budget: int | None = None,
     progress: bool | None = None,
-) -> Any:
-    """Statistics of every LazyArray in `tree` (or in `select(tree, which)`), read
-    block by block within `memory_budget`: a dict of `Stats` by key path, or one
-    `Stats` when `tree` is a LazyArray.
+) -> StatsTable:
+    """Statistics of every LazyArray in `tree`, read block by block within the budget.
 
-    Arrays of other kinds in a tree (complex numbers, PRNG keys) are left out. With `bins`, also a histogram of the finite values
-    in `bins` equal bins over `[min, max]`, which takes a second read.
+    Arrays of other kinds (complex numbers, PRNG keys) are left out and listed in
+    the result's `skipped`.
 
-    >>> s = lazyckpt.stats(lazyckpt.open(path)["params"]["w"], bins=4)
+    Args:
+        tree: A lazy tree, a subtree of one, or a single LazyArray (a view too).
+        select: Only the leaves matching a pattern, any of several patterns, or a
+            predicate `(path, leaf) -> bool` (see `select`).
+        bins: Also a histogram of the finite values in this many equal bins over
+            `[min, max]`, which takes a second read.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        A `StatsTable`: a dict of `Stats` by key path, whatever `tree` is.
+
+    >>> w = lazyckpt.open(path)["params"]["w"]
+    >>> s = lazyckpt.stats(w, bins=4)["params/w"]
     >>> s.min, s.max, s.mean, s.nan
     (0.0, 63.0, 31.5, 0)
     >>> s.histogram[0]
     array([16, 16, 16, 16])
+    >>> print(lazyckpt.stats(lazyckpt.open(path), "params"))
+    key        size  min  max  mean     std  nan  inf
+    params/b   32 B    1    1     1       0    0    0
+    params/w  256 B    0   63  31.5  18.473    0    0
     """
-    single = isinstance(tree, LazyArray)
-    if single and not summarizable(tree):
-        raise LazyTypeError(
-            f"{tree.key}: statistics need real or integer values, not {tree.dtype}; "
-            "read this array and reduce it yourself"
-        )
-    if which is not None:
-        tree = select(tree, which)
-    found = [(path, array) for path, array in arrays_of(tree) if summarizable(array)]
+    if isinstance(tree, LazyArray):
+        if not summarizable(tree):
+            raise LazyTypeError(
+                f"{tree.key}: statistics need real or integer values, not {tree.dtype}; "
+                "read this array and reduce it yourself"
+            )
+        everything = [(tree.key or "(array)", tree)]
+    else:
+        everything = arrays_of(selected(tree, select))
+    found = [(path, array) for path, array in everything if summarizable(array)]
+    skipped = [path for path, array in everything if not summarizable(array)]
     arrays = [array for _, array in found]
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     bar = Progress.maybe(progress, total, "lazyckpt stats")
@@ -151,7 +196,11 @@ def stats(
     if bar is not None:
         bar.close()
     results = [r.result(h) for r, h in zip(running, histograms, strict=True)]
-    return results[0] if single else {path: s for (path, _), s in zip(found, results, strict=True)}
+    return StatsTable(
+        {path: s for (path, _), s in zip(found, results, strict=True)},
+        {path: array.nbytes for path, array in found},
+        skipped,
+    )
 
 
 def _histograms(

@@ -104,10 +104,14 @@ class Store:
     kvstore: ts.KvStore = attrs.field(repr=False)
     generation: tuple[Any, ...] = attrs.field(default=(), repr=False)
     """The checkpoint's `fs.generation` when it was opened."""
+    files: tuple[str, ...] = attrs.field(default=fs.GENERATION_FILES, repr=False)
+    """The files whose identity makes up the generation."""
 
     def changed(self) -> bool:
         """Whether the checkpoint was replaced or rewritten since it was opened."""
-        return bool(self.generation) and fs.generation(self.location) != self.generation
+        return bool(self.generation) and (
+            fs.generation(self.location, self.files) != self.generation
+        )
 
     def check_unchanged(self) -> None:
         """Raise `CheckpointChangedError` if the checkpoint changed since it was opened:
@@ -116,7 +120,14 @@ class Store:
             raise changed_error(self.location)
 
     @classmethod
-    def open(cls, location: str, *, ocdbt: bool, generation: tuple[Any, ...] = ()) -> Store:
+    def open(
+        cls,
+        location: str,
+        *,
+        ocdbt: bool,
+        generation: tuple[Any, ...] = (),
+        files: tuple[str, ...] = fs.GENERATION_FILES,
+    ) -> Store:
         context = ts.Context(
             {
                 "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
@@ -137,7 +148,7 @@ class Store:
             if not fs.is_remote(location):
                 raise
             raise fs.storage_error(location, error) from None
-        return cls(location, ocdbt, context, spec, kvstore, generation)
+        return cls(location, ocdbt, context, spec, kvstore, generation, files)
 
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""
@@ -210,9 +221,12 @@ class StoredArray:
             if not self._opened and self.inline is not None:
                 self._opened.append(ready(ts.array(self.inline)))
             elif not self._opened:
-                opening = ts.open(self._spec(), context=self.store.context, open=True)
-                self._opened.append(then(opening, self._check, self.read_error))
+                self._opened.append(then(self._open_store(), self._check, self.read_error))
             return self._opened[0]
+
+    def _open_store(self) -> ts.Future[ts.TensorStore]:
+        """The array as a TensorStore, through its zarr driver."""
+        return ts.open(self._spec(), context=self.store.context, open=True)
 
     def _spec(self) -> dict[str, Any]:
         kvstore = dict(self.store.kvstore_spec)

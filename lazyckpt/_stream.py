@@ -17,7 +17,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
@@ -44,6 +44,9 @@ from lazyckpt._progress import Progress
 from lazyckpt._scheduler import HELD, Scheduler, in_pool
 from lazyckpt._store import check_unchanged, ready, then
 
+if TYPE_CHECKING:  # LazyArray reads through this module
+    from lazyckpt._lazy import LazyArray
+
 _END = object()
 
 
@@ -63,7 +66,7 @@ class _Job:
 
 
 def iter_blocks(
-    arrays: Sequence[Any],
+    arrays: Sequence[LazyArray],
     budget: int | None,
     progress: Progress | None = None,
     grids: Sequence[tuple[int, ...] | None] | None = None,
@@ -115,7 +118,7 @@ def iter_blocks(
 
 
 def _jobs(
-    position: int, array: Any, limits: Scheduler, grid: tuple[int, ...] | None
+    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
 ) -> Iterator[_Job]:
     """The jobs that stream one view, in order."""
     stored = array.stored
@@ -164,6 +167,7 @@ def _jobs(
         for region in regions:
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
+    assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
     order = stored.codec.order
     for chunk in chunks_in(box, stored.chunks):
         overlap = intersect(chunk_box(chunk, stored.chunks), box)
@@ -182,7 +186,7 @@ def _jobs(
 
 
 def _stored_cells(
-    array: Any, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
+    array: LazyArray, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
 ) -> tuple[int, ...] | None:
     """`grid`'s cell size along each stored dimension (1 without a grid, and for
     dimensions the view drops), or None when its cells straddle stored chunks, so
@@ -201,7 +205,7 @@ def _stored_cells(
     return tuple(cells)
 
 
-def widened(array: Any, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
+def widened(array: LazyArray, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
     """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
     grids line up (so that no stored chunk is read twice), as long as such a block is
     no larger than a stored chunk or a block of the budget."""
@@ -226,14 +230,14 @@ def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _view_bands(array: Any, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
+def _view_bands(array: LazyArray, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
     """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
     cells = grid if grid is not None else (1,) * len(array.shape)
     yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
 
 
 def _decoded_block(
-    array: Any, region: Box, read_bytes: int, window: int
+    array: LazyArray, region: Box, read_bytes: int, window: int
 ) -> Callable[[], ts.Future[Any]]:
     """A step that fills one block, `array[region]`, from every chunk it touches."""
 
@@ -250,7 +254,7 @@ def _decoded_block(
 
 
 def _chunk_bands(
-    array: Any,
+    array: LazyArray,
     index: tuple[int, ...],
     bands: Callable[[], Iterable[Box]],
     mapping: Sequence[tuple[int, int] | None],
@@ -278,12 +282,14 @@ def _chunk_bands(
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
 
 
-def _ts_step(array: Any, index: tuple[slice, ...], nbytes: int) -> Callable[[], ts.Future[Any]]:
+def _ts_step(
+    array: LazyArray, index: tuple[slice, ...], nbytes: int
+) -> Callable[[], ts.Future[Any]]:
     return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
 
 
 def _ts_jobs(
-    position: int, array: Any, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
+    position: int, array: LazyArray, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
 ) -> Iterator[_Job]:
     """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
     stored = array.stored

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, Sharding
 
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, key_dtype
-from lazyckpt._sharding import LAYOUTS, resolve
+from lazyckpt._sharding import LAYOUTS, Layout, resolve
 from lazyckpt._tree import Path, keystr, map_leaves, path_of, subtree
 
 Missing = Literal["error", "keep"] | Callable[[str, Any], Any]
@@ -182,7 +182,7 @@ class _Matcher:
         where = keystr(path)
         return map_leaves(lambda leaf: self._place(where, leaf, want), node)
 
-    def _place(self, where: str, leaf: Any, layout: Any) -> Any:
+    def _place(self, where: str, leaf: Any, layout: Layout | None) -> Any:
         if not isinstance(leaf, LazyArray):
             return leaf
         if self.to_host:

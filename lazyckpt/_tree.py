@@ -17,11 +17,14 @@ from typing import Any
 
 import jax
 
-from lazyckpt._errors import NoMatchError
+from lazyckpt._errors import NoMatchError, renamed
 
 Key = str | int
 Path = tuple[Key, ...]
 Predicate = Callable[[str, Any], bool]
+Select = str | Sequence[str] | Predicate
+"""What every verb's `select` argument takes: a path pattern, a list of patterns (a
+leaf matching any of them is kept) or a predicate `(path, leaf) -> bool`."""
 
 _tu = jax.tree_util
 
@@ -146,26 +149,37 @@ def any_of(patterns: Sequence[str]) -> Predicate:
     return lambda path, _leaf: any(matches(pattern, path) for pattern in parts)
 
 
-def _as_predicate(which: str | Predicate) -> Predicate:
-    if callable(which):
-        return which
-    pattern = [part for part in which.strip("/").split("/") if part]
-    return lambda path, _leaf: _matches(pattern, path.split("/") if path else [])
+def _as_predicate(pattern: Select) -> Predicate:
+    if callable(pattern):
+        return pattern
+    if not isinstance(pattern, str):
+        return any_of(pattern)
+    parts = [part for part in pattern.strip("/").split("/") if part]
+    return lambda path, _leaf: _matches(parts, path.split("/") if path else [])
 
 
 _DROPPED = object()
 
 
-def select(tree: Any, which: str | Predicate) -> Any:
-    """The part of `tree` whose leaves match `which`, without reading anything.
+@renamed(which="pattern")
+def select(tree: Any, pattern: Select) -> Any:
+    """The part of `tree` whose leaves match `pattern`, without reading anything.
 
-    `which` is a path pattern (segments joined by `/`; `*` matches within a
-    segment, `**` any number of segments; a pattern selects whole subtrees below
-    what it matches) or a predicate `(path, leaf) -> bool`. Dicts keep only the
-    selected keys; every other container (lists, tuples, NamedTuples, dataclasses,
-    `nnx.State`...) keeps its type and shape, with None (an empty subtree) where
-    nothing is selected, so that indices and fields keep their meaning. Flax NNX
-    state paths end in `/value`: `blocks/*/attn/**` or `**/kernel/value` match them.
+    Dicts keep only the selected keys; every other container (lists, tuples,
+    NamedTuples, dataclasses, `nnx.State`...) keeps its type and shape, with None
+    (an empty subtree) where nothing is selected, so that indices and fields keep
+    their meaning. Flax NNX state paths end in `/value`: `blocks/*/attn/**` or
+    `**/kernel/value` match them. Every verb's `select` argument takes the same.
+
+    Args:
+        tree: Any pytree.
+        pattern: A path pattern: segments joined by `/`, `*` matching within a
+            segment and `**` any number of segments; a pattern selects the whole
+            subtree below what it matches. Or a list of patterns (a leaf matching any
+            is kept), or a predicate `(path, leaf) -> bool`.
+
+    Raises:
+        NoMatchError: Nothing matched; the message shows some of the tree's paths.
 
     >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
     >>> select(tree, "params/**/kernel")
@@ -173,12 +187,17 @@ def select(tree: Any, which: str | Predicate) -> Any:
     >>> select(tree, lambda path, leaf: leaf > 1)
     {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
     """
-    predicate = _as_predicate(which)
-    picked = _select(tree, (), predicate)
+    picked = _select(tree, (), _as_predicate(pattern))
     if picked is _DROPPED:
         some = [path for path, _ in leaves(tree)][:5]
-        raise NoMatchError(f"{which!r} matched no leaf of the tree; its paths look like {some}")
+        shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)
+        raise NoMatchError(f"{shown!r} matched no leaf of the tree; its paths look like {some}")
     return picked
+
+
+def selected(tree: Any, pattern: Select | None) -> Any:
+    """`select(tree, pattern)`, or the whole tree when `pattern` is None."""
+    return tree if pattern is None else select(tree, pattern)
 
 
 def _select(node: Any, path: Path, predicate: Predicate) -> Any:

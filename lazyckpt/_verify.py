@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from lazyckpt._decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine import windows
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, renamed
 from lazyckpt._geometry import (
     Box,
     bounds,
@@ -39,7 +39,7 @@ from lazyckpt._read import arrays_of
 from lazyckpt._scheduler import HELD, Scheduler, in_pool
 from lazyckpt._store import StoredArray, check_unchanged, then
 from lazyckpt._text import human_bytes
-from lazyckpt._tree import Predicate, select
+from lazyckpt._tree import Select, selected
 
 _SHOWN = 20  # damaged arrays listed in full by str(); the rest are counted
 
@@ -104,15 +104,16 @@ class Verification:
         return "\n".join(lines)
 
 
+@renamed(which="select")
 def verify(
     tree: Any,
-    which: str | Predicate | None = None,
+    select: Select | None = None,
     *,
     memory_budget: int | None = None,
     progress: bool | None = None,
 ) -> Verification:
-    """Decode every stored chunk behind the LazyArrays of `tree` (or of
-    `select(tree, which)`), within `memory_budget`, and report damage by key path.
+    """Decode every stored chunk behind the LazyArrays of `tree` and report damage by
+    key path.
 
     Each chunk is read and decoded whole (for a sliced view, the chunks it touches)
     and its values dropped: checksums are verified, missing and truncated chunks
@@ -120,13 +121,22 @@ def verify(
     header declares. A chunk that cannot be read for other reasons (storage
     unreachable, the checkpoint overwritten meanwhile) raises, as any read does.
 
+    Args:
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        A `Verification`: `ok`, the damaged arrays, and those without checksums.
+
     >>> result = lazyckpt.verify(lazyckpt.open(path))
     >>> result.ok, result.damaged
     (True, [])
     """
-    if which is not None:
-        tree = select(tree, which)
-    found = arrays_of(tree) if not isinstance(tree, LazyArray) else [(tree.key, tree)]
+    single = isinstance(tree, LazyArray)
+    found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
     first: dict[int, tuple[str, LazyArray]] = {}
     for path, array in found:  # views of one stored array are checked once
         first.setdefault(id(array.stored), (path, array))

@@ -139,14 +139,14 @@ def stored_chunk_bytes(path: Path, view: LazyArray) -> int:
     """Stored bytes of the chunks holding the elements that `view` selects."""
     zarr3 = view.stored.driver == "zarr3"
     kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
-    per_dim = []
-    for stored, chunk in zip(view.selection.stored, view.chunks, strict=True):
+    per_dim: list[list[int]] = []
+    for stored, chunk_size in zip(view.selection.stored, view.chunks, strict=True):
         indices = (
             [stored]
             if isinstance(stored, int)
             else [stored.start + stored.step * i for i in range(stored.count)]
         )
-        per_dim.append(sorted({i // chunk for i in indices}))
+        per_dim.append(sorted({i // chunk_size for i in indices}))
     total = 0
     for chunk in itertools.product(*per_dim):
         value = kvstore.read(_chunk_key(view.stored.name, chunk, zarr3)).result()
@@ -222,7 +222,7 @@ def expected(value: Any) -> Any:
         return {str(k): expected(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [expected(v) for v in value]
-    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
         return value
     if isinstance(value, jax.Array | np.ndarray):
         return np.asarray(value)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lazyckpt
@@ -58,7 +57,7 @@ def _edit_metadata(path: Path, edit: Any) -> None:
 def _entry(metadata: dict[str, Any], key: str) -> dict[str, Any]:
     for entry in metadata["tree_metadata"].values():
         if "/".join(k["key"] for k in entry["key_metadata"]) == key:
-            return entry  # type: ignore[no-any-return]
+            return entry
     raise KeyError(key)
 
 
@@ -92,7 +91,9 @@ def test_deleted_chunk_file_without_fill(folders_copy: Path) -> None:
 def test_truncated_chunk_file(folders_copy: Path) -> None:
     chunk = folders_copy / "nested.b" / "0"
     chunk.write_bytes(chunk.read_bytes()[:-3])
-    with pytest.raises(CorruptCheckpointError, match=r"reading array 'nested/b'"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"reading array 'nested/b' \(stored as 'nested\.b'\) failed"
+    ):
         lazyckpt.open(folders_copy)["nested"]["b"].get()
 
 
@@ -128,7 +129,9 @@ def test_zarr_dtype_that_does_not_match_the_chunks(folders_copy: Path) -> None:
     zarray.write_text(json.dumps(meta))
     lazy = lazyckpt.open(folders_copy)
     assert lazy["nested"]["b"].dtype == np.float64
-    with pytest.raises(CorruptCheckpointError, match=r"reading array 'nested/b'"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"reading array 'nested/b' \(stored as 'nested\.b'\) failed"
+    ):
         lazy["nested"]["b"].get()
 
 
@@ -194,16 +197,14 @@ _JSON = st.recursive(
 )
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_mutated_metadata_never_crashes(
-    pristine: dict[bool, Path], tmp_path: Path, data: st.DataObject
+    pristine: dict[bool, Path], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
 ) -> None:
     """Replace any part of _METADATA with random JSON: open succeeds or raises LazyckptError."""
     ocdbt = data.draw(st.booleans())
-    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "ckpt"
+    path = tmp_path_factory.mktemp("mutated") / "ckpt"
     shutil.copytree(pristine[ocdbt], path)
     metadata = json.loads((path / "_METADATA").read_text())
     node: Any = metadata
@@ -228,7 +229,9 @@ def test_mutated_metadata_never_crashes(
 def test_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.npy").write_bytes(b"\x93NUMPY")
-    with pytest.raises(lazyckpt.NotACheckpointError, match=r"is not an Orbax checkpoint"):
+    with pytest.raises(
+        lazyckpt.NotACheckpointError, match=r"is not an Orbax checkpoint: .*\(found \['data'\]\)"
+    ):
         lazyckpt.open(tmp_path)
 
 
@@ -276,7 +279,7 @@ def test_truncated_chunk_file_fails_at_read_time(small: Path) -> None:
     lazy = lazyckpt.open(small)
     for data_file in small.glob("ocdbt.process_0/d/*"):
         data_file.write_bytes(data_file.read_bytes()[:100])
-    with pytest.raises(CorruptCheckpointError, match=r"reading array 'a'"):
+    with pytest.raises(CorruptCheckpointError, match=r"reading array 'a' \(stored as 'a'\) failed"):
         lazy["a"].get()
 
 

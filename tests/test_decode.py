@@ -95,17 +95,15 @@ def test_views_shardings_and_streams_decode_alike(
     tree, paths = layouts
     array = lazyckpt.open(paths[layout])["sharded"]  # (64, 32), saved from a 4x2 mesh
     value = np.asarray(tree["sharded"])
-    wants = {
-        name: np.asarray(value[view_index])
-        for name, view_index in {
-            "whole": (),
-            "rows": (slice(7, 41),),
-            "strided": (slice(None, None, 3), slice(None, None, -2)),
-            "reversed": (slice(None, None, -1),),
-            "row": (5,),
-            "newaxis_cast": (None, slice(2, 9), slice(1, None, 3)),
-        }.items()
+    view_indices: dict[str, tuple[int | slice | None, ...]] = {
+        "whole": (),
+        "rows": (slice(7, 41),),
+        "strided": (slice(None, None, 3), slice(None, None, -2)),
+        "reversed": (slice(None, None, -1),),
+        "row": (5,),
+        "newaxis_cast": (None, slice(2, 9), slice(1, None, 3)),
     }
+    wants = {name: np.asarray(value[index]) for name, index in view_indices.items()}
     wants["newaxis_cast"] = wants["newaxis_cast"].astype(np.float16)
     for name, view in _views(array).items():
         want = wants[name]
@@ -137,7 +135,7 @@ def _replace_array(item: Path, name: str, spec: dict[str, Any], value: np.ndarra
 
 
 _VALUE = np.random.default_rng(5).standard_normal((37, 24)).astype(np.float32)
-_ZARR2 = {
+_ZARR2: dict[str, Any] = {
     "driver": "zarr",
     "metadata": {
         "shape": [37, 24],
@@ -146,7 +144,7 @@ _ZARR2 = {
         "compressor": {"id": "zstd", "level": 1},
     },
 }
-_ZARR3 = {
+_ZARR3: dict[str, Any] = {
     "driver": "zarr3",
     "metadata": {
         "shape": [37, 24],
@@ -375,18 +373,21 @@ def big_chunk(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "mode", ["load", "device_put", "stream", "stats", "verify", "slice", "get"]
 )
 def test_memory_stays_within_the_budget_whatever_the_chunk_size(big_chunk: Path, mode: str) -> None:
-    """In a fresh process: one 96 MiB chunk read at a 16 MiB budget. Reads need at
-    most the budget and 15% beyond their results; a few rows near the start of the
-    chunk need less than the budget."""
+    """In a fresh process: one 96 MiB chunk read at a 16 MiB budget. Beyond their
+    results, reads grew the process by 2-14 MiB here, also on a loaded machine; holding
+    the chunk whole, decoded or compressed (89 MiB), would take 89 MiB or more, and
+    ignoring the budget (a 1 GiB one) grows `stream` and `stats` by 114-133 MiB. A few
+    rows near the start of the chunk need 2-10 MiB, `.get()` with the default windows
+    included."""
     budget = 16 << 20
     probe = rss_probe(big_chunk, mode, budget)
     beyond = probe["peak"] - probe["kept"]
-    assert beyond < budget * 1.15, probe
+    assert beyond < budget + (16 << 20), probe
     if mode in ("load", "device_put"):
         assert probe["kept"] == 96 << 20, probe
     if mode == "stream":
         assert probe["largest"] <= budget // 8, probe  # blocks cut inside the chunk
-    if mode in ("slice", "get"):  # `.get()` with the default windows: within 16 MiB too
+    if mode in ("slice", "get"):
         assert beyond < budget, probe
 
 

@@ -24,10 +24,10 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    for page in ("index.html", "getting-started/index.html", "reference/index.html",
+    for page in ("index.html", "getting-started/index.html", "api/index.html",
                  "use-cases/small-hosts/index.html", "tutorial.ipynb"):  # fmt: skip
         assert (tmp_path / page).exists(), page
-    reference = (tmp_path / "reference" / "index.html").read_text()
+    reference = (tmp_path / "api" / "index.html").read_text()
     assert "lazyckpt.save" in reference and "chunk_bytes" in reference
 
 
@@ -35,6 +35,7 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 _END = "----- end of block -----"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["use-cases/flax.md"])
 def test_recipe_runs_and_prints_what_it_shows(page: str, tmp_path: Path) -> None:
     """Every python block of the page runs, in order, in one fresh process; a text

@@ -179,13 +179,14 @@ def test_budget_must_be_positive(saved: tuple[Path, Any]) -> None:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_process_memory_stays_within_the_budget(wide: Path) -> None:
     """Peak RSS of a fresh process, not just NumPy's allocations: the allocator must
-    hand freed buffers back. With glibc's dynamic thresholds left alone, the stream
-    (then through tensorstore) grew by 156-186 MiB at this 96 MiB budget; with the
-    thresholds lazyckpt sets and its own decoder, 79-84 MiB, and device_put needs
-    42-56 MiB beyond the arrays."""
+    hand freed buffers back. At this 96 MiB budget the stream of 256 MiB grew the
+    process by 70-100 MiB here (115 MiB once on a busy machine); ignoring the budget
+    (a 1 GiB one) it grows by 218-251 MiB, every chunk in flight. device_put needs
+    21-38 MiB beyond the arrays, 54-65 MiB with a 1 GiB budget: the budget does not
+    bind there, and the bound catches a host copy of the tree (256 MiB more)."""
     budget = 96 << 20
     stream = rss_probe(wide, "stream", budget)
-    assert stream["peak"] < budget * 1.15, stream
+    assert stream["peak"] < budget + (64 << 20), stream
     placed = rss_probe(wide, "device_put", budget)
     assert placed["kept"] == 256 << 20
     assert placed["peak"] - placed["kept"] <= budget, placed

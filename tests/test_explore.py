@@ -48,6 +48,7 @@ def test_summary_shows_every_leaf_with_metadata_and_reads_nothing(
     assert "float32[64,128]" in html and "P(&#x27;x&#x27;, &#x27;y&#x27;)" in html
 
 
+@pytest.mark.slow
 def test_summary_of_10000_arrays_reads_nothing(tmp_path: Path, no_data_reads: None) -> None:
     tree = {f"layer_{i:03d}": {f"p{j:02d}": np.zeros(2, np.float32) for j in range(100)}
             for i in range(100)}  # fmt: skip
@@ -106,6 +107,7 @@ def test_stats_equal_numpy_on_the_loaded_array(tmp_path: Path, mesh: Any) -> Non
         assert s.mean == pytest.approx(finite.mean(), rel=1e-12, abs=1e-12), key
         assert s.std == pytest.approx(finite.std(), rel=1e-12, abs=1e-12), key
         counts, edges = np.histogram(finite, 7, (finite.min(), finite.max()))
+        assert s.histogram is not None, key
         np.testing.assert_array_equal(s.histogram[0], counts)
         np.testing.assert_allclose(s.histogram[1], edges)
     with pytest.raises(lazyckpt.LazyTypeError, match="c64: statistics need real"):
@@ -186,7 +188,7 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("manager") / "run"
     embed = np.arange(40 * 16, dtype=np.float32).reshape(40, 16)
-    steps = {
+    steps: dict[int, dict[str, Any]] = {
         step: {
             "state": ocp.args.StandardSave(
                 {"params": {"embed": embed * step, "bias": np.full(4, step, np.float32)}}
@@ -194,15 +196,25 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         }
         for step in (10, 20)
     }
+    steps[20]["meta"] = ocp.args.JsonSave({"lr": 0.1})
     return orbax_manager_save(root, steps)
 
 
+@pytest.mark.slow
 def test_cli_inspect_lists_steps_and_the_tree(run_root: Path) -> None:
     result = _cli("inspect", str(run_root))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == f"{run_root} (steps: 10, 20; showing 20): 2 arrays, 2.5 KiB"
+    title = f"{run_root} (steps: 10, 20; showing 20; item state; also: meta): 2 arrays, 2.5 KiB"
+    assert lines[0] == title
     assert "  embed  float32[40,16]  2.5 KiB" in lines
+    older = _cli("inspect", str(run_root), "--step", "10", "--depth", "1").stdout.splitlines()
+    assert older == [
+        f"{run_root} (steps: 10, 20; showing 10; item state): 2 arrays, 2.5 KiB",
+        "params/  2 arrays  2.5 KiB",
+    ]
+    meta = _cli("inspect", str(run_root), "--item", "meta").stdout.splitlines()
+    assert meta[0].startswith(f"{run_root} (steps: 10, 20; showing 20; item meta; also: state)")
     as_json = json.loads(_cli("inspect", str(run_root), "--step", "10", "--json").stdout)
     assert as_json["steps"] == [10, 20]
     paths = [leaf["path"] for leaf in as_json["leaves"]]

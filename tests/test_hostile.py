@@ -57,7 +57,7 @@ def _msgpack_chain(depth: int, leaf: bytes = b"\x01") -> bytes:
 def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
     """A zarr header edited to declare [10**15] elements (in one chunk, or in 64-element
     chunks) or 10**6 x 10**6: refused before anything is allocated."""
-    cases = []
+    cases: list[dict[str, Any]] = []
     expected = {}
     for name, shape, chunks in (
         ("one_chunk", [10**15], [10**15]),
@@ -74,7 +74,7 @@ def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
 
         _edit_json(item / "w" / ".zarray", edit)
         for do in ("open", "summary", "get", "get_slice", "load", "stats", "show"):
-            case = {"name": f"{name}:{do}", "path": str(item), "do": do}
+            case: dict[str, Any] = {"name": f"{name}:{do}", "path": str(item), "do": do}
             if do == "show":
                 case["args"] = ["w[0:4]"]
             cases.append(case)
@@ -101,7 +101,7 @@ def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:
     """`_METADATA` key paths and legacy msgpack maps hundreds to thousands of levels
     deep: up to 512 open like any tree (Orbax restores depth 511); deeper ones are a
     clear error, in time and memory linear in the file's size."""
-    cases = []
+    cases: list[dict[str, Any]] = []
     for depth in (511, 1000, 40_000):
         keys = [(f"k{i}", 2) for i in range(depth)]
         item = _metadata_only(tmp_path / f"metadata_{depth}", {"x": _entry(keys)})
@@ -156,7 +156,7 @@ def _copy(source: Path, target: Path) -> Path:
 
 
 def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path) -> None:
-    cases = []
+    cases: list[dict[str, Any]] = []
     expected = {}
 
     def case(name: str, damage: Any, want: str, do: str = "load") -> None:
@@ -202,7 +202,7 @@ def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path
 
 
 def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
-    cases = []
+    cases: list[dict[str, Any]] = []
     superscript = _metadata_only(tmp_path / "superscript", {"x": _entry([("l", 2), ("²", 1)])})
     cases.append({"name": "superscript index", "path": str(superscript), "do": "open"})
     for dtype in ("|S4", "|V8"):
@@ -228,7 +228,7 @@ def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
 
 
 def test_devices_fifos_and_links_out_of_the_folder(sharded: Path, tmp_path: Path) -> None:
-    cases = []
+    cases: list[dict[str, Any]] = []
     expected = {}
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -309,6 +309,9 @@ def test_item_names_stay_inside_the_step(tmp_path: Path) -> None:
         tmp_path / "run", {1: {"state": ocp.args.StandardSave({"w": np.zeros(2)})}}
     )
     for item in ("/etc", "../..", "..", "a/b", ""):
-        with pytest.raises(lazyckpt.NotACheckpointError, match=r"is not an item name") as caught:
+        with pytest.raises(
+            lazyckpt.NotACheckpointError,
+            match=r"is not an item name: items are folders directly inside a step folder",
+        ) as caught:
             lazyckpt.open(root, item=item)
         assert "passwd" not in str(caught.value)

@@ -117,9 +117,10 @@ def test_slice_reads_only_its_chunks(
 
 
 def test_selection_records_the_composed_ranges() -> None:
+    from lazyckpt._geometry import bounds
     from lazyckpt._selection import Selection
 
     selection = Selection.full((10, 6))[2:9:3][::-1, 4]
     assert selection.stored == (Range(8, -3, 3), 4)
     assert selection.shape == (3,)
-    assert selection.stored_box() == ((2, 9), (4, 5))
+    assert bounds(selection) == ((2, 9), (4, 5))

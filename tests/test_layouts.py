@@ -169,15 +169,20 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     assert lazyckpt.items(v1) == {"metadata": "json", "state": "pytree"}
     assert lazyckpt.open(v1, item="metadata") == {"metadata": "json_data"}
     assert lazyckpt.open(v1)["x"].get().tolist() == [0, 1, 2]  # the PyTree stays the default
-    with pytest.raises(lazyckpt.NotACheckpointError, match=r"is not a CheckpointManager root"):
+    with pytest.raises(
+        lazyckpt.NotACheckpointError,
+        match=r"v1 is not a CheckpointManager root: it has no committed step folders",
+    ):
         lazyckpt.steps(v1)
-    with pytest.raises(lazyckpt.CheckpointNotFoundError, match=r"has no item 'params'"):
+    with pytest.raises(
+        lazyckpt.CheckpointNotFoundError, match=r"state has no item 'params'; items present"
+    ):
         lazyckpt.open(v1 / "state", item="params")
 
 
 @pytest.mark.parametrize("ocdbt", [True, False])
 def test_structure_inferred_from_the_store_without_metadata(tmp_path: Path, ocdbt: bool) -> None:
-    tree = {
+    tree: dict[str, Any] = {
         "params": {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.int8)},
         "layers": [np.zeros(2, np.float32), np.ones(2, np.float32)],
         "step": np.array(4, np.int64),

@@ -273,8 +273,10 @@ scalars = (
     | st.floats(width=32).map(np.float32)
 )
 arrays = st.one_of(
-    hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-    for dtype in (np.float32, np.int8, np.bool_, np.complex64)
+    *(
+        hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+        for dtype in (np.float32, np.int8, np.bool_, np.complex64)
+    )
 ) | hnp.arrays(np.float32, hnp.array_shapes(min_dims=0, max_dims=2)).map(
     lambda a: a.astype(jnp.bfloat16)
 )

@@ -29,6 +29,19 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _results(out: str) -> list[dict[str, Any]]:
+    """The results a worker printed. Gloo's C++ logging shares the worker's stdout and
+    can land on the same line as a result."""
+    decoder = json.JSONDecoder()
+    results = []
+    start = out.find('{"do": ')
+    while start != -1:
+        result, end = decoder.raw_decode(out, start)
+        results.append(result)
+        start = out.find('{"do": ', end)
+    return results
+
+
 def run_processes(count: int, steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Run `steps` in `count` worker processes; each worker's printed results."""
     port = _free_port()
@@ -50,12 +63,12 @@ def run_processes(count: int, steps: list[dict[str, Any]]) -> list[list[dict[str
             out, err = worker.communicate(timeout=TIMEOUT)
             if worker.returncode != 0:
                 raise AssertionError(f"worker failed ({worker.returncode}):\n{err[-3000:]}")
-            outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+            outputs.append(_results(out))
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
-                worker.communicate()
+                worker.communicate(timeout=60)
     return outputs
 
 
@@ -89,6 +102,7 @@ def test_save_and_restore_together_on_matching_and_other_meshes(tmp_path: Path, 
     np.testing.assert_array_equal(tree["w"].get(), values(1))
 
 
+@pytest.mark.slow
 def test_saved_by_two_restored_by_four(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_processes(2, [{"do": "save", "path": path, "spec": [None, "d"], "seed": 5}])

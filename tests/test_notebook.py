@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).parent.parent
 
 
-def _text(output: dict) -> str:
+def _text(output: dict[str, Any]) -> str:
     if output.get("output_type") == "stream":
         return str(output["text"])
     data = output.get("data", {})

@@ -176,6 +176,7 @@ def test_arrays_are_opened_with_one_batched_metadata_read(saved: tuple[Path, Any
 def test_lazy_array_is_a_jax_leaf_and_frozen(saved: tuple[Path, Any]) -> None:
     lazy = lazyckpt.open(saved[0])
     kernel = lazy["params"]["dense"]["kernel"]
+    assert isinstance(kernel, LazyArray)
     assert jax.tree.leaves({"k": kernel}) == [kernel]
     with pytest.raises(AttributeError):
         kernel.dtype = np.dtype(np.int8)  # type: ignore[misc]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import lazyckpt
 from tests.overwrite_worker import tree, version_of
 
 ROOT = Path(__file__).parent.parent
+WRITER_TIMEOUT = 300
 
 
 def test_reads_during_overwrites_see_one_checkpoint_or_say_it_changed(tmp_path: Path) -> None:
@@ -22,8 +24,13 @@ def test_reads_during_overwrites_see_one_checkpoint_or_say_it_changed(tmp_path: 
     lazyckpt.save(path, tree(1), chunk_bytes=256 << 10)
     outcomes: Counter[str] = Counter()
     command = [sys.executable, "-m", "tests.overwrite_worker", str(path), "100"]
+    deadline = time.monotonic() + WRITER_TIMEOUT
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL) as writer:
         while writer.poll() is None or not outcomes:
+            if time.monotonic() > deadline:
+                writer.kill()
+                writer.wait(timeout=60)
+                pytest.fail(f"the writer's 100 saves took more than {WRITER_TIMEOUT} s")
             try:
                 lazy = lazyckpt.open(path)
                 # Half the reads open, then read later: the pinned generation is checked.

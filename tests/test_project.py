@@ -20,8 +20,11 @@ def _setup_commands() -> list[str]:
 def test_readme_opens_with_two_setup_commands_and_ci_runs_the_second() -> None:
     demo, tests = _setup_commands()
     assert demo.endswith("lazyckpt demo")
-    assert tests.endswith("python -m pytest")
+    assert tests.endswith("python -m nox --no-venv --no-install")
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+    noxfile = (ROOT / "noxfile.py").read_text()
+    sessions = '["lint", "typecheck", "docs", "tests"]'
+    assert f"nox.options.sessions = {sessions}" in noxfile
 
 
 def test_every_public_name_is_documented() -> None:

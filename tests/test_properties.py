@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,14 +16,17 @@ import lazyckpt
 from tests import strategies
 from tests.helpers import orbax_save
 
-INDEX = {"allow_newaxis": True, "allow_ellipsis": True}
+
+def basic_indices(shape: tuple[int, ...]) -> st.SearchStrategy[Any]:
+    """NumPy's basic indices into `shape`, newaxis and ellipsis included."""
+    return hnp.basic_indices(shape, allow_newaxis=True, allow_ellipsis=True)
 
 
 @pytest.fixture(scope="module")
 def zoo(mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Arrays of many shapes, dtypes and shardings, saved once in each zarr format."""
     rng = np.random.default_rng(7)
-    specs = {
+    specs: dict[str, tuple[tuple[int, ...], npt.DTypeLike, tuple[str | None, ...]]] = {
         "f32": ((8, 12, 6), np.float32, ("x", None, "y")),
         "bf16": ((16, 4), np.dtype("bfloat16"), ("y", "x")),
         "i8": ((9, 10), np.int8, (None, "y")),
@@ -53,7 +55,7 @@ def test_chained_basic_indexing_matches_numpy(zoo: dict[str, Any], data: st.Data
     lazy = zoo["opened"][data.draw(st.booleans())][name]
     want = zoo["expected"][name]
     for _ in range(data.draw(st.integers(1, 3))):
-        index = data.draw(hnp.basic_indices(want.shape, **INDEX))
+        index = data.draw(basic_indices(want.shape))
         lazy, want = lazy[index], want[index]
         assert lazy.shape == want.shape
     cast = data.draw(st.none() | st.sampled_from(strategies.DTYPES))
@@ -66,21 +68,22 @@ def test_chained_basic_indexing_matches_numpy(zoo: dict[str, Any], data: st.Data
 
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
-def test_random_arrays_round_trip(mesh: jax.sharding.Mesh, data: st.DataObject) -> None:
+def test_random_arrays_round_trip(
+    mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     leaves = data.draw(st.lists(strategies.saved_arrays(mesh), min_size=1, max_size=4))
     tree = {f"a{i}": saved for i, (_, saved) in enumerate(leaves)}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = orbax_save(Path(tmp) / "ckpt", tree, zarr3=data.draw(st.booleans()))
-        lazy = lazyckpt.open(path)
-        for i, (value, _) in enumerate(leaves):
-            array = lazy[f"a{i}"]
-            assert (array.shape, array.dtype) == (value.shape, value.dtype)
-            index = data.draw(hnp.basic_indices(value.shape, **INDEX))
-            np.testing.assert_array_equal(array[index].get(), value[index])
-            placed = lazyckpt.device_put(
-                array,
-                jax.sharding.NamedSharding(
-                    mesh, data.draw(strategies.partition_specs(value.shape))
-                ),
-            )
-            np.testing.assert_array_equal(np.asarray(placed), value)
+    path = orbax_save(
+        tmp_path_factory.mktemp("round-trip") / "ckpt", tree, zarr3=data.draw(st.booleans())
+    )
+    lazy = lazyckpt.open(path)
+    for i, (value, _) in enumerate(leaves):
+        array = lazy[f"a{i}"]
+        assert (array.shape, array.dtype) == (value.shape, value.dtype)
+        index = data.draw(basic_indices(value.shape))
+        np.testing.assert_array_equal(array[index].get(), value[index])
+        placed = lazyckpt.device_put(
+            array,
+            jax.sharding.NamedSharding(mesh, data.draw(strategies.partition_specs(value.shape))),
+        )
+        np.testing.assert_array_equal(np.asarray(placed), value)

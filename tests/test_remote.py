@@ -32,6 +32,8 @@ from tests.helpers import (
 
 boto3 = pytest.importorskip("boto3")
 
+DENIED = r"access denied \(.*\); the credentials lack permission for this bucket or prefix"
+
 
 @contextlib.contextmanager
 def guarded_server(free_requests: int = 4) -> Iterator[str]:
@@ -57,6 +59,7 @@ def guarded_server(free_requests: int = 4) -> Iterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             server.kill()
+            server.wait(timeout=60)
 
 
 def upload(client: Any, folder: Path, prefix: str) -> str:
@@ -124,7 +127,9 @@ def test_steps_items_and_unfinished_steps_in_a_bucket(s3: Any, tmp_path: Path) -
     assert lazyckpt.items(url) == {"state": "pytree"}
     assert lazyckpt.open(url)["w"].get().tolist() == [2, 2, 2]
     assert lazyckpt.open(url, step=1)["w"].get().tolist() == [1, 1, 1]
-    with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"no commit_success\.txt"):
+    with pytest.raises(
+        lazyckpt.UnfinishedCheckpointError, match=r"ckpt_000003/state has no commit_success\.txt"
+    ):
         lazyckpt.open(f"{url}/ckpt_000003")
 
 
@@ -153,7 +158,9 @@ def test_save_and_convert_to_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]
     back = lazyckpt.open(url)
     assert back["note"] == "hi"
     np.testing.assert_array_equal(back["w"].get(), np.arange(12.0).reshape(3, 4))
-    with pytest.raises(lazyckpt.CheckpointExistsError, match="already exists"):
+    with pytest.raises(
+        lazyckpt.CheckpointExistsError, match=r"already exists \(\d+ entries\); pass overwrite=True"
+    ):
         lazyckpt.save(url, {"w": np.zeros(2)})
     lazyckpt.save(url, {"v": np.ones(2)}, overwrite=True)
     assert list(lazyckpt.open(url)) == ["v"]
@@ -197,7 +204,7 @@ def test_rejected_credentials_and_access_denied(monkeypatch: pytest.MonkeyPatch)
         options = {"endpoint": endpoint, "region": "us-east-1"}
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
+        with pytest.raises(lazyckpt.StorageAccessError, match=DENIED):
             lazyckpt.open("s3://guarded/ckpt", storage_options=options)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEY000000000")
         with pytest.raises(lazyckpt.StorageAccessError, match="rejected the credentials"):
@@ -238,7 +245,7 @@ def test_an_overwrite_without_permission_to_write_keeps_the_old_checkpoint(
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
         options = {"endpoint": endpoint, "region": "us-east-1"}
-        with pytest.raises(lazyckpt.StorageAccessError, match="access denied"):
+        with pytest.raises(lazyckpt.StorageAccessError, match=DENIED):
             lazyckpt.save(
                 "s3://ckpts/old", {"w": np.zeros(3)}, overwrite=True, storage_options=options
             )
@@ -334,7 +341,10 @@ def test_a_bucket_checkpoint_overwritten_after_open_says_so(s3: Any) -> None:
     lazy = lazyckpt.open(url)
     lazyckpt.save(url, {"w": np.arange(6.0) + 1, "note": "new"}, overwrite=True)
     for read in (lambda: lazy["w"].get(), lambda: lazyckpt.load(lazy)):
-        with pytest.raises(lazyckpt.CheckpointChangedError, match="overwritten or changed"):
+        with pytest.raises(
+            lazyckpt.CheckpointChangedError,
+            match=r"replaced was overwritten or changed since it was opened",
+        ):
             read()
     reopened = lazyckpt.open(url)
     assert reopened["note"] == "new" and reopened["w"].get().tolist() == [1, 2, 3, 4, 5, 6]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -48,7 +47,7 @@ def test_orbax_restores_everything_lazyckpt_saves(tmp_path: Path, mesh: Any) -> 
 def test_standard_checkpointer_restores_a_train_state(tmp_path: Path, mesh: Any) -> None:
     import orbax.checkpoint as ocp
 
-    state = {
+    state: dict[str, Any] = {
         "params": {"w": jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))},
         "step": jnp.asarray(3, jnp.int32),
     }
@@ -170,11 +169,13 @@ def test_saved_sharding_lines_up_with_chunks_and_restores_on_a_mesh(
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_convert_stays_within_the_memory_budget(wide: Path, tmp_path: Path) -> None:
-    """256 MiB of float32 to bfloat16 at a 96 MiB budget, in a fresh process."""
+    """256 MiB of float32 to bfloat16 at a 96 MiB budget, in a fresh process: it grew
+    by 65-91 MiB here, also on a loaded machine, and by 252-306 MiB ignoring the budget
+    (a 1 GiB one)."""
     budget = 96 << 20
     out = tmp_path / "bf16"
     probe = rss_probe(wide, "convert", budget, str(out))
-    assert probe["peak"] < budget * 1.15, probe
+    assert probe["peak"] < budget + (64 << 20), probe
     first = lazyckpt.open(out)["layer_0"]
     assert first.dtype == jnp.bfloat16
     source = lazyckpt.open(wide)["layer_0"]
@@ -193,10 +194,12 @@ def test_save_refuses_to_replace_without_overwrite(tmp_path: Path) -> None:
 def test_save_never_replaces_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(lazyckpt.CheckpointExistsError, match="does not look like a checkpoint"):
+    with pytest.raises(
+        lazyckpt.CheckpointExistsError, match=r"notes exists and does not look like a checkpoint"
+    ):
         lazyckpt.save(tmp_path / "notes", {"a": 1}, overwrite=True)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(lazyckpt.CheckpointExistsError, match="is not a folder"):
+    with pytest.raises(lazyckpt.CheckpointExistsError, match=r"file exists and is not a folder"):
         lazyckpt.save(tmp_path / "file", {"a": 1}, overwrite=True)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 
@@ -207,7 +210,9 @@ def test_a_failed_save_leaves_nothing(tmp_path: Path, mesh: Any) -> None:
     lazy = lazyckpt.open(source)["w"]
     for data_file in source.glob("ocdbt.process_*/d/*"):  # where orbax put the chunks
         data_file.write_bytes(b"\0" * data_file.stat().st_size)
-    with pytest.raises(lazyckpt.CorruptCheckpointError, match="w"):
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError, match=r"src: reading array 'w' \(stored as 'w'\) failed"
+    ):
         lazyckpt.save(tmp_path / "out", {"w": lazy})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -215,13 +220,13 @@ def test_a_failed_save_leaves_nothing(tmp_path: Path, mesh: Any) -> None:
 def test_leftover_temporary_folders_never_open_and_never_block(tmp_path: Path) -> None:
     final = tmp_path / "run" / "ckpt_000005"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+                          capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
     import socket
 
     leftover = Path(f"{final}.orbax-checkpoint-tmp-lazyckpt-{socket.gethostname()}-{dead}-0a1b2c3d")
     lazyckpt.save(tmp_path / "whole", {"w": np.ones(4)})
     shutil.copytree(tmp_path / "whole", leftover)  # complete files, never committed
-    with pytest.raises(lazyckpt.UnfinishedCheckpointError):
+    with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"is an unfinished save"):
         lazyckpt.open(leftover)
     with pytest.raises(lazyckpt.NotACheckpointError, match="no committed step folders"):
         lazyckpt.steps(tmp_path / "run")
@@ -260,14 +265,16 @@ def test_cli_convert(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None
     out = tmp_path / "cli"
     command = [sys.executable, "-m", "lazyckpt._cli", "convert", str(path), str(out)]
     options = ["--select", "opt_state/**", "--dtype", "float16", "--memory-budget", "1MiB"]
-    result = subprocess.run([*command, *options, "--quiet"], capture_output=True, text=True)
+    result = subprocess.run(
+        [*command, *options, "--quiet"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"wrote {out} (")
     converted = lazyckpt.load(lazyckpt.open(out))
     np.testing.assert_array_equal(
         converted["opt_state"]["mu"], np.asarray(tree["opt_state"]["mu"]).astype(np.float16)
     )
-    again = subprocess.run(command, capture_output=True, text=True)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1
     assert again.stderr.strip().splitlines() == [
         f"lazyckpt: error: {out} already exists; pass overwrite=True (--overwrite) to "
@@ -277,25 +284,22 @@ def test_cli_convert(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_save_then_open_round_trips_random_arrays_and_views(data: st.DataObject) -> None:
-    import tempfile
-
+def test_save_then_open_round_trips_random_arrays_and_views(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     value, saved_value = data.draw(strategies.saved_arrays(mesh))
     chunk_bytes = data.draw(st.sampled_from([1, 7, 64, 4 << 20]))
-    with tempfile.TemporaryDirectory() as folder:
-        first = lazyckpt.save(
-            os.path.join(folder, "a"), {"v": saved_value}, chunk_bytes=chunk_bytes
-        )
-        lazy = lazyckpt.open(first)["v"]
-        np.testing.assert_array_equal(lazy.get(), value)
-        index = tuple(
-            data.draw(st.slices(n)) if data.draw(st.booleans()) else slice(None)
-            for n in value.shape
-        )
-        view = lazy[index]
-        second = lazyckpt.save(os.path.join(folder, "b"), {"v": view}, chunk_bytes=chunk_bytes)
-        np.testing.assert_array_equal(lazyckpt.open(second)["v"].get(), value[index])
+    folder = tmp_path_factory.mktemp("round-trip")
+    first = lazyckpt.save(folder / "a", {"v": saved_value}, chunk_bytes=chunk_bytes)
+    lazy = lazyckpt.open(first)["v"]
+    np.testing.assert_array_equal(lazy.get(), value)
+    index = tuple(
+        data.draw(st.slices(n)) if data.draw(st.booleans()) else slice(None) for n in value.shape
+    )
+    view = lazy[index]
+    second = lazyckpt.save(folder / "b", {"v": view}, chunk_bytes=chunk_bytes)
+    np.testing.assert_array_equal(lazyckpt.open(second)["v"].get(), value[index])
 
 
 def test_empty_containers_of_every_kind_survive(tmp_path: Path) -> None:
@@ -304,9 +308,9 @@ def test_empty_containers_of_every_kind_survive(tmp_path: Path) -> None:
 
     import orbax.checkpoint as ocp
 
-    empty_state = collections.namedtuple("EmptyState", [])
+    EmptyState = collections.namedtuple("EmptyState", [])
     tree = {
-        "opt": (empty_state(), {"mu": np.ones(3, np.float32)}),
+        "opt": (EmptyState(), {"mu": np.ones(3, np.float32)}),
         "od": collections.OrderedDict(),
         "nested": {"inner": {}},
     }

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import lazyckpt
-from lazyckpt import _commit
 
 ROOT = Path(__file__).parent.parent
 
@@ -58,12 +57,12 @@ def test_a_folder_that_cannot_be_written(
     for a read-only mount or a folder of another user is given by hand.)"""
     real = os.mkdir
 
-    def refuse(path: str, *args: object) -> None:
+    def refuse(path: str, mode: int = 0o777) -> None:
         if ".orbax-checkpoint-tmp" in str(path):
             raise OSError(code, os.strerror(code), str(path))
-        real(path, *args)
+        real(path, mode)
 
-    monkeypatch.setattr(_commit.os, "mkdir", refuse)
+    monkeypatch.setattr(os, "mkdir", refuse)
     with pytest.raises(
         lazyckpt.StorageAccessError, match=r"out: cannot write .*orbax-checkpoint-tmp"
     ) as caught:
@@ -79,7 +78,7 @@ def test_replacing_a_read_only_checkpoint_is_refused_before_writing(
     old = lazyckpt.save(tmp_path / "ckpt", {"w": np.zeros(3)})
     locked = Path(old) / "d"
     real = os.access
-    monkeypatch.setattr(_commit.os, "access", lambda p, mode: real(p, mode) and Path(p) != locked)
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and Path(p) != locked)
     with pytest.raises(lazyckpt.StorageAccessError, match=r"its folder .*/ckpt/d is read-only"):
         lazyckpt.save(old, {"w": np.ones(3)}, overwrite=True)
     assert _entries(tmp_path) == ["ckpt"]
@@ -92,12 +91,12 @@ def test_a_replaced_checkpoint_that_cannot_be_deleted_is_reported(
     old = lazyckpt.save(tmp_path / "ckpt", {"w": np.zeros(3)})
     real = shutil.rmtree
 
-    def stuck(path: str, *args: object, **kwargs: object) -> None:
-        if kwargs.get("ignore_errors"):
-            return real(path, *args, **kwargs)
+    def stuck(path: str, ignore_errors: bool = False) -> None:
+        if ignore_errors:
+            return real(path, ignore_errors=True)
         raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
 
-    monkeypatch.setattr(_commit.shutil, "rmtree", stuck)
+    monkeypatch.setattr(shutil, "rmtree", stuck)
     with pytest.warns(
         lazyckpt.LeftoverWarning,
         match=r"saved .*ckpt; the checkpoint it replaced, now at .*orbax-checkpoint-tmp.*, could not be deleted",

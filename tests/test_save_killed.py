@@ -16,6 +16,8 @@ import pytest
 import lazyckpt
 from tests.save_worker import tree
 
+pytestmark = pytest.mark.slow
+
 RUNS = 8  # kill points per mode, spread over the whole save and past its end
 ROOT = Path(__file__).parent.parent
 
@@ -36,7 +38,7 @@ def _wait_for(worker: subprocess.Popen[str], word: str) -> str:
     line = worker.stdout.readline()
     if not line.startswith(word):
         worker.kill()
-        _, stderr = worker.communicate()
+        _, stderr = worker.communicate(timeout=60)
         raise AssertionError(f"worker said {line!r}; stderr: {stderr}")
     return line
 
@@ -54,6 +56,7 @@ def _kill_after(path: Path, seed: int, overwrite: bool, delay: float) -> bool:
         finally:
             if worker.poll() is None:
                 worker.kill()
+                worker.wait(timeout=60)
 
 
 def _equals(path: Path, seed: int) -> bool:
@@ -72,7 +75,7 @@ def _equals(path: Path, seed: int) -> bool:
 def _assert_leftovers_never_open(folder: Path) -> int:
     leftovers = [p for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name]
     for leftover in leftovers:
-        with pytest.raises(lazyckpt.UnfinishedCheckpointError):
+        with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"is an unfinished save"):
             lazyckpt.open(leftover)
     return len(leftovers)
 

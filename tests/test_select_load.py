@@ -51,8 +51,8 @@ def test_select_nothing_is_an_error(saved: tuple[Path, Any]) -> None:
     lazy = lazyckpt.open(saved[0])
     with pytest.raises(
         NoMatchError,
-        match=r"^'parms/\*\*' matched no leaf of the tree; its paths "
-        r"look like \['empty'|\['",
+        match=r"^'parms/\*\*' matched no leaf of the tree; its paths look like "
+        r"\['lr', 'name', 'np_array', 'opt_state/mask', 'opt_state/mu'\]",
     ):
         lazyckpt.select(lazy, "parms/**")
     assert issubclass(NoMatchError, KeyError)

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,9 +24,6 @@ import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
 from lazyckpt._store import StoredArray
 from tests.helpers import orbax_save, refuse_data_reads, stored_chunk_bytes
-
-nnx = pytest.importorskip("flax.nnx")
-optax = pytest.importorskip("optax")
 
 WIDTH, LAYERS = 8, 12
 
@@ -110,7 +109,8 @@ def _orbax_restore(root: Path, step: int, item: str, target: Any) -> Any:
 
 def _assert_same_leaves(actual: Any, expected: Any, *, shardings: bool = True) -> None:
     """Same structure, and leaf by leaf the same dtype, values and sharding."""
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    # jaxlib ships no stub for PyTreeDef, so mypy cannot see its __eq__.
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)  # type: ignore[operator]
     for (path, got), want in zip(
         jax.tree_util.tree_leaves_with_path(actual),
         jax.tree_util.tree_leaves(expected),
@@ -209,7 +209,7 @@ def test_nnx_restore_to_one_device_and_to_host(nnx_run: dict[str, Any]) -> None:
     assert type(one) is type(abstract)
     assert {d for leaf in jax.tree_util.tree_leaves(one) for d in leaf.devices()} == {device}
     on_host = lazyckpt.load(lazyckpt.open(root), like=abstract)
-    assert jax.tree_util.tree_structure(on_host) == jax.tree_util.tree_structure(abstract)
+    assert jax.tree_util.tree_structure(on_host) == jax.tree_util.tree_structure(abstract)  # type: ignore[operator]
     kernel = on_host["blocks"][11]["lin"]["kernel"].get_value()
     assert isinstance(kernel, np.ndarray)
     np.testing.assert_array_equal(kernel, np.asarray(nnx_run["model"].blocks[11].lin.kernel[...]))

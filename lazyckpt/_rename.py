@@ -1,0 +1,96 @@
+"""`rename`: the same leaves under new key paths, by regular-expression rules."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from lazyckpt._errors import LazyckptError
+from lazyckpt._tree import leaves
+
+
+class RenameError(LazyckptError, ValueError):
+    """Rename rules that cannot be applied: a bad pattern, or two leaves sent to one
+    key path."""
+
+    __module__ = "lazyckpt"
+
+
+def rename(tree: Any, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The leaves of `tree` under new key paths, reading nothing.
+
+    Each leaf's key path, as `lazyckpt.leaves` writes it (`layers/0/attn/q`), goes
+    through every rule in turn, as `re.sub(pattern, replacement, path)`; a `/` in the
+    result nests. The result is a tree of plain dicts; the leaves themselves (and a
+    LazyArray's record of where it is stored) are unchanged.
+
+    Args:
+        tree: Any pytree, such as a lazy tree from `lazyckpt.open`.
+        rules: `(pattern, replacement)` pairs, applied in order to every path;
+            replacements may use groups (`\\1`, `\\g<name>`).
+
+    Raises:
+        RenameError: A pattern does not compile, a path becomes empty, or two leaves
+            would get the same key path (or one would sit inside the other); the
+            message names both sources.
+
+    >>> tree = {"layers": {"0": {"q": 1, "k": 2}}, "embed": 3}
+    >>> rename(tree, [(r"^layers/(\\d+)/", r"model.layers.\\1.self_attn."), ("embed", "wte")])
+    {'wte': 3, 'model.layers.0.self_attn.k': 2, 'model.layers.0.self_attn.q': 1}
+    """
+    compiled = []
+    for pattern, replacement in rules:
+        try:
+            compiled.append((re.compile(pattern), replacement))
+        except re.error as error:
+            raise RenameError(
+                f"rename: {pattern!r} is not a regular expression ({error})"
+            ) from None
+    out: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    for path, leaf in leaves(tree):
+        new = path
+        for regex, replacement in compiled:
+            try:
+                new = regex.sub(replacement, new)
+            except (re.error, IndexError) as error:
+                raise RenameError(
+                    f"rename: {replacement!r} cannot replace {regex.pattern!r} in {path!r} ({error})"
+                ) from None
+        parts = tuple(part for part in new.split("/"))
+        if not new or "" in parts:
+            raise RenameError(
+                f"rename: {path!r} becomes {new!r}, which is not a key path (empty keys); "
+                "fix the rules"
+            )
+        _place(out, parts, leaf, path, sources)
+    return out
+
+
+def _place(
+    root: dict[str, Any],
+    parts: tuple[str, ...],
+    leaf: Any,
+    source: str,
+    sources: dict[tuple[str, ...], str],
+) -> None:
+    node = root
+    for depth, part in enumerate(parts[:-1]):
+        prefix = parts[: depth + 1]
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict) or prefix in sources:
+            raise _collision(sources[prefix], source, "/".join(prefix), "/".join(parts))
+        node = child
+    if parts[-1] in node:
+        other = sources.get(parts) or next(
+            name for key, name in sources.items() if key[: len(parts)] == parts
+        )
+        raise _collision(other, source, "/".join(parts), "/".join(parts))
+    node[parts[-1]] = leaf
+    sources[parts] = source
+
+
+def _collision(first: str, second: str, at: str, new: str) -> RenameError:
+    where = f"both to {at!r}" if at == new else f"to {at!r} and {new!r}, one inside the other"
+    return RenameError(f"rename: {first!r} and {second!r} would go {where}; change the rules")

@@ -1,0 +1,234 @@
+"""Hugging Face's safetensors format, read and written in one place.
+
+A `.safetensors` file is an 8-byte little-endian header length `N`, `N` bytes of JSON
+(`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`),
+then the data: each tensor's raw little-endian bytes in C order at
+`[8 + N + begin, 8 + N + end)`. A sharded model is a folder of such files and a
+`model.safetensors.index.json` whose `weight_map` names each tensor's file.
+
+Everything a header declares is checked against the file's size before it is used,
+so a damaged or hostile header is a `CorruptCheckpointError` naming the file, never
+an allocation by a declared size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+
+SUFFIX = ".safetensors"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+METADATA_KEY = "__metadata__"
+HEADER_LIMIT = 100 << 20
+"""The largest header read, as the safetensors library allows."""
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(jnp.bfloat16),
+    "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
+    "F8_E5M2": np.dtype(jnp.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_NAMES = {dtype.newbyteorder("="): name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """The safetensors name of a NumPy dtype (`F32`), or None where it has none."""
+    return _NAMES.get(np.dtype(dtype).newbyteorder("="))
+
+
+@attrs.frozen
+class Tensor:
+    """One tensor of a file, as its header declares it (checked against the file)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    start: int
+    """The offset of its first byte in the file."""
+    nbytes: int
+
+
+@attrs.frozen
+class Header:
+    tensors: tuple[Tensor, ...]
+    metadata: dict[str, str]
+    end: int
+    """One past the last byte of data it declares."""
+
+
+def header_length(file: str, first: bytes) -> int:
+    """The JSON header's length, from the file's first 8 bytes."""
+    if len(first) < 8:
+        raise CorruptCheckpointError(
+            f"{file} holds {len(first)} bytes, fewer than a safetensors header's 8-byte "
+            "length; the file is truncated or not a safetensors file"
+        )
+    (length,) = struct.unpack("<Q", first[:8])
+    if length > HEADER_LIMIT:
+        raise CorruptCheckpointError(
+            f"{file}: the header declares {length} bytes of JSON, more than the "
+            f"{HEADER_LIMIT >> 20} MiB safetensors allows; the file is damaged or not a "
+            "safetensors file"
+        )
+    return int(length)
+
+
+def parse_header(file: str, text: bytes) -> Header:
+    """The tensors and `__metadata__` of a file whose JSON header is `text`, every
+    declaration checked (dtype, shape, no overlaps, byte spans that match shape and
+    dtype). That the file holds the data up to `Header.end` is the caller's check."""
+    data_start = 8 + len(text)
+    try:
+        raw = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(
+            f"{file}: the header is not valid JSON ({str(error)[:100]}); the file is "
+            "damaged or not a safetensors file"
+        ) from None
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(
+            f"{file}: the header is a JSON {type(raw).__name__}, expected an object of "
+            "tensors; the file is damaged or not a safetensors file"
+        )
+    metadata = raw.pop(METADATA_KEY, None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{file}: {METADATA_KEY} must map strings to strings, found {str(metadata)[:80]}"
+        )
+    tensors = [_tensor(file, name, entry, data_start) for name, entry in raw.items()]
+    end = data_start
+    for tensor in sorted(tensors, key=lambda t: t.start):
+        if tensor.start < end:
+            raise CorruptCheckpointError(
+                f"{file}: tensor {tensor.name!r} overlaps the tensor before it (its bytes "
+                f"start at {tensor.start - data_start}, the previous one ends at "
+                f"{end - data_start}); the header is damaged"
+            )
+        end = tensor.start + tensor.nbytes
+    return Header(tuple(tensors), dict(metadata), end)
+
+
+def _tensor(file: str, name: str, entry: Any, data_start: int) -> Tensor:
+    where = f"{file}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{where} is a {type(entry).__name__}, expected an object")
+    kind = entry.get("dtype")
+    if kind not in DTYPES:
+        raise UnsupportedCheckpointError(
+            f"{where} has dtype {kind!r}, which lazyckpt does not read (it reads "
+            f"{', '.join(DTYPES)}); convert it with the safetensors library first"
+        )
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(_natural(n) for n in shape) or len(shape) > 64:
+        raise CorruptCheckpointError(f"{where} has shape {shape!r}, expected a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_natural(n) for n in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise CorruptCheckpointError(
+            f"{where} has data_offsets {offsets!r}, expected [begin, end] with begin <= end"
+        )
+    dtype = DTYPES[kind]
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != offsets[1] - offsets[0]:
+        raise CorruptCheckpointError(
+            f"{where}: shape {shape} of {kind} takes {declared} bytes, but its data_offsets "
+            f"span {offsets[1] - offsets[0]}; the header is damaged"
+        )
+    return Tensor(name, dtype, tuple(shape), data_start + offsets[0], declared)
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """`(weight_map, metadata)` of a `model.safetensors.index.json`."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(
+            f"{file} is not valid JSON ({str(error)[:100]}); the file is damaged"
+        ) from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{file} has no 'weight_map' of tensor names to file names; the file is damaged"
+        )
+    for shard in set(weight_map.values()):
+        if "/" in shard or "\\" in shard or shard in ("", ".", ".."):
+            raise CorruptCheckpointError(
+                f"{file} names the shard {shard!r}; shards are files beside the index"
+            )
+    metadata = raw.get("metadata") or {}
+    return dict(weight_map), {str(k): str(v) for k, v in dict(metadata).items()}
+
+
+def encode_header(
+    entries: Iterable[tuple[str, Any, tuple[int, ...], int]], metadata: Mapping[str, str]
+) -> bytes:
+    """The length and JSON header of a file holding `(name, dtype, shape, nbytes)`
+    tensors in that order, padded with spaces to a multiple of 8 bytes (so that data
+    starts aligned, as the safetensors library writes it)."""
+    header: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        kind = dtype_name(dtype)
+        assert kind is not None
+        header[name] = {
+            "dtype": kind,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def index_json(weight_map: Mapping[str, str], total_size: int, metadata: Mapping[str, str]) -> str:
+    return json.dumps(
+        {"metadata": {**metadata, "total_size": total_size}, "weight_map": dict(weight_map)},
+        indent=2,
+    )
+
+
+def shard_name(number: int, count: int) -> str:
+    """`model-00001-of-00003.safetensors`, as `transformers` names shards."""
+    return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
+
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_shard_name(name: str) -> bool:
+    return bool(_SHARD.fullmatch(name))
