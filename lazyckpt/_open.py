@@ -79,7 +79,12 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     """
     with _gc_paused(), fs.session(storage_options):
         where = fs.normalize(path)
-        if step is None and item is None and is_safetensors(where):
+        if is_safetensors(where):
+            if step is not None or item is not None:
+                raise NotACheckpointError(
+                    f"{where} holds safetensors, which have no steps or items; open it "
+                    "without step= and item="
+                )
             return open_safetensors(where, flat=flat)
         found = locate(where, step=step, item=item)
         if not allow_outside_links:

@@ -1,7 +1,7 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
     python -m tests.rss_probe PATH load|device_put|stream|stats|verify|slice|get BUDGET_BYTES
-    python -m tests.rss_probe PATH convert BUDGET_BYTES DESTINATION
+    python -m tests.rss_probe PATH convert|export BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
 kernel's high-water mark is reset first), `kept` (bytes of arrays the read
@@ -59,6 +59,8 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
     kept = largest = 0
     if mode == "convert":
         lazyckpt.convert(path, extra[0], dtype="bfloat16", memory_budget=budget)
+    elif mode == "export":
+        lazyckpt.convert(path, extra[0], to="safetensors", memory_budget=budget)
     elif mode == "stream":
         for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
             total += float(values.sum(dtype=np.float64))
