@@ -51,14 +51,20 @@ def zoo(mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory) -> di
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_chained_basic_indexing_matches_numpy(zoo: dict[str, Any], data: st.DataObject) -> None:
+    # Every choice is drawn before lazyckpt runs: with draws between reads, a clean
+    # install (ml_dtypes 0.7) made hypothesis report "inconsistent data generation"
+    # every run (the same choices drew different indices); the cause was not found.
     name = data.draw(st.sampled_from(sorted(zoo["expected"])))
-    lazy = zoo["opened"][data.draw(st.booleans())][name]
-    want = zoo["expected"][name]
+    zarr3 = data.draw(st.booleans())
+    indices, shaped = [], zoo["expected"][name]
     for _ in range(data.draw(st.integers(1, 3))):
-        index = data.draw(basic_indices(want.shape))
+        indices.append(data.draw(basic_indices(shaped.shape)))
+        shaped = shaped[indices[-1]]
+    cast = data.draw(st.none() | st.sampled_from(strategies.DTYPES))
+    lazy, want = zoo["opened"][zarr3][name], zoo["expected"][name]
+    for index in indices:
         lazy, want = lazy[index], want[index]
         assert lazy.shape == want.shape
-    cast = data.draw(st.none() | st.sampled_from(strategies.DTYPES))
     if cast is not None and not (want.dtype.kind == "c" and cast.kind != "c"):
         lazy, want = lazy.astype(cast), want.astype(cast)
     got = lazy.get()
@@ -72,18 +78,16 @@ def test_random_arrays_round_trip(
     mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
 ) -> None:
     leaves = data.draw(st.lists(strategies.saved_arrays(mesh), min_size=1, max_size=4))
+    zarr3 = data.draw(st.booleans())
+    # Drawn before anything is saved or read (see the test above).
+    indices = [data.draw(basic_indices(value.shape)) for value, _ in leaves]
+    specs = [data.draw(strategies.partition_specs(value.shape)) for value, _ in leaves]
     tree = {f"a{i}": saved for i, (_, saved) in enumerate(leaves)}
-    path = orbax_save(
-        tmp_path_factory.mktemp("round-trip") / "ckpt", tree, zarr3=data.draw(st.booleans())
-    )
+    path = orbax_save(tmp_path_factory.mktemp("round-trip") / "ckpt", tree, zarr3=zarr3)
     lazy = lazyckpt.open(path)
     for i, (value, _) in enumerate(leaves):
         array = lazy[f"a{i}"]
         assert (array.shape, array.dtype) == (value.shape, value.dtype)
-        index = data.draw(basic_indices(value.shape))
-        np.testing.assert_array_equal(array[index].get(), value[index])
-        placed = lazyckpt.device_put(
-            array,
-            jax.sharding.NamedSharding(mesh, data.draw(strategies.partition_specs(value.shape))),
-        )
+        np.testing.assert_array_equal(array[indices[i]].get(), value[indices[i]])
+        placed = lazyckpt.device_put(array, jax.sharding.NamedSharding(mesh, specs[i]))
         np.testing.assert_array_equal(np.asarray(placed), value)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -169,6 +170,16 @@ def test_a_sharded_model_folder_is_one_tree(tmp_path: Path) -> None:
     assert stats["model/norm/weight"].max == 1.0
     assert [key for key, _, _ in lazyckpt.iter_blocks(tree, "ints/i8")] == ["ints/i8"]
     assert lazyckpt.verify(tree, progress=False).ok
+    # And into an Orbax checkpoint that Orbax restores (it saves no float8 arrays).
+    kept = lazyckpt.select(tree, lambda path, leaf: "f8" not in path and leaf.size)
+    orbax = lazyckpt.convert(
+        folder, tmp_path / "orbax", select=lambda p, x: "f8" not in p and x.size
+    )
+    restored = ocp.PyTreeCheckpointer().restore(orbax)
+    for path, leaf in lazyckpt.leaves(kept):
+        np.testing.assert_array_equal(
+            _bits(_at(restored, path.replace("/", "."))), _bits(leaf.get())
+        )
     assert lazyckpt.safetensors_metadata(folder) == {
         "format": "pt",
         "total_size": str(sum(t.nbytes for t in TENSORS.values())),

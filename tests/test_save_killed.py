@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,15 @@ def _start(path: Path, seed: int, overwrite: bool) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(worker: subprocess.Popen[str], word: str) -> str:
+def _wait_for(worker: subprocess.Popen[str], word: str, timeout: float = 300) -> str:
+    """The worker's next line, which must start with `word`; a worker silent for
+    `timeout` seconds fails the test instead of hanging it."""
     assert worker.stdout is not None
-    line = worker.stdout.readline()
+    stdout, said = worker.stdout, []
+    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)  # on a timeout the worker is killed below, which ends the read
+    line = said[0] if said else f"nothing in {timeout} s"
     if not line.startswith(word):
         worker.kill()
         _, stderr = worker.communicate(timeout=60)
