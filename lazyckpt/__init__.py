@@ -39,7 +39,7 @@ from lazyckpt._errors import (
     UnsupportedCheckpointError,
 )
 from lazyckpt._layout import items, steps
-from lazyckpt._lazy import LazyArray
+from lazyckpt._lazy import LazyArray, unstack
 from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._memory import malloc_tuning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
@@ -97,5 +97,6 @@ __all__ = [
     "stats",
     "steps",
     "summary",
+    "unstack",
     "verify",
 ]

@@ -129,6 +129,28 @@ class LazyArray:
             raise LazyIndexError(f"{self.key} (shape {self.shape}): {error}") from None
         return attrs.evolve(self, selection=selection)
 
+    def squeeze(self, axis: int | tuple[int, ...] | None = None) -> LazyArray:
+        """A view without the size-1 dimensions `axis` (all of them by default), as
+        `np.squeeze`; reads nothing.
+
+        >>> w = lazyckpt.open(path)["params"]["w"]
+        >>> w[2:3, None].squeeze().shape, w[:, 1:2].squeeze(1).shape
+        ((8,), (8,))
+        """
+        ndim = self.ndim
+        axes = (
+            tuple(d for d, n in enumerate(self.shape) if n == 1)
+            if axis is None
+            else tuple(a % ndim if -ndim <= a < ndim else a for a in np.atleast_1d(axis).tolist())
+        )
+        for a in axes:
+            if not 0 <= a < ndim or self.shape[a] != 1:
+                raise LazyIndexError(
+                    f"{self.key} (shape {self.shape}): cannot squeeze axis {a}, which is "
+                    f"{'not a dimension' if not 0 <= a < ndim else f'of size {self.shape[a]}'}"
+                )
+        return self[tuple(0 if d in axes else slice(None) for d in range(ndim))]
+
     def astype(self, dtype: DTypeLike) -> LazyArray:
         """A view cast to `dtype` as it is read (NumPy casting rules)."""
         if self.key_impl:
@@ -198,3 +220,24 @@ class LazyArray:
         if self.sharding is not None:
             parts.append(f"sharding={self.sharding!r}")
         return f"LazyArray({', '.join(parts)})"
+
+
+def unstack(array: LazyArray, axis: int = 0) -> list[LazyArray]:
+    """The slices of `array` along `axis`, as views: `unstack(x)[i]` is `x[i]`. Reads
+    nothing; each view later reads only its own stored chunks, so a scanned stack of
+    layers `(layers, ...)` becomes per-layer arrays without reading the others.
+
+    Args:
+        array: A LazyArray (a view too).
+        axis: The dimension to split along.
+
+    >>> w = lazyckpt.open(path)["params"]["w"]
+    >>> rows = lazyckpt.unstack(w)
+    >>> len(rows), rows[3].shape, float(rows[3].get()[0])
+    (8, (8,), 24.0)
+    """
+    if not -array.ndim <= axis < array.ndim:
+        raise LazyIndexError(f"{array.key} (shape {array.shape}): no axis {axis} to unstack")
+    axis %= array.ndim
+    before = (slice(None),) * axis
+    return [array[(*before, i)] for i in range(array.shape[axis])]
