@@ -132,7 +132,7 @@ def _check_destination(final: str, overwrite: bool, file: bool) -> None:
                 f"{final} exists and is not a safetensors file; lazyckpt replaces only "
                 "checkpoints, delete it yourself if it should go"
             )
-        _check_removable(os.path.dirname(final))
+        _check_writable(final, os.path.dirname(final))
         return
     if not os.path.isdir(final) or os.path.islink(final):
         raise CheckpointExistsError(
@@ -188,13 +188,17 @@ def _check_removable(final: str) -> None:
     """Before replacing `final`: that its old files can be deleted once the new
     checkpoint is in place, so that a save never ends half done."""
     for folder, subfolders, _ in os.walk(final):
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise StorageAccessError(
-                f"{final}: its folder {folder} is read-only, so the old checkpoint could "
-                "not be removed after the new one is in place; nothing was saved. Make it "
-                "writable, or save to a new path"
-            )
+        _check_writable(final, folder)
         subfolders[:] = [s for s in subfolders if not os.path.islink(os.path.join(folder, s))]
+
+
+def _check_writable(final: str, folder: str) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise StorageAccessError(
+            f"{final}: its folder {folder} is read-only, so the old checkpoint could "
+            "not be removed after the new one is in place; nothing was saved. Make it "
+            "writable, or save to a new path"
+        )
 
 
 def _is_checkpoint(path: str) -> bool:

@@ -16,7 +16,6 @@ from lazyckpt import _fs as fs
 from lazyckpt import _orbax as tm
 from lazyckpt._errors import (
     CorruptCheckpointError,
-    LazyckptError,
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
@@ -27,7 +26,7 @@ from lazyckpt._safetensors_open import is_safetensors, open_safetensors
 from lazyckpt._selection import Selection
 from lazyckpt._sharding import read_shardings
 from lazyckpt._side_files import key_impls_of, strings_of
-from lazyckpt._store import Store, StoredArray, changed_error
+from lazyckpt._store import Store, StoredArray, from_one_generation
 from lazyckpt._tree import leaves
 from lazyckpt._zarr import ZarrInfo, metadata_key, parse_zarr
 
@@ -90,7 +89,11 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
         if not allow_outside_links:
             _refuse_outside_links(found)
         json_file = json_item_file(found)
-        tree = _open(found) if json_file is None else _json_item(json_file)
+        tree = (
+            from_one_generation(found, lambda generation: _open_once(found, generation))
+            if json_file is None
+            else _json_item(json_file)
+        )
     return dict(leaves(tree)) if flat else tree
 
 
@@ -131,22 +134,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _open(location: str) -> Any:
-    """The tree of the checkpoint at `location`, from one generation of it: a save that
-    replaces it meanwhile makes the metadata read again (once), never a mix."""
-    for _ in range(2):
-        before = fs.generation(location)
-        try:
-            tree = _open_once(location, before)
-        except LazyckptError:
-            if fs.generation(location) == before:
-                raise
-            continue  # files vanished or disagreed because a save replaced them: again
-        if fs.generation(location) == before:
-            return tree
-    raise changed_error(location)
 
 
 def _open_once(location: str, generation: tuple[Any, ...]) -> Any:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lazyckpt._errors import LazyckptError
-from lazyckpt._tree import leaves
+from lazyckpt._tree import PathClash, leaves, nested
 
 
 class RenameError(LazyckptError, ValueError):
@@ -47,8 +47,7 @@ def rename(tree: Any, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:
             raise RenameError(
                 f"rename: {pattern!r} is not a regular expression ({error})"
             ) from None
-    out: dict[str, Any] = {}
-    sources: dict[tuple[str, ...], str] = {}
+    moved = []
     for path, leaf in leaves(tree):
         new = path
         for regex, replacement in compiled:
@@ -58,39 +57,23 @@ def rename(tree: Any, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:
                 raise RenameError(
                     f"rename: {replacement!r} cannot replace {regex.pattern!r} in {path!r} ({error})"
                 ) from None
-        parts = tuple(part for part in new.split("/"))
-        if not new or "" in parts:
+        keys = tuple(new.split("/"))
+        if not new or "" in keys:
             raise RenameError(
                 f"rename: {path!r} becomes {new!r}, which is not a key path (empty keys); "
                 "fix the rules"
             )
-        _place(out, parts, leaf, path, sources)
-    return out
-
-
-def _place(
-    root: dict[str, Any],
-    parts: tuple[str, ...],
-    leaf: Any,
-    source: str,
-    sources: dict[tuple[str, ...], str],
-) -> None:
-    node = root
-    for depth, part in enumerate(parts[:-1]):
-        prefix = parts[: depth + 1]
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict) or prefix in sources:
-            raise _collision(sources[prefix], source, "/".join(prefix), "/".join(parts))
-        node = child
-    if parts[-1] in node:
-        other = sources.get(parts) or next(
-            name for key, name in sources.items() if key[: len(parts)] == parts
+        moved.append((keys, leaf, path))
+    try:
+        return nested(moved)
+    except PathClash as clash:
+        first = "/".join(clash.at)
+        second = "/".join(next(keys for keys, _, path in moved if path == clash.second))
+        where = (
+            f"both to {first!r}"
+            if first == second
+            else f"to {first!r} and {second!r}, one inside the other"
         )
-        raise _collision(other, source, "/".join(parts), "/".join(parts))
-    node[parts[-1]] = leaf
-    sources[parts] = source
-
-
-def _collision(first: str, second: str, at: str, new: str) -> RenameError:
-    where = f"both to {at!r}" if at == new else f"to {at!r} and {new!r}, one inside the other"
-    return RenameError(f"rename: {first!r} and {second!r} would go {where}; change the rules")
+        raise RenameError(
+            f"rename: {clash.first!r} and {clash.second!r} would go {where}; change the rules"
+        ) from None

@@ -21,12 +21,13 @@ import tensorstore as ts
 
 from lazyckpt import _fs as fs
 from lazyckpt import _safetensors as st
-from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._geometry import bounds
 from lazyckpt._lazy import LazyArray
 from lazyckpt._scheduler import in_pool
 from lazyckpt._selection import Selection
-from lazyckpt._store import Store, StoredArray, changed_error, ready, then
+from lazyckpt._store import Store, StoredArray, changed_error, from_one_generation, ready, then
+from lazyckpt._tree import PathClash, nested
 
 CHUNK_BYTES = 1 << 20
 """About how many bytes of a tensor one chunk of its grid covers."""
@@ -47,18 +48,12 @@ def is_safetensors(path: str) -> bool:
 def open_safetensors(path: str, *, flat: bool = False) -> Any:
     """The tensors at `path` as a tree of LazyArrays: nested by the `.`-separated parts
     of their names (`model.layers.0.q_proj.weight`), or flat by name."""
-    folder, files, order = _files(path)
-    for _ in range(2):
-        before = fs.generation(folder, files)
-        try:
-            tensors = _tensors(folder, files, order, before)
-        except LazyckptError:
-            if fs.generation(folder, files) == before:
-                raise
-            continue  # a save replaced the files meanwhile: read them again
-        if fs.generation(folder, files) == before:
-            return tensors if flat else nest(tensors, path)
-    raise changed_error(folder)
+    folder, files, index = _files(path)
+    weight_map = index[0] if index is not None else None
+    tensors = from_one_generation(
+        folder, lambda generation: _tensors(folder, files, weight_map, generation), files
+    )
+    return tensors if flat else nest(tensors, path)
 
 
 def metadata(
@@ -80,33 +75,33 @@ def metadata(
 
 
 def _metadata(path: str) -> dict[str, str]:
-    folder, files, _ = _files(path)
-    out: dict[str, str] = {}
-    if st.INDEX in files:
-        out.update(_index(folder)[1])
+    folder, files, index = _files(path)
+    out: dict[str, str] = dict(index[1]) if index is not None else {}
     for header in _headers(folder, [name for name in files if name != st.INDEX]):
         out.update(header.metadata)
     return out
 
 
-def _files(path: str) -> tuple[str, tuple[str, ...], dict[str, str] | None]:
+def _files(
+    path: str,
+) -> tuple[str, tuple[str, ...], tuple[dict[str, str], dict[str, str]] | None]:
     """The folder, the files that make up the model (the index first where there is
-    one), and the index's weight map (None without an index)."""
+    one), and the index's weight map and metadata (None without an index)."""
     if path.endswith(st.SUFFIX) and not fs.isdir(path):
         if not fs.isfile(path):
             raise CheckpointNotFoundError(f"{path} does not exist; check the path")
         return fs.dirname(path), (fs.basename(path),), None
     names = fs.listdir(path)
     if st.INDEX in names:
-        weight_map, _ = _index(path)
-        shards = sorted(set(weight_map.values()))
+        index = _index(path)
+        shards = sorted(set(index[0].values()))
         missing = [shard for shard in shards if shard not in names]
         if missing:
             raise CorruptCheckpointError(
                 f"{path}/{st.INDEX} names shards that are not in the folder: {missing[:5]}; "
                 "download or copy the model again"
             )
-        return path, (st.INDEX, *shards), weight_map
+        return path, (st.INDEX, *shards), index
     found = sorted(name for name in names if name.endswith(st.SUFFIX))
     if st.SINGLE in found:
         return path, (st.SINGLE,), None
@@ -335,30 +330,16 @@ def _indices(selection: Selection) -> list[np.ndarray]:
     return out
 
 
-def nest(tensors: dict[str, Any], path: str) -> dict[str, Any]:
+def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, Any]:
     """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`.
     A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
-    root: dict[str, Any] = {}
-    for name, leaf in tensors.items():
-        parts = name.split(".")
-        node = root
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise _clash(path, ".".join(parts[: depth + 1]), name)
-            node = child
-        if parts[-1] in node:
-            raise _clash(path, name, name)
-        node[parts[-1]] = _renamed(leaf, tuple(parts))
-    return root
-
-
-def _renamed(leaf: Any, path: tuple[str, ...]) -> Any:
-    return attrs.evolve(leaf, path=path) if isinstance(leaf, LazyArray) else leaf
-
-
-def _clash(path: str, first: str, second: str) -> LazyckptError:
-    return CorruptCheckpointError(
-        f"{path}: tensor names {first!r} and {second!r} cannot both be nested by '.' "
-        "(one is a prefix of the other); open it with flat=True"
-    )
+    try:
+        return nested(
+            (tuple(name.split(".")), attrs.evolve(leaf, path=tuple(name.split("."))), name)
+            for name, leaf in tensors.items()
+        )
+    except PathClash as clash:
+        raise CorruptCheckpointError(
+            f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
+            "nested by '.' (one is a prefix of the other); open it with flat=True"
+        ) from None

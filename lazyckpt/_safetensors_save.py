@@ -85,6 +85,12 @@ def save_safetensors(
     overwrite: bool,
     progress: bool | None,
 ) -> str:
+    if multihost.count() > 1:
+        raise UnsavableError(
+            f"{path}: saving safetensors in a run of {multihost.count()} processes is not "
+            "supported (one process writes a file); save an Orbax checkpoint, or convert "
+            "one afterwards from a single process"
+        )
     entries = _entries(tree)
     meta = dict(DEFAULT_METADATA if metadata is None else metadata)
     single = path.endswith(st.SUFFIX)
@@ -106,12 +112,6 @@ def save_safetensors(
         if len(files) > 1
         else None
     )
-    if multihost.count() > 1:
-        raise UnsavableError(
-            f"{path}: saving safetensors in a run of {multihost.count()} processes is not "
-            "supported (one process writes a file); save an Orbax checkpoint, or convert "
-            "one afterwards from a single process"
-        )
     bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
     with _destination(path, single, overwrite) as write:
         for file in files:

@@ -87,6 +87,25 @@ def changed_error(location: str) -> CheckpointChangedError:
     )
 
 
+def from_one_generation(
+    folder: str, read: Callable[[tuple[Any, ...]], T], files: tuple[str, ...] = fs.GENERATION_FILES
+) -> T:
+    """`read(generation)`, from one generation of the checkpoint in `folder`: when the
+    checkpoint is replaced meanwhile (its `files` vanish or disagree), read again,
+    once; a second change raises `CheckpointChangedError`, never a mix."""
+    for _ in range(2):
+        before = fs.generation(folder, files)
+        try:
+            result = read(before)
+        except LazyckptError:
+            if fs.generation(folder, files) == before:
+                raise
+            continue  # files vanished or disagreed because a save replaced them: again
+        if fs.generation(folder, files) == before:
+            return result
+    raise changed_error(folder)
+
+
 def check_unchanged(stores: Iterable[Store]) -> None:
     """After a read: that none of the checkpoints it read from changed meanwhile."""
     for store in {id(store): store for store in stores}.values():

@@ -12,7 +12,7 @@ it on disk (a dict key, an attribute or field name, an index), joined by `/`, as
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -211,3 +211,37 @@ def _select(node: Any, path: Path, predicate: Predicate) -> Any:
     if type(node) is dict:
         return {key: value for key, value in picked if value is not _DROPPED}
     return rebuild(node, [None if value is _DROPPED else value for _, value in picked])
+
+
+class PathClash(Exception):
+    """Two leaves that `nested` would put at one key path, or one inside the other:
+    `first` and `second` are their sources, `at` the key path of the first."""
+
+    def __init__(self, first: str, second: str, at: tuple[str, ...]) -> None:
+        super().__init__(first, second, at)
+        self.first, self.second, self.at = first, second, at
+
+
+def nested(items: Iterable[tuple[tuple[str, ...], Any, str]]) -> dict[str, Any]:
+    """Plain nested dicts holding each `(keys, leaf, source)` leaf at its key path.
+
+    >>> nested([(("a", "b"), 1, "x"), (("a", "c"), 2, "y")])
+    {'a': {'b': 1, 'c': 2}}
+    """
+    root: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    for keys, leaf, source in items:
+        node = root
+        for depth, key in enumerate(keys[:-1]):
+            if keys[: depth + 1] in sources:  # a leaf where this path needs a subtree
+                prefix = keys[: depth + 1]
+                raise PathClash(sources[prefix], source, prefix)
+            node = node.setdefault(key, {})
+        if keys in sources:
+            raise PathClash(sources[keys], source, keys)
+        if keys[-1] in node:  # a subtree where this leaf goes: name a leaf inside it
+            inside = next(k for k in sources if k[: len(keys)] == keys)
+            raise PathClash(sources[inside], source, inside)
+        node[keys[-1]] = leaf
+        sources[keys] = source
+    return root

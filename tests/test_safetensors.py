@@ -290,6 +290,11 @@ def test_convert_renames_to_hugging_face_names(tmp_path: Path) -> None:
         match="'params/layers_0/attn/q/kernel' and 'params/layers_1/attn/q/kernel' would go both to 'w'",
     ):
         lazyckpt.rename(lazyckpt.open(orbax), [(".*kernel", "w")])
+    inside = "'params/layers_1/attn/q/kernel' would go to 'w' and 'w/q', one inside the other"
+    with pytest.raises(lazyckpt.RenameError, match=re.escape(inside)):
+        lazyckpt.rename(
+            lazyckpt.open(orbax), [(r"^params/layers_0/.*", "w"), (r"^params/layers_1/.*", "w/q")]
+        )
 
 
 def test_a_failed_export_leaves_nothing(tmp_path: Path) -> None:
@@ -395,7 +400,10 @@ def test_unsupported_dtypes_and_broken_indexes(tmp_path: Path) -> None:
         lazyckpt.open(folder)
     clash = tmp_path / "clash.safetensors"
     save_file({"a.b": np.ones(1), "a.b.c": np.ones(1)}, str(clash))
-    with pytest.raises(lazyckpt.CorruptCheckpointError, match="open it with flat=True"):
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=r"names 'a\.b' and 'a\.b\.c' .* open it with flat=True",
+    ):
         lazyckpt.open(clash)
     assert sorted(lazyckpt.open(clash, flat=True)) == ["a.b", "a.b.c"]
     with pytest.raises(
