@@ -39,7 +39,7 @@ from lazyckpt._errors import (
     UnsupportedCheckpointError,
 )
 from lazyckpt._layout import items, steps
-from lazyckpt._lazy import LazyArray, unstack
+from lazyckpt._lazy import LazyArray
 from lazyckpt._legacy import InferredStructureWarning
 from lazyckpt._memory import malloc_tuning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
@@ -51,6 +51,7 @@ from lazyckpt._sharding import SavedSharding, saved_shardings
 from lazyckpt._stats import Stats, StatsTable, stats
 from lazyckpt._tree import leaves, select
 from lazyckpt._verify import Verification, verify
+from lazyckpt._views import concat, stack, stack_layers, unstack, unstack_layers
 
 __all__ = [
     "CheckpointChangedError",
@@ -80,6 +81,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "Verification",
     "__version__",
+    "concat",
     "convert",
     "device_put",
     "diff",
@@ -94,9 +96,12 @@ __all__ = [
     "save",
     "saved_shardings",
     "select",
+    "stack",
+    "stack_layers",
     "stats",
     "steps",
     "summary",
     "unstack",
+    "unstack_layers",
     "verify",
 ]

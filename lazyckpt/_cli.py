@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -120,6 +122,31 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar=("PATTERN", "REPLACEMENT"),
         help="rename key paths by a regular expression ('^params/' 'model/'); repeatable",
+    )
+    convert.add_argument(
+        "--rename-file",
+        metavar="FILE",
+        help="rename rules, one 'PATTERN REPLACEMENT' per line ('#' comments)",
+    )
+    convert.add_argument(
+        "--unstack",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="split the scanned arrays under KEY into KEY/{i}/... per layer; repeatable",
+    )
+    convert.add_argument(
+        "--stack",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="stack KEY/{i}/... per-layer arrays into KEY/...; repeatable",
+    )
+    convert.add_argument(
+        "--script",
+        metavar="FILE.py",
+        help="a Python file defining convert(tree) -> tree, run on the lazy tree (after "
+        "--unstack/--stack, before --rename)",
     )
     convert.add_argument(
         "--max-shard-size", type=parse_size, metavar="SIZE", help="safetensors: bytes per file"
@@ -316,14 +343,62 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if args.exit_code and result else 0
 
 
+def _script(path: str) -> Callable[[Any], Any]:
+    """The `convert(tree)` function of a conversion script."""
+    try:
+        source = Path(path).read_text()
+    except OSError as error:
+        raise LazyckptError(f"--script {path}: cannot be read ({error.strerror})") from None
+    namespace: dict[str, Any] = {"__name__": "lazyckpt_script", "__file__": path}
+    exec(compile(source, path, "exec"), namespace)  # the user's own script, as python would
+    found = namespace.get("convert")
+    if not callable(found):
+        raise LazyckptError(f"--script {path}: defines no function convert(tree) -> tree")
+    return found  # type: ignore[no-any-return]
+
+
+def _rename_rules(path: str) -> list[tuple[str, str]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise LazyckptError(f"--rename-file {path}: cannot be read ({error.strerror})") from None
+    rules = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise LazyckptError(
+                f"--rename-file {path}, line {number}: expected 'PATTERN REPLACEMENT', "
+                f"found {len(fields)} fields"
+            )
+        rules.append((fields[0], fields[1]))
+    return rules
+
+
 def _convert(args: argparse.Namespace) -> None:
+    steps: list[Callable[[Any], Any]] = []
+    steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in args.unstack]
+    steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in args.stack]
+    if args.script:
+        steps.append(_script(args.script))
+    rules = [tuple(rule) for rule in args.rename]
+    if args.rename_file:
+        rules += _rename_rules(args.rename_file)
+
+    def transform(tree: Any) -> Any:
+        for step in steps:
+            tree = step(tree)
+        return tree
+
     out = lazyckpt.convert(
         args.path,
         args.destination,
         to=args.to,
         select=args.select,
+        transform=transform if steps else None,
         dtype=_dtype(args.dtype) if args.dtype else None,
-        rename=[tuple(rule) for rule in args.rename],
+        rename=rules,
         step=args.step,
         item=args.item,
         chunk_bytes=args.chunk_bytes,

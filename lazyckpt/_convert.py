@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ def convert(
     *,
     to: Format | None = None,
     select: Select | None = None,
+    transform: Callable[[Any], Any] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
     step: int | None = None,
@@ -48,6 +49,9 @@ def convert(
             `destination`.
         select: Only the leaves matching a path pattern (`params/**/kernel`), any of
             a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        transform: A function from the lazy tree (after `select`) to the tree to
+            save, reading nothing: re-arranging with `stack`, `unstack`,
+            `transpose`, `reshape`, `unstack_layers` or plain dict surgery.
         dtype: Cast floating-point arrays to this dtype (integers, booleans and PRNG
             keys keep theirs).
         rename: `(pattern, replacement)` rules for the key paths, applied after
@@ -71,6 +75,8 @@ def convert(
     """
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
     tree = selected(tree, select)
+    if transform is not None:
+        tree = transform(tree)
     if rename:
         tree = rename_keys(tree, rename)
     if dtype is not None:

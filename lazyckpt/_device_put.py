@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, Sharding
 
 from lazyckpt import _multihost as multihost
+from lazyckpt._compose import stores
 from lazyckpt._engine import schedule_fill, stored_bytes
 from lazyckpt._errors import ShardingError
 from lazyckpt._geometry import Box
@@ -140,7 +141,7 @@ def materialize(plan: Any, memory_budget: int | None, progress: bool | None, lab
     if bar is not None:
         bar.close()
     # Everything was read from the checkpoints as they were opened, or it is refused.
-    check_unchanged(p.array.stored.store for p in placements)
+    check_unchanged(stores(p.array for p in placements))
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 

@@ -16,6 +16,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._progress import Progress
 from lazyckpt._read import load
+from lazyckpt._store import StoredArray
 from lazyckpt._stream import iter_blocks as engine_blocks
 from lazyckpt._tree import Select, leaves, selected
 
@@ -233,8 +234,9 @@ def _paired_blocks(
     region by region for the first one's blocks."""
     half = None if memory_budget is None else max(1, memory_budget // 2)
     alike = [i for i, (old, new) in enumerate(pairs) if _stored_alike(old, new)]
-    olds = engine_blocks([pairs[i][0] for i in alike], half)
-    news = engine_blocks([pairs[i][1] for i in alike], half)
+    # Not shared: the two sides must come in the same blocks, whatever views share.
+    olds = engine_blocks([pairs[i][0] for i in alike], half, share=False)
+    news = engine_blocks([pairs[i][1] for i in alike], half, share=False)
     for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
         assert a == b and index == other, "arrays stored alike stream alike"
         yield alike[a], left, right
@@ -246,6 +248,8 @@ def _paired_blocks(
 def _stored_alike(old: LazyArray, new: LazyArray) -> bool:
     """Whether the engine cuts both views into the same blocks."""
     a, b = old.stored, new.stored
+    if not isinstance(a, StoredArray) or not isinstance(b, StoredArray):
+        return False  # composed views: compared region by region
     return (
         old.selection == new.selection
         and (a.shape, a.chunks, a.dtype.itemsize) == (b.shape, b.chunks, b.dtype.itemsize)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt import _compose as compose
 from lazyckpt._decode import READ_BYTES, ChunkStream, decodes, stream_bytes
 from lazyckpt._geometry import (
     Box,
@@ -50,10 +51,11 @@ from lazyckpt._geometry import (
     stored_map,
     to_stored,
 )
+from lazyckpt._lower import Groups, lower
 from lazyckpt._memory import Target, check_fits
 from lazyckpt._scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._selection import Selection
-from lazyckpt._store import then
+from lazyckpt._store import check_unchanged, stored_array, then
 
 if TYPE_CHECKING:  # LazyArray reads through this module
     from lazyckpt._lazy import LazyArray
@@ -76,10 +78,12 @@ def schedule_fill(
 ) -> None:
     """Read `array` (a LazyArray) into every target's `out`; call `on_done` after."""
     remaining = [0]
+    called = [False]  # a composed view's parts may all finish before this returns
 
     def finished(_: Any = None) -> None:
         remaining[0] -= 1
-        if remaining[0] == 0:
+        if remaining[0] == 0 and not called[0]:
+            called[0] = True
             on_done()
 
     for target in targets:
@@ -87,13 +91,16 @@ def schedule_fill(
         check_fits(f"reading {array.key!r} {target.shape}", target.out_nbytes())
     stored = array.stored
     mapping = stored_map(array)
-    if decodes(stored) and not array.key_impl:
+    if isinstance(stored, compose.Node):
+        _schedule_composed(array, targets, scheduler, finished, remaining)
+    elif decodes(stored) and not array.key_impl:
         _schedule_decoded(array, targets, scheduler, finished, remaining)
     elif mapping is None or stored.inline is not None or array.key_impl:
         _schedule_whole(array, targets, scheduler, finished, remaining)
     else:
         _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)
-    if remaining[0] == 0:
+    if remaining[0] == 0 and not called[0]:
+        called[0] = True
         on_done()
 
 
@@ -101,7 +108,7 @@ def read_view(array: LazyArray) -> ts.Future[np.ndarray]:
     """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
     touches, on the decoding threads (no job waits on another, so any thread may call
     this). Each job holds a few MiB while it runs; the result is allocated once."""
-    stored = array.stored
+    stored = stored_array(array)
     target = Target(tuple((0, n) for n in array.shape), array.dtype)
     check_fits(f"reading {array.key!r} {array.shape}", target.out_nbytes())
     promise: ts.Promise[np.ndarray]
@@ -141,6 +148,47 @@ def read_view(array: LazyArray) -> ts.Future[np.ndarray]:
     return future
 
 
+def read_composed(array: LazyArray) -> np.ndarray:
+    """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
+    default budget: each stored chunk of its parts read once."""
+    scheduler = Scheduler(None)
+    target = Target(tuple((0, n) for n in array.shape), array.dtype)
+    schedule_fill(array, [target], scheduler, lambda: None)
+    scheduler.drain()
+    check_unchanged(compose.stores([array]))
+    return target.buffer()
+
+
+def _schedule_composed(
+    array: LazyArray,
+    targets: Sequence[Target],
+    scheduler: Scheduler,
+    finished: Callable[[Any], None],
+    remaining: list[int],
+) -> None:
+    """Lower each target into targets of the stored arrays' views it is made of
+    (`lazyckpt._lower`), and read those, one call per stored array."""
+    groups: Groups = {}
+    after: list[Callable[[], None]] = []
+    for target in targets:
+        lower(array, target.region, target.buffer(), groups, after)
+    left = [len(groups)]
+    remaining[0] += 1
+
+    def part_done() -> None:
+        left[0] -= 1
+        if left[0] <= 0:
+            for copy in after:
+                copy()
+            finished(None)
+
+    if not groups:
+        part_done()
+        return
+    for part, part_targets in list(groups.values()):
+        schedule_fill(part, part_targets, scheduler, part_done)
+
+
 # The decoded path.
 
 
@@ -155,7 +203,7 @@ def _schedule_decoded(
     remaining: list[int],
 ) -> None:
     """One decoding job per stored chunk that some target needs."""
-    stored = array.stored
+    stored = stored_array(array)
     consumers = [(t, array.selection[as_slices(t.region)]) for t in targets if 0 not in t.shape]
     if not consumers:
         return
@@ -208,7 +256,7 @@ def decode_slabs(
     Slabs are planned as the stream goes, and each is matched only against the users
     whose extent along the split dimension it meets, so the work is linear in the
     slabs decoded and the users, whatever a (damaged) header declares."""
-    stored = array.stored
+    stored = stored_array(array)
     codec = stored.codec
     assert codec is not None, "only arrays that lazyckpt decodes come here"
     itemsize = stored.dtype.itemsize
@@ -306,7 +354,7 @@ def _schedule_blocks(
     finished: Callable[[Any], None],
     remaining: list[int],
 ) -> None:
-    stored = array.stored
+    stored = stored_array(array)
     itemsize = stored.dtype.itemsize
     array_box = tuple((0, n) for n in stored.shape)
     boxes = [to_stored(array, mapping, t.region) for t in targets]
@@ -361,7 +409,9 @@ def _schedule_blocks(
             for target, box, part in consumers:
                 values = data[slices(part, block)]
                 out_index, view_shape = in_view(mapping, part, [b[0] for b in box])
-                np.copyto(target.buffer()[out_index], values.reshape(view_shape), casting="unsafe")
+                at: tuple[Any, ...] = (*out_index, Ellipsis)  # a view, even for 0-d
+                out = target.buffer()[at]
+                np.copyto(out, values.reshape(view_shape), casting="unsafe")
             finished(None)
 
         scheduler.submit(read_box(stored, opened, block), route, held=nbytes * HELD, work=nbytes)

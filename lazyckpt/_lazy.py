@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -13,13 +14,16 @@ import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
+from lazyckpt import _compose as compose
 from lazyckpt._decode import decodes
-from lazyckpt._engine import read_view
+from lazyckpt._engine import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
-from lazyckpt._selection import Index, Selection, expand
+from lazyckpt._reshape import Reshape
+from lazyckpt._reshape import groups as reshape_groups
+from lazyckpt._selection import Index, NewAxis, Selection, expand
 from lazyckpt._sharding import SavedSharding
-from lazyckpt._store import StoredArray, then
+from lazyckpt._store import StoredArray, ready, then
 
 
 def _dtype(value: Any) -> Any:
@@ -68,9 +72,12 @@ class LazyArray:
     """
 
     path: tuple[str | int, ...]
-    """Key path from the root of the checkpoint tree."""
-    stored: StoredArray
-    """The array as stored (equal only to itself); a view reads a part of it."""
+    """Key path from the root of the checkpoint tree; for a stacked, concatenated,
+    transposed or reshaped view, one key naming the operation and its sources."""
+    stored: StoredArray | compose.Node
+    """The array as stored (equal only to itself), which a view reads a part of; or,
+    for a view made of other views (`stack`, `concat`, `transpose`, `reshape`), the
+    node that holds them."""
     selection: Selection
     """The basic index that maps the stored array to this view."""
     dtype: Any = attrs.field(converter=_dtype)
@@ -106,8 +113,16 @@ class LazyArray:
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        """The stored chunk shape: the unit of every read."""
+        """The stored chunk shape: the unit of every read (for a composed view, a grid
+        of the view whose cells are unions of its sources' chunks)."""
         return self.stored.chunks
+
+    @property
+    def sources(self) -> tuple[LazyArray, ...]:
+        """The views of stored arrays that this one reads: itself, or the parts of a
+        stacked, concatenated, transposed or reshaped view (`sources[i].key` is each
+        part's key path in its checkpoint)."""
+        return tuple(compose.sources(self))
 
     @property
     def weak_type(self) -> bool:
@@ -127,7 +142,26 @@ class LazyArray:
             selection = self.selection[index]
         except LazyIndexError as error:
             raise LazyIndexError(f"{self.key} (shape {self.shape}): {error}") from None
-        return attrs.evolve(self, selection=selection)
+        if not isinstance(self.stored, compose.Pushed):
+            return attrs.evolve(self, selection=selection)
+        # Into the parts: `stack(xs)[i]` is `xs[i]`, and reads only what it needs.
+        result = self._composed(self.stored.take(selection.stored))
+        for at, dim in enumerate(selection.view):
+            if isinstance(dim, NewAxis):
+                result = result._new_axis(at, dim.count)
+        return result
+
+    def _composed(self, found: LazyArray | compose.Node) -> LazyArray:
+        if isinstance(found, compose.Node):
+            return composed(self.path, found, self.dtype)
+        return found if found.dtype == self.dtype else found.astype(self.dtype)
+
+    def _new_axis(self, at: int, count: int) -> LazyArray:
+        if isinstance(self.stored, compose.Pushed):
+            result = self._composed(self.stored.expand(at))
+        else:
+            result = self[(slice(None),) * at + (None,)]
+        return result if count else result[(slice(None),) * at + (slice(0, 0),)]
 
     def squeeze(self, axis: int | tuple[int, ...] | None = None) -> LazyArray:
         """A view without the size-1 dimensions `axis` (all of them by default), as
@@ -151,6 +185,84 @@ class LazyArray:
                 )
         return self[tuple(0 if d in axes else slice(None) for d in range(ndim))]
 
+    def transpose(self, *axes: int | Sequence[int]) -> LazyArray:
+        """A view with its dimensions permuted, as `np.transpose` (reversed by
+        default); reads nothing, and a read fills its result in place from the
+        stored chunks, each read once.
+
+        >>> w = lazyckpt.open(path)["params"]["w"]
+        >>> bool((w.T.get() == w.get().T).all()), w[:2].transpose(1, 0).shape
+        (True, (8, 2))
+        """
+        ndim = self.ndim
+        given = tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else axes
+        perm = tuple(range(ndim))[::-1] if not given else tuple(int(a) for a in given)  # type: ignore[arg-type]
+        if sorted(a % ndim if -ndim <= a < ndim else a for a in perm) != list(range(ndim)):
+            raise LazyIndexError(
+                f"{self.key} (shape {self.shape}): axes {perm} are not a permutation of "
+                f"its {ndim} dimensions"
+            )
+        perm = tuple(a % ndim for a in perm)
+        if perm == tuple(range(ndim)):
+            return self
+        shape = tuple(self.shape[a] for a in perm)
+        stored = self.stored
+        if isinstance(stored, compose.Transpose):  # compose the two permutations
+            inner = tuple(stored.perm[a] for a in perm)
+            if inner == tuple(range(ndim)):
+                part: LazyArray = stored.array
+                return part if part.dtype == self.dtype else part.astype(self.dtype)
+            return composed(
+                self.path, compose.Transpose(shape, self.dtype, stored.array, inner), self.dtype
+            )
+        self._composable("transpose")
+        return composed(
+            (f"transpose({self.key})",),
+            compose.Transpose(shape, self.dtype, self, perm),
+            self.dtype,
+        )
+
+    @property
+    def T(self) -> LazyArray:
+        """`transpose()`: the dimensions reversed."""
+        return self.transpose()
+
+    def reshape(self, *shape: int | Sequence[int]) -> LazyArray:
+        """A view of the same elements in C order with another shape, as
+        `np.reshape` (one dimension may be -1); reads nothing.
+
+        Merging or splitting dimensions reads the stored chunks of what a read needs,
+        once, into the result in place. A reshaped view sliced with a step reads the
+        smallest box around what it needs.
+
+        >>> w = lazyckpt.open(path)["params"]["w"]
+        >>> w.reshape(4, 16).shape, bool((w.reshape(-1)[8:16].get() == w.get()[1]).all())
+        ((4, 16), True)
+        """
+        given = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        new = _infer_shape(self.key, self.shape, tuple(int(n) for n in given))  # type: ignore[arg-type]
+        if new == self.shape:
+            return self
+        self._composable("reshape")
+        stored = self.stored
+        if isinstance(stored, Reshape) and self.selection.is_full(stored.shape):
+            source: LazyArray = stored.array
+            return source.astype(self.dtype).reshape(new)
+        groups = (
+            reshape_groups(self.shape, new)
+            if self.size
+            else ((tuple(range(self.ndim)), tuple(range(len(new)))),)
+        )
+        node = Reshape(new, self.dtype, self, groups)
+        return composed((f"reshape({self.key})",), node, self.dtype)
+
+    def _composable(self, operation: str) -> None:
+        if self.key_impl:
+            raise LazyTypeError(
+                f"{self.key}: typed PRNG keys cannot be used in {operation}; read them with "
+                ".get() and use jax.random.key_data"
+            )
+
     def astype(self, dtype: DTypeLike) -> LazyArray:
         """A view cast to `dtype` as it is read (NumPy casting rules)."""
         if self.key_impl:
@@ -158,20 +270,28 @@ class LazyArray:
                 f"{self.key}: typed PRNG keys cannot be cast; read them and use "
                 "jax.random.key_data to get their uint32 data"
             )
-        return attrs.evolve(self, dtype=np.dtype(dtype))
+        new = np.dtype(dtype)
+        natural = self.stored.dtype
+        if self.dtype not in (natural, new) and not np.can_cast(natural, self.dtype, "safe"):
+            # The earlier cast rounds or wraps: keep it, so values equal NumPy's.
+            return composed(self.path, compose.Cast(self.shape, self.dtype, self), new)
+        return attrs.evolve(self, dtype=new)
 
     def read(self) -> ts.Future[Any]:
         """Start reading this view; the future resolves to a NumPy array (for typed
         PRNG keys, a `jax.Array` of keys)."""
-        store = self.stored.store
-        if decodes(self.stored) and not self.key_impl:
+        stored = self.stored
+        if isinstance(stored, compose.Node):
+            return ready(read_composed(self))
+        store = stored.store
+        if decodes(stored) and not self.key_impl:
             # Decoded by lazyckpt, cast as it is copied.
             return then(read_view(self), lambda values: _unchanged(store, values))
-        data = then(self.stored.read(self.selection), lambda values: _unchanged(store, values))
+        data = then(stored.read(self.selection), lambda values: _unchanged(store, values))
         if self.key_impl:
             impl = self.key_impl
             return then(data, lambda array: jax.random.wrap_key_data(jnp.asarray(array), impl=impl))
-        if self.dtype == self.stored.dtype:
+        if self.dtype == stored.dtype:
             return data
         return then(data, lambda array: array.astype(self.dtype))
 
@@ -214,6 +334,8 @@ class LazyArray:
         parts = [repr(self.key), f"shape={self.shape}", f"dtype={self.dtype}"]
         if self.dtype != self.stored.dtype and not self.key_impl:
             parts.append(f"stored_dtype={self.stored.dtype}")
+        if isinstance(self.stored, compose.Node):
+            parts.append(self.stored.describe())
         if not self.selection.is_full(self.stored.shape):
             parts.append(f"view of {self.stored.shape}")
         parts.append(f"chunks={self.chunks}")
@@ -222,22 +344,21 @@ class LazyArray:
         return f"LazyArray({', '.join(parts)})"
 
 
-def unstack(array: LazyArray, axis: int = 0) -> list[LazyArray]:
-    """The slices of `array` along `axis`, as views: `unstack(x)[i]` is `x[i]`. Reads
-    nothing; each view later reads only its own stored chunks, so a scanned stack of
-    layers `(layers, ...)` becomes per-layer arrays without reading the others.
+def composed(path: tuple[str | int, ...], node: compose.Node, dtype: Any) -> LazyArray:
+    """The LazyArray of a view made of other views."""
+    return LazyArray(path=path, stored=node, selection=Selection.full(node.shape), dtype=dtype)
 
-    Args:
-        array: A LazyArray (a view too).
-        axis: The dimension to split along.
 
-    >>> w = lazyckpt.open(path)["params"]["w"]
-    >>> rows = lazyckpt.unstack(w)
-    >>> len(rows), rows[3].shape, float(rows[3].get()[0])
-    (8, (8,), 24.0)
-    """
-    if not -array.ndim <= axis < array.ndim:
-        raise LazyIndexError(f"{array.key} (shape {array.shape}): no axis {axis} to unstack")
-    axis %= array.ndim
-    before = (slice(None),) * axis
-    return [array[(*before, i)] for i in range(array.shape[axis])]
+def _infer_shape(key: str, shape: tuple[int, ...], new: tuple[int, ...]) -> tuple[int, ...]:
+    size = math.prod(shape)
+    unknown = [i for i, n in enumerate(new) if n == -1]
+    known = math.prod(n for n in new if n != -1)
+    found = new
+    if len(unknown) == 1 and known and size % known == 0:
+        found = (*new[: unknown[0]], size // known, *new[unknown[0] + 1 :])
+    if math.prod(found) != size or any(n < 0 for n in found):
+        raise LazyIndexError(
+            f"{key}: cannot reshape an array of shape {shape} ({size} elements) into "
+            f"{new}; the sizes must match (one dimension may be -1)"
+        )
+    return found

@@ -28,6 +28,7 @@ from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt import _safetensors as st
 from lazyckpt._commit import publishing
+from lazyckpt._compose import stores
 from lazyckpt._errors import CheckpointExistsError, UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
@@ -200,7 +201,7 @@ def _write_file(out: Any, file: _File, memory_budget: int | None, bar: Progress 
     for position, index, values in iter_blocks(arrays, memory_budget, bar):
         entry = lazy[position]
         _put(fd, offsets[entry.name], entry, index, values)
-    check_unchanged(array.stored.store for array in arrays)
+    check_unchanged(stores(arrays))
 
 
 def _put(fd: int, start: int, entry: _Entry, index: tuple[Any, ...], values: np.ndarray) -> None:

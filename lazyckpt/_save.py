@@ -18,6 +18,7 @@ from typing import Any, Literal
 from lazyckpt import _fs as fs
 from lazyckpt import _multihost as multihost
 from lazyckpt._commit import publishing
+from lazyckpt._compose import stores
 from lazyckpt._errors import CheckpointExistsError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._progress import Progress
@@ -133,8 +134,9 @@ def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:
     """On object storage an overwrite deletes the old checkpoint before writing: refuse
     when the tree still reads from it."""
     for leaf in leaves:
-        if isinstance(leaf.value, LazyArray):
-            source = leaf.value.stored.store.location
+        for source in (
+            s.location for s in stores([leaf.value] if isinstance(leaf.value, LazyArray) else [])
+        ):
             if source == final or source.startswith(final + "/"):
                 raise CheckpointExistsError(
                     f"{leaf.path} is read from {source}, which overwriting {final} would "

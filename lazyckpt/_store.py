@@ -304,3 +304,11 @@ class StoredArray:
             f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
             f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
         )
+
+
+def stored_array(array: Any) -> StoredArray:
+    """The `StoredArray` behind a view of one, for code that reads stored arrays
+    (composed views are lowered into such views before they get there)."""
+    stored = array.stored
+    assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
+    return stored

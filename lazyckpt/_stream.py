@@ -19,11 +19,14 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt import _compose as compose
+from lazyckpt._compose import stores
 from lazyckpt._decode import ChunkStream, decodes, stream_bytes
-from lazyckpt._engine import decode_into, decode_slabs, read_box, windows
+from lazyckpt._engine import decode_into, decode_slabs, read_box, schedule_fill, windows
 from lazyckpt._geometry import (
     Box,
     as_slices,
@@ -42,7 +45,9 @@ from lazyckpt._geometry import (
 from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
 from lazyckpt._scheduler import HELD, Scheduler, in_pool
-from lazyckpt._store import check_unchanged, ready, then
+from lazyckpt._share import Group, grouped
+from lazyckpt._share import groups as share_groups
+from lazyckpt._store import check_unchanged, ready, stored_array, then
 
 if TYPE_CHECKING:  # LazyArray reads through this module
     from lazyckpt._lazy import LazyArray
@@ -54,8 +59,16 @@ class _Job:
     """Consecutive blocks of one array; `step()` starts producing the next, a future
     of `(index, values, work)` or `_END`. Steps of one job run one after another."""
 
-    def __init__(self, position: int, held: int, steps: Iterator[Callable[[], Any]]) -> None:
+    def __init__(
+        self,
+        position: int,
+        held: int,
+        steps: Iterator[Callable[[], Any]],
+        group: Group | None = None,
+    ) -> None:
         self.position, self.held, self._steps = position, held, steps
+        self.group = group
+        """Views of one stored array that this job's blocks are cut into."""
 
     def step(self) -> ts.Future[Any]:
         start = next(self._steps, None)
@@ -64,12 +77,29 @@ class _Job:
         result: ts.Future[Any] = start()
         return result
 
+    def steps(self) -> Iterator[Callable[[], Any]]:
+        return self._steps
+
+    def placed(self, place: compose.Place) -> _Job:
+        """This job's blocks as blocks of a composed view that this array is part of."""
+
+        def move(result: Any) -> Any:
+            if result is _END:
+                return _END
+            index, values, work = result
+            return (*place(index, values), work)
+
+        steps = (lambda start=start: then(start(), move) for start in self._steps)
+        return _Job(self.position, self.held, steps)
+
 
 def iter_blocks(
     arrays: Sequence[LazyArray],
     budget: int | None,
     progress: Progress | None = None,
     grids: Sequence[tuple[int, ...] | None] | None = None,
+    *,
+    share: bool = True,
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
     where `arrays[position][index]` equals `values`.
@@ -78,15 +108,34 @@ def iter_blocks(
     chunks) that every block must be a union of whole cells of. Reads run ahead of the
     consumer: every job in flight holds at most its stream and one block, and the one
     the consumer holds counts too, within `budget` bytes (one job at least).
+
+    With `share`, views of one stored array that cover it together (`unstack`) are
+    streamed as one (`lazyckpt._share`), so that each stored chunk is read once;
+    their blocks then come in the stored array's order.
     """
     limits = Scheduler(budget)
     block = max(1, limits.budget // 8)
     cells = list(grids) if grids is not None else [None] * len(arrays)
-    jobs = (
-        job
+    # Composed views streamed as their parts, so that parts can share with others.
+    leaves = [
+        leaf
         for position, (array, grid) in enumerate(zip(arrays, cells, strict=True))
-        for job in _jobs(position, array, limits, grid)
-    )
+        for leaf in _leaves(position, array, grid, None)
+    ]
+    found = [leaf.array for leaf in leaves], [leaf.grid for leaf in leaves]
+    owner = grouped(share_groups(*found, block)) if share else {}
+
+    def every_job() -> Iterator[_Job]:
+        for i, leaf in enumerate(leaves):
+            group = owner.get(i)
+            if group is None:
+                for job in _jobs(leaf.position, leaf.array, limits, leaf.grid):
+                    yield job if leaf.place is None else job.placed(leaf.place)
+            elif group.positions[0] == i:
+                for job in _jobs(i, group.base, limits, group.grid):
+                    yield _Job(i, job.held, job.steps(), group)
+
+    jobs = every_job()
     active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
     reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
@@ -109,12 +158,20 @@ def iter_blocks(
             continue
         index, values, work = result
         active[0] = (job, job.step())  # decode the next block while this one is used
-        yield job.position, index, values
+        if job.group is None:
+            yield job.position, index, values
+        else:
+            for i, piece_index, piece in job.group.route(index, values):
+                leaf = leaves[i]
+                moved = (
+                    (piece_index, piece) if leaf.place is None else leaf.place(piece_index, piece)
+                )
+                yield leaf.position, *moved
         del values, result
         limits.guard.check(reserved)
         if progress is not None:
             progress.advance(work)
-    check_unchanged(array.stored.store for array in arrays)
+    check_unchanged(stores(arrays))
 
 
 def _jobs(
@@ -122,6 +179,9 @@ def _jobs(
 ) -> Iterator[_Job]:
     """The jobs that stream one view, in order."""
     stored = array.stored
+    if isinstance(stored, compose.Node):
+        yield from _composed_jobs(position, array, limits, grid)
+        return
     mapping = stored_map(array)
     budget = limits.budget
     block = max(1, budget // 8)
@@ -185,13 +245,76 @@ def _jobs(
         yield _Job(position, held, steps)
 
 
+@attrs.frozen
+class _Leaf:
+    """A view to stream, and how its blocks become blocks of the array asked for."""
+
+    position: int
+    array: LazyArray
+    grid: tuple[int, ...] | None
+    place: compose.Place | None
+
+
+def _leaves(
+    position: int, array: LazyArray, grid: tuple[int, ...] | None, place: compose.Place | None
+) -> Iterator[_Leaf]:
+    """`array`, or the parts of a composed view that can be streamed apart."""
+    node = array.stored
+    parts = (
+        node.stream_parts(grid)
+        if isinstance(node, compose.Node) and array.selection.is_full(node.shape)
+        else None
+    )
+    if parts is None:
+        yield _Leaf(position, array, grid, place)
+        return
+    for part, part_grid, part_place in parts:
+        yield from _leaves(position, part, part_grid, _then(part_place, array.dtype, place))
+
+
+def _then(inner: compose.Place, dtype: Any, outer: compose.Place | None) -> compose.Place:
+    def place(index: tuple[slice, ...], values: np.ndarray) -> Any:
+        index, values = inner(index, values.astype(dtype, copy=False))
+        return (index, values) if outer is None else outer(index, values)
+
+    return place
+
+
+def _composed_jobs(
+    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
+) -> Iterator[_Job]:
+    """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
+    grid that cuts across parts), each filled from its parts through the engine."""
+    block = max(1, limits.budget // 8)
+    itemsize = array.dtype.itemsize
+    cells = grid if grid is not None else compose.view_chunks(array)
+    if grid is None and math.prod(cells) * itemsize > block:
+        cells = (1,) * array.ndim
+    for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):
+        yield _Job(position, block * 3, iter([_filled(array, region, block)]))
+
+
+def _filled(array: LazyArray, region: Box, budget: int) -> Callable[[], ts.Future[Any]]:
+    """A step that fills `array[region]` through the engine, within `budget`, on the
+    consumer's thread (the engine's own jobs run on the decoding threads)."""
+
+    def fill() -> ts.Future[Any]:
+        scheduler = Scheduler(budget)
+        target = Target(region, array.dtype)
+        schedule_fill(array, [target], scheduler, lambda: None)
+        scheduler.drain()
+        return ready((as_slices(region), target.buffer(), target.out_nbytes()))
+
+    return fill
+
+
 def _stored_cells(
     array: LazyArray, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
 ) -> tuple[int, ...] | None:
     """`grid`'s cell size along each stored dimension (1 without a grid, and for
     dimensions the view drops), or None when its cells straddle stored chunks, so
     that slabs of a stored chunk cannot be unions of whole cells."""
-    stored = array.stored
+    stored = stored_array(array)
     cells = [1] * len(stored.shape)
     if grid is None:
         return tuple(cells)
@@ -218,9 +341,9 @@ def widened(array: LazyArray, grid: tuple[int, ...], itemsize: int, block: int) 
             cells.append(cell)
             continue
         dim, offset = entry
-        stored = array.stored.chunks[dim]
+        stored = stored_array(array).chunks[dim]
         cells.append(math.lcm(cell, stored) if offset % stored == 0 else cell)
-    widest = max(block, math.prod(array.stored.chunks) * itemsize)
+    widest = max(block, math.prod(stored_array(array).chunks) * itemsize)
     if math.prod(cells) * itemsize > widest:
         return grid
     return tuple(cells)
@@ -245,7 +368,7 @@ def _decoded_block(
         target = Target(region, array.dtype)
         selection = array.selection[as_slices(region)]
         box = bounds(selection)
-        for index in chunks_in(box, array.stored.chunks) if box else [()]:
+        for index in chunks_in(box, stored_array(array).chunks) if box else [()]:
             decode_into(array, index, [(target, selection)], read_bytes, window)
         nbytes = target.out_nbytes()
         return as_slices(region), target.buffer(), nbytes
@@ -269,7 +392,7 @@ def _chunk_bands(
     petabytes."""
 
     def produce() -> Iterator[Any]:
-        ChunkStream(array.stored, index, read_bytes).check()
+        ChunkStream(stored_array(array), index, read_bytes).check()
         regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
         targets = [Target(region, array.dtype) for region in regions]
         users = [(t, array.selection[as_slices(t.region)]) for t in targets]
@@ -292,7 +415,7 @@ def _ts_jobs(
     position: int, array: LazyArray, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
 ) -> Iterator[_Job]:
     """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
-    stored = array.stored
+    stored = stored_array(array)
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
     opened = stored.open() if stored.inline is None else None
     origins = [0] * len(stored.shape)

@@ -37,7 +37,7 @@ from lazyckpt._memory import check_fits
 from lazyckpt._progress import Progress
 from lazyckpt._read import arrays_of
 from lazyckpt._scheduler import HELD, Scheduler, in_pool
-from lazyckpt._store import StoredArray, check_unchanged, then
+from lazyckpt._store import StoredArray, check_unchanged, stored_array, then
 from lazyckpt._text import human_bytes
 from lazyckpt._tree import Select, selected
 
@@ -137,6 +137,8 @@ def verify(
     """
     single = isinstance(tree, LazyArray)
     found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
+    # A composed view is checked through the stored arrays it is made of.
+    found = [(p if s is a else s.key, s) for p, a in found for s in a.sources]
     first: dict[int, tuple[str, LazyArray]] = {}
     for path, array in found:  # views of one stored array are checked once
         first.setdefault(id(array.stored), (path, array))
@@ -151,7 +153,7 @@ def verify(
     read_bytes, window = windows(scheduler.budget)
     chunks = 0
     for path, array, plan in plans:
-        stored, found_here = array.stored, problems[path]
+        stored, found_here = stored_array(array), problems[path]
         decoded = decodes(stored)
         for index in plan.chunks:
             if len(found_here) >= _MAX_PROBLEMS:
@@ -170,9 +172,9 @@ def verify(
     scheduler.drain()
     if bar is not None:
         bar.close()
-    check_unchanged(array.stored.store for _, array, _ in plans)
+    check_unchanged(stored_array(array).store for _, array, _ in plans)
     damaged = [
-        Damage(path, _short(array.stored, messages[0]), len(messages))
+        Damage(path, _short(stored_array(array), messages[0]), len(messages))
         for path, array, _ in plans
         if (messages := problems[path])
     ]
@@ -181,7 +183,7 @@ def verify(
         chunks=chunks,
         nbytes=total,
         damaged=damaged,
-        unchecked=[path for path, array, _ in plans if not array.stored.checksummed],
+        unchecked=[path for path, array, _ in plans if not stored_array(array).checksummed],
     )
 
 
@@ -207,7 +209,7 @@ def _plan(array: LazyArray, problems: list[str]) -> _Plan:
     that exist are decoded, and cells that were never written are damage unless the
     checkpoint allows them (then they read as the fill value). Either way the work
     follows what is stored, whatever grid a damaged header declares."""
-    stored = array.stored
+    stored = stored_array(array)
     if stored.inline is not None or 0 in stored.shape or array.size == 0:
         return _Plan(iter(()), 0)  # values held in the metadata: nothing more to decode
     touched = bounds(array.selection)

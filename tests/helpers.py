@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
-from lazyckpt._store import StoredArray
+from lazyckpt._store import StoredArray, stored_array
 
 ROOT = Path(__file__).parent.parent
 
@@ -137,7 +137,7 @@ def _chunk_key(name: str, chunk: tuple[int, ...], zarr3: bool) -> str:
 
 def stored_chunk_bytes(path: Path, view: LazyArray) -> int:
     """Stored bytes of the chunks holding the elements that `view` selects."""
-    zarr3 = view.stored.driver == "zarr3"
+    zarr3 = stored_array(view).driver == "zarr3"
     kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
     per_dim: list[list[int]] = []
     for stored, chunk_size in zip(view.selection.stored, view.chunks, strict=True):
@@ -149,7 +149,7 @@ def stored_chunk_bytes(path: Path, view: LazyArray) -> int:
         per_dim.append(sorted({i // chunk_size for i in indices}))
     total = 0
     for chunk in itertools.product(*per_dim):
-        value = kvstore.read(_chunk_key(view.stored.name, chunk, zarr3)).result()
+        value = kvstore.read(_chunk_key(stored_array(view).name, chunk, zarr3)).result()
         assert value.state == "value"
         total += len(value.value)
     return total

@@ -14,6 +14,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import LazyArray
+from lazyckpt._store import stored_array
 from tests.helpers import assert_tree_equal, host_value
 
 
@@ -57,7 +58,7 @@ def test_chunks_match_tensorstore_and_shards(saved: tuple[Path, dict[str, Any]])
             "kvstore": {
                 "driver": "ocdbt",
                 "base": f"file://{path}/",
-                "path": f"{leaf.stored.name}/",
+                "path": f"{stored_array(leaf).name}/",
             },
         }
         opened = ts.open(spec, open=True).result()
@@ -168,9 +169,9 @@ def test_arrays_are_opened_with_one_batched_metadata_read(saved: tuple[Path, Any
     """Opening does not open a TensorStore per array; arrays open on first read."""
     lazy = lazyckpt.open(saved[0])
     arrays = [leaf for _, leaf in lazyckpt.leaves(lazy) if isinstance(leaf, LazyArray)]
-    assert all(not a.stored._opened for a in arrays)
+    assert all(not stored_array(a)._opened for a in arrays)
     arrays[0].get()
-    assert arrays[0].stored._opened and not arrays[1].stored._opened
+    assert stored_array(arrays[0])._opened and not stored_array(arrays[1])._opened
 
 
 def test_lazy_array_is_a_jax_leaf_and_frozen(saved: tuple[Path, Any]) -> None:

@@ -1,0 +1,265 @@
+"""Lazy surgery (stack, concat, transpose, reshape, unstack, squeeze) against NumPy.
+
+Random programs of these operations, slicing and casts over arrays saved by Orbax
+with different chunk grids (sharded, one chunk, decoded by lazyckpt or read by
+tensorstore), read every way a view is read: `get`, `load`, `device_put` with a
+sharding, `iter_blocks` at a small budget; and byte counts that show each stored
+chunk is read once and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lazyckpt
+from tests.helpers import orbax_save
+
+# One shape, four ways of storing it, so that any two can be stacked or concatenated.
+SHAPE = (8, 6, 4)
+
+
+@pytest.fixture(scope="module")
+def parts(mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    rng = np.random.default_rng(17)
+    values = {
+        "sharded": rng.standard_normal(SHAPE).astype(np.float32),
+        "rows": rng.standard_normal(SHAPE).astype(np.float32),
+        "ints": rng.integers(-100, 100, SHAPE).astype(np.int32),
+        "numpy": rng.standard_normal(SHAPE).astype(np.float32),
+        # Big enough (1.5 MiB in one chunk) for lazyckpt's own decoder.
+        "big": rng.standard_normal((384, 1024)).astype(np.float32),
+        **{f"layer{i}": rng.standard_normal((32, 256)).astype(np.float32) for i in range(3)},
+    }
+    tree = {
+        "sharded": jax.device_put(values["sharded"], NamedSharding(mesh, P("x", "y"))),
+        "rows": jax.device_put(values["rows"], NamedSharding(mesh, P(None, None, "y"))),
+        "ints": jax.device_put(values["ints"], NamedSharding(mesh, P("y"))),
+        "numpy": values["numpy"],
+        "big": values["big"],
+        # Chunks of 8 KiB: large enough not to live inside OCDBT's b-tree nodes.
+        **{
+            f"layer{i}": jax.device_put(values[f"layer{i}"], NamedSharding(mesh, P("x")))
+            for i in range(3)
+        },
+    }
+    path = orbax_save(tmp_path_factory.mktemp("surgery") / "ckpt", tree)
+    return {"lazy": lazyckpt.open(path), "numpy": values, "path": path}
+
+
+def _factorized(size: int, draw: Callable[[Any], Any]) -> tuple[int, ...]:
+    """A random shape of `size` elements, 1 to 4 dimensions."""
+    factors, n, p = [], size, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    ndim = draw(st.integers(1, 4))
+    dims = [1] * ndim
+    for f in factors:
+        dims[draw(st.integers(0, ndim - 1))] *= f
+    return tuple(dims)
+
+
+def _program(data: st.DataObject, parts: dict[str, Any]) -> tuple[Any, np.ndarray]:
+    """A random composition, built on LazyArrays and NumPy side by side (no reads)."""
+    names = ["sharded", "rows", "ints", "numpy"]
+    pick = data.draw(st.sampled_from(names))
+    lazy, want = parts["lazy"][pick], parts["numpy"][pick]
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(
+            st.sampled_from(["index", "T", "transpose", "reshape", "stack", "concat", "astype"])
+        )
+        if op == "index" and want.size:
+            index = data.draw(
+                hnp.basic_indices(want.shape, allow_newaxis=True, allow_ellipsis=True)
+            )
+            lazy, want = lazy[index], want[index]
+        elif op == "T":
+            lazy, want = lazy.T, want.T
+        elif op == "transpose" and want.ndim:
+            perm = data.draw(st.permutations(range(want.ndim)))
+            lazy, want = lazy.transpose(*perm), want.transpose(*perm)
+        elif op == "reshape" and want.size:
+            shape = _factorized(want.size, data.draw)
+            lazy, want = lazy.reshape(shape), want.reshape(shape)
+        elif op in ("stack", "concat") and want.ndim:
+            # Another array of the same shape: a different stored array, or the same
+            # one read another way (reversed), which shares its chunks.
+            other_name = data.draw(st.sampled_from(names))
+            other, other_want = parts["lazy"][other_name], parts["numpy"][other_name]
+            if other.shape != lazy.shape:
+                other, other_want = lazy[::-1], want[::-1]
+            axis = data.draw(st.integers(-want.ndim, want.ndim - 1))
+            if op == "stack":
+                lazy = lazyckpt.stack([lazy, other], axis=axis)
+                want = np.stack([want, other_want], axis=axis)
+            else:
+                cut = data.draw(st.integers(0, want.shape[axis]))
+                head = (slice(None),) * (axis % want.ndim) + (slice(0, cut),)
+                lazy = lazyckpt.concat([lazy, other[head]], axis=axis)
+                want = np.concatenate([want, other_want[head]], axis=axis)
+        elif op == "astype":
+            dtype = data.draw(st.sampled_from([np.float32, np.float16, np.int32]))
+            if want.dtype.kind == "f" and np.dtype(dtype).kind == "i":
+                want = np.nan_to_num(want)  # casting NaN to int is undefined
+            lazy, want = lazy.astype(dtype), want.astype(dtype)
+        assert lazy.shape == want.shape and lazy.dtype == want.dtype, op
+    return lazy, want
+
+
+def _reassembled(lazy: Any, budget: int) -> np.ndarray:
+    out = np.full(lazy.shape, 0, lazy.dtype)
+    seen = np.zeros(lazy.shape, np.int32)
+    for _, index, values in lazyckpt.iter_blocks(lazy, memory_budget=budget):
+        out[index] = values
+        seen[index] += 1
+    assert (seen == 1).all(), "every element is in exactly one block"
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_compositions_match_numpy(parts: dict[str, Any], data: st.DataObject) -> None:
+    lazy, want = _program(data, parts)
+    reader = data.draw(st.sampled_from(["get", "load", "blocks", "device_put"]))
+    budget = data.draw(st.sampled_from([64, 1 << 10, 1 << 20]))
+    jax.eval_shape(lambda x: x, lazy)  # shapes and dtypes alone
+    if reader == "get":
+        got = lazy.get()
+    elif reader == "load":
+        got = lazyckpt.load({"x": lazy}, memory_budget=budget)["x"]
+    elif reader == "blocks":
+        got = _reassembled(lazy, budget)
+    else:
+        mesh = jax.make_mesh((2, 4), ("a", "b"))
+        spec: list[str | None] = [None] * lazy.ndim
+        for axis, name, size in ((0, "a", 2), (lazy.ndim - 1, "b", 4)):
+            if lazy.ndim > axis >= 0 and lazy.shape[axis] % size == 0 and spec[axis] is None:
+                spec[axis] = name
+        got = np.asarray(lazyckpt.device_put(lazy, NamedSharding(mesh, P(*spec))))
+        want = want.astype(jax.dtypes.canonicalize_dtype(want.dtype))  # jax without x64
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_compositions_of_a_decoded_chunk(parts: dict[str, Any], data: st.DataObject) -> None:
+    """The same operations on an array lazyckpt decodes itself (one 1.5 MiB chunk)."""
+    lazy, want = parts["lazy"]["big"], parts["numpy"]["big"]
+    rows = data.draw(st.integers(1, 48))
+    start = data.draw(st.integers(0, 384 - rows))
+    lazy, want = lazy[start : start + rows], want[start : start + rows]
+    choice = data.draw(st.sampled_from(["T", "reshape", "stack", "unstack"]))
+    if choice == "T":
+        lazy, want = lazy.T, want.T
+    elif choice == "reshape":
+        shape = (rows * 4, 256)
+        lazy, want = lazy.reshape(shape)[:, 7:200], want.reshape(shape)[:, 7:200]
+    elif choice == "stack":
+        lazy = lazyckpt.stack([lazy, lazy.astype(np.float16)], axis=1)
+        want = np.stack([want, want.astype(np.float16)], axis=1)
+    else:
+        lazy = lazyckpt.stack(lazyckpt.unstack(lazy, 1)[::3], axis=0)
+        want = np.stack(list(np.moveaxis(want, 1, 0))[::3], axis=0)
+    reader = data.draw(st.sampled_from(["get", "blocks"]))
+    got = lazy.get() if reader == "get" else _reassembled(lazy, 1 << 20)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_views_index_into_their_parts(parts: dict[str, Any]) -> None:
+    a, b = parts["lazy"]["sharded"], parts["lazy"]["rows"]
+    stacked = lazyckpt.stack([a, b])
+    assert stacked[1] is b or stacked[1] == b
+    assert stacked[0, 2:].sources == (a[2:],)
+    assert [s.key for s in stacked.sources] == ["sharded", "rows"]
+    assert lazyckpt.concat([a, b], axis=1)[:, 6:].sources == (b,)
+    assert a == a.T.T
+    assert a.reshape(48, 4).reshape(SHAPE) == a
+    assert "stack of 2 along axis 0" in repr(stacked)
+    assert stacked.key == "stack(sharded, rows)"
+    assert lazyckpt.unstack(stacked)[0] == a
+
+
+def test_bad_surgery_is_a_clear_error(parts: dict[str, Any]) -> None:
+    a, big = parts["lazy"]["sharded"], parts["lazy"]["big"]
+    with pytest.raises(
+        lazyckpt.LazyIndexError,
+        match=r"stack needs arrays of one shape, found sharded \(8, 6, 4\), big \(384, 1024\)",
+    ):
+        lazyckpt.stack([a, big])
+    with pytest.raises(
+        lazyckpt.LazyIndexError, match=r"concat along axis 0 needs shapes that differ only there"
+    ):
+        lazyckpt.concat([a, big])
+    with pytest.raises(
+        lazyckpt.LazyIndexError,
+        match=r"sharded: cannot reshape an array of shape \(8, 6, 4\) \(192 elements\) into \(5, -1\)",
+    ):
+        a.reshape(5, -1)
+    with pytest.raises(lazyckpt.LazyIndexError, match=r"axes \(0, 0, 1\) are not a permutation"):
+        a.transpose(0, 0, 1)
+    with pytest.raises(lazyckpt.LazyTypeError, match="stack takes LazyArrays, found ndarray"):
+        lazyckpt.stack([a, np.zeros(SHAPE)])  # type: ignore[list-item]
+    with pytest.raises(lazyckpt.LazyIndexError, match="needs at least one"):
+        lazyckpt.concat([])
+
+
+def test_one_layer_of_a_stack_reads_only_its_chunks(
+    parts: dict[str, Any], count_bytes: Callable[[], Any]
+) -> None:
+    # A fresh open for every count: tensorstore caches what an open has read.
+    def stacked() -> Any:
+        lazy = lazyckpt.open(parts["path"])
+        return lazyckpt.stack([lazy["layer0"], lazy["layer1"], lazy["layer2"]])
+
+    layer, view = lazyckpt.open(parts["path"])["layer1"], stacked()
+    with count_bytes() as alone:
+        layer[2:5].get()
+    with count_bytes() as via_stack:
+        view[1, 2:5].get()
+    assert via_stack == alone and alone[0] > 0
+    # The whole stack reads each part once: what reading the parts one by one reads.
+    opened = [lazyckpt.open(parts["path"])[f"layer{i}"] for i in range(3)]
+    view = stacked()
+    with count_bytes() as each:
+        for array in opened:
+            array.get()
+    with count_bytes() as whole:
+        lazyckpt.load(view.T)
+    assert whole == each
+
+
+def test_parts_sharing_a_stored_array_read_its_chunks_once(
+    parts: dict[str, Any], count_bytes: Callable[[], Any]
+) -> None:
+    def rebuilt() -> Any:
+        # unstack then stack back, transposed and cut in halves: one read of the chunk.
+        big = lazyckpt.open(parts["path"])["big"]
+        return lazyckpt.concat(
+            [lazyckpt.stack(lazyckpt.unstack(big[:192]), axis=1), big[192:].T], axis=1
+        )
+
+    big, view = lazyckpt.open(parts["path"])["big"], rebuilt()
+    with count_bytes() as once:
+        big.get()
+    mesh = jax.make_mesh((8,), ("d",))
+    with count_bytes() as placed:
+        result = lazyckpt.device_put(view, NamedSharding(mesh, P("d")))
+    assert placed == once and once[0] > 0
+    np.testing.assert_array_equal(np.asarray(result), parts["numpy"]["big"].T)
+    view = rebuilt()
+    with count_bytes() as loaded:
+        lazyckpt.load(view)
+    assert loaded == once
