@@ -80,7 +80,8 @@ def orbax_numpy(source: str, destination: str) -> dict[str, Any]:
             metadata = checkpointer.metadata(source).item_metadata.tree
             restore_args = {
                 "blocks": {
-                    k: {"kernel": ocp.RestoreArgs(restore_type=np.ndarray)} for k in metadata["blocks"]
+                    k: {"kernel": ocp.RestoreArgs(restore_type=np.ndarray)}
+                    for k in metadata["blocks"]
                 }
             }
             tree = checkpointer.restore(source, restore_args=restore_args)
@@ -115,9 +116,10 @@ def same_files(a: str, b: str) -> bool:
     from safetensors import safe_open
 
     with safe_open(a, "np") as left, safe_open(b, "np") as right:
-        if sorted(left.keys()) != sorted(right.keys()):
+        names = sorted(left.keys())  # a safe_open handle is not a dict
+        if names != sorted(right.keys()):
             return False
-        return all(np.array_equal(left.get_tensor(k), right.get_tensor(k)) for k in left.keys())
+        return all(np.array_equal(left.get_tensor(k), right.get_tensor(k)) for k in names)
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -148,6 +150,9 @@ def main() -> None:
         theirs.append(in_fresh_process(orbax_numpy, str(source), theirs_out))
         ours.append(in_fresh_process(lazy_convert, str(source), ours_out, budget))
     a, b = best(theirs), best(ours)
+    # The worst peak of any run, not the fastest run's: the bound is on every run.
+    b = {**b, "peak_above_baseline": max(r["peak_above_baseline"] for r in ours)}
+    a = {**a, "peak_above_baseline": max(r["peak_above_baseline"] for r in theirs)}
     limit = budget * 1.15
     print(
         f"Orbax restore + NumPy + save_file: {a['seconds']:.2f} s, read {fmt_bytes(a['bytes_read'])},"

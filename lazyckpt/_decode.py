@@ -56,6 +56,9 @@ def stream_bytes(read_bytes: int) -> int:
     return 3 * read_bytes + (1 << 20)
 
 
+_HEADER_BYTES = 64  # a zstd frame header is at most 18 bytes
+
+
 class _Source:
     """The stored bytes `[start, stop)` of one key (to the value's end when `stop` is
     None), read in windows of `window` bytes, one window ahead."""
@@ -191,7 +194,9 @@ class ChunkStream:
     def check(self) -> None:
         """Check, before anything is planned, that the stored bytes can hold the chunk
         its header declares (the zstd frame's size, or the raw bytes' length); then
-        release what that read."""
+        release what that read. Only a few bytes are read: the zstd frame header, not
+        a window that the decoding would read again."""
+        read_bytes, self.read_bytes = self.read_bytes, _HEADER_BYTES
         try:
             self._open()
             source = self._source
@@ -200,6 +205,7 @@ class ChunkStream:
         finally:
             self.close()
             self._opened = False
+            self.read_bytes = read_bytes
 
     def _locate(self) -> tuple[int, int | None] | None:
         """The byte range of the chunk's stored bytes in its key's value; None when it

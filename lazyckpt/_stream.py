@@ -114,6 +114,9 @@ def iter_blocks(
     their blocks then come in the stored array's order.
     """
     limits = Scheduler(budget)
+    # Streams promise their peak within the budget and a little: trim freed buffers
+    # sooner than a load does (whose results are most of what it holds anyway).
+    limits.guard.slack = limits.budget // 16
     block = max(1, limits.budget // 8)
     cells = list(grids) if grids is not None else [None] * len(arrays)
     # Composed views streamed as their parts, so that parts can share with others.
