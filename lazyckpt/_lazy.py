@@ -272,7 +272,7 @@ class LazyArray:
             )
         new = np.dtype(dtype)
         natural = self.stored.dtype
-        if self.dtype not in (natural, new) and not np.can_cast(natural, self.dtype, "safe"):
+        if self.dtype not in (natural, new) and not exact(natural, self.dtype):
             # The earlier cast rounds or wraps: keep it, so values equal NumPy's.
             return composed(self.path, compose.Cast(self.shape, self.dtype, self), new)
         return attrs.evolve(self, dtype=new)
@@ -342,6 +342,29 @@ class LazyArray:
         if self.sharding is not None:
             parts.append(f"sharding={self.sharding!r}")
         return f"LazyArray({', '.join(parts)})"
+
+
+def exact(source: Any, dest: Any) -> bool:
+    """Whether casting `source` values to `dest` keeps every one exactly (so that a
+    cast after it is the same as casting directly): NumPy's "safe" is not enough,
+    int64 to float64 rounds."""
+    source, dest = np.dtype(source), np.dtype(dest)
+    if source == dest or source == np.bool_:
+        return True
+    if jnp.issubdtype(dest, jnp.complexfloating):  # parts are cast alike
+        dest = np.dtype(f"f{dest.itemsize // 2}")
+        if jnp.issubdtype(source, jnp.complexfloating):
+            source = np.dtype(f"f{source.itemsize // 2}")
+    integer, floating = jnp.issubdtype(source, jnp.integer), jnp.issubdtype(source, jnp.floating)
+    if integer and jnp.issubdtype(dest, jnp.integer):
+        return bool(np.can_cast(source, dest, "safe"))
+    if integer and jnp.issubdtype(dest, jnp.floating):
+        bits = 8 * source.itemsize - int(jnp.issubdtype(source, jnp.signedinteger))
+        return int(jnp.finfo(dest).nmant) + 1 >= bits
+    if floating and jnp.issubdtype(dest, jnp.floating):
+        a, b = jnp.finfo(source), jnp.finfo(dest)
+        return bool(b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp)
+    return False
 
 
 def composed(path: tuple[str | int, ...], node: compose.Node, dtype: Any) -> LazyArray:

@@ -272,11 +272,18 @@ def _leaves(
         yield _Leaf(position, array, grid, place)
         return
     for part, part_grid, part_place in parts:
-        yield from _leaves(position, part, part_grid, _then(part_place, array.dtype, place))
+        moved = _then(part_place, part.shape, array.dtype, place)
+        yield from _leaves(position, part, part_grid, moved)
 
 
-def _then(inner: compose.Place, dtype: Any, outer: compose.Place | None) -> compose.Place:
+def _then(
+    inner: compose.Place, shape: tuple[int, ...], dtype: Any, outer: compose.Place | None
+) -> compose.Place:
+    """Blocks of a part (of `shape`) moved by `inner`, cast, then moved by `outer`."""
+
     def place(index: tuple[slice, ...], values: np.ndarray) -> Any:
+        # Explicit bounds: a new axis comes as slice(None), which moving cannot shift.
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         index, values = inner(index, values.astype(dtype, copy=False))
         return (index, values) if outer is None else outer(index, values)
 

@@ -309,3 +309,30 @@ def test_every_verb_takes_composed_views(parts: dict[str, Any], tmp_path: Any) -
     assert not lazyckpt.diff(tree, saved, values=True)
     for key, expected in want.items():
         np.testing.assert_array_equal(saved[key].get(), expected)
+
+
+def test_casts_through_a_rounding_dtype_round_as_numpy(tmp_path: Any) -> None:
+    # int64 to float64 is "safe" for NumPy but rounds: float32(float64(x)) is not
+    # float32(x) for these, so the intermediate cast must be kept.
+    a = np.array([2**60 + 2**36 + 1, 2**53 + 1, -(2**53) - 1, 7], dtype=np.int64)
+    x = lazyckpt.open(lazyckpt.save(tmp_path / "c", {"a": a}))["a"]
+    for chain in [(np.float64, np.float32), (np.float16, np.float32), (np.int8, np.int64)]:
+        lazy, want = x, a
+        for dtype in chain:
+            with np.errstate(over="ignore", invalid="ignore"):
+                lazy, want = lazy.astype(dtype), want.astype(dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.testing.assert_array_equal(lazy.get(), want)
+    assert x.astype(np.int32).astype(np.float64).stored is not x.stored  # kept
+    assert x[:2].astype(np.float64).astype(np.float32).stored is not x.stored
+    small = lazyckpt.open(lazyckpt.save(tmp_path / "d", {"b": a.astype(np.int32)}))["b"]
+    assert small.astype(np.float64).astype(np.float32).stored is small.stored  # exact
+
+
+def test_concatenating_along_a_new_axis_streams(parts: dict[str, Any]) -> None:
+    x = parts["lazy"]["sharded"][:, None, 2]
+    want = parts["numpy"]["sharded"][:, None, 2]
+    joined = lazyckpt.concat([x, x[::-1]], axis=1)
+    expected = np.concatenate([want, want[::-1]], axis=1)
+    np.testing.assert_array_equal(_reassembled(joined, 64), expected)
+    np.testing.assert_array_equal(joined.get(), expected)
