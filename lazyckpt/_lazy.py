@@ -360,11 +360,16 @@ def exact(source: Any, dest: Any) -> bool:
         return bool(np.can_cast(source, dest, "safe"))
     if integer and jnp.issubdtype(dest, jnp.floating):
         bits = 8 * source.itemsize - int(jnp.issubdtype(source, jnp.signedinteger))
-        return int(jnp.finfo(dest).nmant) + 1 >= bits
+        return int(_finfo(dest).nmant) + 1 >= bits
     if floating and jnp.issubdtype(dest, jnp.floating):
-        a, b = jnp.finfo(source), jnp.finfo(dest)
+        a, b = _finfo(source), _finfo(dest)
         return bool(b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp)
     return False
+
+
+def _finfo(dtype: Any) -> Any:
+    """`jnp.finfo`, which knows bfloat16 and the float8 types (untyped in jax)."""
+    return jnp.finfo(dtype)  # type: ignore[no-untyped-call]
 
 
 def composed(path: tuple[str | int, ...], node: compose.Node, dtype: Any) -> LazyArray:
