@@ -360,7 +360,7 @@ def exact(source: Any, dest: Any) -> bool:
         return bool(np.can_cast(source, dest, "safe"))
     if integer and jnp.issubdtype(dest, jnp.floating):
         bits = 8 * source.itemsize - int(jnp.issubdtype(source, jnp.signedinteger))
-        return int(_finfo(dest).nmant) + 1 >= bits
+        return bool(int(_finfo(dest).nmant) + 1 >= bits)
     if floating and jnp.issubdtype(dest, jnp.floating):
         a, b = _finfo(source), _finfo(dest)
         return bool(b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp)
