@@ -116,6 +116,8 @@ def as_index(item: Stored) -> int | slice:
     """A stored entry of a `Selection` as a NumPy index."""
     if isinstance(item, int):
         return item
+    if item.count == 0:  # its start may be -1, which a slice reads as the end
+        return slice(0, 0)
     stop = item.start + item.step * item.count
     return slice(item.start, stop if stop >= 0 else None, item.step)
 

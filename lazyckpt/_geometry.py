@@ -239,7 +239,7 @@ def stored_map(array: Any) -> list[tuple[int, int] | None] | None:
             continue
         stored = array.selection.stored[dim]
         assert isinstance(stored, Range)
-        if stored.step != 1:
+        if stored.step != 1 and stored.count > 1:
             return None
         mapping.append((dim, stored.start))
     return mapping

@@ -7,7 +7,9 @@ slice. Parts that are unit-stride views of one stored array become regions of th
 whole array, so that the engine reads each of its chunks once however many parts
 share it. Temporaries are used only where a destination cannot be a view: a part
 of another dtype (cast on its own first, as NumPy would), a reshape into a strided
-buffer, and a reshaped view sliced with a step (the box around it is read).
+buffer, and a reshaped view sliced with a step (the box around it is read, where
+that box is at most about twice the view; else the view is read one index at a
+time along the strided dimension).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import attrs
 import numpy as np
 
 from lazyckpt import _compose as compose
-from lazyckpt._geometry import Box, as_slices, bounds, stored_map, to_stored
+from lazyckpt._geometry import Box, as_slices, bounds, box_bytes, stored_map, to_stored
 from lazyckpt._memory import Target
 from lazyckpt._reshape import Reshape
 from lazyckpt._selection import NewAxis, Range, Selection
@@ -45,12 +47,28 @@ def lower(
     if not isinstance(node, compose.Node):
         _add_plain(array, region, out, mapping, groups)
         return
-    if mapping is None:  # a reshaped view sliced with a step: the box around it
+    if mapping is None:  # a reshaped view sliced with a step
         selection = array.selection[as_slices(region)]
         box = bounds(selection)
-        whole = attrs.evolve(array, selection=Selection.full(node.shape))
-        index = relative_index(selection, box)
-        _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+        if box_bytes(box, array.dtype.itemsize) <= min(2 * out.nbytes + (1 << 20), _BOX_BYTES):
+            # Small enough: the box around it, read once into a temporary.
+            whole = attrs.evolve(array, selection=Selection.full(node.shape))
+            index = relative_index(selection, box)
+            _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+            return
+        # Else one index at a time along a strided dimension: no temporary, and
+        # nothing read that the view does not need.
+        dim = next(
+            v
+            for v, d in enumerate(selection.view)
+            if isinstance(d, int) and _strided(selection.stored[d])
+        )
+        low = region[dim][0]
+        for i in range(out.shape[dim]):
+            at = (*region[:dim], (low + i, low + i + 1), *region[dim + 1 :])
+            index: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
+            into = out[index]
+            lower(array, at, into, groups, after)
         return
     node_box = to_stored(array, mapping, region)
     node_out = stored_view(array.selection, out)
@@ -60,6 +78,13 @@ def lower(
         return
     for part, box, dest in node.lower(node_box):
         lower(part, box, dest(node_out), groups, after)
+
+
+_BOX_BYTES = 64 << 20  # the largest box read around a strided view of a reshape
+
+
+def _strided(entry: Any) -> bool:
+    return isinstance(entry, Range) and entry.step != 1 and entry.count > 1
 
 
 def _through_temporary(

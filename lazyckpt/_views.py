@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from lazyckpt import _compose as compose
-from lazyckpt._errors import LazyIndexError, LazyTypeError
+from lazyckpt._errors import LazyIndexError, LazyTypeError, NoMatchError
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._tree import PathClash, leaves, nested
 
@@ -129,11 +129,12 @@ def unstack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
     >>> sorted(layers["blocks"])[:3], layers["blocks"]["3"]["w"].shape
     (['0', '1', '2'], (8,))
     """
-    items = []
+    items, kept = [], []
     for key, leaf in leaves(tree):
         rest = _under(key, at)
         if rest is None:
             items.append((tuple(key.split("/")), leaf, key))
+            kept.append(key)
             continue
         if not isinstance(leaf, LazyArray):
             raise LazyTypeError(
@@ -143,6 +144,8 @@ def unstack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
             )
         for i, view in enumerate(unstack(leaf, axis)):
             items.append(((*_keys(at), str(i), *rest), view, f"{key}[{i}]"))
+    if len(items) == len(kept):
+        _nothing_under(at, tree, "unstack_layers")
     return _nest(items)
 
 
@@ -168,7 +171,15 @@ def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
         if rest is None or not rest[0].isdecimal():
             kept.append((tuple(key.split("/")), leaf, key))
             continue
-        layers.setdefault(tuple(rest[1:]), {})[int(rest[0])] = (key, leaf)
+        found = layers.setdefault(tuple(rest[1:]), {})
+        if int(rest[0]) in found:
+            raise LazyIndexError(
+                f"{found[int(rest[0])][0]} and {key} are both layer {int(rest[0])}; rename "
+                "one of them first (lazyckpt.rename)"
+            )
+        found[int(rest[0])] = (key, leaf)
+    if not layers:
+        _nothing_under(at, tree, "stack_layers")
     count = 1 + max((max(found) for found in layers.values()), default=-1)
     stacked = []
     for names, found in layers.items():
@@ -187,6 +198,16 @@ def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
         where = f"{at}/{{i}}/{'/'.join(names)}"
         stacked.append(((*_keys(at), *names), stack(arrays, axis), where))
     return _nest(kept + stacked)
+
+
+def _nothing_under(at: str, tree: Any, operation: str) -> None:
+    top = sorted({key.split("/")[0] for key, _ in leaves(tree)})
+    shown = ", ".join(top[:8]) + (", ..." if len(top) > 8 else "")
+    raise NoMatchError(
+        f"{operation}: no arrays under {at!r}"
+        + (" whose next key is a layer number" if operation == "stack_layers" else "")
+        + f"; the tree's top-level keys are [{shown}]; pass the key path of the layers"
+    )
 
 
 def _under(key: str, at: str) -> list[str] | None:

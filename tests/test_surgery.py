@@ -336,3 +336,48 @@ def test_concatenating_along_a_new_axis_streams(parts: dict[str, Any]) -> None:
     expected = np.concatenate([want, want[::-1]], axis=1)
     np.testing.assert_array_equal(_reassembled(joined, 64), expected)
     np.testing.assert_array_equal(joined.get(), expected)
+
+
+def test_empty_slices_with_negative_steps_stay_empty(parts: dict[str, Any]) -> None:
+    x, w = parts["lazy"]["sharded"], parts["numpy"]["sharded"]
+    cases = [
+        (lazyckpt.stack([x, x])[0, -100::-1], np.stack([w, w])[0, -100::-1]),
+        (
+            x.astype("float16").astype("float32")[-100::-1],
+            w.astype("float16").astype("float32")[-100::-1],
+        ),
+        (lazyckpt.concat([x, x])[3, -100::-1], np.concatenate([w, w])[3, -100::-1]),
+        (x.transpose(1, 0, 2)[:, 0, -100::-1], w.transpose(1, 0, 2)[:, 0, -100::-1]),
+    ]
+    for lazy, want in cases:
+        assert lazy.shape == want.shape
+        np.testing.assert_array_equal(lazy.get(), want)
+
+
+def test_a_strided_reshape_reads_no_box_around_it(tmp_path: Any) -> None:
+    import tracemalloc
+
+    a = np.arange(2 << 20, dtype=np.int32).reshape(512, 4096)  # 8 MiB in 1 MiB chunks
+    x = lazyckpt.open(lazyckpt.save(tmp_path / "c", {"a": a}, chunk_bytes=1 << 20))["a"]
+    tracemalloc.start()
+    try:
+        got = x.reshape(-1)[::4096].get()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(got, a.reshape(-1)[::4096])
+    assert peak < 4 << 20  # the 8 MiB box around the 2 KiB view is not allocated
+    view, want = x.reshape(4096, 512)[::-3][:, ::5], a.reshape(4096, 512)[::-3][:, ::5]
+    np.testing.assert_array_equal(_reassembled(view, 256 << 10), want)
+
+
+def test_layer_helpers_refuse_what_they_cannot_do(parts: dict[str, Any]) -> None:
+    w = parts["lazy"]["layer0"]
+    with pytest.raises(lazyckpt.NoMatchError, match="unstack_layers: no arrays under 'blocks'"):
+        lazyckpt.unstack_layers({"params": {"w": w}}, "blocks")
+    with pytest.raises(lazyckpt.NoMatchError, match="stack_layers: no arrays under 'layers'"):
+        lazyckpt.stack_layers({"layers": {"w": w}}, "layers")
+    with pytest.raises(lazyckpt.LazyIndexError, match="layers/01 and layers/1 are both layer 1"):
+        lazyckpt.stack_layers({"layers": {"1": w, "01": w, "0": w}}, "layers")
+    with pytest.raises(lazyckpt.LazyIndexError, match=r"layers/\{i\}/w: layers \[1\] of 0..2"):
+        lazyckpt.stack_layers({"layers": {"0": {"w": w}, "2": {"w": w}}}, "layers")
