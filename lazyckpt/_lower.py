@@ -66,8 +66,8 @@ def lower(
         low = region[dim][0]
         for i in range(out.shape[dim]):
             at = (*region[:dim], (low + i, low + i + 1), *region[dim + 1 :])
-            index: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
-            into = out[index]
+            one: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
+            into = out[one]
             lower(array, at, into, groups, after)
         return
     node_box = to_stored(array, mapping, region)
