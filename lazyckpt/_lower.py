@@ -3,9 +3,9 @@
 A target of a composed view is lowered, node by node, into targets of the views of
 stored arrays it is made of, each with a NumPy view of the target's buffer as its
 destination: a transposed part lands in a transposed view, a stacked one in a
-slice. Parts that are unit-stride views of one stored array become regions of that
-whole array, so that the engine reads each of its chunks once however many parts
-share it. Temporaries are used only where a destination cannot be a view: a part
+slice. Parts that are views of one stored array become regions of that whole array (a
+strided one, `x[::-1]`, the box around it where that box is at most about twice
+it), so that the engine reads each of its chunks once however many parts share it. Temporaries are used only where a destination cannot be a view: a part
 of another dtype (cast on its own first, as NumPy would), a reshape into a strided
 buffer, and a reshaped view sliced with a step (the box around it is read, where
 that box is at most about twice the view; else the view is read one index at a
@@ -45,7 +45,7 @@ def lower(
     mapping = stored_map(array)
     node = array.stored
     if not isinstance(node, compose.Node):
-        _add_plain(array, region, out, mapping, groups)
+        _add_plain(array, region, out, mapping, groups, after)
         return
     if mapping is None:  # a reshaped view sliced with a step
         selection = array.selection[as_slices(region)]
@@ -106,17 +106,29 @@ def _add_plain(
     out: np.ndarray,
     mapping: list[tuple[int, int] | None] | None,
     groups: Groups,
+    after: list[Callable[[], None]],
 ) -> None:
     stored = array.stored
-    if mapping is None or array.key_impl or stored.inline is not None:
-        key: Any = id(array)
-        base, target = array, Target(region, out.dtype, out=out)
-    else:  # a region of the whole stored array, shared with the other parts of it
-        key = (id(stored), array.dtype)
+    if array.key_impl or stored.inline is not None:
+        groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
+        return
+    if mapping is None:  # strided (`x[::-1]`): the box around it, shared with the others
+        selection = array.selection[as_slices(region)]
+        box = bounds(selection)
+        if box_bytes(box, stored.dtype.itemsize) > 2 * out.nbytes + (1 << 20):
+            groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
+            return
         base = attrs.evolve(array, selection=Selection.full(stored.shape))
-        box = to_stored(array, mapping, region)
-        target = Target(box, out.dtype, out=stored_view(array.selection, out))
-    groups.setdefault(key, (base, []))[1].append(target)
+        temporary = Target(box, out.dtype)
+        groups.setdefault((id(stored), array.dtype), (base, []))[1].append(temporary)
+        index = relative_index(selection, box)
+        after.append(lambda: np.copyto(out, temporary.buffer()[index], casting="unsafe"))
+        return
+    # A region of the whole stored array, shared with the other parts of it.
+    base = attrs.evolve(array, selection=Selection.full(stored.shape))
+    box = to_stored(array, mapping, region)
+    target = Target(box, out.dtype, out=stored_view(array.selection, out))
+    groups.setdefault((id(stored), array.dtype), (base, []))[1].append(target)
 
 
 def stored_view(selection: Selection, out: np.ndarray) -> np.ndarray:

@@ -381,3 +381,21 @@ def test_layer_helpers_refuse_what_they_cannot_do(parts: dict[str, Any]) -> None
         lazyckpt.stack_layers({"layers": {"1": w, "01": w, "0": w}}, "layers")
     with pytest.raises(lazyckpt.LazyIndexError, match=r"layers/\{i\}/w: layers \[1\] of 0..2"):
         lazyckpt.stack_layers({"layers": {"0": {"w": w}, "2": {"w": w}}}, "layers")
+
+
+def test_strided_views_of_one_stored_array_read_it_once(
+    parts: dict[str, Any], count_bytes: Callable[[], Any]
+) -> None:
+    big, want = lazyckpt.open(parts["path"])["big"], parts["numpy"]["big"]
+    with count_bytes() as once:
+        big.get()
+    for make, expected in [
+        (lambda x: lazyckpt.stack([x, x[::-1]]), np.stack([want, want[::-1]])),
+        (lambda x: lazyckpt.concat([x[::2], x[1::2]]), np.concatenate([want[::2], want[1::2]])),
+        (lambda x: lazyckpt.stack([x[::-1]] * 3).T, np.stack([want[::-1]] * 3).T),
+    ]:
+        view = make(lazyckpt.open(parts["path"])["big"])
+        with count_bytes() as read:
+            got = lazyckpt.load(view)
+        assert read == once
+        np.testing.assert_array_equal(got, expected)
