@@ -132,8 +132,8 @@ def _kept(items: Sequence[Stored]) -> tuple[int, ...]:
 
 
 @attrs.frozen(eq=False)
-class Stack(Pushed):
-    """`np.stack(arrays, axis)`."""
+class _Joined(Pushed):
+    """Several arrays joined along `axis`."""
 
     arrays: tuple[Part, ...]
     axis: int
@@ -141,6 +141,11 @@ class Stack(Pushed):
     @property
     def parts(self) -> tuple[Part, ...]:
         return self.arrays
+
+
+@attrs.frozen(eq=False)
+class Stack(_Joined):
+    """`np.stack(arrays, axis)`."""
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -187,15 +192,8 @@ class Stack(Pushed):
 
 
 @attrs.frozen(eq=False)
-class Concat(Pushed):
+class Concat(_Joined):
     """`np.concatenate(arrays, axis)`."""
-
-    arrays: tuple[Part, ...]
-    axis: int
-
-    @property
-    def parts(self) -> tuple[Part, ...]:
-        return self.arrays
 
     @property
     def offsets(self) -> list[int]:

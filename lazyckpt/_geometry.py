@@ -255,6 +255,16 @@ def to_stored(array: Any, mapping: Sequence[tuple[int, int] | None], region: Box
     return tuple(box)
 
 
+def view_origins(mapping: Sequence[tuple[int, int] | None], ndim: int) -> tuple[int, ...]:
+    """The stored index that index 0 of each stored dimension maps to (0 for those
+    the view drops), as `in_view` takes them."""
+    origins = [0] * ndim
+    for entry in mapping:
+        if entry is not None:
+            origins[entry[0]] = entry[1]
+    return tuple(origins)
+
+
 def in_view(
     mapping: Sequence[tuple[int, int] | None], part: Box, origins: Sequence[int]
 ) -> tuple[tuple[slice, ...], tuple[int, ...]]:

@@ -48,16 +48,11 @@ def lower(
         _add_plain(array, region, out, mapping, groups, after)
         return
     if mapping is None:  # a reshaped view sliced with a step
-        selection = array.selection[as_slices(region)]
-        box = bounds(selection)
-        if box_bytes(box, array.dtype.itemsize) <= min(2 * out.nbytes + (1 << 20), _BOX_BYTES):
-            # Small enough: the box around it, read once into a temporary.
-            whole = attrs.evolve(array, selection=Selection.full(node.shape))
-            index = relative_index(selection, box)
-            _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+        if _through_box(array, region, out, groups, after):
             return
         # Else one index at a time along a strided dimension: no temporary, and
         # nothing read that the view does not need.
+        selection = array.selection[as_slices(region)]
         dim = next(
             v
             for v, d in enumerate(selection.view)
@@ -80,7 +75,23 @@ def lower(
         lower(part, box, dest(node_out), groups, after)
 
 
-_BOX_BYTES = 64 << 20  # the largest box read around a strided view of a reshape
+_BOX_BYTES = 64 << 20  # the largest box read around a strided view
+
+
+def _through_box(
+    array: LazyArray, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+) -> bool:
+    """Fill `out` with the strided `array[region]` through the box around it, read
+    as a region of the whole array (with its other parts), where that box is at most
+    about twice `out` and `_BOX_BYTES`; False, doing nothing, where it is larger."""
+    selection = array.selection[as_slices(region)]
+    box = bounds(selection)
+    if box_bytes(box, array.dtype.itemsize) > min(2 * out.nbytes + (1 << 20), _BOX_BYTES):
+        return False
+    whole = attrs.evolve(array, selection=Selection.full(array.stored.shape))
+    index = relative_index(selection, box)
+    _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+    return True
 
 
 def _strided(entry: Any) -> bool:
@@ -109,20 +120,11 @@ def _add_plain(
     after: list[Callable[[], None]],
 ) -> None:
     stored = array.stored
-    if array.key_impl or stored.inline is not None:
+    plain = not array.key_impl and stored.inline is None
+    if plain and mapping is None and _through_box(array, region, out, groups, after):
+        return  # strided (`x[::-1]`): through the box, shared with the other parts
+    if not plain or mapping is None:
         groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
-        return
-    if mapping is None:  # strided (`x[::-1]`): the box around it, shared with the others
-        selection = array.selection[as_slices(region)]
-        box = bounds(selection)
-        if box_bytes(box, stored.dtype.itemsize) > 2 * out.nbytes + (1 << 20):
-            groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
-            return
-        base = attrs.evolve(array, selection=Selection.full(stored.shape))
-        temporary = Target(box, out.dtype)
-        groups.setdefault((id(stored), array.dtype), (base, []))[1].append(temporary)
-        index = relative_index(selection, box)
-        after.append(lambda: np.copyto(out, temporary.buffer()[index], casting="unsafe"))
         return
     # A region of the whole stored array, shared with the other parts of it.
     base = attrs.evolve(array, selection=Selection.full(stored.shape))

@@ -21,7 +21,16 @@ import attrs
 import numpy as np
 
 from lazyckpt._compose import Node
-from lazyckpt._geometry import Box, as_slices, in_view, intersect, slices, stored_map, to_stored
+from lazyckpt._geometry import (
+    Box,
+    as_slices,
+    in_view,
+    intersect,
+    slices,
+    stored_map,
+    to_stored,
+    view_origins,
+)
 from lazyckpt._selection import Selection
 
 if TYPE_CHECKING:
@@ -92,11 +101,7 @@ def _member(position: int, array: LazyArray) -> _Member | None:
     if mapping is None or array.size == 0:
         return None
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    origins = [0] * len(stored.shape)
-    for entry in mapping:
-        if entry is not None:
-            origins[entry[0]] = entry[1]
-    return _Member(position, array, box, mapping, tuple(origins))
+    return _Member(position, array, box, mapping, view_origins(mapping, len(stored.shape)))
 
 
 def _group(members: list[_Member], grids: list[tuple[int, ...] | None], block: int) -> Group | None:

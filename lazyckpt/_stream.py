@@ -41,6 +41,7 @@ from lazyckpt._geometry import (
     split_dim,
     stored_map,
     to_stored,
+    view_origins,
 )
 from lazyckpt._memory import Target
 from lazyckpt._progress import Progress
@@ -212,10 +213,7 @@ def _jobs(
         for region in _view_bands(array, block // itemsize, grid):
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
-    origins = [0] * len(stored.shape)
-    for entry in mapping:
-        if entry is not None:
-            origins[entry[0]] = entry[1]
+    origins = view_origins(mapping, len(stored.shape))
     box = to_stored(array, mapping, whole)
     stored_cells = _stored_cells(array, mapping, grid)
     if math.prod(stored.chunks) * itemsize <= block or stored_cells is None:
@@ -428,10 +426,7 @@ def _ts_jobs(
     stored = stored_array(array)
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
     opened = stored.open() if stored.inline is None else None
-    origins = [0] * len(stored.shape)
-    for entry in mapping:
-        if entry is not None:
-            origins[entry[0]] = entry[1]
+    origins = view_origins(mapping, len(stored.shape))
     itemsize = stored.dtype.itemsize
     for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
         index, shape = in_view(mapping, part, origins)
