@@ -31,6 +31,7 @@ from typing import Any
 from common import (
     GiB,
     MiB,
+    fastest,
     fmt_bytes,
     fresh_dir,
     in_fresh_process,
@@ -247,7 +248,7 @@ def _layout(path: Path, layout: str, repeat: int) -> dict[str, Any]:
         for name, fn, fn_args in scenarios:
             runs[name].append(in_fresh_process(fn, *fn_args))
     for name, measured in runs.items():
-        results[name] = min(measured, key=lambda r: r["seconds"])
+        results[name] = fastest(measured)
         results[name]["all_seconds"] = sorted(r["seconds"] for r in measured)
     print(f"{'':36} {'seconds':>8} {'GiB/s':>6} {'vs orbax':>9} {'read':>12} {'peak RSS +':>12}")
     for name, r in results.items():

@@ -25,6 +25,7 @@ from typing import Any
 
 from common import (
     MiB,
+    fastest,
     fmt_bytes,
     fresh_dir,
     in_fresh_process,
@@ -157,10 +158,6 @@ def lazy_export(source: str, destination: str, budget: int) -> dict[str, Any]:
     )
 
 
-def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return min(runs, key=lambda r: r["seconds"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="/tmp/lazyckpt-bench-safetensors")
@@ -185,7 +182,7 @@ def main() -> None:
         for _ in range(args.repeat):  # interleaved, so machine load falls on both alike
             theirs.append(in_fresh_process(st_load, str(model), cast))
             ours.append(in_fresh_process(lazy_load, str(model), cast, budget))
-        a, b = best(theirs), best(ours)
+        a, b = fastest(theirs), fastest(ours)
         label = "as bfloat16" if cast else "as stored"
         print(
             f"   {label}: safetensors {a['seconds']:.3f} s, peak +{fmt_bytes(a['peak_above_baseline'])}"
@@ -194,8 +191,8 @@ def main() -> None:
         )
 
     print("\n2. ten rows of a 50257 x 768 float32 embedding")
-    a = best([in_fresh_process(st_rows, str(embed)) for _ in range(args.repeat)])
-    b = best([in_fresh_process(lazy_rows, str(embed)) for _ in range(args.repeat)])
+    a = fastest([in_fresh_process(st_rows, str(embed)) for _ in range(args.repeat)])
+    b = fastest([in_fresh_process(lazy_rows, str(embed)) for _ in range(args.repeat)])
     print(
         f"   safetensors get_slice {a['seconds'] * 1e3:.2f} ms (mmap)"
         f" | lazyckpt {b['seconds'] * 1e3:.2f} ms, read {b['bytes_read']:,} bytes"
@@ -207,7 +204,7 @@ def main() -> None:
     for _ in range(args.repeat):
         theirs.append(in_fresh_process(st_export, str(orbax), str(root / "out_anchor")))
         ours.append(in_fresh_process(lazy_export, str(orbax), str(root / "out_lazy"), budget))
-    a, b = best(theirs), best(ours)
+    a, b = fastest(theirs), fastest(ours)
     print(
         f"   orbax restore + save_file {a['seconds']:.3f} s, peak +{fmt_bytes(a['peak_above_baseline'])}"
         f" | lazyckpt.convert {b['seconds']:.3f} s, peak +{fmt_bytes(b['peak_above_baseline'])},"

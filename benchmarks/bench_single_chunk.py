@@ -23,6 +23,7 @@ from typing import Any
 
 from common import (
     MiB,
+    fastest,
     fmt_bytes,
     fresh_dir,
     in_fresh_process,
@@ -111,7 +112,7 @@ def main() -> None:
         for mode in modes:
             runs[mode].append(in_fresh_process(lazy, str(path), mode, budget))
         runs["orbax restore"].append(in_fresh_process(orbax_restore, str(path)))
-    best = {mode: min(rs, key=lambda r: r["seconds"]) for mode, rs in runs.items()}
+    best = {mode: fastest(rs) for mode, rs in runs.items()}
     limit = budget * 1.15
     print(f"{'':22} {'seconds':>8} {'read':>12} {'peak RSS +':>12} {'beyond result':>14}  goal")
     for mode, r in best.items():

@@ -27,6 +27,7 @@ from typing import Any
 
 from common import (
     MiB,
+    fastest,
     fmt_bytes,
     fresh_dir,
     in_fresh_process,
@@ -122,10 +123,6 @@ def same_files(a: str, b: str) -> bool:
         return all(np.array_equal(left.get_tensor(k), right.get_tensor(k)) for k in names)
 
 
-def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return min(runs, key=lambda r: r["seconds"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="/tmp/lazyckpt-bench-surgery")
@@ -149,7 +146,7 @@ def main() -> None:
                 os.remove(out)
         theirs.append(in_fresh_process(orbax_numpy, str(source), theirs_out))
         ours.append(in_fresh_process(lazy_convert, str(source), ours_out, budget))
-    a, b = best(theirs), best(ours)
+    a, b = fastest(theirs), fastest(ours)
     # The worst peak of any run, not the fastest run's: the bound is on every run.
     b = {**b, "peak_above_baseline": max(r["peak_above_baseline"] for r in ours)}
     a = {**a, "peak_above_baseline": max(r["peak_above_baseline"] for r in theirs)}

@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import fmt_bytes, fresh_dir, in_fresh_process, machine, measure, ratio, versions
+from common import (
+    fastest,
+    fmt_bytes,
+    fresh_dir,
+    in_fresh_process,
+    machine,
+    measure,
+    ratio,
+    versions,
+)
 
 BLOCKS, WIDTH = 8, 4096
 
@@ -153,7 +162,7 @@ def main() -> None:
         for _ in range(args.repeat):  # alternate, so both see the same machine state
             runs["orbax"].append(in_fresh_process(orbax_restore, str(root), case))
             runs["lazyckpt"].append(in_fresh_process(lazy_restore, str(root), case))
-        best = {name: min(rs, key=lambda r: r["seconds"]) for name, rs in runs.items()}
+        best = {name: fastest(rs) for name, rs in runs.items()}
         equal = best["orbax"]["digest"] == best["lazyckpt"]["digest"]
         print(f"\n{case}: values equal: {equal}")
         for name, r in best.items():

@@ -70,6 +70,11 @@ def measure(operation: Callable[[], Any], keep: bool = False) -> dict[str, Any]:
     return out
 
 
+def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of `measure` results that took least time."""
+    return min(runs, key=lambda r: r["seconds"])
+
+
 def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """Run `fn(*args)` in a new interpreter and return its (picklable) result."""
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
