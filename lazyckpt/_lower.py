@@ -3,13 +3,14 @@
 A target of a composed view is lowered, node by node, into targets of the views of
 stored arrays it is made of, each with a NumPy view of the target's buffer as its
 destination: a transposed part lands in a transposed view, a stacked one in a
-slice. Parts that are views of one stored array become regions of that whole array (a
-strided one, `x[::-1]`, the box around it where that box is at most about twice
-it), so that the engine reads each of its chunks once however many parts share it. Temporaries are used only where a destination cannot be a view: a part
-of another dtype (cast on its own first, as NumPy would), a reshape into a strided
-buffer, and a reshaped view sliced with a step (the box around it is read, where
-that box is at most about twice the view; else the view is read one index at a
-time along the strided dimension).
+slice. Parts that are views of one stored array become regions of that whole
+array (a strided one, `x[::-1]`, through the box around it), so that the engine
+reads each of its chunks once however many parts share it. Temporaries are used
+only where a destination cannot be a view: a part of another dtype (cast on its
+own first, as NumPy would), a reshape into a strided buffer, and the box around a
+strided view (only where that box is at most about twice the view and 64 MiB;
+else a strided part is read on its own, and a strided reshape one index at a time
+along the strided dimension).
 """
 
 from __future__ import annotations
