@@ -59,7 +59,7 @@ def _worker(config: dict[str, Any]) -> None:
     from jax.sharding import PartitionSpec as P
 
     import lazyckpt
-    from lazyckpt._metrics import bytes_read
+    from lazyckpt._storage.metrics import bytes_read
 
     sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("d",)), P(None, "d"))
     out: dict[str, Any] = {"process": config["process"]}

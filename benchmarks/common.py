@@ -42,7 +42,7 @@ def peak_bytes() -> int:
 
 
 def bytes_read() -> int:
-    from lazyckpt._metrics import bytes_read as counted
+    from lazyckpt._storage.metrics import bytes_read as counted
 
     return counted()
 

@@ -14,11 +14,10 @@ array([ 8.,  9., 10., 11.], dtype=float32)
 
 __version__ = "0.1.0"
 
-from lazyckpt._commit import LeftoverWarning
+from lazyckpt._array.tree import leaves, select
 from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
-from lazyckpt._diff import Diff, diff
-from lazyckpt._display import summary
+from lazyckpt._engine.memory import malloc_tuning
 from lazyckpt._errors import (
     CheckpointChangedError,
     CheckpointExistsError,
@@ -38,20 +37,21 @@ from lazyckpt._errors import (
     UnsavableError,
     UnsupportedCheckpointError,
 )
-from lazyckpt._layout import items, steps
+from lazyckpt._explore.diff import Diff, diff
+from lazyckpt._explore.stats import Stats, StatsTable, stats
+from lazyckpt._explore.summary import summary
+from lazyckpt._explore.verify import Verification, verify
 from lazyckpt._lazy import LazyArray
-from lazyckpt._legacy import InferredStructureWarning
-from lazyckpt._memory import malloc_tuning
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
+from lazyckpt._orbax.layout import items, steps
+from lazyckpt._orbax.legacy import InferredStructureWarning
+from lazyckpt._orbax.sharding import SavedSharding, saved_shardings
 from lazyckpt._read import iter_blocks, load
 from lazyckpt._rename import RenameError, rename
-from lazyckpt._safetensors_open import metadata as safetensors_metadata
+from lazyckpt._safetensors.read import metadata as safetensors_metadata
 from lazyckpt._save import save
-from lazyckpt._sharding import SavedSharding, saved_shardings
-from lazyckpt._stats import Stats, StatsTable, stats
-from lazyckpt._tree import leaves, select
-from lazyckpt._verify import Verification, verify
-from lazyckpt._views import concat, stack, stack_layers, unstack, unstack_layers
+from lazyckpt._storage.publish import LeftoverWarning
+from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
 
 __all__ = [
     "CheckpointChangedError",

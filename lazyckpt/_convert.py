@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
+from lazyckpt._array.tree import Select, map_leaves, selected
 from lazyckpt._errors import LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._rename import rename as rename_keys
 from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save
-from lazyckpt._tree import Select, map_leaves, selected
 
 
 def convert(

@@ -8,19 +8,19 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, Sharding
 
-from lazyckpt import _multihost as multihost
-from lazyckpt._compose import stores
-from lazyckpt._engine import schedule_fill, stored_bytes
+from lazyckpt._array.compose import stores
+from lazyckpt._array.geometry import Box
+from lazyckpt._array.tree import Select, children, map_leaves, selected
+from lazyckpt._engine.fill import schedule_fill, stored_bytes
+from lazyckpt._engine.memory import Target
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import ShardingError
-from lazyckpt._geometry import Box
 from lazyckpt._lazy import LazyArray
-from lazyckpt._memory import Target
-from lazyckpt._progress import Progress
-from lazyckpt._scheduler import Scheduler
-from lazyckpt._sharding import resolve
-from lazyckpt._store import check_unchanged
+from lazyckpt._orbax.sharding import resolve
+from lazyckpt._storage import multihost
+from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._target import Missing, Placement, match
-from lazyckpt._tree import Select, children, map_leaves, selected
 
 
 def device_put(

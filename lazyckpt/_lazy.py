@@ -14,16 +14,16 @@ import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
-from lazyckpt import _compose as compose
-from lazyckpt._decode import decodes
-from lazyckpt._engine import read_composed, read_view
+from lazyckpt._array import compose
+from lazyckpt._array.reshape import Reshape
+from lazyckpt._array.reshape import groups as reshape_groups
+from lazyckpt._array.selection import Index, NewAxis, Selection, expand
+from lazyckpt._engine.decode import decodes
+from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
-from lazyckpt._html import array_html
-from lazyckpt._reshape import Reshape
-from lazyckpt._reshape import groups as reshape_groups
-from lazyckpt._selection import Index, NewAxis, Selection, expand
-from lazyckpt._sharding import SavedSharding
-from lazyckpt._store import StoredArray, ready, then
+from lazyckpt._explore.html import array_html
+from lazyckpt._orbax.sharding import SavedSharding
+from lazyckpt._storage.kvstore import StoredArray, ready, then
 
 
 def _dtype(value: Any) -> Any:

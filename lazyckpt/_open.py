@@ -12,23 +12,23 @@ from typing import Any
 import attrs
 import numpy as np
 
-from lazyckpt import _fs as fs
-from lazyckpt import _orbax as tm
+from lazyckpt._array.selection import Selection
+from lazyckpt._array.tree import leaves
 from lazyckpt._errors import (
     CorruptCheckpointError,
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
-from lazyckpt._layout import json_item_file, locate
 from lazyckpt._lazy import LazyArray, key_dtype
-from lazyckpt._legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
-from lazyckpt._safetensors_open import is_safetensors, open_safetensors
-from lazyckpt._selection import Selection
-from lazyckpt._sharding import read_shardings
-from lazyckpt._side_files import key_impls_of, strings_of
-from lazyckpt._store import Store, StoredArray, from_one_generation
-from lazyckpt._tree import leaves
-from lazyckpt._zarr import ZarrInfo, metadata_key, parse_zarr
+from lazyckpt._orbax import metadata as tm
+from lazyckpt._orbax.layout import json_item_file, locate
+from lazyckpt._orbax.legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
+from lazyckpt._orbax.sharding import read_shardings
+from lazyckpt._orbax.side_files import key_impls_of, strings_of
+from lazyckpt._orbax.zarr import ZarrInfo, metadata_key, parse_zarr
+from lazyckpt._safetensors.read import is_safetensors, open_safetensors
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.kvstore import Store, StoredArray, from_one_generation
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open

@@ -6,8 +6,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from lazyckpt._array.tree import PathClash, leaves, nested
 from lazyckpt._errors import LazyckptError
-from lazyckpt._tree import PathClash, leaves, nested
 
 
 class RenameError(LazyckptError, ValueError):

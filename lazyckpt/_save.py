@@ -1,12 +1,12 @@
 """`save`: write a tree as an Orbax PyTree checkpoint (OCDBT + zarr3), streaming.
 
-What goes where follows Orbax 0.12 (spec §2-§9, `lazyckpt._orbax`): one OCDBT
+What goes where follows Orbax 0.12 (spec §2-§9, `lazyckpt._orbax.metadata`): one OCDBT
 database holding a zarr3 array per array leaf, `_METADATA` for the tree,
 `_sharding` and `array_metadatas/process_0` for jax.Array leaves, `_strings.json`
 for strings, `_CHECKPOINT_METADATA` and `commit_success.txt`. The leaves are planned
-first (`lazyckpt._save_plan`), written within the budget (`lazyckpt._write`, or
-`lazyckpt._save_together` in a multi-process run) into a temporary folder, and
-published atomically (`lazyckpt._commit`).
+first (`lazyckpt._orbax.plan`), written within the budget (`lazyckpt._orbax.write`, or
+`lazyckpt._orbax.write_together` in a multi-process run) into a temporary folder, and
+published atomically (`lazyckpt._storage.publish`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from lazyckpt import _fs as fs
-from lazyckpt import _multihost as multihost
-from lazyckpt._commit import publishing
-from lazyckpt._compose import stores
+from lazyckpt._array.compose import stores
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import CheckpointExistsError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._progress import Progress
-from lazyckpt._safetensors_save import save_safetensors
-from lazyckpt._save_plan import DEFAULT_CHUNK_BYTES, Planned, cost, description, plan
-from lazyckpt._save_together import save_together
-from lazyckpt._scheduler import Scheduler
-from lazyckpt._write import write_arrays, write_metadata
+from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES, Planned, cost, description, plan
+from lazyckpt._orbax.write import write_arrays, write_metadata
+from lazyckpt._orbax.write_together import save_together
+from lazyckpt._safetensors.write import save_safetensors
+from lazyckpt._storage import multihost
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.publish import publishing
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save"]
 

@@ -18,7 +18,7 @@ from hypothesis import settings
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt._metrics import bytes_read
+from lazyckpt._storage.metrics import bytes_read
 from tests.helpers import CREDENTIALS, ZARR_FORMATS, orbax_save, reference_tree, refuse_data_reads
 
 # The same examples on every run, so that a run on a clean machine tries what the last

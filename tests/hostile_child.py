@@ -41,7 +41,7 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
     elif do == "stats":
         lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 20)
     elif do in ("show", "inspect"):
-        from lazyckpt._cli import main
+        from lazyckpt._cli.main import main
 
         args = [do, path, *case.get("args", [])]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -70,7 +70,7 @@ def main(config: dict[str, Any]) -> None:
     from jax.sharding import NamedSharding
 
     import lazyckpt
-    from lazyckpt._metrics import bytes_read
+    from lazyckpt._storage.metrics import bytes_read
 
     me = jax.process_index()
     for step in config["steps"]:

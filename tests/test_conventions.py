@@ -142,7 +142,7 @@ def test_diff_opens_paths_with_step_and_item(root: Path) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", *args],
+        [sys.executable, "-m", "lazyckpt._cli.main", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

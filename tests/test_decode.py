@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt import _decode
-from lazyckpt._decode import ChunkStream
+from lazyckpt._engine import decode as _decode
+from lazyckpt._engine.decode import ChunkStream
 from tests.helpers import LAYOUTS, assert_loaded, expected, orbax_save, rich_tree, rss_probe
 
 

@@ -20,7 +20,7 @@ from tests.helpers import assert_tree_equal, host_value
 def test_demo_walks_through_open_select_reshard_load(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", "demo", "--keep", str(tmp_path / "demo")],
+        [sys.executable, "-m", "lazyckpt._cli.main", "demo", "--keep", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         env=env,

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt._geometry import chunk_blocks
+from lazyckpt._array.geometry import chunk_blocks
 from tests.helpers import rss_probe, stored_chunk_bytes
 
 

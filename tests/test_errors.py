@@ -110,7 +110,7 @@ def test_manager_root_steps_and_items(tmp_path: Path) -> None:
 
 
 def test_cli_error_is_one_line(tmp_path: Path, capsys: Any) -> None:
-    from lazyckpt._cli import main
+    from lazyckpt._cli.main import main
 
     assert main(["demo", "--keep", str(tmp_path)]) == 1  # the folder exists already
     err = capsys.readouterr().err
@@ -173,7 +173,7 @@ def test_step_naming_follows_orbax(tmp_path: Path) -> None:
 
 
 def test_terminal_output_escapes_control_characters(tmp_path: Path, capsys: Any) -> None:
-    from lazyckpt._cli import main
+    from lazyckpt._cli.main import main
 
     key, note = "w\x1b]0;pwned\x07", "hi\x1b[2Jthere\u202e"
     path = orbax_save(tmp_path / "esc", {key: np.zeros(2, np.float32), "note": note})
@@ -198,7 +198,7 @@ def test_cli_warning_is_one_line_and_python_warnings_name_the_caller(
 ) -> None:
     import warnings
 
-    from lazyckpt._cli import main
+    from lazyckpt._cli.main import main
 
     path = orbax_save(tmp_path / "ckpt", {"w": np.zeros(2, np.float32)})
     (path / "_METADATA").unlink()

@@ -173,7 +173,7 @@ def test_diff_values_block_by_block_match_numpy(tmp_path: Path, count_bytes: Any
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", *args],
+        [sys.executable, "-m", "lazyckpt._cli.main", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -273,7 +273,7 @@ def test_stats_reads_within_budget_and_reports_progress(
 def test_cli_inspect_reads_only_what_open_reads(
     saved: tuple[Path, dict[str, Any]], count_bytes: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lazyckpt._cli import main
+    from lazyckpt._cli.main import main
 
     path, _ = saved
     with count_bytes() as opening:

@@ -11,7 +11,7 @@ import pytest
 
 import lazyckpt
 from lazyckpt import LazyIndexError
-from lazyckpt._selection import Range
+from lazyckpt._array.selection import Range
 from tests.helpers import stored_chunk_bytes
 
 INDEXES = [
@@ -117,8 +117,8 @@ def test_slice_reads_only_its_chunks(
 
 
 def test_selection_records_the_composed_ranges() -> None:
-    from lazyckpt._geometry import bounds
-    from lazyckpt._selection import Selection
+    from lazyckpt._array.geometry import bounds
+    from lazyckpt._array.selection import Selection
 
     selection = Selection.full((10, 6))[2:9:3][::-1, 4]
     assert selection.stored == (Range(8, -3, 3), 4)

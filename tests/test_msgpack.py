@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._msgpack import MAX_DEPTH, decode
+from lazyckpt._orbax.msgpack import MAX_DEPTH, decode
 
 WHERE = "ckpt/checkpoint"
 DAMAGED = "; the file is damaged, copy the checkpoint again"

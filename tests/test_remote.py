@@ -97,7 +97,7 @@ def test_large_chunks_decode_through_byte_ranges_of_the_bucket(
 ) -> None:
     """A 4 MiB NumPy array in one chunk (orbax's default) is decoded by lazyckpt from
     ranged GETs: a few rows near the start read only a prefix of the object."""
-    from lazyckpt import _decode
+    from lazyckpt._engine import decode as _decode
 
     value = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
     url = upload(s3, orbax_save(tmp_path / "one", {"w": value}), "one-chunk")
@@ -288,7 +288,7 @@ def test_cli_on_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
     path, _ = saved
     url = upload(s3, path, f"cli-{path.parent.name}")
     result = subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", "inspect", url, "--select", "params/dense"],
+        [sys.executable, "-m", "lazyckpt._cli.main", "inspect", url, "--select", "params/dense"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -296,7 +296,7 @@ def test_cli_on_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == f"{url}: 2 arrays, 32.0 KiB"
     shown = subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", "show", url, "params/dense/bias[2:5]"],
+        [sys.executable, "-m", "lazyckpt._cli.main", "show", url, "params/dense/bias[2:5]"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import lazyckpt
-from lazyckpt._safetensors_open import contiguous_chunks
+from lazyckpt._safetensors.read import contiguous_chunks
 from tests.helpers import ROOT, orbax_save, rss_probe, stored_chunk_bytes
 
 _RNG = np.random.default_rng(0)
@@ -275,7 +275,7 @@ def test_convert_renames_to_hugging_face_names(tmp_path: Path) -> None:
     ]
     assert back["model.layers.1.self_attn.q_proj.weight"][0, 0] == 2
     cli = subprocess.run(
-        [sys.executable, "-m", "lazyckpt._cli", "convert", str(orbax), str(tmp_path / "cli"),
+        [sys.executable, "-m", "lazyckpt._cli.main", "convert", str(orbax), str(tmp_path / "cli"),
          "--to", "safetensors", "--select", "params", "--rename", r"^params/layers_(\d+)/",
          r"h/\1/", "--quiet"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,

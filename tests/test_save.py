@@ -263,7 +263,7 @@ def test_unsavable_trees_are_refused_before_writing(
 def test_cli_convert(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     path, tree = saved
     out = tmp_path / "cli"
-    command = [sys.executable, "-m", "lazyckpt._cli", "convert", str(path), str(out)]
+    command = [sys.executable, "-m", "lazyckpt._cli.main", "convert", str(path), str(out)]
     options = ["--select", "opt_state/**", "--dtype", "float16", "--memory-budget", "1MiB"]
     result = subprocess.run(
         [*command, *options, "--quiet"], capture_output=True, text=True, timeout=300
@@ -351,7 +351,7 @@ def test_jax_shards_that_cut_through_chunks_are_assembled_per_block(
 def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
     tmp_path: Path,
 ) -> None:
-    from lazyckpt._stream import widened
+    from lazyckpt._engine.stream import widened
 
     value = np.zeros((400, 4096), np.float32)
     path = lazyckpt.save(tmp_path / "src", {"w": value}, chunk_bytes=4 * 4096 * 4)

@@ -1,4 +1,4 @@
-"""The storage contract: what every backend (`lazyckpt._fs.Storage`) must do, run
+"""The storage contract: what every backend (`lazyckpt._storage.paths.Storage`) must do, run
 against each of them: a local folder, a real S3-compatible server (moto) and a Google
 Cloud Storage emulator, all on 127.0.0.1. A new backend joins `BACKENDS` and must
 pass all of it, as zarr's stores pass its `StoreTests`."""
@@ -13,7 +13,7 @@ import pytest
 import tensorstore as ts
 
 import lazyckpt
-from lazyckpt import _fs as fs
+from lazyckpt._storage import paths as fs
 
 BACKENDS = ["local", "s3", "gcs"]
 

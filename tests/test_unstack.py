@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt._cli import main
+from lazyckpt._cli.main import main
 from tests.helpers import orbax_save, stored_chunk_bytes
 
 LAYERS = 4

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lazyckpt
-from lazyckpt._cli import main
+from lazyckpt._cli.main import main
 from tests.helpers import orbax_save
 
 FLIPS = 200

@@ -1,0 +1,331 @@
+"""Decoding stored chunks ourselves: their stored bytes in windows, decoded as a stream.
+
+For arrays whose chunks have a `Codec` (zarr v2 or v3, zstd or uncompressed, any
+order, either byte order, zarr3 shards), a `ChunkStream` reads one chunk's stored
+bytes through the array's own kvstore (OCDBT, file, s3, gcs) in byte ranges of
+`READ_BYTES`, one read ahead, and decodes them with zstandard's streaming decoder,
+slab by slab in the chunk's stream order, straight into the caller's memory where the
+layouts match (`into`), else into a scratch slab. Nothing holds a whole chunk: a
+1 GiB chunk streams through a few MiB. zstd cannot seek, so a slab deep inside a
+chunk costs decoding everything before it (into scratch, discarded); nothing after
+the last slab asked for is read.
+
+A damaged or truncated stream, a frame of the wrong size or a shard index with a bad
+checksum is a `CorruptCheckpointError` naming the array and the chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zstandard
+
+from lazyckpt._array.geometry import Box, chunk_box
+from lazyckpt._engine.memory import populate
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._storage.kvstore import changed_error
+
+if TYPE_CHECKING:
+    from lazyckpt._storage.kvstore import StoredArray
+
+READ_BYTES = 4 << 20
+"""Stored bytes per kvstore read of a chunk; two are in flight per chunk stream."""
+MIN_CHUNK_BYTES = 1 << 20
+"""Chunks at least this large (decoded) are decoded by lazyckpt; smaller ones go
+through tensorstore, whose per-chunk cost is lower and whose buffers are small."""
+_MISSING = (1 << 64) - 1  # an inner chunk never written, in a shard index
+
+
+def decodes(stored: StoredArray) -> bool:
+    """Whether lazyckpt decodes this array's chunks itself."""
+    return (
+        stored.codec is not None
+        and stored.inline is None
+        and math.prod(stored.chunks) * stored.dtype.itemsize >= MIN_CHUNK_BYTES
+    )
+
+
+def stream_bytes(read_bytes: int) -> int:
+    """Host bytes one open chunk stream holds besides its scratch slab: the read ahead
+    (tensorstore's buffer and its Python copy), the read being decoded, and zstd's
+    decoding window (512 KiB for Orbax's level 1 and 3 frames; counted generously)."""
+    return 3 * read_bytes + (1 << 20)
+
+
+_HEADER_BYTES = 64  # a zstd frame header is at most 18 bytes
+
+
+class _Source:
+    """The stored bytes `[start, stop)` of one key (to the value's end when `stop` is
+    None), read in windows of `window` bytes, one window ahead."""
+
+    def __init__(self, kvstore: Any, key: str, start: int, stop: int | None, window: int) -> None:
+        self.kvstore, self.key, self.window, self.stop = kvstore, key, window, stop
+        self.next_start = self._origin = start
+        self.ahead = self._request()
+        self.held = b""
+
+    def _request(self) -> tuple[Any, int] | None:
+        start = self.next_start
+        if self.stop is not None and start >= self.stop:
+            return None
+        end = start + self.window if self.stop is None else min(start + self.window, self.stop)
+        self.next_start = end
+        return self.kvstore.read(self.key, byte_range=slice(start, end)), start
+
+    def _take(self) -> tuple[str, bytes]:
+        if self.ahead is None:
+            return "value", b""
+        future, start = self.ahead
+        try:
+            result = future.result()
+        except ValueError as error:
+            if self.stop is not None or "OUT_OF_RANGE" not in str(error):
+                raise
+            # A window past the end of a value of unknown size: read what is left.
+            result = self.kvstore.read(self.key, byte_range=slice(start, None)).result()
+            self.ahead = None
+            return result.state, result.value
+        if result.state != "value":
+            self.ahead = None
+            return result.state, b""
+        self.ahead = self._request()
+        return "value", result.value
+
+    def check_length(self, length: int) -> bool:
+        """Whether the bytes hold at least `length` from where they start."""
+        if self.stop is not None:
+            return self.stop - self._origin >= length
+        last = self._origin + length - 1
+        try:
+            result = self.kvstore.read(self.key, byte_range=slice(last, last + 1)).result()
+        except ValueError as error:
+            if "OUT_OF_RANGE" not in str(error):
+                raise
+            return False
+        return bool(result.state == "value")
+
+    def first(self) -> str:
+        """Read the first window; the key's state (`value` or `missing`)."""
+        state, self.held = self._take()
+        return state
+
+    def read(self, size: int = -1) -> bytes:
+        if self.held:
+            data, self.held = self.held, b""
+            return data
+        return self._take()[1]
+
+
+class ChunkStream:
+    """One stored chunk's values, decoded slab by slab in its stream order.
+
+    Ask for consecutive slabs (as `lazyckpt._array.geometry.slabs` cuts them) from the
+    first; `next(slab, into)` decodes one into the writable bytes `into` (exactly the
+    slab's bytes, native byte order, C order), or returns its values (a scratch view
+    in stored dimension order, reused by the next call) when `into` is None.
+    """
+
+    def __init__(self, stored: StoredArray, index: tuple[int, ...], read_bytes: int) -> None:
+        assert stored.codec is not None
+        self.stored, self.index, self.codec = stored, index, stored.codec
+        self.box = chunk_box(index, stored.chunks)
+        self.read_bytes = read_bytes
+        self.dtype = stored.dtype.newbyteorder(self.codec.byteorder)  # type: ignore[arg-type]
+        self.total = math.prod(stored.chunks) * stored.dtype.itemsize
+        self.done = 0  # decoded bytes so far
+        self.key = self.codec.chunk_key(stored.name, index, stored.chunks)
+        self._reader: Any = None
+        self._source: _Source | None = None
+        self._missing = False
+        self._opened = False
+        self._scratch: bytearray | None = None
+
+    def _where(self) -> str:
+        return (
+            f"{self.stored.store.location}: array {self.stored.key!r} chunk "
+            f"{list(self.index)} (stored as {self.key!r})"
+        )
+
+    def _fail(self, what: str) -> LazyckptError:
+        if self.stored.store.changed():
+            return changed_error(self.stored.store.location)
+        return CorruptCheckpointError(
+            f"{self._where()} {what}; the checkpoint's data is damaged, copy it again"
+        )
+
+    def _open(self) -> None:
+        self._opened = True
+        try:
+            located = self._locate()
+            if located is None:
+                self._missing = True
+                return
+            start, stop = located
+            source = _Source(self.stored.store.kvstore, self.key, start, stop, self.read_bytes)
+            state = source.first()
+        except LazyckptError:
+            raise
+        except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            raise self.stored.read_error(error) from None
+        if state != "value":
+            self._missing = True
+            return
+        self._source = source
+        if not self.codec.zstd:
+            return
+        head = source.held[:18]
+        try:
+            declared = zstandard.frame_content_size(head)
+        except zstandard.ZstdError as error:
+            raise self._fail(f"does not start with a zstd frame ({error})") from None
+        if declared not in (-1, self.total):
+            raise self._fail(f"holds a zstd frame of {declared} bytes, expected {self.total}")
+        self._reader = zstandard.ZstdDecompressor().stream_reader(
+            source,  # type: ignore[arg-type]  # any object with read() will do
+            read_size=self.read_bytes,
+            read_across_frames=False,
+        )
+
+    def check(self) -> None:
+        """Check, before anything is planned, that the stored bytes can hold the chunk
+        its header declares (the zstd frame's size, or the raw bytes' length); then
+        release what that read. Only a few bytes are read: the zstd frame header, not
+        a window that the decoding would read again."""
+        read_bytes, self.read_bytes = self.read_bytes, _HEADER_BYTES
+        try:
+            self._open()
+            source = self._source
+            if source is not None and not self.codec.zstd and not source.check_length(self.total):
+                raise self._fail(f"holds fewer than the {self.total} bytes it declares")
+        finally:
+            self.close()
+            self._opened = False
+            self.read_bytes = read_bytes
+
+    def _locate(self) -> tuple[int, int | None] | None:
+        """The byte range of the chunk's stored bytes in its key's value; None when it
+        was never written."""
+        codec = self.codec
+        if codec.shard is None:
+            return 0, None
+        position, count = codec.position_in_shard(self.index, self.stored.chunks)
+        size = 16 * count + (4 if codec.index_checksum else 0)
+        where = slice(-size, None) if codec.index_at_end else slice(0, size)
+        result = self.stored.store.kvstore.read(self.key, byte_range=where).result()
+        if result.state != "value":
+            return None
+        raw = bytes(result.value)
+        if len(raw) != size:
+            raise self._fail(f"has a shard index of {len(raw)} bytes, expected {size}")
+        if codec.index_checksum:
+            (stored_crc,) = struct.unpack("<I", raw[-4:])
+            if crc32c(raw[:-4]) != stored_crc:
+                raise self._fail("has a shard index whose crc32c does not match")
+        offset, nbytes = struct.unpack_from(f"{codec.index_byteorder}QQ", raw, 16 * position)
+        if offset == _MISSING and nbytes == _MISSING:
+            return None
+        return offset, offset + nbytes
+
+    def next(self, slab: Box, into: memoryview | None = None) -> np.ndarray | None:
+        if not self._opened:
+            self._open()
+        shape = [high - low for low, high in (slab[d] for d in self.codec.order)]
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        if self._missing:
+            return self._fill(shape, into)
+        if into is not None:
+            populate(into)
+            self._read_into(into)
+            return None
+        if self._scratch is None or len(self._scratch) < nbytes:
+            self._scratch = bytearray(max(nbytes, len(self._scratch or b"")))
+        view = memoryview(self._scratch)[:nbytes]
+        self._read_into(view)
+        values = np.frombuffer(view, self.dtype).reshape(shape)
+        return values.transpose(np.argsort(self.codec.order))
+
+    def _fill(self, shape: Sequence[int], into: memoryview | None) -> np.ndarray | None:
+        if not self.stored.fill_missing:
+            raise self._fail("is missing from the store, and this checkpoint writes every chunk")
+        fill = self.codec.fill
+        if into is not None:
+            np.frombuffer(into, self.stored.dtype).fill(fill)
+            return None
+        values = np.full(shape, fill, self.stored.dtype)
+        return values.transpose(np.argsort(self.codec.order))
+
+    def _read_into(self, memory: memoryview) -> None:
+        got = 0
+        try:
+            while got < len(memory):
+                n = self._readinto(memory[got:])
+                if not n:
+                    raise self._fail(
+                        f"ends after {self.done + got} of its {self.total} decoded bytes"
+                    )
+                got += n
+        except zstandard.ZstdError as error:
+            raise self._fail(f"does not decode ({error})") from None
+        except LazyckptError:
+            raise
+        except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            raise self.stored.read_error(error) from None
+        self.done += got
+
+    def _readinto(self, memory: memoryview) -> int:
+        if self._reader is not None:
+            return int(self._reader.readinto(memory))
+        assert self._source is not None
+        data = self._source.read(len(memory))
+        if len(data) > len(memory):  # raw bytes arrive in whole windows: keep the rest
+            self._source.held = data[len(memory) :]
+            data = data[: len(memory)]
+        memory[: len(data)] = data
+        return len(data)
+
+    def finish(self) -> None:
+        """After the last slab: check that the stored bytes end with the chunk."""
+        if self._missing or not self._opened or self.done < self.total:
+            return
+        try:
+            extra = self._reader.read(1) if self._reader is not None else None
+            if extra is None and self._source is not None:
+                extra = self._source.read(1)
+        except zstandard.ZstdError:
+            extra = b"?"  # bytes after the frame that are no zstd frame either
+        if extra:
+            raise self._fail(f"holds more than its {self.total} decoded bytes")
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        self._source = None
+        self._scratch = None
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), as zarr3's crc32c codec computes it; for shard indexes,
+    which are a few dozen bytes."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF

@@ -1,0 +1,163 @@
+"""Reading composed views (`lazyckpt._array.compose`) through the engine.
+
+A target of a composed view is lowered, node by node, into targets of the views of
+stored arrays it is made of, each with a NumPy view of the target's buffer as its
+destination: a transposed part lands in a transposed view, a stacked one in a
+slice. Parts that are views of one stored array become regions of that whole
+array (a strided one, `x[::-1]`, through the box around it), so that the engine
+reads each of its chunks once however many parts share it. Temporaries are used
+only where a destination cannot be a view: a part of another dtype (cast on its
+own first, as NumPy would), a reshape into a strided buffer, and the box around a
+strided view (only where that box is at most about twice the view and 64 MiB;
+else a strided part is read on its own, and a strided reshape one index at a time
+along the strided dimension).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from lazyckpt._array import compose
+from lazyckpt._array.geometry import Box, as_slices, bounds, box_bytes, stored_map, to_stored
+from lazyckpt._array.reshape import Reshape
+from lazyckpt._array.selection import NewAxis, Range, Selection
+from lazyckpt._engine.memory import Target
+
+if TYPE_CHECKING:
+    from lazyckpt._lazy import LazyArray
+
+Groups = dict[Any, tuple["LazyArray", list[Target]]]
+
+
+def lower(
+    array: LazyArray, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+) -> None:
+    """Add to `groups` the targets, per array to read, that fill `out` with
+    `array[region]`; copies out of temporaries go to `after`, innermost first."""
+    if 0 in out.shape:
+        return
+    if array.dtype != out.dtype:
+        _through_temporary(array, region, out, groups, after, lambda t: t)
+        return
+    mapping = stored_map(array)
+    node = array.stored
+    if not isinstance(node, compose.Node):
+        _add_plain(array, region, out, mapping, groups, after)
+        return
+    if mapping is None:  # a reshaped view sliced with a step
+        if _through_box(array, region, out, groups, after):
+            return
+        # Else one index at a time along a strided dimension: no temporary, and
+        # nothing read that the view does not need.
+        selection = array.selection[as_slices(region)]
+        dim = next(
+            v
+            for v, d in enumerate(selection.view)
+            if isinstance(d, int) and _strided(selection.stored[d])
+        )
+        low = region[dim][0]
+        for i in range(out.shape[dim]):
+            at = (*region[:dim], (low + i, low + i + 1), *region[dim + 1 :])
+            one: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
+            into = out[one]
+            lower(array, at, into, groups, after)
+        return
+    node_box = to_stored(array, mapping, region)
+    node_out = stored_view(array.selection, out)
+    if isinstance(node, Reshape) and not node_out.flags.c_contiguous:
+        whole = attrs.evolve(array, selection=Selection.full(node.shape))
+        _through_temporary(whole, node_box, node_out, groups, after, lambda t: t)
+        return
+    for part, box, dest in node.lower(node_box):
+        lower(part, box, dest(node_out), groups, after)
+
+
+_BOX_BYTES = 64 << 20  # the largest box read around a strided view
+
+
+def _through_box(
+    array: LazyArray, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+) -> bool:
+    """Fill `out` with the strided `array[region]` through the box around it, read
+    as a region of the whole array (with its other parts), where that box is at most
+    about twice `out` and `_BOX_BYTES`; False, doing nothing, where it is larger."""
+    selection = array.selection[as_slices(region)]
+    box = bounds(selection)
+    if box_bytes(box, array.dtype.itemsize) > min(2 * out.nbytes + (1 << 20), _BOX_BYTES):
+        return False
+    whole = attrs.evolve(array, selection=Selection.full(array.stored.shape))
+    index = relative_index(selection, box)
+    _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+    return True
+
+
+def _strided(entry: Any) -> bool:
+    return isinstance(entry, Range) and entry.step != 1 and entry.count > 1
+
+
+def _through_temporary(
+    array: LazyArray,
+    region: Box,
+    out: np.ndarray,
+    groups: Groups,
+    after: list[Callable[[], None]],
+    pick: Callable[[np.ndarray], np.ndarray],
+) -> None:
+    temporary = np.empty(tuple(high - low for low, high in region), array.dtype)
+    lower(array, region, temporary, groups, after)
+    after.append(lambda: np.copyto(out, pick(temporary), casting="unsafe"))
+
+
+def _add_plain(
+    array: LazyArray,
+    region: Box,
+    out: np.ndarray,
+    mapping: list[tuple[int, int] | None] | None,
+    groups: Groups,
+    after: list[Callable[[], None]],
+) -> None:
+    stored = array.stored
+    plain = not array.key_impl and stored.inline is None
+    if plain and mapping is None and _through_box(array, region, out, groups, after):
+        return  # strided (`x[::-1]`): through the box, shared with the other parts
+    if not plain or mapping is None:
+        groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
+        return
+    # A region of the whole stored array, shared with the other parts of it.
+    base = attrs.evolve(array, selection=Selection.full(stored.shape))
+    box = to_stored(array, mapping, region)
+    target = Target(box, out.dtype, out=stored_view(array.selection, out))
+    groups.setdefault((id(stored), array.dtype), (base, []))[1].append(target)
+
+
+def stored_view(selection: Selection, out: np.ndarray) -> np.ndarray:
+    """`out`, a buffer of a unit-stride view, seen along the stored dimensions: the
+    view's new axes dropped, and dimensions an int index fixes back, of size 1."""
+    # Ellipsis keeps a view even where every dimension is indexed by an int.
+    dropped = out[(*(0 if isinstance(v, NewAxis) else slice(None) for v in selection.view), ...)]
+    return dropped[(*(None if isinstance(s, int) else slice(None) for s in selection.stored), ...)]
+
+
+def relative_index(selection: Selection, box: Box) -> tuple[int | slice | None, ...]:
+    """The NumPy index of `selection` into a buffer holding the stored `box`."""
+    pending = [i for i, v in enumerate(selection.view) if isinstance(v, NewAxis)]
+    position = {v: i for i, v in enumerate(selection.view) if isinstance(v, int)}
+    index: list[int | slice | None] = []
+    for dim, entry in enumerate(selection.stored):
+        origin = box[dim][0]
+        if isinstance(entry, int):
+            index.append(entry - origin)
+            continue
+        assert isinstance(entry, Range)
+        while pending and pending[0] < position[dim]:
+            index.append(None)
+            pending.pop(0)
+        start = entry.start - origin
+        stop = start + entry.step * entry.count
+        index.append(slice(start, stop if stop >= 0 else None, entry.step))
+    index.extend(None for _ in pending)
+    return tuple(index)

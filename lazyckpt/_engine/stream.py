@@ -1,0 +1,445 @@
+"""Streaming blocks of lazy arrays within a budget: `iter_blocks` for `stats`, `diff`,
+`save` and `lazyckpt.iter_blocks`.
+
+Blocks are whole stored chunks grouped up to a block's share of the budget (an
+eighth), or, for chunks larger than that, slabs of the chunk cut along its leading
+stored dimension, which one job decodes in order and hands over as each is complete
+(`lazyckpt._engine.fill.decode_slabs`); arrays lazyckpt does not decode itself are read by
+tensorstore block by block. Given a grid (a new checkpoint's chunks), every block is a
+union of whole cells of it. Jobs run ahead of the consumer, each holding its stream
+and one block, within the budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array import compose
+from lazyckpt._array.compose import stores
+from lazyckpt._array.geometry import (
+    Box,
+    as_slices,
+    bounds,
+    box_bytes,
+    chunk_blocks,
+    chunk_box,
+    chunks_in,
+    in_view,
+    intersect,
+    slabs,
+    split_dim,
+    stored_map,
+    to_stored,
+    view_origins,
+)
+from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
+from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
+from lazyckpt._engine.memory import Target
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
+from lazyckpt._engine.share import Group, grouped
+from lazyckpt._engine.share import groups as share_groups
+from lazyckpt._storage.kvstore import check_unchanged, ready, stored_array, then
+
+if TYPE_CHECKING:  # LazyArray reads through this module
+    from lazyckpt._lazy import LazyArray
+
+_END = object()
+
+
+class _Job:
+    """Consecutive blocks of one array; `step()` starts producing the next, a future
+    of `(index, values, work)` or `_END`. Steps of one job run one after another."""
+
+    def __init__(
+        self,
+        position: int,
+        held: int,
+        steps: Iterator[Callable[[], Any]],
+        group: Group | None = None,
+    ) -> None:
+        self.position, self.held, self._steps = position, held, steps
+        self.group = group
+        """Views of one stored array that this job's blocks are cut into."""
+
+    def step(self) -> ts.Future[Any]:
+        start = next(self._steps, None)
+        if start is None:
+            return ready(_END)
+        result: ts.Future[Any] = start()
+        return result
+
+    def steps(self) -> Iterator[Callable[[], Any]]:
+        return self._steps
+
+    def placed(self, place: compose.Place) -> _Job:
+        """This job's blocks as blocks of a composed view that this array is part of."""
+
+        def move(result: Any) -> Any:
+            if result is _END:
+                return _END
+            index, values, work = result
+            return (*place(index, values), work)
+
+        steps = (lambda start=start: then(start(), move) for start in self._steps)
+        return _Job(self.position, self.held, steps)
+
+
+def iter_blocks(
+    arrays: Sequence[LazyArray],
+    budget: int | None,
+    progress: Progress | None = None,
+    grids: Sequence[tuple[int, ...] | None] | None = None,
+    *,
+    share: bool = True,
+) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
+    """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
+    where `arrays[position][index]` equals `values`.
+
+    `grids[position]`, where given, is a chunk grid of the view (a new checkpoint's
+    chunks) that every block must be a union of whole cells of. Reads run ahead of the
+    consumer: every job in flight holds at most its stream and one block, and the one
+    the consumer holds counts too, within `budget` bytes (one job at least).
+
+    With `share`, views of one stored array that cover it together (`unstack`) are
+    streamed as one (`lazyckpt._engine.share`), so that each stored chunk is read once;
+    their blocks then come in the stored array's order.
+    """
+    limits = Scheduler(budget)
+    # Streams promise their peak within the budget and a little: trim freed buffers
+    # sooner than a load does (whose results are most of what it holds anyway).
+    limits.guard.slack = limits.budget // 16
+    block = max(1, limits.budget // 8)
+    cells = list(grids) if grids is not None else [None] * len(arrays)
+    # Composed views streamed as their parts, so that parts can share with others.
+    leaves = [
+        leaf
+        for position, (array, grid) in enumerate(zip(arrays, cells, strict=True))
+        for leaf in _leaves(position, array, grid, None)
+    ]
+    found = [leaf.array for leaf in leaves], [leaf.grid for leaf in leaves]
+    owner = grouped(share_groups(*found, block)) if share else {}
+
+    def every_job() -> Iterator[_Job]:
+        for i, leaf in enumerate(leaves):
+            group = owner.get(i)
+            if group is None:
+                for job in _jobs(leaf.position, leaf.array, limits, leaf.grid):
+                    yield job if leaf.place is None else job.placed(leaf.place)
+            elif group.positions[0] == i:
+                for job in _jobs(i, group.base, limits, group.grid):
+                    yield _Job(i, job.held, job.steps(), group)
+
+    jobs = every_job()
+    active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
+    reserved = block  # the block the consumer holds
+    upcoming = next(jobs, None)
+
+    def start_more() -> None:
+        nonlocal reserved, upcoming
+        while upcoming is not None and (not active or reserved + upcoming.held <= limits.budget):
+            reserved += upcoming.held
+            active.append((upcoming, upcoming.step()))
+            upcoming = next(jobs, None)
+
+    start_more()
+    while active:
+        job, pending = active[0]
+        result = pending.result()
+        if result is _END:
+            active.popleft()
+            reserved -= job.held
+            start_more()
+            continue
+        index, values, work = result
+        active[0] = (job, job.step())  # decode the next block while this one is used
+        if job.group is None:
+            yield job.position, index, values
+        else:
+            for i, piece_index, piece in job.group.route(index, values):
+                leaf = leaves[i]
+                moved = (
+                    (piece_index, piece) if leaf.place is None else leaf.place(piece_index, piece)
+                )
+                yield leaf.position, *moved
+        del values, result
+        limits.guard.check(reserved)
+        if progress is not None:
+            progress.advance(work)
+    check_unchanged(stores(arrays))
+
+
+def _jobs(
+    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
+) -> Iterator[_Job]:
+    """The jobs that stream one view, in order."""
+    stored = array.stored
+    if isinstance(stored, compose.Node):
+        yield from _composed_jobs(position, array, limits, grid)
+        return
+    mapping = stored_map(array)
+    budget = limits.budget
+    block = max(1, budget // 8)
+    itemsize = stored.dtype.itemsize
+    whole = tuple((0, n) for n in array.shape)
+    if array.key_impl or 0 in array.shape or (mapping is None and not decodes(stored)):
+        index = as_slices(whole)
+        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, index, array.nbytes)]))
+        return
+    if not decodes(stored):
+        assert mapping is not None
+        if grid is None:
+            yield from _ts_jobs(position, array, mapping, limits)
+            return
+        cells = widened(array, grid, itemsize, block)
+        for part in chunk_blocks(whole, cells, itemsize, block):
+            index = as_slices(part)
+            held = box_bytes(part, itemsize) * HELD
+            yield _Job(position, held, iter([_ts_step(array, index, box_bytes(part, itemsize))]))
+        return
+    read_bytes, window = windows(budget)
+    window = min(window, block)
+    held = stream_bytes(read_bytes) + window + block
+    if mapping is None:  # strided: bands of the view, each decoded from its chunks
+        for region in _view_bands(array, block // itemsize, grid):
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
+    origins = view_origins(mapping, len(stored.shape))
+    box = to_stored(array, mapping, whole)
+    stored_cells = _stored_cells(array, mapping, grid)
+    if math.prod(stored.chunks) * itemsize <= block or stored_cells is None:
+        regions: Iterable[Box] = (
+            (
+                _region(in_view(mapping, part, origins)[0], array.shape)
+                for part in chunk_blocks(box, stored.chunks, itemsize, block)
+            )
+            if grid is None
+            else chunk_blocks(whole, widened(array, grid, itemsize, block), itemsize, block)
+        )
+        for region in regions:
+            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+        return
+    assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
+    order = stored.codec.order
+    for chunk in chunks_in(box, stored.chunks):
+        overlap = intersect(chunk_box(chunk, stored.chunks), box)
+        assert overlap is not None
+        split = split_dim(overlap, order, itemsize, block)
+        if any(stored_cells[d] > 1 for d in order[: order.index(split)]):
+            # Bands would cut cells of the grid: whole cells instead, decoded per block.
+            view_part = _region(in_view(mapping, overlap, origins)[0], array.shape)
+            for region in chunk_blocks(view_part, grid or (), itemsize, block):
+                job = _decoded_block(array, region, read_bytes, window)
+                yield _Job(position, held, iter([job]))
+            continue
+        bands = functools.partial(slabs, overlap, order, itemsize, block, unit=stored_cells[split])
+        steps = _chunk_bands(array, chunk, bands, mapping, origins, read_bytes, window)
+        yield _Job(position, held, steps)
+
+
+@attrs.frozen
+class _Leaf:
+    """A view to stream, and how its blocks become blocks of the array asked for."""
+
+    position: int
+    array: LazyArray
+    grid: tuple[int, ...] | None
+    place: compose.Place | None
+
+
+def _leaves(
+    position: int, array: LazyArray, grid: tuple[int, ...] | None, place: compose.Place | None
+) -> Iterator[_Leaf]:
+    """`array`, or the parts of a composed view that can be streamed apart."""
+    node = array.stored
+    parts = (
+        node.stream_parts(grid)
+        if isinstance(node, compose.Node) and array.selection.is_full(node.shape)
+        else None
+    )
+    if parts is None:
+        yield _Leaf(position, array, grid, place)
+        return
+    for part, part_grid, part_place in parts:
+        moved = _then(part_place, part.shape, array.dtype, place)
+        yield from _leaves(position, part, part_grid, moved)
+
+
+def _then(
+    inner: compose.Place, shape: tuple[int, ...], dtype: Any, outer: compose.Place | None
+) -> compose.Place:
+    """Blocks of a part (of `shape`) moved by `inner`, cast, then moved by `outer`."""
+
+    def place(index: tuple[slice, ...], values: np.ndarray) -> Any:
+        # Explicit bounds: a new axis comes as slice(None), which moving cannot shift.
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        index, values = inner(index, values.astype(dtype, copy=False))
+        return (index, values) if outer is None else outer(index, values)
+
+    return place
+
+
+def _composed_jobs(
+    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
+) -> Iterator[_Job]:
+    """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
+    grid that cuts across parts), each filled from its parts through the engine."""
+    block = max(1, limits.budget // 8)
+    itemsize = array.dtype.itemsize
+    cells = grid if grid is not None else compose.view_chunks(array)
+    if grid is None and math.prod(cells) * itemsize > block:
+        cells = (1,) * array.ndim
+    for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):
+        yield _Job(position, block * 3, iter([_filled(array, region, block)]))
+
+
+def _filled(array: LazyArray, region: Box, budget: int) -> Callable[[], ts.Future[Any]]:
+    """A step that fills `array[region]` through the engine, within `budget`, on the
+    consumer's thread (the engine's own jobs run on the decoding threads)."""
+
+    def fill() -> ts.Future[Any]:
+        scheduler = Scheduler(budget)
+        target = Target(region, array.dtype)
+        schedule_fill(array, [target], scheduler, lambda: None)
+        scheduler.drain()
+        return ready((as_slices(region), target.buffer(), target.out_nbytes()))
+
+    return fill
+
+
+def _stored_cells(
+    array: LazyArray, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """`grid`'s cell size along each stored dimension (1 without a grid, and for
+    dimensions the view drops), or None when its cells straddle stored chunks, so
+    that slabs of a stored chunk cannot be unions of whole cells."""
+    stored = stored_array(array)
+    cells = [1] * len(stored.shape)
+    if grid is None:
+        return tuple(cells)
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            continue
+        dim, offset = entry
+        if stored.chunks[dim] % cell or offset % cell:
+            return None
+        cells[dim] = cell
+    return tuple(cells)
+
+
+def widened(array: LazyArray, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
+    """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
+    grids line up (so that no stored chunk is read twice), as long as such a block is
+    no larger than a stored chunk or a block of the budget."""
+    mapping = stored_map(array)
+    if mapping is None:
+        return grid
+    cells = []
+    for cell, entry in zip(grid, mapping, strict=True):
+        if entry is None:
+            cells.append(cell)
+            continue
+        dim, offset = entry
+        stored = stored_array(array).chunks[dim]
+        cells.append(math.lcm(cell, stored) if offset % stored == 0 else cell)
+    widest = max(block, math.prod(stored_array(array).chunks) * itemsize)
+    if math.prod(cells) * itemsize > widest:
+        return grid
+    return tuple(cells)
+
+
+def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _view_bands(array: LazyArray, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
+    """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
+    cells = grid if grid is not None else (1,) * len(array.shape)
+    yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
+
+
+def _decoded_block(
+    array: LazyArray, region: Box, read_bytes: int, window: int
+) -> Callable[[], ts.Future[Any]]:
+    """A step that fills one block, `array[region]`, from every chunk it touches."""
+
+    def fill() -> tuple[tuple[slice, ...], np.ndarray, int]:
+        target = Target(region, array.dtype)
+        selection = array.selection[as_slices(region)]
+        box = bounds(selection)
+        for index in chunks_in(box, stored_array(array).chunks) if box else [()]:
+            decode_into(array, index, [(target, selection)], read_bytes, window)
+        nbytes = target.out_nbytes()
+        return as_slices(region), target.buffer(), nbytes
+
+    return lambda: in_pool(fill)
+
+
+def _chunk_bands(
+    array: LazyArray,
+    index: tuple[int, ...],
+    bands: Callable[[], Iterable[Box]],
+    mapping: Sequence[tuple[int, int] | None],
+    origins: Sequence[int],
+    read_bytes: int,
+    window: int,
+) -> Iterator[Callable[[], ts.Future[Any]]]:
+    """Steps that decode one chunk larger than a block, each up to the end of its next
+    band (a slab of the chunk along its leading stored dimension), handing it over;
+    the last step's result is `_END`. The chunk's stored bytes are checked against
+    its declared size before its bands are planned: a damaged header may declare
+    petabytes."""
+
+    def produce() -> Iterator[Any]:
+        ChunkStream(stored_array(array), index, read_bytes).check()
+        regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
+        targets = [Target(region, array.dtype) for region in regions]
+        users = [(t, array.selection[as_slices(t.region)]) for t in targets]
+        for completed in decode_slabs(array, index, users, read_bytes, window):
+            for target in completed:
+                yield as_slices(target.region), target.buffer(), target.out_nbytes()
+                target.out = None  # handed over: the job keeps no reference
+
+    bands_out = produce()
+    return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
+
+
+def _ts_step(
+    array: LazyArray, index: tuple[slice, ...], nbytes: int
+) -> Callable[[], ts.Future[Any]]:
+    return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
+
+
+def _ts_jobs(
+    position: int, array: LazyArray, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
+) -> Iterator[_Job]:
+    """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
+    stored = stored_array(array)
+    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
+    opened = stored.open() if stored.inline is None else None
+    origins = view_origins(mapping, len(stored.shape))
+    itemsize = stored.dtype.itemsize
+    for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
+        index, shape = in_view(mapping, part, origins)
+        nbytes = box_bytes(part, itemsize)
+        if opened is None:
+            yield _Job(position, nbytes * HELD, iter([_ts_step(array, index, array[index].nbytes)]))
+            continue
+
+        def start(part: Box = part, index: Any = index, shape: Any = shape, n: int = nbytes) -> Any:
+            future = read_box(stored, opened, part)()
+            return then(
+                future,
+                lambda data: (index, data.reshape(shape).astype(array.dtype, copy=False), n),
+            )
+
+        yield _Job(position, nbytes * HELD, iter([start]))

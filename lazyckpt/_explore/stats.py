@@ -1,0 +1,262 @@
+"""Statistics of lazy arrays, computed block by block within the memory budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import jax.numpy as jnp
+import numpy as np
+
+from lazyckpt._array.tree import Select, selected
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.stream import iter_blocks as engine_blocks
+from lazyckpt._errors import LazyTypeError, renamed
+from lazyckpt._lazy import LazyArray
+from lazyckpt._read import arrays_of
+from lazyckpt._text import human_bytes
+
+
+@attrs.frozen
+class Stats:
+    """Statistics of one array. `min`, `max`, `mean` and `std` are over its finite
+    values (None when it has none); `nan` and `inf` count the others. `histogram`
+    is `(counts, edges)` over `[min, max]` when asked for."""
+
+    size: int
+    nan: int
+    inf: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    histogram: tuple[np.ndarray, np.ndarray] | None = attrs.field(default=None, eq=False)
+
+    def describe(self) -> dict[str, Any]:
+        """As JSON-ready data."""
+        out = attrs.asdict(self, filter=lambda a, _: a.name != "histogram")
+        if self.histogram is not None:
+            counts, edges = self.histogram
+            out["histogram"] = {"counts": counts.tolist(), "edges": edges.tolist()}
+        return out
+
+    def __str__(self) -> str:
+        if self.min is None:
+            values = "no finite values"
+        else:
+            values = (
+                f"min {self.min:.6g}  max {self.max:.6g}  mean {self.mean:.6g}  std {self.std:.6g}"
+            )
+        return f"{values}  nan {self.nan}  inf {self.inf}  (of {self.size})"
+
+
+_PIECE = 1 << 18  # elements folded in at once: 2 MiB of float64
+
+
+@attrs.define
+class _Running:
+    """Chan et al.'s pairwise combination of counts, means and squared deviations."""
+
+    size: int = 0
+    nan: int = 0
+    inf: int = 0
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, values: np.ndarray) -> None:
+        """Fold in a block, a slice of `_PIECE` elements at a time: the float64 copy and
+        the masks of a slice are all the temporaries, whatever the block's size."""
+        flat = np.asarray(values).reshape(-1)
+        for start in range(0, flat.size, _PIECE):
+            self._add(flat[start : start + _PIECE])
+
+    def _add(self, values: np.ndarray) -> None:
+        self.size += values.size
+        if values.dtype.kind in "biu":
+            finite = values.reshape(-1)
+        else:
+            nan = int(np.isnan(values).sum())
+            inf = int(np.isinf(values).sum())
+            self.nan += nan
+            self.inf += inf
+            finite = values[np.isfinite(values)] if nan or inf else values.reshape(-1)
+        if not finite.size:
+            return
+        block = finite.astype(np.float64, copy=False)
+        n = block.size
+        mean = float(block.mean())
+        m2 = float(np.square(block - mean).sum())
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+        self.low = min(self.low, float(block.min()))
+        self.high = max(self.high, float(block.max()))
+
+    def result(self, histogram: tuple[np.ndarray, np.ndarray] | None = None) -> Stats:
+        if not self.count:
+            return Stats(self.size, self.nan, self.inf, None, None, None, None, histogram)
+        std = math.sqrt(self.m2 / self.count)
+        return Stats(self.size, self.nan, self.inf, self.low, self.high, self.mean, std, histogram)
+
+
+class StatsTable(dict[str, Stats]):
+    """What `stats` returns: `Stats` by key path, printed as an aligned table.
+
+    `skipped` lists the arrays left out (complex numbers, PRNG keys); `nbytes` the
+    size of each summarized array.
+    """
+
+    def __init__(self, results: dict[str, Stats], nbytes: dict[str, int], skipped: list[str]):
+        super().__init__(results)
+        self.nbytes = nbytes
+        self.skipped = skipped
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """As JSON-ready data (what `lazyckpt stats --json` prints)."""
+        return {key: s.describe() for key, s in self.items()}
+
+    def __str__(self) -> str:
+        lines = [format_stats(self, self.nbytes)]
+        for key, s in self.items():
+            if s.histogram is not None:
+                counts, edges = s.histogram
+                lines.append(f"\n{key}: histogram over [{edges[0]:.6g}, {edges[-1]:.6g}]")
+                lines.append("  " + " ".join(str(int(c)) for c in counts))
+        if self.skipped:
+            lines.append(f"\nnot summarized (not real numbers): {', '.join(self.skipped)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@renamed(which="select")
+def stats(
+    tree: Any,
+    select: Select | None = None,
+    *,
+    bins: int | None = None,
+    memory_budget: int | None = None,
+    progress: bool | None = None,
+) -> StatsTable:
+    """Statistics of every LazyArray in `tree`, read block by block within the budget.
+
+    Arrays of other kinds (complex numbers, PRNG keys) are left out and listed in
+    the result's `skipped`.
+
+    Args:
+        tree: A lazy tree, a subtree of one, or a single LazyArray (a view too).
+        select: Only the leaves matching a pattern, any of several patterns, or a
+            predicate `(path, leaf) -> bool` (see `select`).
+        bins: Also a histogram of the finite values in this many equal bins over
+            `[min, max]`, which takes a second read.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        A `StatsTable`: a dict of `Stats` by key path, whatever `tree` is.
+
+    >>> w = lazyckpt.open(path)["params"]["w"]
+    >>> s = lazyckpt.stats(w, bins=4)["params/w"]
+    >>> s.min, s.max, s.mean, s.nan
+    (0.0, 63.0, 31.5, 0)
+    >>> s.histogram[0]
+    array([16, 16, 16, 16])
+    >>> print(lazyckpt.stats(lazyckpt.open(path), "params"))
+    key        size  min  max  mean     std  nan  inf
+    params/b   32 B    1    1     1       0    0    0
+    params/w  256 B    0   63  31.5  18.473    0    0
+    """
+    if isinstance(tree, LazyArray):
+        if not summarizable(tree):
+            raise LazyTypeError(
+                f"{tree.key}: statistics need real or integer values, not {tree.dtype}; "
+                "read this array and reduce it yourself"
+            )
+        everything = [(tree.key or "(array)", tree)]
+    else:
+        everything = arrays_of(selected(tree, select))
+    found = [(path, array) for path, array in everything if summarizable(array)]
+    skipped = [path for path, array in everything if not summarizable(array)]
+    arrays = [array for _, array in found]
+    total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
+    bar = Progress.maybe(progress, total, "lazyckpt stats")
+    running = [_Running() for _ in arrays]
+    for position, _, values in engine_blocks(arrays, memory_budget, bar):
+        running[position].add(values)
+    histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
+    if bins:
+        histograms = list(_histograms(arrays, running, bins, memory_budget, bar))
+    if bar is not None:
+        bar.close()
+    results = [r.result(h) for r, h in zip(running, histograms, strict=True)]
+    return StatsTable(
+        {path: s for (path, _), s in zip(found, results, strict=True)},
+        {path: array.nbytes for path, array in found},
+        skipped,
+    )
+
+
+def _histograms(
+    arrays: list[LazyArray],
+    running: list[_Running],
+    bins: int,
+    memory_budget: int | None,
+    bar: Progress | None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    edges = [
+        np.histogram_bin_edges([], bins, (r.low, r.high) if r.count else (0.0, 1.0))
+        for r in running
+    ]
+    counts = [np.zeros(bins, np.int64) for _ in arrays]
+    for position, _, values in engine_blocks(arrays, memory_budget, bar):
+        flat = values.reshape(-1)
+        if flat.dtype.kind == "b":
+            flat = flat.view(np.uint8)
+        for start in range(0, flat.size, _PIECE):
+            part = flat[start : start + _PIECE]
+            floating = jnp.issubdtype(part.dtype, jnp.floating)
+            finite = part[np.isfinite(part)] if floating else part
+            counts[position] += np.histogram(finite, edges[position])[0]
+    return list(zip(counts, edges, strict=True))
+
+
+def summarizable(array: LazyArray) -> bool:
+    """Whether `stats` covers the array: real floating, integer or bool values."""
+    if array.key_impl:
+        return False
+    dtype = array.dtype
+    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)) or (
+        np.dtype(dtype) == np.bool_
+    )
+
+
+def format_stats(results: dict[str, Stats], nbytes: dict[str, int]) -> str:
+    """An aligned table of statistics by key path (what `lazyckpt stats` prints)."""
+    header = ("key", "size", "min", "max", "mean", "std", "nan", "inf")
+    rows: list[tuple[str, ...]] = [header]
+    for key, s in results.items():
+        numbers = [s.min, s.max, s.mean, s.std]
+        rows.append(
+            (
+                key,
+                human_bytes(nbytes[key]),
+                *("-" if v is None else f"{v:.6g}" for v in numbers),
+                str(s.nan),
+                str(s.inf),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    )

@@ -1,0 +1,335 @@
+"""`verify`: decode every stored chunk of a checkpoint, and say which arrays are damaged.
+
+For users who copy checkpoints around: each chunk is decoded whole, as a stream
+within the memory budget (a 1 GiB chunk holds a few MiB), so every checksum the
+chunks carry is checked, and every chunk is checked to be present, to decode, and to
+hold exactly the bytes its array declares. Damage is reported by key path, and the
+verification goes on to the other arrays. Arrays without checksums (zstd without its
+content checksum, as Orbax writes it, or no compression) are named too: for them a
+flipped bit inside the data decodes to a wrong value that nothing can detect.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import tensorstore as ts
+
+from lazyckpt._array.geometry import (
+    Box,
+    bounds,
+    box_bytes,
+    chunk_box,
+    chunks_in,
+    intersect,
+    product,
+    slabs,
+    split_dim,
+)
+from lazyckpt._array.tree import Select, selected
+from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
+from lazyckpt._engine.fill import windows
+from lazyckpt._engine.memory import check_fits
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
+from lazyckpt._errors import CorruptCheckpointError, renamed
+from lazyckpt._lazy import LazyArray
+from lazyckpt._read import arrays_of
+from lazyckpt._storage.kvstore import StoredArray, check_unchanged, stored_array, then
+from lazyckpt._text import human_bytes
+
+_SHOWN = 20  # damaged arrays listed in full by str(); the rest are counted
+
+
+@attrs.frozen
+class Damage:
+    """What is wrong with one array: its first damaged chunk, and how many are."""
+
+    key: str
+    problem: str
+    chunks: int
+
+    def __str__(self) -> str:
+        more = f" (and {self.chunks - 1} more damaged chunks)" if self.chunks > 1 else ""
+        return f"{self.key}: {self.problem}{more}"
+
+
+@attrs.frozen
+class Verification:
+    """What `verify` found. `damaged` lists arrays whose chunks are missing, do not
+    decode or fail their checksums; `unchecked` names the arrays whose chunks carry
+    no checksum, so that a flipped bit in their data would have gone unseen."""
+
+    arrays: int
+    chunks: int
+    nbytes: int
+    """Decoded bytes checked."""
+    damaged: list[Damage]
+    unchecked: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether no damage was found."""
+        return not self.damaged
+
+    def describe(self) -> dict[str, Any]:
+        """As JSON-ready data."""
+        return {
+            "ok": self.ok,
+            "arrays": self.arrays,
+            "chunks": self.chunks,
+            "bytes": self.nbytes,
+            "damaged": [attrs.asdict(d) for d in self.damaged],
+            "unchecked": self.unchecked,
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.arrays} arrays, {self.chunks} chunks, {human_bytes(self.nbytes)} decoded: "
+            + (f"{len(self.damaged)} damaged" if self.damaged else "no damage found")
+        )
+        lines = [head, *(f"  {d}" for d in self.damaged[:_SHOWN])]
+        if len(self.damaged) > _SHOWN:
+            lines.append(f"  ... and {len(self.damaged) - _SHOWN} more damaged arrays")
+        if self.unchecked:
+            some = ", ".join(self.unchecked[:5]) + (", ..." if len(self.unchecked) > 5 else "")
+            lines.append(
+                f"{len(self.unchecked)} of the arrays carry no checksums ({some}): their chunks "
+                "are all there and decode to the right size, but a flipped bit inside their "
+                "data would decode to wrong values unseen"
+            )
+        return "\n".join(lines)
+
+
+@renamed(which="select")
+def verify(
+    tree: Any,
+    select: Select | None = None,
+    *,
+    memory_budget: int | None = None,
+    progress: bool | None = None,
+) -> Verification:
+    """Decode every stored chunk behind the LazyArrays of `tree` and report damage by
+    key path.
+
+    Each chunk is read and decoded whole (for a sliced view, the chunks it touches)
+    and its values dropped: checksums are verified, missing and truncated chunks
+    found. The work follows what is stored (the chunks are listed first), not what a
+    header declares. A chunk that cannot be read for other reasons (storage
+    unreachable, the checkpoint overwritten meanwhile) raises, as any read does.
+
+    Args:
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        select: Only the leaves matching a path pattern (`params/**/kernel`), any of
+            a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        memory_budget: As for `load`.
+        progress: As for `load`.
+
+    Returns:
+        A `Verification`: `ok`, the damaged arrays, and those without checksums.
+
+    >>> result = lazyckpt.verify(lazyckpt.open(path))
+    >>> result.ok, result.damaged
+    (True, [])
+    """
+    single = isinstance(tree, LazyArray)
+    found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
+    # A composed view is checked through the stored arrays it is made of.
+    found = [(p if s is a else s.key, s) for p, a in found for s in a.sources]
+    first: dict[int, tuple[str, LazyArray]] = {}
+    for path, array in found:  # views of one stored array are checked once
+        first.setdefault(id(array.stored), (path, array))
+    problems: dict[str, _Problems] = {}
+    plans = [
+        (path, array, _plan(array, problems.setdefault(path, _Problems())))
+        for path, array in first.values()
+    ]
+    total = sum(plan.nbytes for _, _, plan in plans)
+    bar = Progress.maybe(progress, total, "lazyckpt verify")
+    scheduler = Scheduler(memory_budget, bar)
+    read_bytes, window = windows(scheduler.budget)
+    chunks = 0
+    for path, array, plan in plans:
+        stored, found_here = stored_array(array), problems[path]
+        decoded = decodes(stored)
+        for index in plan.chunks:
+            if len(found_here) >= _MAX_PROBLEMS:
+                break  # a header declaring a huge grid of missing chunks: enough said
+            chunks += 1
+            box = chunk_box(index, stored.chunks)
+            nbytes = _chunk_bytes(stored, box)
+            if decoded:
+                held = stream_bytes(read_bytes) + window
+                start = _decode_start(stored, index, read_bytes, window)
+            else:
+                check_fits(f"a stored chunk of {stored.key!r}", nbytes)
+                held = HELD * nbytes
+                start = _tensorstore_start(stored, index)
+            scheduler.submit(start, found_here.append_if, held=held, work=nbytes)
+    scheduler.drain()
+    if bar is not None:
+        bar.close()
+    check_unchanged(stored_array(array).store for _, array, _ in plans)
+    damaged = [
+        Damage(path, _short(stored_array(array), messages[0]), len(messages))
+        for path, array, _ in plans
+        if (messages := problems[path])
+    ]
+    return Verification(
+        arrays=len(plans),
+        chunks=chunks,
+        nbytes=total,
+        damaged=damaged,
+        unchecked=[path for path, array, _ in plans if not stored_array(array).checksummed],
+    )
+
+
+_MAX_PROBLEMS = 100  # damaged chunks reported per array before its check stops
+
+
+class _Problems(list[str]):
+    def append_if(self, problem: str | None) -> None:
+        if problem is not None:
+            self.append(problem)
+
+
+@attrs.frozen
+class _Plan:
+    chunks: Iterator[tuple[int, ...]]
+    """Grid positions of the stored chunks to decode, lazily."""
+    nbytes: int
+
+
+def _plan(array: LazyArray, problems: list[str]) -> _Plan:
+    """The stored chunks of `array`'s view to decode. Where lazyckpt knows the chunk
+    keys, the stored cells (chunks or shards) are listed first: the chunks of cells
+    that exist are decoded, and cells that were never written are damage unless the
+    checkpoint allows them (then they read as the fill value). Either way the work
+    follows what is stored, whatever grid a damaged header declares."""
+    stored = stored_array(array)
+    if stored.inline is not None or 0 in stored.shape or array.size == 0:
+        return _Plan(iter(()), 0)  # values held in the metadata: nothing more to decode
+    touched = bounds(array.selection)
+    keys = stored.keys
+    if keys is None:
+        grid = chunks_in(touched, stored.chunks)
+        return _Plan(grid, _aligned_bytes(stored, touched))
+    cell_shape = keys.cells(stored.chunks)
+    ranges = [
+        range(low // c, (high - 1) // c + 1)
+        for (low, high), c in zip(touched, cell_shape, strict=True)
+    ]
+    rank = len(stored.shape)
+    prefix = f"{stored.name}/" if stored.name else ""
+    present = sorted(
+        cell
+        for key in stored.store.list_keys(prefix)
+        if (cell := keys.parse(stored.name, key, rank)) is not None
+        and all(i in r for i, r in zip(cell, ranges, strict=True))
+    )
+    wanted = math.prod(len(r) for r in ranges)
+    if len(present) < wanted and not stored.fill_missing:
+        missing = next(
+            cell
+            for cell, have in zip(product(ranges), [*present, None], strict=False)
+            if cell != have
+        )
+        word = "shard" if keys.shard is not None else "chunk"
+        where = f"{word} {list(missing)} (stored as {keys.key(stored.name, missing)!r})"
+        count = wanted - len(present)
+        problems.append(
+            f"{where} is missing from the store"
+            if count == 1
+            else f"{count} of its {wanted} {word}s are missing from the store, the first {where}"
+        )
+
+    def inner() -> Iterator[tuple[int, ...]]:
+        for cell in present:
+            box = intersect(chunk_box(cell, cell_shape), touched)
+            if box is not None:
+                yield from chunks_in(box, stored.chunks)
+
+    nbytes = 0
+    for cell in present:
+        box = intersect(chunk_box(cell, cell_shape), touched)
+        nbytes += _aligned_bytes(stored, box) if box is not None else 0
+    return _Plan(inner(), nbytes)
+
+
+def _aligned_bytes(stored: StoredArray, box: Box) -> int:
+    """Decoded bytes of the chunks that `box` touches, within the array."""
+    aligned = tuple(
+        ((low // c) * c, min(((high - 1) // c + 1) * c, n))
+        for (low, high), c, n in zip(box, stored.chunks, stored.shape, strict=True)
+    )
+    return box_bytes(aligned, stored.dtype.itemsize)
+
+
+def _chunk_bytes(stored: StoredArray, box: Box) -> int:
+    clipped = tuple((low, min(high, n)) for (low, high), n in zip(box, stored.shape, strict=True))
+    return box_bytes(clipped, stored.dtype.itemsize)
+
+
+def _decode_start(
+    stored: StoredArray, index: tuple[int, ...], read_bytes: int, window: int
+) -> Callable[[], Any]:
+    assert stored.codec is not None
+    order, itemsize = stored.codec.order, stored.dtype.itemsize
+    box = chunk_box(index, stored.chunks)
+
+    def decode() -> str | None:
+        stream = ChunkStream(stored, index, read_bytes)
+        split = split_dim(box, order, itemsize, window) if stored.shape else 0
+        cuts = [stored.shape[split]] if stored.shape else []
+        try:
+            for slab in slabs(box, order, itemsize, window, cuts):
+                stream.next(slab)
+            stream.finish()
+        except CorruptCheckpointError as error:
+            return str(error)
+        finally:
+            stream.close()
+        return None
+
+    return lambda: in_pool(decode)
+
+
+def _tensorstore_start(stored: StoredArray, index: tuple[int, ...]) -> Callable[[], Any]:
+    box = chunk_box(index, stored.chunks)
+    region = tuple(
+        slice(low, min(high, n)) for (low, high), n in zip(box, stored.shape, strict=True)
+    )
+
+    def start() -> ts.Future[str | None]:
+        reading = then(
+            then(stored.open(), lambda t: t[region].read()), lambda _: None, stored.read_error
+        )
+        promise: ts.Promise[str | None]
+        future: ts.Future[str | None]
+        promise, future = ts.Promise.new()
+
+        def settle(done: ts.Future[Any]) -> None:
+            try:
+                done.result()
+            except CorruptCheckpointError as error:  # a finding, not a failure
+                promise.set_result(f"chunk {list(index)}: {_short(stored, str(error))}")
+            except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+                promise.set_exception(error)
+            else:
+                promise.set_result(None)
+
+        reading.add_done_callback(settle)
+        return future
+
+    return start
+
+
+def _short(stored: StoredArray, message: str) -> str:
+    """`message` without the checkpoint's location and the advice, which the report
+    gives once."""
+    prefix = f"{stored.store.location}: "
+    message = message.removeprefix(prefix)
+    return message.split("; the checkpoint", 1)[0]

@@ -1,0 +1,321 @@
+"""Find the PyTree item folder under a path: a manager root, a step, or the item itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    UnfinishedCheckpointError,
+)
+from lazyckpt._orbax.metadata import TMP_MARKER, is_process_folder, is_unfinished
+from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
+from lazyckpt._storage import paths as fs
+
+_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+_DEFAULT_ITEMS = ("state", "default", "pytree")
+_ZARR_METADATA = (ZARR2_KEY, ZARR3_KEY)
+
+
+def is_pytree_dir(path: str) -> bool:
+    """Whether `path` holds PyTree files directly (spec §0)."""
+    if not fs.isdir(path):
+        return False
+    names = fs.listdir(path)
+    if {"_METADATA", "checkpoint", "manifest.ocdbt"} & set(names):
+        return True
+    if any(is_process_folder(n) for n in names):
+        return True
+    return any(
+        fs.isfile(fs.join(fs.join(path, n), m))
+        for n in names
+        if fs.isdir(fs.join(path, n))
+        for m in _ZARR_METADATA
+    )
+
+
+def _step_dirs(root: str) -> dict[int, str]:
+    """Committed step folders of a CheckpointManager root, by step number.
+
+    As Orbax's `all_steps()`: step folders are named `<step>` or `<prefix>_<step>` with
+    one prefix for the whole run. Folders with several prefixes (`a_0`, `b_0`: separate
+    checkpoints side by side) or one step twice (`ckpt_1`, `ckpt_01`) are no run."""
+    return _step_groups(root)[0]
+
+
+def _step_groups(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]]:
+    """The steps, and the step-like folder names by prefix (when they make no run)."""
+    groups: dict[str | None, dict[int, str]] = {}
+    names: dict[str | None, list[str]] = {}
+    twice = False
+    for name in fs.listdir(root):
+        match = _STEP_NAME.match(name)
+        if (
+            match
+            and not is_unfinished(name)
+            and not is_process_folder(name)  # a PyTree's per-process database
+            and fs.isdir(fs.join(root, name))
+            and _committed(fs.join(root, name))
+        ):
+            steps = groups.setdefault(match["prefix"], {})
+            twice = twice or int(match["step"]) in steps
+            steps[int(match["step"])] = fs.join(root, name)
+            names.setdefault(match["prefix"], []).append(name)
+    if len(groups) == 1 and not twice:
+        return next(iter(groups.values())), {}
+    return {}, names
+
+
+def _pytree_items(step_dir: str) -> list[str]:
+    """Names of the PyTree items inside a step folder."""
+    return sorted(
+        name
+        for name in fs.listdir(step_dir)
+        if not is_unfinished(name) and is_pytree_dir(fs.join(step_dir, name))
+    )
+
+
+# The file of a JSON item (`ocp.args.JsonSave`): Orbax's v0 JsonCheckpointHandler
+# writes `metadata`, v1's JsonHandler `data.json` (spec §1.2, §1.3).
+_JSON_ITEM_FILES = ("metadata", "data.json")
+
+
+def json_item_file(folder: str) -> str | None:
+    """The JSON file of a JSON item folder, or None if `folder` is not one."""
+    if not fs.isdir(folder) or is_pytree_dir(folder):
+        return None
+    names = fs.listdir(folder)
+    for name in _JSON_ITEM_FILES:
+        if name in names and fs.isfile(fs.join(folder, name)):
+            return fs.join(folder, name)
+    return None
+
+
+def _kinds(step_dir: str) -> dict[str, str]:
+    """The items of a step folder by name: `pytree` or `json`."""
+    found = {}
+    for name in fs.listdir(step_dir):
+        folder = fs.join(step_dir, name)
+        if is_unfinished(name):
+            continue
+        if is_pytree_dir(folder):
+            found[name] = "pytree"
+        elif json_item_file(folder) is not None:
+            found[name] = "json"
+    return dict(sorted(found.items()))
+
+
+def _listed_items(step_dir: str) -> list[str]:
+    try:
+        text = fs.read_text(fs.join(step_dir, "_CHECKPOINT_METADATA"))
+        handlers = json.loads(text).get("item_handlers") if text is not None else None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return []
+    return sorted(handlers) if isinstance(handlers, dict) else []
+
+
+def steps(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[int]:
+    """The committed steps of a CheckpointManager root, in increasing order.
+
+    Unfinished saves (`*.orbax-checkpoint-tmp*`) are not listed.
+
+    Args:
+        path: The root folder, local or `s3://` / `gs://`.
+        storage_options: As for `open`.
+
+    >>> lazyckpt.steps(run)
+    [1, 2]
+    """
+    with fs.session(storage_options):
+        root = _existing_folder(path)
+        found, mixed = _step_groups(root)
+        listed = fs.listdir(root)[:10]
+    if mixed:
+        some = [name for group in mixed.values() for name in group][:6]
+        raise NotACheckpointError(
+            f"{root} is not a CheckpointManager root: its step-like folders {some} have "
+            f"{len(mixed)} different prefixes or repeat a step, so they are separate "
+            "checkpoints, not the steps of one run (Orbax lists none of them); open one of "
+            "them"
+        )
+    if not found:
+        raise NotACheckpointError(
+            f"{root} is not a CheckpointManager root: it has no committed step folders "
+            f"(names like '12' or 'ckpt_000012'; found {listed})"
+        )
+    return sorted(found)
+
+
+def items(
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """The items of a step folder (of the latest or given step of a root), by name,
+    with their kind: `'pytree'` (a PyTree checkpoint, opened as a lazy tree) or
+    `'json'` (an `ocp.args.JsonSave` item, opened as its value).
+
+    Pass one of them to `lazyckpt.open(..., item=NAME)`.
+
+    Args:
+        path: A step folder, or a CheckpointManager root.
+        step: The step of a root (default: the latest committed).
+        storage_options: As for `open`.
+
+    >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
+    ({'extra': 'pytree', 'state': 'pytree'}, {'state': 'pytree'})
+    """
+    with fs.session(storage_options):
+        folder = _existing_folder(path)
+        if is_pytree_dir(folder):
+            return {}
+        return _kinds(_step_folder(folder, step))
+
+
+def _step_folder(folder: str, step: int | None) -> str:
+    """`folder` itself, or for a CheckpointManager root the folder of `step` (or the
+    latest committed step)."""
+    found = _step_dirs(folder)
+    items = _pytree_items(folder)
+    # Step folders that are PyTree folders themselves (saved directly, one per step)
+    # make a root too; a step folder with items has _CHECKPOINT_METADATA, or items
+    # not named like steps.
+    step_like = fs.isfile(fs.join(folder, "_CHECKPOINT_METADATA")) or any(
+        not _STEP_NAME.match(name) for name in items
+    )
+    if not found or (items and step_like) or is_pytree_dir(folder):
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"{folder} is not a CheckpointManager root (no step folders), so "
+                f"step={step} cannot be chosen; pass the root folder, or drop step="
+            )
+        return folder
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        raise CheckpointNotFoundError(
+            f"{folder} has no committed step {step}; committed steps: {sorted(found)}"
+        )
+    return found[step]
+
+
+def _existing_folder(path: str | os.PathLike[str]) -> str:
+    folder = fs.normalize(path)
+    if not fs.isdir(folder):
+        raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
+    return folder
+
+
+def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
+    """The item folder that `path` (with `step` and `item`) points to: a PyTree item,
+    or a JSON item when one is asked for by name (or `path` is one)."""
+    path = fs.normalize(path)
+    if is_unfinished(fs.basename(path)):
+        raise UnfinishedCheckpointError(
+            f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
+            "never committed and its contents may be partial; open a committed step instead"
+        )
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
+    if not fs.isdir(path):
+        raise NotACheckpointError(
+            f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
+            "_METADATA (or a CheckpointManager root or step folder)"
+        )
+    if step is None and item is None and (is_pytree_dir(path) or json_item_file(path)):
+        found = path
+    else:
+        folder = _step_folder(path, step)
+        found = folder if folder != path and is_pytree_dir(folder) else _item(folder, item)
+    if not _finished(found):
+        raise UnfinishedCheckpointError(
+            f"{found} has no commit_success.txt, which on object storage marks a finished "
+            "save (there is no rename to commit with); the save is unfinished or was "
+            "interrupted: open an earlier step, or save again"
+        )
+    return found
+
+
+def _finished(item: str) -> bool:
+    """Whether the save of the PyTree folder `item` finished: its step folder's commit
+    marker when it is an item of a step, else its own."""
+    if fs.atomic_rename(item):
+        return True
+    step = fs.dirname(item)
+    in_step = not fs.isfile(fs.join(item, "_CHECKPOINT_METADATA")) and fs.isfile(
+        fs.join(step, "_CHECKPOINT_METADATA")
+    )
+    return _committed(step) if in_step else _committed(item) or _committed(step)
+
+
+def _committed(folder: str) -> bool:
+    """Whether a save to `folder` finished. On object storage only the presence of
+    commit_success.txt says so (spec §1.1); on a local disk the rename did."""
+    return fs.atomic_rename(folder) or fs.isfile(fs.join(folder, "commit_success.txt"))
+
+
+def _item(step_dir: str, item: str | None) -> str:
+    present = _pytree_items(step_dir)
+    if item is not None:
+        if not item or item in (".", "..") or any(c in item for c in "/\\\0"):
+            raise NotACheckpointError(
+                f"item={item!r} is not an item name: items are folders directly inside a "
+                f"step folder ({step_dir}), named like 'state' or 'params'"
+            )
+        kinds = _kinds(step_dir)
+        if item in kinds:
+            return fs.join(step_dir, item)
+        if fs.isdir(fs.join(step_dir, item)):
+            raise NotACheckpointError(
+                f"item {item!r} in {step_dir} is neither a PyTree nor a JSON item (it holds "
+                f"{fs.listdir(fs.join(step_dir, item))[:5]}); items: {kinds}"
+            )
+        if item in _listed_items(step_dir):
+            raise CheckpointNotFoundError(
+                f"item {item!r} is listed in {step_dir}/_CHECKPOINT_METADATA but its folder "
+                f"is missing; items present: {list(kinds)}"
+            )
+        raise CheckpointNotFoundError(
+            f"{step_dir} has no item {item!r}; items present: {list(kinds)}"
+        )
+    for name in _DEFAULT_ITEMS:
+        if name in present:
+            return fs.join(step_dir, name)
+    if len(present) == 1:
+        return fs.join(step_dir, present[0])
+    _, mixed = _step_groups(step_dir)
+    if mixed:
+        some = [name for group in mixed.values() for name in group][:6]
+        raise NotACheckpointError(
+            f"{step_dir} holds separate checkpoints {some}, not the steps of one run (their "
+            "names have different prefixes or repeat a step); open one of them"
+        )
+    if present:
+        raise NotACheckpointError(
+            f"{step_dir} holds several items {present}; choose one with item=NAME"
+        )
+    unfinished = [n for n in fs.listdir(step_dir) if is_unfinished(n)]
+    if unfinished:
+        raise UnfinishedCheckpointError(
+            f"{step_dir} holds only unfinished saves {unfinished}; wait for the save to "
+            "finish or open an earlier checkpoint"
+        )
+    listed = [name for name in _listed_items(step_dir) if not fs.isdir(fs.join(step_dir, name))]
+    if listed:
+        raise CheckpointNotFoundError(
+            f"{step_dir}/_CHECKPOINT_METADATA lists the item(s) {listed}, but their folders "
+            f"are missing (found {fs.listdir(step_dir)[:10]}); the step was copied "
+            "incompletely: copy it again, or open another step"
+        )
+    raise NotACheckpointError(
+        f"{step_dir} is not an Orbax checkpoint: it has no _METADATA, manifest.ocdbt, "
+        f"step folders or item folders (found {fs.listdir(step_dir)[:10]}); "
+        "pass the folder that a checkpointer saved to"
+    )

@@ -1,0 +1,114 @@
+"""Structure without `_METADATA`: the legacy msgpack file, or failing that the store.
+
+Orbax before 2023-11 wrote no `_METADATA`; its tree is in the msgpack `checkpoint`
+file, with `PLACEHOLDER://<name>` strings where a value lives in tensorstore
+(spec §6). Without either file, the arrays in the store are the only record, and
+the tree is inferred from their names (spec §10): lossy, so it warns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from lazyckpt._engine.memory import physical_memory
+from lazyckpt._errors import CorruptCheckpointError, warn
+from lazyckpt._orbax.metadata import INLINE, STORED, Leaf, Path
+from lazyckpt._orbax.msgpack import decode
+from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.kvstore import Store
+
+MSGPACK_FILE = "checkpoint"
+_PLACEHOLDER = "PLACEHOLDER://"
+
+
+class InferredStructureWarning(UserWarning):
+    """The tree was rebuilt from array names alone, so some structure may be lost."""
+
+    __module__ = "lazyckpt"
+
+
+def read_msgpack(location: str) -> Any | None:
+    """The decoded legacy msgpack tree, or None if the file does not exist."""
+    path = fs.join(location, MSGPACK_FILE)
+    data = fs.read_bytes(path, limit=physical_memory())
+    return None if data is None else decode(data, where=path)
+
+
+def msgpack_value(location: str, tree: Any, path: Path) -> Any:
+    """The value at `path` in the msgpack tree, for a leaf aggregated into it."""
+    node = tree
+    for key in path:
+        try:
+            node = node[key if isinstance(node, list) else str(key)]
+        except (KeyError, IndexError, TypeError):
+            raise CorruptCheckpointError(
+                f"{location}/{MSGPACK_FILE}: _METADATA says {'/'.join(map(str, path))!r} is "
+                "stored in this file, but it is not there; the checkpoint is damaged"
+            ) from None
+    return node
+
+
+def msgpack_leaves(tree: Any) -> list[Leaf]:
+    """The leaves of a msgpack tree: placeholders point into the store, the rest is inline."""
+    leaves = []
+    for path, value in _walk(tree, ()):
+        if isinstance(value, str) and value.startswith(_PLACEHOLDER):
+            leaves.append(Leaf(path, value[len(_PLACEHOLDER) :], STORED))
+        else:
+            leaves.append(Leaf(path, ".".join(map(str, path)), INLINE, value=value))
+    return leaves
+
+
+def _walk(tree: Any, root: Path) -> Iterator[tuple[Path, Any]]:
+    """`(path, leaf)` in jax's order, with a stack of its own rather than recursion (the
+    msgpack tree may be 512 levels deep)."""
+    todo: list[tuple[Any, Path]] = [(tree, root)]
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, dict) and node:
+            # Sorted as jax flattens dicts, so every layout gives the same key order.
+            items = sorted(node.items(), key=lambda item: str(item[0]))
+            todo.extend((child, (*path, str(key))) for key, child in reversed(items))
+        elif isinstance(node, list | tuple) and node:
+            todo.extend((child, (*path, i)) for i, child in reversed(list(enumerate(node))))
+        else:
+            # Empty containers, None and ndarrays are leaves; a 0-d ndarray too.
+            yield path, node if not isinstance(node, tuple) else list(node)
+
+
+def listed_leaves(store: Store) -> list[Leaf]:
+    """Leaves inferred from the arrays in the store: names split on '.' into dicts."""
+    names = sorted(_ocdbt_names(store) if store.ocdbt else _folder_names(store.location))
+    warn(
+        f"{store.location} has neither _METADATA nor a msgpack 'checkpoint' file, so its "
+        "tree was inferred from array names: lists come back as dicts, keys containing '.' "
+        "are split, and strings and scalar types are lost",
+        InferredStructureWarning,
+    )
+    return [Leaf(tuple(name.split(".")) if name else (), name, STORED) for name in names]
+
+
+def _ocdbt_names(store: Store) -> Iterator[str]:
+    for raw in store.kvstore.list().result():
+        key = raw.decode("utf-8", errors="replace")
+        for suffix in (ZARR2_KEY, ZARR3_KEY):
+            if key == suffix:
+                yield ""
+            elif key.endswith("/" + suffix):
+                yield key[: -len(suffix) - 1]
+
+
+def _folder_names(location: str) -> Iterator[str]:
+    files = set(fs.walk_files(location))
+    if files & {ZARR2_KEY, ZARR3_KEY}:
+        yield ""
+        return
+    found: list[str] = []
+    for name in sorted(files):
+        folder, _, leaf = name.rpartition("/")
+        # A zarr array's folder holds chunks, not more arrays.
+        if leaf in (ZARR2_KEY, ZARR3_KEY) and not any(folder.startswith(f + "/") for f in found):
+            found.append(folder)
+            yield folder

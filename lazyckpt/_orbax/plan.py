@@ -1,0 +1,318 @@
+"""What `save` will write: each leaf of the tree planned as Orbax stores it.
+
+A leaf's plan is its key path and key types, its Orbax value type, and for arrays
+the shape, dtype, write shape (one device's shard) and chunks of about `chunk_bytes`
+that tile the shard, cut along leading dimensions first, so that a later read of a
+few rows reads about those rows. Names are checked here too: leaves Orbax would
+store under one name, or could not read back, are refused before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.tree import key_of
+from lazyckpt._errors import UnsavableError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._orbax import metadata as orbax
+from lazyckpt._orbax.sharding import sharding_json
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Stored chunk size that `save` aims for: small enough that reading a few rows
+reads little more, large enough that a full read is not dominated by per-chunk
+overhead."""
+
+
+def plan(tree: Any, chunk_bytes: int) -> list[Planned]:
+    """Every leaf of `tree` as it will be saved, in tree order; raises
+    `UnsavableError` for leaves and names a checkpoint cannot hold."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes}")
+    leaves = [_plan(keys, value, chunk_bytes) for keys, value in _flatten(tree)]
+    _check_names(leaves)
+    return leaves
+
+
+@attrs.frozen
+class Planned:
+    """One leaf as it will be saved."""
+
+    path: str  # for messages: params/dense/kernel
+    keys: tuple[tuple[str, int], ...]  # (key, key_type) per level
+    value_type: str
+    value: Any = None
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+    chunks: tuple[int, ...] = ()
+    write_shape: tuple[int, ...] | None = None
+    sharding: str | None = None  # the _sharding entry, for jax.Array leaves
+    key_impl: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The parameter name: keys joined by '.', unescaped, as Orbax names arrays."""
+        return ".".join(key for key, _ in self.keys)
+
+    @property
+    def stored(self) -> bool:
+        return self.value_type in orbax.ARRAY_TYPES
+
+    def entry(self) -> orbax.Entry:
+        return orbax.Entry(self.keys, self.value_type, self.write_shape)
+
+
+def description(leaves: Sequence[Planned]) -> str:
+    """What every process must agree on before a save: the tree's metadata."""
+    return "\n".join(
+        f"{leaf.name}|{leaf.value_type}|{leaf.shape}|{leaf.dtype}|{leaf.chunks}|{leaf.sharding}"
+        for leaf in leaves
+    )
+
+
+def block_cost(leaf: Planned, size: int) -> int:
+    """What a block of `size` elements counts for on the progress bar (see `cost`)."""
+    stored = int(leaf.value.stored.dtype.itemsize) if isinstance(leaf.value, LazyArray) else 0
+    return size * (int(np.dtype(leaf.dtype).itemsize) + stored)
+
+
+def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
+    """`(keys, leaf)` in tree order, None and empty containers included as leaves."""
+
+    def is_leaf(node: Any) -> bool:
+        return node is None or _empty_node(node)
+
+    try:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    except (ValueError, TypeError) as error:
+        mixed = _mixed_keys(tree)
+        if mixed is None:
+            raise
+        where, mixed_keys = mixed
+        kinds = sorted({type(k).__name__ for k in mixed_keys})
+        raise UnsavableError(
+            f"{where or '(the root)'}: a dict mixes keys of types {kinds} "
+            f"({', '.join(map(repr, mixed_keys[:4]))}); "
+            "jax cannot order them and a checkpoint names keys as strings, so 1 and '1' "
+            "would collide: use keys of one type"
+        ) from error
+    for key_path, leaf in flat:
+        keys: list[tuple[str, int]] = []
+        for entry in key_path:
+            if isinstance(entry, jax.tree_util.DictKey) and not isinstance(entry.key, str | int):
+                raise UnsavableError(
+                    f"{_path_str(keys)}: dict key {entry.key!r} is a "
+                    f"{type(entry.key).__name__}; checkpoints keep str and int keys only"
+                )
+            if isinstance(entry, jax.tree_util.DictKey | jax.tree_util.GetAttrKey):
+                keys.append((str(key_of(entry)), orbax.DICT_KEY))
+            elif isinstance(entry, jax.tree_util.SequenceKey | jax.tree_util.FlattenedIndexKey):
+                keys.append((str(key_of(entry)), orbax.SEQUENCE_KEY))
+            else:
+                raise UnsavableError(f"{_path_str(keys)}: unknown pytree key {entry!r}")
+        yield tuple(keys), leaf
+
+
+def _mixed_keys(tree: Any) -> tuple[str, list[Any]] | None:
+    """The first dict (its path, its keys) whose keys are not all of one type."""
+    todo: list[tuple[Any, str]] = [(tree, "")]
+    while todo:
+        node, where = todo.pop()
+        if isinstance(node, dict):
+            if len({type(k) for k in node}) > 1:
+                return where, list(node)
+            todo.extend((v, f"{where}/{k}".lstrip("/")) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            todo.extend((v, f"{where}/{i}".lstrip("/")) for i, v in enumerate(node))
+    return None
+
+
+def _empty_node(node: Any) -> bool:
+    """Whether `node` is a pytree container with no children (`{}`, `()`, an empty
+    NamedTuple such as optax's EmptyState, an empty OrderedDict...)."""
+    if node is None or isinstance(node, LazyArray | np.ndarray | jax.Array | str | bytes):
+        return False
+    children: Any = jax.tree_util.tree_structure(node, is_leaf=lambda child: child is not node)
+    return bool(children.num_leaves == 0 and children.num_nodes == 1)
+
+
+def _empty_type(node: Any) -> str:
+    """The value_type Orbax records for an empty container (spec §3.1)."""
+    if node is None:
+        return "None"
+    if isinstance(node, dict):
+        return "Dict"
+    if type(node) is list:
+        return "List"
+    if type(node) is tuple:
+        return "Tuple"
+    return "None"  # NamedTuples and other registered nodes: restored as None
+
+
+def _path_str(keys: Sequence[tuple[str, int]]) -> str:
+    return "/".join(key for key, _ in keys) or "(the root)"
+
+
+def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> Planned:
+    path = _path_str(keys)
+    if value is None or _empty_node(value):
+        return Planned(path, keys, _empty_type(value))
+    if isinstance(value, str):
+        return Planned(path, keys, "string", value=value)
+    if isinstance(value, LazyArray) and value.key_impl:
+        value = value.get()  # typed PRNG keys: small; saved as jax.Array keys below
+    if isinstance(value, LazyArray):
+        sharding = value.sharding if value.selection.is_full(value.stored.shape) else None
+        if sharding is not None and sharding.to_json():
+            write_shape = sharding.shard_shape(value.shape)
+            value_type, entry = "jax.Array", sharding.to_json()
+        else:
+            write_shape, value_type, entry = value.shape, "np.ndarray", None
+        dtype = np.dtype(value.dtype)
+        return Planned(
+            path, keys, value_type, value, value.shape, dtype,
+            choose_chunks(write_shape, dtype.itemsize, chunk_bytes),
+            write_shape if value_type == "jax.Array" else None, entry,
+        )  # fmt: skip
+    if isinstance(value, jax.Array):
+        impl = None
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(value))
+            value = jax.random.key_data(value)
+        write_shape = tuple(value.sharding.shard_shape(value.shape))
+        dtype = np.dtype(value.dtype)
+        chunks = choose_chunks(write_shape, dtype.itemsize, chunk_bytes)
+        if not value.is_fully_addressable and any(
+            n % c for n, c in zip(write_shape, chunks, strict=True)
+        ):
+            # Chunks must not straddle shards held by different processes.
+            chunks = tuple(max(n, 1) for n in write_shape)
+        return Planned(
+            path, keys, "jax.Array", value, tuple(value.shape), dtype, chunks,
+            write_shape, sharding_json(value.sharding), impl,
+        )  # fmt: skip
+    if isinstance(value, bool | int | float | np.generic):
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise UnsavableError(
+                    f"{path}: the int {value} does not fit the int64 that checkpoints store "
+                    "Python ints as; save it as a string or a float"
+                )
+            array = np.asarray(value, np.int64)
+        else:
+            array = np.asarray(value)
+        if not _storable(array.dtype):
+            raise UnsavableError(
+                f"{path}: a scalar of dtype {array.dtype} cannot be stored in a checkpoint; "
+                "save numbers, or strings as str leaves"
+            )
+        return Planned(path, keys, "scalar", array, (), array.dtype)
+    if isinstance(value, np.ndarray):
+        if not _storable(value.dtype):
+            raise UnsavableError(
+                f"{path}: NumPy arrays of dtype {value.dtype} cannot be stored in a "
+                "checkpoint; convert them to numbers, or save strings as str leaves"
+            )
+        return Planned(
+            path, keys, "np.ndarray", value, value.shape, value.dtype,
+            choose_chunks(value.shape, value.dtype.itemsize, chunk_bytes),
+        )  # fmt: skip
+    raise UnsavableError(
+        f"{path}: cannot save a {type(value).__module__}.{type(value).__qualname__}; "
+        "leaves must be LazyArrays, jax or NumPy arrays, scalars, strings or None"
+    )
+
+
+def _storable(dtype: np.dtype[Any]) -> bool:
+    """Whether tensorstore's zarr3 driver stores this dtype (bfloat16 and other
+    ml_dtypes included; strings and objects not)."""
+    if dtype.hasobject or dtype.kind in "USMm" or dtype.names is not None:
+        return False
+    try:
+        ts.dtype(dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def choose_chunks(write_shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
+    """A chunk shape of about `target` bytes that tiles `write_shape` (one device's
+    shard), cut along leading dimensions first.
+
+    Along each cut dimension it takes the largest divisor of the shard's extent that
+    fits, so that shard boundaries fall on chunk boundaries; where the only such
+    divisors are far too small (a prime extent), an even split instead.
+
+    >>> choose_chunks((4096, 1024), 4, 4 << 20)     # 16 MiB shard -> 1024-row chunks
+    (1024, 1024)
+    >>> choose_chunks((50257, 1024), 4, 4 << 20)    # 50257 = 29 x 1733: even split
+    (1006, 1024)
+    >>> choose_chunks((8, 8), 4, 4 << 20)
+    (8, 8)
+    """
+    chunk = [max(int(n), 1) for n in write_shape]
+    for dim in range(len(chunk)):
+        if math.prod(chunk) * itemsize <= target:
+            break
+        per_unit = math.prod(chunk[dim + 1 :]) * itemsize
+        fit = max(1, target // per_unit)
+        if fit >= chunk[dim]:
+            continue
+        extent = chunk[dim]
+        pieces = -(-extent // fit)
+        divisor = next(
+            (extent // k for k in range(pieces, min(extent, 2 * pieces) + 1) if extent % k == 0),
+            None,
+        )
+        chunk[dim] = divisor if divisor is not None else -(-extent // pieces)
+    return tuple(chunk)
+
+
+def _check_names(leaves: Sequence[Planned]) -> None:
+    """Refuse trees whose leaves Orbax would store under one name, or could not read."""
+    seen: dict[str, Planned] = {}
+    for leaf in leaves:
+        if leaf.value_type in orbax.EMPTY_WRITTEN:
+            continue
+        name = leaf.name
+        parts = name.split("/")
+        if name and (name.startswith("/") or any(part in ("", ".", "..") for part in parts)):
+            raise UnsavableError(
+                f"{leaf.path}: its parameter name {name!r} has an empty, '.' or '..' part "
+                "between '/'s, which readers take as a path; rename the key"
+            )
+        if leaf.value_type == "string" and not orbax.valid_pointer(name):
+            raise UnsavableError(
+                f"{leaf.path}: Orbax reads strings by the JSON pointer '/{name}', where '~' "
+                "must be followed by '0' or '1'; rename the key"
+            )
+        other = seen.get(name)
+        if other is not None:
+            raise UnsavableError(
+                f"{leaf.path} and {other.path} would both be stored as {name!r} (Orbax joins "
+                "keys with '.'); rename one of them"
+            )
+        seen[name] = leaf
+    strings = [leaf for leaf in leaves if leaf.value_type == "string"]
+    try:
+        orbax.strings_json(
+            {leaf.name: leaf.value for leaf in strings}, {leaf.name: leaf.path for leaf in strings}
+        )
+    except ValueError as error:
+        raise UnsavableError(str(error)) from None
+
+
+def cost(leaf: Planned) -> int:
+    """Bytes a leaf's blocks count for progress and the budget."""
+    nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    if isinstance(leaf.value, LazyArray):
+        nbytes += leaf.value.size * leaf.value.stored.dtype.itemsize
+    return int(nbytes)

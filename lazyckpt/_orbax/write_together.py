@@ -1,0 +1,113 @@
+"""A save by every process of a `jax.distributed` run, as Orbax does one (spec §4.1).
+
+Process 0 checks the destination and makes the temporary folder; each process
+writes the shards it holds (replica 0 of each, so replicated data is written once in
+total) into its own OCDBT database, and process 0 also every non-jax.Array leaf.
+Once all have written, process 0 checks that every writer's database is there (the
+processes must share the destination's file system), merges them into the root one,
+writes the metadata and publishes the checkpoint. A failure anywhere fails the save
+on every process, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import jax
+import tensorstore as ts
+
+from lazyckpt import _errors as errors
+from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._errors import LazyckptError
+from lazyckpt._orbax import metadata as orbax
+from lazyckpt._orbax.plan import Planned
+from lazyckpt._orbax.write import OCDBT_CONFIG, write_arrays, write_context, write_metadata
+from lazyckpt._storage import multihost
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.publish import publishing
+
+
+def save_together(
+    final: str, leaves: Sequence[Planned], scheduler: Scheduler, overwrite: bool
+) -> None:
+    """Save `leaves` together with the other processes (see the module docstring)."""
+    me = multihost.index()
+    stack = contextlib.ExitStack()
+    tmp = ""
+    if me == 0:
+        try:
+            tmp = stack.enter_context(publishing(final, overwrite=overwrite))
+        except Exception as error:
+            multihost.broadcast_text(f"error:{type(error).__name__}:{error}")
+            raise
+    told = multihost.broadcast_text(f"ok:{tmp}")
+    if told.startswith("error:"):
+        kind, _, message = told[6:].partition(":")
+        raise _error_class(kind)(f"process 0 could not start the save: {message}")
+    tmp = told[3:]
+    with stack:
+        mine = [leaf for leaf in leaves if me == 0 or _holds_shards(leaf)]
+        failed: BaseException | None = None
+        try:
+            base = fs.kvstore_spec(fs.join(tmp, orbax.process_folder(me)))
+            write_arrays(base, mine, scheduler, final)
+        except Exception as error:  # noqa: BLE001 - reported to every process below
+            failed = error
+        wrote = any(leaf.stored for leaf in mine)
+        flags = multihost.gather([int(failed is not None), int(wrote)])
+        if failed is not None:
+            raise failed
+        failing = [i for i, (bad, _) in enumerate(flags) if bad]
+        if failing:
+            raise LazyckptError(f"{final}: process(es) {failing} failed to write their shards")
+        if me != 0:
+            if multihost.any_failed(False):
+                raise LazyckptError(f"{final}: process 0 failed to merge and publish the save")
+            return
+        published = False
+        try:
+            writers = [i for i, (_, did) in enumerate(flags) if did]
+            _merge(tmp, writers, final)
+            write_metadata(tmp, final, leaves)
+            stack.close()  # publish: fsync and rename, or the bucket's commit marker
+            published = True
+        finally:
+            multihost.any_failed(not published)
+
+
+def _error_class(name: str) -> type[LazyckptError]:
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
+
+
+def _holds_shards(leaf: Planned) -> bool:
+    value = leaf.value
+    return isinstance(value, jax.Array) and any(
+        shard.replica_id == 0 for shard in value.addressable_shards
+    )
+
+
+def _merge(tmp: str, writers: list[int], final: str) -> None:
+    """Copy every writer's database into the root one (spec §4.1); large chunks stay
+    in the files where they were written."""
+    missing = [
+        i
+        for i in writers
+        if not fs.isfile(fs.join(fs.join(tmp, orbax.process_folder(i)), "manifest.ocdbt"))
+    ]
+    if missing:
+        raise LazyckptError(
+            f"{final}: process 0 cannot see what process(es) {missing} wrote under {tmp}; "
+            "every process must save to the same shared file system or bucket"
+        )
+    context = write_context()
+    root_spec = {"driver": "ocdbt", "base": fs.kvstore_spec(tmp)}
+    root = ts.KvStore.open({**root_spec, "config": OCDBT_CONFIG}, context=context).result()
+    for process in writers:
+        spec = {
+            "driver": "ocdbt",
+            "base": fs.kvstore_spec(fs.join(tmp, orbax.process_folder(process))),
+        }
+        source = ts.KvStore.open(spec, context=context).result()
+        source.experimental_copy_range_to(root).result()

@@ -1,0 +1,352 @@
+"""Opening safetensors files lazily: a file, or a Hugging Face model folder (sharded
+with `model.safetensors.index.json`), locally or in a bucket.
+
+Each tensor becomes a `LazyArray` whose stored array (`RangeArray`) reads byte ranges
+of its file through tensorstore's kvstore (file, s3, gcs): no mmap, so network
+filesystems and buckets behave. Its chunk grid cuts the tensor along its leading
+dimensions into runs of about `CHUNK_BYTES` that are contiguous in the file, so a
+read of a few embedding rows reads those rows' chunks and the engine's budget holds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.geometry import bounds
+from lazyckpt._array.selection import Selection
+from lazyckpt._array.tree import PathClash, nested
+from lazyckpt._engine.scheduler import in_pool
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors import format as st
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.kvstore import (
+    Store,
+    StoredArray,
+    changed_error,
+    from_one_generation,
+    ready,
+    then,
+)
+
+CHUNK_BYTES = 1 << 20
+"""About how many bytes of a tensor one chunk of its grid covers."""
+
+
+def is_safetensors(path: str) -> bool:
+    """Whether `path` is a safetensors file, or a folder of them without `_METADATA`."""
+    if path.endswith(st.SUFFIX):
+        return not fs.isdir(path)
+    if not fs.isdir(path):
+        return False
+    names = fs.listdir(path)
+    return "_METADATA" not in names and (
+        st.INDEX in names or any(name.endswith(st.SUFFIX) for name in names)
+    )
+
+
+def open_safetensors(path: str, *, flat: bool = False) -> Any:
+    """The tensors at `path` as a tree of LazyArrays: nested by the `.`-separated parts
+    of their names (`model.layers.0.q_proj.weight`), or flat by name."""
+    folder, files, index = _files(path)
+    weight_map = index[0] if index is not None else None
+    tensors = from_one_generation(
+        folder, lambda generation: _tensors(folder, files, weight_map, generation), files
+    )
+    return tensors if flat else nest(tensors, path)
+
+
+def metadata(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, or of all the files of a Hugging Face
+    model folder together with its index's `metadata`. Reads the headers only.
+
+    Args:
+        path: A `.safetensors` file or a model folder, local or `s3://` / `gs://`.
+        storage_options: As for `open`.
+
+    >>> out = lazyckpt.save(tmp / "w.safetensors", {"w": np.ones(2)}, metadata={"step": "3"})
+    >>> lazyckpt.safetensors_metadata(out)
+    {'step': '3'}
+    """
+    with fs.session(storage_options):
+        return _metadata(fs.normalize(path))
+
+
+def _metadata(path: str) -> dict[str, str]:
+    folder, files, index = _files(path)
+    out: dict[str, str] = dict(index[1]) if index is not None else {}
+    for header in _headers(folder, [name for name in files if name != st.INDEX]):
+        out.update(header.metadata)
+    return out
+
+
+def _files(
+    path: str,
+) -> tuple[str, tuple[str, ...], tuple[dict[str, str], dict[str, str]] | None]:
+    """The folder, the files that make up the model (the index first where there is
+    one), and the index's weight map and metadata (None without an index)."""
+    if path.endswith(st.SUFFIX) and not fs.isdir(path):
+        if not fs.isfile(path):
+            raise CheckpointNotFoundError(f"{path} does not exist; check the path")
+        return fs.dirname(path), (fs.basename(path),), None
+    names = fs.listdir(path)
+    if st.INDEX in names:
+        index = _index(path)
+        shards = sorted(set(index[0].values()))
+        missing = [shard for shard in shards if shard not in names]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{path}/{st.INDEX} names shards that are not in the folder: {missing[:5]}; "
+                "download or copy the model again"
+            )
+        return path, (st.INDEX, *shards), index
+    found = sorted(name for name in names if name.endswith(st.SUFFIX))
+    if st.SINGLE in found:
+        return path, (st.SINGLE,), None
+    if len(found) == 1:
+        return path, (found[0],), None
+    raise CorruptCheckpointError(
+        f"{path} holds several safetensors files {found[:5]} but no {st.INDEX} saying which "
+        "tensor is in which; open one file, or add the index"
+    )
+
+
+def _index(folder: str) -> tuple[dict[str, str], dict[str, str]]:
+    file = fs.join(folder, st.INDEX)
+    text = fs.read_text(file)
+    if text is None:
+        raise CheckpointNotFoundError(f"{file} does not exist")
+    return st.parse_index(file, text)
+
+
+def _tensors(
+    folder: str, files: tuple[str, ...], weight_map: dict[str, str] | None, generation: Any
+) -> dict[str, LazyArray]:
+    store = Store.open(folder, ocdbt=False, generation=generation, files=files)
+    shards = [name for name in files if name != st.INDEX]
+    headers = _headers(folder, shards, store)
+    by_name: dict[str, LazyArray] = {}
+    for shard, header in zip(shards, headers, strict=True):
+        file = fs.join(folder, shard)
+        for tensor in header.tensors:
+            if weight_map is not None and weight_map.get(tensor.name) != shard:
+                continue  # the index places it elsewhere (or nowhere): Hugging Face skips it
+            stored = RangeArray(
+                store,
+                tensor.name,
+                shard,
+                "safetensors",
+                tensor.shape,
+                tensor.dtype,
+                contiguous_chunks(tensor.shape, tensor.dtype.itemsize),
+                False,
+                start=tensor.start,
+                file=file,
+            )
+            by_name[tensor.name] = LazyArray(
+                path=(tensor.name,),
+                stored=stored,
+                selection=Selection.full(tensor.shape),
+                dtype=tensor.dtype.newbyteorder("="),
+            )
+    if weight_map is not None:
+        missing = [name for name in weight_map if name not in by_name]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{folder}/{st.INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
+                "whose headers do not hold them; download or copy the model again"
+            )
+        order = {name: i for i, name in enumerate(weight_map)}
+        by_name = dict(sorted(by_name.items(), key=lambda item: order[item[0]]))
+    return by_name
+
+
+def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> list[st.Header]:
+    """The parsed headers of `shards`, read concurrently: 8 bytes, then the JSON, then
+    one byte at the end of the data (that the file is not truncated)."""
+    store = store or Store.open(folder, ocdbt=False)
+    files = [fs.join(folder, shard) for shard in shards]
+    firsts = [
+        _read(store, shard, file, 0, 8, what="its header length")
+        for shard, file in zip(shards, files, strict=True)
+    ]
+    lengths = [st.header_length(f, first.result()) for f, first in zip(files, firsts, strict=True)]
+    texts = [
+        _read(store, shard, file, 8, 8 + length, what="its header")
+        for shard, file, length in zip(shards, files, lengths, strict=True)
+    ]
+    headers = [st.parse_header(f, text.result()) for f, text in zip(files, texts, strict=True)]
+    probes = [
+        _read(store, shard, file, header.end - 1, header.end, what="the end of its data")
+        for shard, file, header, length in zip(shards, files, headers, lengths, strict=True)
+        if header.end > 8 + length  # some tensor holds data
+    ]
+    for probe in probes:
+        probe.result()
+    return headers
+
+
+def _read(
+    store: Store, key: str, file: str, start: int, stop: int, *, what: str
+) -> ts.Future[bytes]:
+    """The bytes `[start, stop)` of `key`; a file too short for them is truncated."""
+    if stop > 1 << 62:
+        raise CorruptCheckpointError(
+            f"{file}: the header places {what} at byte {stop}; the header is damaged"
+        )
+
+    def value(result: Any) -> bytes:
+        if result.state != "value":
+            raise CheckpointNotFoundError(f"{file} does not exist")
+        return bytes(result.value)
+
+    def failed(error: Exception) -> Exception:
+        if "OUT_OF_RANGE" in str(error):
+            return CorruptCheckpointError(
+                f"{file} is too short for {what} (bytes {start} to {stop}); the file is "
+                "truncated, download or copy it again"
+            )
+        if store.changed():
+            return changed_error(store.location)
+        return (
+            fs.storage_error(file, error)
+            if fs.is_remote(file)
+            else CorruptCheckpointError(f"{file}: reading {what} failed ({error})")
+        )
+
+    return then(store.kvstore.read(key, byte_range=slice(start, stop)), value, failed)
+
+
+def contiguous_chunks(
+    shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES
+) -> tuple[int, ...]:
+    """A chunk shape `(1, ..., 1, k, full, ..., full)` of about `target` bytes: every
+    chunk is one contiguous run of the C-order bytes.
+
+    >>> contiguous_chunks((50257, 768), 4), contiguous_chunks((4, 8, 1 << 20), 2)
+    ((341, 768), (1, 1, 524288))
+    """
+    chunks = list(shape)
+    inner = itemsize
+    for dim in range(len(shape) - 1, -1, -1):
+        if inner * shape[dim] <= target:
+            inner *= max(shape[dim], 1)
+            continue
+        chunks[dim] = max(1, target // inner)
+        for before in range(dim):
+            chunks[before] = 1
+        break
+    return tuple(max(n, 1) for n in chunks)
+
+
+@attrs.frozen(eq=False)
+class RangeArray(StoredArray):
+    """A tensor stored as raw C-order little-endian bytes at `start` in its file."""
+
+    start: int = 0
+    file: str = ""
+
+    def _open_store(self) -> ts.Future[ts.TensorStore]:
+        return ready(
+            ts.virtual_chunked(
+                self._read_chunk,
+                dtype=ts.dtype(self.dtype.newbyteorder("=").name),
+                shape=self.shape,
+                chunk_layout=ts.ChunkLayout(read_chunk_shape=self.chunks),
+                context=self.store.context,
+            )
+        )
+
+    def _span(self, low: Sequence[int], high: Sequence[int]) -> tuple[int, int]:
+        """The file's bytes from element `low` to element `high` (inclusive), C order."""
+        first = int(np.ravel_multi_index(tuple(low), self.shape)) if self.shape else 0
+        last = int(np.ravel_multi_index(tuple(high), self.shape)) if self.shape else 0
+        size = self.dtype.itemsize
+        return self.start + first * size, self.start + (last + 1) * size
+
+    def _read_chunk(self, domain: ts.IndexDomain, array: np.ndarray, _: Any) -> ts.Future[None]:
+        """Fill one chunk of the grid from its byte range. Returns a future instead of
+        waiting: a storage client whose threads all waited here would never answer."""
+        low = [d.inclusive_min for d in domain]
+        high = [d.exclusive_max - 1 for d in domain]
+        start, stop = self._span(low, high)
+
+        def fill(result: Any) -> None:
+            if result.state != "value" or len(result.value) != stop - start:
+                raise CorruptCheckpointError(
+                    f"{self.file}: tensor {self.key!r} needs bytes {start} to {stop}, but "
+                    "the file ends before; it was truncated since it was opened"
+                )
+            array[...] = np.frombuffer(result.value, self.dtype).reshape(array.shape)
+
+        return then(self.store.kvstore.read(self.name, byte_range=slice(start, stop)), fill)
+
+    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
+        """The view's elements. Where the whole leading-dimension rows it touches are
+        little more than the view (a few embedding rows), they are read as one byte
+        range; otherwise by chunks."""
+        shape = selection.shape
+        box = bounds(selection)
+        if not self.shape or 0 in shape or any(high <= low for low, high in box):
+            return super().read(selection)
+        rows = box[0][1] - box[0][0]
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        wanted = math.prod(shape) * self.dtype.itemsize
+        if rows * row_bytes > max(2 * wanted, CHUNK_BYTES):
+            return super().read(selection)
+        first = box[0][0]
+        start = self.start + first * row_bytes
+
+        def pick(result: Any) -> np.ndarray:
+            block = np.frombuffer(result.value, self.dtype).reshape((rows, *self.shape[1:]))
+            index = _indices(selection)
+            index[0] = index[0] - first
+            picked = block[np.ix_(*index)].astype(self.dtype.newbyteorder("="))
+            return np.ascontiguousarray(picked).reshape(shape)
+
+        def run() -> np.ndarray:
+            # On lazyckpt's threads, never the storage client's: what callers chain on
+            # this future (a check that the file is unchanged) may ask storage again.
+            span = slice(start, start + rows * row_bytes)
+            try:
+                result = self.store.kvstore.read(self.name, byte_range=span).result()
+            except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+                raise self.read_error(error) from None
+            return pick(result)
+
+        return in_pool(run)
+
+
+def _indices(selection: Selection) -> list[np.ndarray]:
+    """Per stored dimension, the stored indices the view reads, in view order."""
+    out = []
+    for entry in selection.stored:
+        if isinstance(entry, int):
+            out.append(np.array([entry]))
+        else:
+            out.append(entry.start + entry.step * np.arange(entry.count))
+    return out
+
+
+def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, Any]:
+    """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`.
+    A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
+    try:
+        return nested(
+            (tuple(name.split(".")), attrs.evolve(leaf, path=tuple(name.split("."))), name)
+            for name, leaf in tensors.items()
+        )
+    except PathClash as clash:
+        raise CorruptCheckpointError(
+            f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
+            "nested by '.' (one is a prefix of the other); open it with flat=True"
+        ) from None

@@ -1,0 +1,261 @@
+"""Writing safetensors: one file, or Hugging Face's sharded layout, streamed.
+
+LazyArrays stream block by block through the read engine within the budget, each
+stored chunk read once; `jax.Array`s are written from their addressable shards (each
+distinct shard once), NumPy arrays whole. Every block goes straight to its place in
+the file (`pwrite`), so nothing holds a whole tensor. A local save is written into a
+temporary name and renamed into place; in a bucket, each file is uploaded in one
+request from memory, and the index goes last, so a model whose upload stopped part
+way never opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyckpt._array.compose import stores
+from lazyckpt._array.tree import leaves
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._errors import CheckpointExistsError, UnsavableError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors import format as st
+from lazyckpt._storage import multihost
+from lazyckpt._storage import paths as fs
+from lazyckpt._storage.kvstore import check_unchanged
+from lazyckpt._storage.publish import publishing
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's default `max_shard_size` ("5GB")."""
+DEFAULT_METADATA = {"format": "pt"}
+"""What `transformers` expects in `__metadata__` to load a file."""
+
+
+@attrs.frozen
+class _Entry:
+    name: str
+    path: str
+    """The key path in the tree being saved."""
+    value: Any
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@attrs.frozen
+class _File:
+    name: str
+    entries: tuple[_Entry, ...]
+    """In the order of their bytes: larger items first, so each starts aligned."""
+    header: bytes
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        out, offset = {}, len(self.header)
+        for entry in self.entries:
+            out[entry.name] = offset
+            offset += entry.nbytes
+        return out
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(entry.nbytes for entry in self.entries)
+
+
+def save_safetensors(
+    path: str,
+    tree: Any,
+    *,
+    max_shard_size: int | None,
+    metadata: Mapping[str, str] | None,
+    memory_budget: int | None,
+    overwrite: bool,
+    progress: bool | None,
+) -> str:
+    if multihost.count() > 1:
+        raise UnsavableError(
+            f"{path}: saving safetensors in a run of {multihost.count()} processes is not "
+            "supported (one process writes a file); save an Orbax checkpoint, or convert "
+            "one afterwards from a single process"
+        )
+    entries = _entries(tree)
+    meta = dict(DEFAULT_METADATA if metadata is None else metadata)
+    single = path.endswith(st.SUFFIX)
+    limit = DEFAULT_SHARD_BYTES if max_shard_size is None else max_shard_size
+    groups = [list(entries)] if single else _shards(entries, limit)
+    if single:
+        names = [fs.basename(path)]
+    elif len(groups) == 1:
+        names = [st.SINGLE]
+    else:
+        names = [st.shard_name(i + 1, len(groups)) for i in range(len(groups))]
+    files = [_file(name, group, meta) for name, group in zip(names, groups, strict=True)]
+    index = (
+        st.index_json(
+            {entry.name: file.name for file in files for entry in file.entries},
+            sum(entry.nbytes for entry in entries),
+            meta,
+        )
+        if len(files) > 1
+        else None
+    )
+    bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
+    with _destination(path, single, overwrite) as write:
+        for file in files:
+            write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
+        if index is not None:
+            write(st.INDEX, lambda out: out.write(index.encode()))
+    if bar is not None:
+        bar.close()
+    return path
+
+
+def _entries(tree: Any) -> list[_Entry]:
+    out: list[_Entry] = []
+    by_name: dict[str, str] = {}
+    for key, leaf in leaves(tree):
+        name = key.replace("/", ".")
+        where = key or "(the root)"
+        if (isinstance(leaf, LazyArray) and leaf.key_impl) or (
+            isinstance(leaf, jax.Array) and (jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+        ):
+            raise UnsavableError(
+                f"{where} holds typed PRNG keys, which safetensors cannot represent; save "
+                "jax.random.key_data(...) instead, or leave it out with select"
+            )
+        if not isinstance(leaf, LazyArray | jax.Array | np.ndarray | np.generic):
+            raise UnsavableError(
+                f"{where} holds the {type(leaf).__name__} {str(leaf)[:40]!r}, not an array: "
+                "safetensors holds arrays only; leave it out with select, or pass it as "
+                "metadata"
+            )
+        dtype = np.dtype(leaf.dtype)
+        if st.dtype_name(dtype) is None:
+            raise UnsavableError(
+                f"{where} has dtype {dtype}, which safetensors has no name for; cast it "
+                f"(astype) to one of {', '.join(str(d) for d in st.DTYPES.values())}"
+            )
+        if name in by_name:
+            raise UnsavableError(
+                f"{by_name[name]!r} and {key!r} would both be saved as {name!r}; rename one"
+            )
+        by_name[name] = key
+        out.append(_Entry(name, key, leaf, dtype.newbyteorder("="), tuple(leaf.shape)))
+    return out
+
+
+def _shards(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
+    """Tensors in tree order, a new shard whenever the next would pass `limit` (a
+    tensor larger than that gets a shard of its own), as `transformers` shards."""
+    groups: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if groups[-1] and size + entry.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    return groups
+
+
+def _file(name: str, entries: Sequence[_Entry], metadata: Mapping[str, str]) -> _File:
+    ordered = tuple(sorted(entries, key=lambda e: -e.dtype.itemsize))
+    header = st.encode_header(((e.name, e.dtype, e.shape, e.nbytes) for e in ordered), metadata)
+    return _File(name, ordered, header)
+
+
+def _write_file(out: Any, file: _File, memory_budget: int | None, bar: Progress | None) -> None:
+    """Write `file` to the open binary file `out`: the header, then every tensor's
+    bytes at its offset, block by block."""
+    fd = out.fileno()
+    os.ftruncate(fd, file.size)
+    os.pwrite(fd, file.header, 0)
+    offsets = file.offsets
+    lazy = [e for e in file.entries if isinstance(e.value, LazyArray)]
+    for entry in file.entries:
+        if isinstance(entry.value, jax.Array):
+            for shard in entry.value.addressable_shards:
+                if shard.replica_id == 0:
+                    _put(fd, offsets[entry.name], entry, shard.index, np.asarray(shard.data))
+                    if bar is not None:
+                        bar.advance(shard.data.nbytes)
+        elif not isinstance(entry.value, LazyArray):
+            _put(fd, offsets[entry.name], entry, (), np.asarray(entry.value))
+            if bar is not None:
+                bar.advance(entry.nbytes)
+    arrays = [e.value for e in lazy]
+    for position, index, values in iter_blocks(arrays, memory_budget, bar):
+        entry = lazy[position]
+        _put(fd, offsets[entry.name], entry, index, values)
+    check_unchanged(stores(arrays))
+
+
+def _put(fd: int, start: int, entry: _Entry, index: tuple[Any, ...], values: np.ndarray) -> None:
+    """Write the block `values` of `entry` at `index` into the file, as runs of its
+    C-order bytes."""
+    shape = entry.shape
+    box = [
+        (s.start or 0, shape[d] if s.stop is None else s.stop)
+        for d, s in enumerate(index + (slice(None),) * (len(shape) - len(index)))
+    ]
+    data = np.ascontiguousarray(values, dtype=entry.dtype)
+    if data.size == 0:
+        return
+    if sys.byteorder == "big":  # safetensors is little-endian
+        data = data.byteswap()
+    itemsize = entry.dtype.itemsize
+    # The trailing dimensions the block covers whole, and the one before them: each run
+    # of the file's bytes is a row of those.
+    split = len(shape)
+    while split > 0 and box[split - 1] == (0, shape[split - 1]):
+        split -= 1
+    run_dims = max(split - 1, 0)
+    rows = data.reshape((*data.shape[:run_dims], -1))
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    for position in np.ndindex(*data.shape[:run_dims]):
+        first = sum((box[d][0] + position[d]) * strides[d] for d in range(run_dims))
+        first += sum(box[d][0] * strides[d] for d in range(run_dims, len(shape)))
+        run = rows[position]
+        os.pwrite(fd, run.view(np.uint8).data, start + first * itemsize)
+
+
+@contextlib.contextmanager
+def _destination(path: str, single: bool, overwrite: bool) -> Iterator[Any]:
+    """`write(name, fill)`, which creates the file `name` of the model with
+    `fill(binary_file)`; on a clean exit the files are published at `path` (see
+    `publishing`). In a bucket each file is built in a local scratch file, then
+    uploaded in one request."""
+    remote = fs.is_remote(path)
+    if remote and single and fs.isfile(path) and not overwrite:
+        raise CheckpointExistsError(
+            f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
+            "choose a new path"
+        )
+    with publishing(path, overwrite=overwrite, file=single) as tmp:
+
+        def write(name: str, fill: Any) -> None:
+            target = tmp if single else fs.join(tmp, name)
+            if not remote:
+                with open(target, "wb") as out:
+                    fill(out)
+                return
+            with tempfile.TemporaryFile() as scratch:
+                fill(scratch)
+                scratch.seek(0)
+                fs.write_bytes(target, scratch.read())
+
+        yield write

@@ -1,0 +1,314 @@
+"""The one I/O core: a checkpoint item's kvstore, and reads of stored arrays.
+
+Everything here returns tensorstore futures, so callers either `.result()` them or
+`await` them; the sync and async faces of lazyckpt share this single implementation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.selection import Selection
+from lazyckpt._engine.memory import check_fits
+from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
+from lazyckpt._orbax.zarr import ChunkKeys, Codec
+from lazyckpt._storage import paths as fs
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+# The OCDBT b-tree and inline zarr metadata are read once and kept in this pool, so
+# that opening arrays after `open` does not read them again. Chunk data goes through
+# the default pool, which caches nothing: a read returns bytes straight from storage.
+_METADATA_CACHE_BYTES = 64 << 20
+
+
+def then(
+    future: ts.Future[T],
+    fn: Callable[[T], U | ts.Future[U]],
+    on_error: Callable[[Exception], Exception] | None = None,
+) -> ts.Future[U]:
+    """A future of `fn(result)`; if `fn` returns a future, of that future's result.
+
+    `on_error` turns a failure of `future` into the exception the caller should see.
+    """
+    promise: ts.Promise[U]
+    chained: ts.Future[U]
+    promise, chained = ts.Promise.new()
+
+    def settle(done: ts.Future[Any]) -> None:
+        try:
+            result = done.result()
+        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+            promise.set_exception(on_error(error) if on_error else error)
+            return
+        try:
+            value = fn(result)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
+            promise.set_exception(error)
+            return
+        if isinstance(value, ts.Future):
+            value.add_done_callback(lambda inner: _forward(inner, promise))
+        else:
+            promise.set_result(value)
+
+    future.add_done_callback(settle)
+    return chained
+
+
+def _forward(done: ts.Future[Any], promise: ts.Promise[Any]) -> None:
+    try:
+        promise.set_result(done.result())
+    except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
+        promise.set_exception(error)
+
+
+def ready(value: T) -> ts.Future[T]:
+    """A future that already holds `value`."""
+    promise: ts.Promise[T]
+    future: ts.Future[T]
+    promise, future = ts.Promise.new()
+    promise.set_result(value)
+    return future
+
+
+def changed_error(location: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"{location} was overwritten or changed since it was opened, so what was read "
+        "might mix the old checkpoint and the new one; open it again"
+    )
+
+
+def from_one_generation(
+    folder: str, read: Callable[[tuple[Any, ...]], T], files: tuple[str, ...] = fs.GENERATION_FILES
+) -> T:
+    """`read(generation)`, from one generation of the checkpoint in `folder`: when the
+    checkpoint is replaced meanwhile (its `files` vanish or disagree), read again,
+    once; a second change raises `CheckpointChangedError`, never a mix."""
+    for _ in range(2):
+        before = fs.generation(folder, files)
+        try:
+            result = read(before)
+        except LazyckptError:
+            if fs.generation(folder, files) == before:
+                raise
+            continue  # files vanished or disagreed because a save replaced them: again
+        if fs.generation(folder, files) == before:
+            return result
+    raise changed_error(folder)
+
+
+def check_unchanged(stores: Iterable[Store]) -> None:
+    """After a read: that none of the checkpoints it read from changed meanwhile."""
+    for store in {id(store): store for store in stores}.values():
+        store.check_unchanged()
+
+
+@attrs.frozen(eq=False)
+class Store:
+    """Where one PyTree item's arrays live, and the context used to read them."""
+
+    location: str
+    ocdbt: bool
+    context: ts.Context = attrs.field(repr=False)
+    kvstore_spec: dict[str, Any] = attrs.field(repr=False)
+    kvstore: ts.KvStore = attrs.field(repr=False)
+    generation: tuple[Any, ...] = attrs.field(default=(), repr=False)
+    """The checkpoint's `fs.generation` when it was opened."""
+    files: tuple[str, ...] = attrs.field(default=fs.GENERATION_FILES, repr=False)
+    """The files whose identity makes up the generation."""
+
+    def changed(self) -> bool:
+        """Whether the checkpoint was replaced or rewritten since it was opened."""
+        return bool(self.generation) and (
+            fs.generation(self.location, self.files) != self.generation
+        )
+
+    def check_unchanged(self) -> None:
+        """Raise `CheckpointChangedError` if the checkpoint changed since it was opened:
+        what was read may mix the old checkpoint and the new one."""
+        if self.changed():
+            raise changed_error(self.location)
+
+    @classmethod
+    def open(
+        cls,
+        location: str,
+        *,
+        ocdbt: bool,
+        generation: tuple[Any, ...] = (),
+        files: tuple[str, ...] = fs.GENERATION_FILES,
+    ) -> Store:
+        context = ts.Context(
+            {
+                "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
+                # More decode tasks than cores, so that reading and decoding overlap;
+                # memory stays bounded by the read engine's budget.
+                "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+            }
+        )
+        base = fs.kvstore_spec(location)
+        spec = (
+            {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}
+            if ocdbt
+            else base
+        )
+        try:
+            kvstore = ts.KvStore.open(spec, context=context).result()
+        except Exception as error:
+            if not fs.is_remote(location):
+                raise
+            raise fs.storage_error(location, error) from None
+        return cls(location, ocdbt, context, spec, kvstore, generation, files)
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """The keys under `prefix` (every key when it is empty), in no order."""
+        start = prefix.encode()
+        end = start[:-1] + bytes([start[-1] + 1]) if start else b""
+        try:
+            found = self.kvstore.list(ts.KvStore.KeyRange(start, end)).result()
+        except ValueError as error:
+            if self.changed():
+                raise changed_error(self.location) from None
+            raise CorruptCheckpointError(
+                f"{self.location}: listing {prefix!r} in the "
+                f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); the "
+                "checkpoint's files are missing or damaged, copy it again"
+            ) from error
+        return [key.decode("utf-8", errors="replace") for key in found]
+
+    def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of `keys` (None where missing), read together in one batch."""
+        with ts.Batch() as batch:
+            futures = [self.kvstore.read(key, batch=batch) for key in keys]
+        results = []
+        for key, future in zip(keys, futures, strict=True):
+            try:
+                result = future.result()
+            except ValueError as error:
+                if self.changed():
+                    raise changed_error(self.location) from None
+                raise CorruptCheckpointError(
+                    f"{self.location}: reading {key!r} from the "
+                    f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); "
+                    "the checkpoint's data files are missing or damaged, copy it again"
+                ) from error
+            results.append(result.value if result.state == "value" else None)
+        return results
+
+
+@attrs.frozen(eq=False)
+class StoredArray:
+    """One array as stored: its zarr driver, shape, dtype and chunking."""
+
+    store: Store = attrs.field(repr=False)
+    key: str
+    name: str
+    driver: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    chunks: tuple[int, ...]
+    fill_missing: bool
+    inline: np.ndarray | None = attrs.field(default=None, repr=False)
+    """The values themselves, for arrays kept in the legacy msgpack file."""
+    codec: Codec | None = attrs.field(default=None, repr=False)
+    """How its chunks are encoded, where lazyckpt decodes them itself."""
+    checksummed: bool = attrs.field(default=False, repr=False)
+    """Whether its chunks carry checksums that reading verifies (`ZarrInfo`)."""
+    keys: ChunkKeys | None = attrs.field(default=None, repr=False)
+    """Where its chunks are stored, when lazyckpt knows the key encoding."""
+    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    def open(self) -> ts.Future[ts.TensorStore]:
+        """Open the array once; later calls share the same future.
+
+        Only for tensorstore's reads, which decode a stored chunk whole: a chunk that
+        cannot fit in memory is refused before tensorstore would try (and abort)."""
+        if self.inline is None:
+            chunk = math.prod(self.chunks) * self.dtype.itemsize
+            check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
+        with self._lock:
+            if not self._opened and self.inline is not None:
+                self._opened.append(ready(ts.array(self.inline)))
+            elif not self._opened:
+                self._opened.append(then(self._open_store(), self._check, self.read_error))
+            return self._opened[0]
+
+    def _open_store(self) -> ts.Future[ts.TensorStore]:
+        """The array as a TensorStore, through its zarr driver."""
+        return ts.open(self._spec(), context=self.store.context, open=True)
+
+    def _spec(self) -> dict[str, Any]:
+        kvstore = dict(self.store.kvstore_spec)
+        if self.name:
+            kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"
+        return {
+            "driver": self.driver,
+            "kvstore": kvstore,
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+            "fill_missing_data_reads": self.fill_missing,
+        }
+
+    def _check(self, opened: ts.TensorStore) -> ts.TensorStore:
+        found = (tuple(opened.shape), opened.dtype.numpy_dtype)
+        if found != (self.shape, self.dtype):
+            raise CorruptCheckpointError(
+                f"{self.store.location}: array {self.key!r} changed on disk: expected "
+                f"shape {self.shape} and dtype {self.dtype}, found {found[0]} and {found[1]}; "
+                "open the checkpoint again"
+            )
+        return opened
+
+    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
+        """Read exactly the stored elements that `selection` picks, as its view."""
+        shape = selection.shape
+        check_fits(f"reading {self.key!r} {shape}", math.prod(shape) * self.dtype.itemsize)
+        if 0 in shape:
+            return ready(np.empty(shape, self.dtype))
+        index: list[int | slice] = []
+        flips: list[int] = []
+        for stored in selection.stored:
+            if isinstance(stored, int):
+                index.append(stored)
+                continue
+            low, high = stored.bounds
+            if stored.step < 0:
+                flips.append(sum(isinstance(i, slice) for i in index))
+            index.append(slice(low, high, abs(stored.step)))
+
+        def finish(data: np.ndarray) -> np.ndarray:
+            if flips:
+                data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
+            return data.reshape(shape)
+
+        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
+
+    def read_error(self, error: Exception) -> Exception:
+        """The error to show for a failed read of this array's data: that the checkpoint
+        was replaced, where it was, else that its files are damaged."""
+        if self.store.changed():
+            return changed_error(self.store.location)
+        if isinstance(error, LazyckptError):
+            return error
+        return CorruptCheckpointError(
+            f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
+            f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
+        )
+
+
+def stored_array(array: Any) -> StoredArray:
+    """The `StoredArray` behind a view of one, for code that reads stored arrays
+    (composed views are lowered into such views before they get there)."""
+    stored = array.stored
+    assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
+    return stored

@@ -1,0 +1,153 @@
+"""Checkpoint folders on a local (or mounted) file system, for `lazyckpt._storage.paths`."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+from lazyckpt._errors import CorruptCheckpointError, StorageAccessError
+
+
+class LocalFolders:
+    """`lazyckpt._storage.paths.Storage` for local paths: `os` calls, files read only when they
+    are regular files (a link to /dev/zero or a FIFO in a checkpoint is refused, never
+    read or waited on)."""
+
+    atomic_rename = True
+
+    def join(self, path: str, name: str) -> str:
+        return os.path.join(path, name)
+
+    def basename(self, path: str) -> str:
+        return os.path.basename(path)
+
+    def dirname(self, path: str) -> str:
+        return os.path.dirname(path)
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        return {"driver": "file", "path": path + "/"}
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def read_bytes(self, path: str, limit: int) -> bytes | None:
+        try:
+            # Non-blocking, so that opening a FIFO does not wait for a writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as error:
+            raise CorruptCheckpointError(
+                f"{path} cannot be read ({error.strerror}); check its permissions"
+            ) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            if stat.S_ISDIR(info.st_mode):
+                return None
+            raise CorruptCheckpointError(
+                f"{path} is not a regular file ({_kind(info.st_mode)}); a checkpoint's "
+                "files are plain files: the checkpoint is damaged or hostile, refusing to "
+                "read it"
+            )
+        with os.fdopen(fd, "rb") as f:
+            check_size(path, info.st_size, limit)
+            data = f.read(info.st_size + 1)  # (read asks for its size up front: not limit)
+            check_size(path, len(data), limit)
+            return data
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def make_folder(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def delete_folder(self, path: str) -> None:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+
+    def probe_write(self, path: str) -> None:
+        probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"
+        try:
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as error:
+            raise StorageAccessError(
+                f"{path}: cannot write beside it ({error.strerror}); check the folder's "
+                "permissions and free space"
+            ) from None
+
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[Any, ...]:
+        """The folder's inode, and its metadata files' inodes, times and sizes (a few
+        stats): a save with overwrite=True renames a new folder into place."""
+        try:
+            top = os.stat(folder)
+        except OSError:
+            return (None,)
+        found: list[Any] = [(top.st_dev, top.st_ino)]
+        for name in files:
+            try:
+                info = os.stat(os.path.join(folder, name))
+                found.append((info.st_ino, info.st_mtime_ns, info.st_size))
+            except OSError:
+                found.append(None)
+        return tuple(found)
+
+    def links_outside(self, folder: str) -> list[tuple[str, str]]:
+        root = os.path.realpath(folder)
+        found = []
+        todo = [folder]
+        while todo:
+            current = todo.pop()
+            try:
+                entries = list(os.scandir(current))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    target = os.path.realpath(entry.path)
+                    if target != root and not target.startswith(root + os.sep):
+                        found.append((os.path.relpath(entry.path, folder), target))
+                elif entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+        return sorted(found)
+
+    def walk_files(self, path: str) -> Iterator[str]:
+        for folder, _, files in os.walk(path):
+            for name in files:
+                yield os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")
+
+
+def check_size(path: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{path} holds more than {limit} bytes, more than such a file can need; the "
+            "checkpoint is damaged or hostile, refusing to read it"
+        )
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"

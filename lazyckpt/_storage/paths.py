@@ -1,0 +1,217 @@
+"""Paths on local disk and in object storage, behind one small protocol.
+
+Every checkpoint path is a local path or an `s3://bucket/prefix` or
+`gs://bucket/prefix` URL. What lazyckpt asks of storage is the `Storage` protocol,
+which two backends implement: `LocalFolders` (`lazyckpt._storage.local`, through `os`) and
+`BucketFolders` (`lazyckpt._storage.bucket`, through tensorstore's kvstores). The functions
+here pick the backend by the path's scheme, in one place (`storage`), and validate
+what is read at the boundary: metadata files are read only up to `METADATA_LIMIT`,
+and text must be UTF-8.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt._storage.bucket import SCHEMES, BucketFolders
+from lazyckpt._storage.bucket import session as _bucket_session
+from lazyckpt._storage.bucket import storage_error as storage_error
+from lazyckpt._storage.local import LocalFolders
+
+METADATA_LIMIT = 1 << 30
+"""The largest metadata file (`_METADATA`, `_sharding`, `_strings.json`...) read: 1 GiB,
+about five million leaves' worth; anything larger is damage, or hostile."""
+
+GENERATION_FILES = ("_METADATA", "manifest.ocdbt", "_sharding", "_strings.json", "checkpoint")
+"""The files whose identity makes a checkpoint's generation (see `generation`)."""
+
+
+class Storage(Protocol):
+    """What lazyckpt needs of a place that holds checkpoint folders."""
+
+    atomic_rename: bool
+    """Whether a folder renamed into place is published whole (local file systems).
+    Where not (object storage), a save commits by writing `commit_success.txt` last,
+    and only folders holding it are finished."""
+
+    def join(self, path: str, name: str) -> str: ...
+    def basename(self, path: str) -> str: ...
+    def dirname(self, path: str) -> str: ...
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        """The tensorstore kvstore spec of the folder `path`."""
+        ...
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly inside the folder `path`, sorted."""
+        ...
+
+    def isdir(self, path: str) -> bool: ...
+    def isfile(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool: ...
+
+    def read_bytes(self, path: str, limit: int) -> bytes | None:
+        """The file's contents, or None if it does not exist; more than `limit` bytes,
+        or anything but a plain file, is a `CorruptCheckpointError`."""
+        ...
+
+    def write_bytes(self, path: str, data: bytes) -> None: ...
+
+    def make_folder(self, path: str) -> None:
+        """Make the folder `path` (and its parents) if it does not exist."""
+        ...
+
+    def delete_folder(self, path: str) -> None:
+        """Delete the folder `path` and all it holds."""
+        ...
+
+    def probe_write(self, path: str) -> None:
+        """Raise `StorageAccessError` unless files can be written beside `path`."""
+        ...
+
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[Any, ...]:
+        """What identifies the folder's contents now: it changes when the folder is
+        replaced or `files` in it are rewritten."""
+        ...
+
+    def links_outside(self, folder: str) -> list[tuple[str, str]]:
+        """Symbolic links under `folder` that resolve outside it, as (link, target)."""
+        ...
+
+    def walk_files(self, path: str) -> Iterator[str]:
+        """Paths of every file under the folder `path`, relative to it, with '/'."""
+        ...
+
+
+_LOCAL: Storage = LocalFolders()
+_BUCKETS: Storage = BucketFolders()
+
+
+def atomic_rename(path: str) -> bool:
+    """Whether saves to `path` publish by renaming a folder into place (see `Storage`)."""
+    return storage(path).atomic_rename
+
+
+def is_remote(path: str) -> bool:
+    return path.split("://", 1)[0] in SCHEMES if "://" in path else False
+
+
+def storage(path: str) -> Storage:
+    """The backend that holds `path`."""
+    return _BUCKETS if is_remote(path) else _LOCAL
+
+
+def session(options: Mapping[str, Any] | None = None) -> AbstractContextManager[None]:
+    """Within: bucket listings are cached, and `options` (`storage_options`) apply to
+    bucket paths."""
+    return _bucket_session(options)
+
+
+def normalize(path: str | os.PathLike[str]) -> str:
+    """An absolute local path, or a bucket URL without trailing slashes."""
+    text = os.fspath(path)
+    if is_remote(text):
+        scheme, rest = text.split("://", 1)
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise CheckpointNotFoundError(
+                f"{text}: the URL names no bucket ({scheme}://BUCKET/...)"
+            )
+        prefix = posixpath.normpath(prefix).lstrip("/") if prefix.strip("/") else ""
+        if prefix == ".." or prefix.startswith("../"):
+            raise CheckpointNotFoundError(
+                f"{text}: '..' would leave the bucket {bucket!r}; write the path inside it"
+            )
+        return f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
+    if "://" in text:
+        raise CheckpointNotFoundError(
+            f"{text}: lazyckpt reads local paths, s3:// and gs:// URLs; "
+            f"{text.split('://', 1)[0]}:// is not one of them"
+        )
+    return os.path.abspath(text)
+
+
+def join(path: str, name: str) -> str:
+    return storage(path).join(path, name)
+
+
+def basename(path: str) -> str:
+    return storage(path).basename(path)
+
+
+def dirname(path: str) -> str:
+    return storage(path).dirname(path)
+
+
+def kvstore_spec(path: str) -> dict[str, Any]:
+    return storage(path).kvstore_spec(path)
+
+
+def listdir(path: str) -> list[str]:
+    return storage(path).listdir(path)
+
+
+def isdir(path: str) -> bool:
+    return storage(path).isdir(path)
+
+
+def isfile(path: str) -> bool:
+    return storage(path).isfile(path)
+
+
+def exists(path: str) -> bool:
+    return storage(path).exists(path)
+
+
+def read_bytes(path: str, limit: int = METADATA_LIMIT) -> bytes | None:
+    return storage(path).read_bytes(path, limit)
+
+
+def read_text(path: str, limit: int = METADATA_LIMIT) -> str | None:
+    """The file's text (UTF-8), or None if it does not exist; see `read_bytes`."""
+    data = read_bytes(path, limit)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CorruptCheckpointError(
+            f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); the file is "
+            "damaged, copy the checkpoint again"
+        ) from None
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    storage(path).write_bytes(path, data)
+
+
+def make_folder(path: str) -> None:
+    storage(path).make_folder(path)
+
+
+def delete_folder(path: str) -> None:
+    storage(path).delete_folder(path)
+
+
+def probe_write(path: str) -> None:
+    storage(path).probe_write(path)
+
+
+def generation(folder: str, files: tuple[str, ...] = GENERATION_FILES) -> tuple[Any, ...]:
+    """What identifies the checkpoint in `folder` as it is now. It changes when the
+    checkpoint is replaced (a save with overwrite=True) or its metadata (`files`)
+    rewritten."""
+    return storage(folder).generation(folder, files)
+
+
+def links_outside(folder: str) -> list[tuple[str, str]]:
+    return storage(folder).links_outside(folder)
+
+
+def walk_files(path: str) -> Iterator[str]:
+    return storage(path).walk_files(path)

@@ -1,0 +1,337 @@
+"""Publishing a checkpoint atomically: build it in a temporary folder, rename it in.
+
+The temporary folder sits next to the destination and its name contains Orbax's
+`.orbax-checkpoint-tmp` marker, so lazyckpt, Orbax and CheckpointManager all treat
+it as unfinished and never open or list it. A save killed at any moment leaves
+either no checkpoint at the destination or a complete one. Temporary names are
+unique per save, so a leftover never blocks a later save; the next successful
+save to the same destination deletes leftovers whose process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Iterator
+
+from lazyckpt._errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    LazyckptError,
+    StorageAccessError,
+    warn,
+)
+from lazyckpt._orbax.layout import is_pytree_dir
+from lazyckpt._orbax.metadata import TMP_MARKER, is_unfinished
+from lazyckpt._safetensors.read import is_safetensors
+from lazyckpt._storage import paths as fs
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
+_AT_FDCWD = -100
+
+
+def _tmp_prefix(final: str) -> str:
+    return f"{final}{TMP_MARKER}-lazyckpt-{socket.gethostname()}-"
+
+
+@contextlib.contextmanager
+def publishing(final: str, *, overwrite: bool, file: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary folder (with `file=True`, the path of a file to write);
+    on a clean exit, make it `final`.
+
+    Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
+    exception the temporary folder is removed and `final` is untouched. In a bucket
+    the files are written in place (see `_publishing_to_bucket`).
+    """
+    if is_unfinished(fs.basename(final)):
+        raise LazyckptError(
+            f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
+            "never read; choose another name"
+        )
+    if not fs.atomic_rename(final):
+        with _publishing_to_bucket(final, overwrite=overwrite):
+            yield final
+        return
+    _check_destination(final, overwrite, file)
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    except OSError as error:
+        raise LazyckptError(
+            f"{final}: cannot create the folder it goes in ({error}); choose a path whose "
+            "parent is, or can be, a folder"
+        ) from None
+    tmp = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        if not file:
+            os.mkdir(tmp)
+    except OSError as error:
+        raise write_error(final, error) from None
+    try:
+        yield tmp
+        _sync_tree(tmp)
+        _publish(tmp, final, overwrite)
+    except OSError as error:
+        _delete_quietly(tmp)
+        if isinstance(error, LazyckptError):
+            raise
+        raise write_error(final, error) from None
+    except BaseException:
+        _delete_quietly(tmp)
+        raise
+    _sync_dir(os.path.dirname(final))
+    _remove_leftovers(final)
+
+
+@contextlib.contextmanager
+def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
+    """Object stores have no rename: write in place, `commit_success.txt` last (the
+    caller's last write), as Orbax does. Until that file exists, readers treat the
+    folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
+    there is not atomic: the old one is deleted (its commit marker first) before the
+    new one is written."""
+    existing = fs.listdir(final) if fs.isdir(final) else []
+    if existing:
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{final} already exists ({len(existing)} entries); pass overwrite=True "
+                "(--overwrite) to replace it, or choose a new path"
+            )
+        if not _is_checkpoint(final):
+            raise CheckpointExistsError(
+                f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
+                "only checkpoints, delete it yourself if it should go"
+            )
+        # Before deleting anything: can we write here at all?
+        fs.probe_write(final)
+        fs.delete_folder(final)  # commit_success.txt goes first: never half old, half new
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.delete_folder(final)
+        raise
+
+
+def _check_destination(final: str, overwrite: bool, file: bool) -> None:
+    if not os.path.lexists(final):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
+            "or choose a new path"
+        )
+    if file:
+        if not os.path.isfile(final) or os.path.islink(final) or not is_safetensors(final):
+            raise CheckpointExistsError(
+                f"{final} exists and is not a safetensors file; lazyckpt replaces only "
+                "checkpoints, delete it yourself if it should go"
+            )
+        _check_writable(final, os.path.dirname(final))
+        return
+    if not os.path.isdir(final) or os.path.islink(final):
+        raise CheckpointExistsError(
+            f"{final} exists and is not a folder; lazyckpt replaces only checkpoints, "
+            "delete it yourself if it should go"
+        )
+    if os.listdir(final) and not _is_checkpoint(final):
+        raise CheckpointExistsError(
+            f"{final} exists and does not look like a checkpoint (no _METADATA, "
+            "_CHECKPOINT_METADATA or OCDBT database); lazyckpt replaces only "
+            "checkpoints, delete it yourself if it should go"
+        )
+    _check_removable(final)
+
+
+def write_error(final: str, error: OSError) -> LazyckptError:
+    """The error for a file system failure while saving to `final`."""
+    where = error.filename or final
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageAccessError(
+            f"{final}: cannot write {where} ({error.strerror}); nothing was saved. Save to "
+            "a folder you can write, or fix its permissions"
+        )
+    return CheckpointWriteError(
+        error.errno or 0,
+        f"{final}: writing {where} failed ({error.strerror}); nothing was saved"
+        + ("; free some space and save again" if error.errno == errno.ENOSPC else ""),
+    )
+
+
+def write_failure(final: str, what: str, error: Exception) -> LazyckptError:
+    """The error for a failed write of `what` by tensorstore while saving to `final`."""
+    if isinstance(error, LazyckptError):
+        return error
+    if fs.is_remote(final):
+        return fs.storage_error(final, error)
+    text = str(error)
+    if "No space left" in text or "RESOURCE_EXHAUSTED" in text or "File too large" in text:
+        return CheckpointWriteError(
+            errno.ENOSPC if "No space" in text else errno.EFBIG,
+            f"{final}: writing {what} failed, the file system refused the data "
+            f"({text[:160]}); nothing was saved; free some space and save again",
+        )
+    if any(s in text for s in ("Permission denied", "PERMISSION_DENIED", "Read-only file system")):
+        return StorageAccessError(
+            f"{final}: writing {what} was refused ({text[:160]}); nothing was saved. Save to "
+            "a folder you can write, or fix its permissions"
+        )
+    return LazyckptError(f"{final}: writing {what} failed ({text[:300]}); nothing was saved")
+
+
+def _check_removable(final: str) -> None:
+    """Before replacing `final`: that its old files can be deleted once the new
+    checkpoint is in place, so that a save never ends half done."""
+    for folder, subfolders, _ in os.walk(final):
+        _check_writable(final, folder)
+        subfolders[:] = [s for s in subfolders if not os.path.islink(os.path.join(folder, s))]
+
+
+def _check_writable(final: str, folder: str) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise StorageAccessError(
+            f"{final}: its folder {folder} is read-only, so the old checkpoint could "
+            "not be removed after the new one is in place; nothing was saved. Make it "
+            "writable, or save to a new path"
+        )
+
+
+def _is_checkpoint(path: str) -> bool:
+    return (
+        is_pytree_dir(path)
+        or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
+        or is_safetensors(path)
+    )
+
+
+def _publish(tmp: str, final: str, overwrite: bool) -> None:
+    """Rename `tmp` to `final`; when replacing, swap them atomically where the OS can."""
+    if not overwrite or not os.path.lexists(final):
+        if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+            if os.path.lexists(final):
+                raise CheckpointExistsError(
+                    f"{final} appeared while the checkpoint was being written; the new "
+                    "one was discarded. Save again with overwrite=True to replace it"
+                )
+            os.rename(tmp, final)
+        return
+    if _renameat2(tmp, final, _RENAME_EXCHANGE):
+        _discard(tmp, final)  # now holds the old checkpoint
+        return
+    # No atomic exchange here (NFS, for one): move the old one aside first. A crash
+    # between the two renames leaves no checkpoint at `final`; the old one stays in
+    # `aside` until a later save to `final` succeeds.
+    aside = f"{_tmp_prefix(final)}{os.getpid()}-replaced-{secrets.token_hex(4)}"
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    _discard(aside, final)
+
+
+def _discard(old: str, final: str) -> None:
+    """Delete the replaced checkpoint; if that fails, the save still succeeded: say so,
+    and where the old one is."""
+    try:
+        _delete(old)
+    except OSError as error:
+        warn(
+            f"saved {final}; the checkpoint it replaced, now at {old}, could not be deleted "
+            f"({error.strerror}); it is never read, delete it yourself",
+            LeftoverWarning,
+        )
+
+
+class LeftoverWarning(UserWarning):
+    """A save succeeded but left the checkpoint it replaced behind."""
+
+    __module__ = "lazyckpt"
+
+
+def _renameat2(source: str, destination: str, flags: int) -> bool:
+    """Linux renameat2; False where the system or filesystem does not support it."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    result = call(
+        _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), ctypes.c_uint(flags)
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    if code == errno.EEXIST:
+        return False  # NOREPLACE refused: the caller reports it
+    raise OSError(code, os.strerror(code), destination)
+
+
+def _delete(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _delete_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        _delete(path)
+
+
+def _sync_tree(root: str) -> None:
+    """fsync every file and folder under `root` (or the file `root`), so the rename
+    publishes durable data."""
+    if os.path.isfile(root):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(folder)
+
+
+def _sync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(final: str) -> None:
+    """Delete this host's temporary folders for `final` whose saving process is gone.
+
+    Names are matched exactly (host, pid, 8 hex digits), so that another host whose
+    name merely starts with this one's keeps its saves in progress. A `-replaced-`
+    folder holds the checkpoint an interrupted overwrite moved aside; once a save to
+    `final` has succeeded since, it is obsolete too.
+    """
+    prefix = _tmp_prefix(final)
+    parent = os.path.dirname(prefix)
+    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
+    for name in os.listdir(parent):
+        match = pattern.fullmatch(name)
+        if match and not _alive(int(match[1])):
+            _delete_quietly(os.path.join(parent, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
