@@ -45,7 +45,8 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._orbax.layout import items, steps
 from lazyckpt._orbax.legacy import InferredStructureWarning
-from lazyckpt._orbax.sharding import SavedSharding, saved_shardings
+from lazyckpt._orbax.sharding import SavedSharding
+from lazyckpt._placement import saved_shardings
 from lazyckpt._read import iter_blocks, load
 from lazyckpt._rename import RenameError, rename
 from lazyckpt._safetensors.read import metadata as safetensors_metadata

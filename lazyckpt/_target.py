@@ -28,7 +28,7 @@ from jax.sharding import Mesh, Sharding
 from lazyckpt._array.tree import Path, keystr, map_leaves, path_of, subtree
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, key_dtype
-from lazyckpt._orbax.sharding import LAYOUTS, Layout, resolve
+from lazyckpt._placement import LAYOUTS, Layout, resolve
 
 Missing = Literal["error", "keep"] | Callable[[str, Any], Any]
 

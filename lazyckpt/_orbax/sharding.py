@@ -7,18 +7,14 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 
 import attrs
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from lazyckpt._errors import CorruptCheckpointError, ShardingError
-
-if TYPE_CHECKING:
-    from lazyckpt._lazy import LazyArray
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -276,81 +272,4 @@ def read_shardings(location: str, text: str | None, names: list[str]) -> dict[st
             ) from error
         if sharding is not None:
             found[name] = sharding
-    return found
-
-
-def saved_shardings(
-    mesh: Mesh, *, fallback: PartitionSpec | None = None
-) -> Callable[[str, LazyArray], jax.sharding.Sharding]:
-    """Shardings that reuse each array's saved partition spec on the caller's `mesh`.
-
-    Pass the result to `lazyckpt.device_put`. Arrays saved without a `NamedSharding`
-    (numpy arrays, single-device arrays) get `fallback`, replicated by default.
-
-    >>> mesh = jax.make_mesh((8,), ("x",))     # no "y" axis: P('x', 'y') cannot apply
-    >>> tree = lazyckpt.open(path)
-    >>> lazyckpt.device_put(tree["params"], lazyckpt.saved_shardings(mesh))
-    Traceback (most recent call last):
-    ...
-    lazyckpt.ShardingError: params/w: the saved partition spec P('x', 'y') uses mesh axes ['y'] that the given mesh (axes ['x']) lacks; name the mesh axes as saved, or pass explicit shardings
-    """
-    default = NamedSharding(mesh, fallback if fallback is not None else PartitionSpec())
-
-    def choose(path: str, array: LazyArray) -> jax.sharding.Sharding:
-        saved = array.sharding
-        if saved is None or saved.kind != "NamedSharding":
-            return default
-        try:
-            return saved.on(mesh)
-        except ShardingError as error:
-            raise ShardingError(f"{path}: {error}") from None
-
-    return choose
-
-
-Layout: TypeAlias = Sharding | jax.Device | PartitionSpec
-"""What a caller may name as an array's place: a Sharding, one Device, or a
-PartitionSpec on the current (or given) mesh."""
-
-LAYOUTS = (Sharding, jax.Device, PartitionSpec)
-
-
-def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
-    """The concrete sharding that `layout` names for the array at `where`.
-
-    A Device means that device alone; a PartitionSpec, or a NamedSharding on an
-    `AbstractMesh` (what `jax.eval_shape` and `nnx.eval_shape` give under
-    `jax.set_mesh`), is laid out on `mesh`, else on the mesh set by `jax.set_mesh`;
-    None means the default device, as `jax.device_put(x)` does.
-    """
-    if layout is None:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(layout, jax.Device):
-        return jax.sharding.SingleDeviceSharding(layout)
-    if isinstance(layout, PartitionSpec):
-        return NamedSharding(_concrete_mesh(where, mesh, None), layout)
-    if isinstance(layout, NamedSharding) and isinstance(layout.mesh, AbstractMesh):
-        concrete = _concrete_mesh(where, mesh, layout.mesh)
-        return NamedSharding(concrete, layout.spec, memory_kind=layout.memory_kind)
-    return layout
-
-
-def _concrete_mesh(where: str, mesh: Mesh | None, abstract: AbstractMesh | None) -> Mesh:
-    """`mesh`, or the mesh of `jax.set_mesh`; it must have the abstract mesh's axes."""
-    found = mesh if mesh is not None else jax.sharding.get_mesh()
-    what = (
-        f"a NamedSharding on an AbstractMesh {dict(abstract.shape)}"
-        if abstract is not None
-        else "a PartitionSpec"
-    )
-    if not isinstance(found, Mesh) or found.empty:
-        raise ShardingError(
-            f"{where or 'the target'}: {what} names no devices; pass mesh=jax.make_mesh(...) "
-            "or call inside `with jax.set_mesh(mesh):`"
-        )
-    if abstract is not None and dict(found.shape) != dict(abstract.shape):
-        raise ShardingError(
-            f"{where or 'the target'}: {what} needs a mesh with those axes, but the mesh "
-            f"given is {dict(found.shape)}; pass mesh= with the same axis names and sizes"
-        )
     return found
