@@ -21,7 +21,7 @@ from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
-from lazyckpt._explore.html import array_html
+from lazyckpt._html import array_html
 from lazyckpt._orbax.sharding import SavedSharding
 from lazyckpt._storage.kvstore import StoredArray, ready, then
 
