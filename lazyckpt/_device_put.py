@@ -5,21 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh
 
-from lazyckpt._array.compose import stores
-from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import Select, children, map_leaves, selected
-from lazyckpt._engine.fill import schedule_fill, stored_bytes
-from lazyckpt._engine.memory import Target
-from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.scheduler import Scheduler
-from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._orbax.sharding import resolve
-from lazyckpt._storage import multihost
-from lazyckpt._storage.kvstore import check_unchanged
+from lazyckpt._materialize import materialize
+from lazyckpt._placement import resolve
 from lazyckpt._target import Missing, Placement, match
 
 
@@ -116,110 +107,3 @@ def device_put(
             tree, target, partial=partial, missing=missing, lossy_casts=lossy_casts, mesh=mesh
         )
     return materialize(plan, memory_budget, progress, "lazyckpt device_put")
-
-
-def materialize(plan: Any, memory_budget: int | None, progress: bool | None, label: str) -> Any:
-    """`plan` with every `Placement` read: onto its sharding, or into a NumPy array."""
-    placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
-    total = stored_bytes(p.array for p in placements)
-    bar = Progress.maybe(progress, total, label)
-    on_devices = [p for p in placements if p.sharding is not None]
-    if on_devices:
-        multihost.agree(
-            "the arrays and shardings to place",
-            "\n".join(_describe(p) for p in on_devices),
-            "every process must call device_put with the same tree and the same shardings",
-        )
-    scheduler = Scheduler(memory_budget, bar)
-    results: dict[int, Any] = {}
-    for placement in placements:
-        if placement.sharding is None:
-            _schedule_load(placement, scheduler, results)
-        else:
-            _schedule_put(placement, placement.sharding, scheduler, results)
-    scheduler.drain()
-    if bar is not None:
-        bar.close()
-    # Everything was read from the checkpoints as they were opened, or it is refused.
-    check_unchanged(stores(p.array for p in placements))
-    return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
-
-
-def _result(results: dict[int, Any], placement: Placement) -> Any:
-    found = results[id(placement)]
-    return found.buffer() if isinstance(found, Target) else found
-
-
-def _describe(placement: Placement) -> str:
-    array, sharding = placement.array, placement.sharding
-    layout = repr(sharding)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        layout = f"{dict(sharding.mesh.shape)} {sharding.spec} {[d.id for d in sharding.mesh.devices.flat]}"
-    return f"{array.key}|{array.shape}|{array.dtype}|{layout}"
-
-
-def _schedule_load(placement: Placement, scheduler: Scheduler, results: dict[int, Any]) -> None:
-    """Read the whole view into a NumPy array (typed PRNG keys: a jax.Array of keys)."""
-    array = placement.array
-    if array.key_impl:
-        results[id(placement)] = array.get()  # typed keys are small
-        return
-    target = Target(tuple((0, n) for n in array.shape), array.dtype)
-    schedule_fill(array, [target], scheduler, lambda: None)
-    results[id(placement)] = target
-
-
-def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:
-    """Distinct regions of the array held by this process's devices, with their devices."""
-    try:
-        indices = sharding.addressable_devices_indices_map(array.shape)
-    # jax raises ValueError, IndexError or TypeError here, depending on the mismatch.
-    except Exception as error:  # noqa: BLE001
-        raise ShardingError(
-            f"{array.key}: the sharding cannot lay out an array of shape {array.shape}: "
-            f"{error}; choose a sharding whose mesh axes divide the sharded dimensions, "
-            "or slice the array first"
-        ) from None
-    # Replicas hold the same region: each distinct region is read once.
-    groups: dict[Box, list[jax.Device]] = {}
-    for device, index in indices.items():
-        index = index if index is not None else (slice(None),) * array.ndim
-        region = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
-        groups.setdefault(region, []).append(device)
-    return groups
-
-
-def _schedule_put(
-    placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, Any]
-) -> None:
-    """Fill one host buffer per distinct region, then hand them to the devices."""
-    array = placement.array
-    groups = _regions(array, sharding)
-    if array.key_impl:
-        # Typed keys are small: read each region as keys, then place them.
-        shards: list[jax.Array] = []
-        for region, devices in groups.items():
-            keys = array[tuple(slice(*r) for r in region)].get()
-            shards.extend(jax.device_put(keys, device) for device in devices)
-        results[id(placement)] = jax.make_array_from_single_device_arrays(
-            array.shape, sharding, shards
-        )
-        return
-    targets = [Target(region, array.dtype, aligned=True) for region in groups]
-
-    def finish() -> None:
-        shards: list[jax.Array] = []
-        for target, devices in zip(targets, groups.values(), strict=True):
-            scheduler.guard.keep(target.out_nbytes() * (len(devices) - 1))  # replica copies
-            # On CPU the first device adopts the aligned buffer without a copy; replicas
-            # get their own copies, so that donating one cannot overwrite another.
-            shards.extend(
-                jax.device_put(target.buffer(), device, may_alias=i == 0)
-                for i, device in enumerate(devices)
-            )
-        results[id(placement)] = jax.make_array_from_single_device_arrays(
-            array.shape, sharding, shards
-        )
-        targets.clear()
-
-    schedule_fill(array, targets, scheduler, finish)

@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._array.tree import Select, leaves, selected
-from lazyckpt._device_put import materialize
 from lazyckpt._engine.fill import stored_bytes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.stream import iter_blocks as _iter_blocks
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
+from lazyckpt._materialize import materialize
 from lazyckpt._target import Missing, host, match
 
 
