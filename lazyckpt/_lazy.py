@@ -20,10 +20,11 @@ from lazyckpt._array.reshape import groups as reshape_groups
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import read_composed, read_view
+from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
 from lazyckpt._orbax.sharding import SavedSharding
-from lazyckpt._storage.kvstore import StoredArray, ready, then
+from lazyckpt._storage.kvstore import ready, then
 
 
 def _dtype(value: Any) -> Any:
@@ -255,6 +256,13 @@ class LazyArray:
         )
         node = Reshape(new, self.dtype, self, groups)
         return composed((f"reshape({self.key})",), node, self.dtype)
+
+    def _rebased(self, selection: Selection, dtype: Any = None) -> LazyArray:
+        """The same stored array (or node) through `selection`, in `dtype` if given: how
+        the engine widens a view to the whole of what it is a view of."""
+        if dtype is None:
+            return attrs.evolve(self, selection=selection)
+        return attrs.evolve(self, selection=selection, dtype=dtype)
 
     def _composable(self, operation: str) -> None:
         if self.key_impl:

@@ -14,6 +14,7 @@ import numpy as np
 
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import leaves
+from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
     CorruptCheckpointError,
     NotACheckpointError,
@@ -28,7 +29,7 @@ from lazyckpt._orbax.side_files import key_impls_of, strings_of
 from lazyckpt._orbax.zarr import ZarrInfo, metadata_key, parse_zarr
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths as fs
-from lazyckpt._storage.kvstore import Store, StoredArray, from_one_generation
+from lazyckpt._storage.kvstore import Store, from_one_generation
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
-from lazyckpt._storage.kvstore import StoredArray, stored_array
+from lazyckpt._engine.stored import StoredArray, stored_array
 
 ROOT = Path(__file__).parent.parent
 

@@ -14,7 +14,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import LazyArray
-from lazyckpt._storage.kvstore import stored_array
+from lazyckpt._engine.stored import stored_array
 from tests.helpers import assert_tree_equal, host_value
 
 

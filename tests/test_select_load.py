@@ -10,7 +10,7 @@ import pytest
 
 import lazyckpt
 from lazyckpt import LazyArray, NoMatchError
-from lazyckpt._storage.kvstore import StoredArray
+from lazyckpt._engine.stored import StoredArray
 from tests.helpers import refuse_data_reads, stored_chunk_bytes
 
 

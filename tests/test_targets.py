@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
-from lazyckpt._storage.kvstore import StoredArray
+from lazyckpt._engine.stored import StoredArray
 from tests.helpers import orbax_save, refuse_data_reads, stored_chunk_bytes
 
 WIDTH, LAYERS = 8, 12

@@ -19,18 +19,16 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zstandard
 
 from lazyckpt._array.geometry import Box, chunk_box
 from lazyckpt._engine.memory import populate
+from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import changed_error
-
-if TYPE_CHECKING:
-    from lazyckpt._storage.kvstore import StoredArray
 
 READ_BYTES = 4 << 20
 """Stored bytes per kvstore read of a chunk; two are in flight per chunk stream."""

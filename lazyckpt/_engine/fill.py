@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -51,18 +51,16 @@ from lazyckpt._array.geometry import (
     to_stored,
 )
 from lazyckpt._array.selection import Selection
+from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.lower import Groups, lower
 from lazyckpt._engine.memory import Target, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
-from lazyckpt._storage.kvstore import check_unchanged, stored_array, then
-
-if TYPE_CHECKING:  # LazyArray reads through this module
-    from lazyckpt._lazy import LazyArray
-    from lazyckpt._storage.kvstore import StoredArray
+from lazyckpt._engine.stored import StoredArray, stored_array
+from lazyckpt._storage.kvstore import check_unchanged, then
 
 
-def stored_bytes(arrays: Iterable[LazyArray]) -> int:
+def stored_bytes(arrays: Iterable[ArrayView]) -> int:
     """The decoded size of LazyArrays' views in their stored dtype: what reading costs."""
     return sum(array.size * array.stored.dtype.itemsize for array in arrays)
 
@@ -74,9 +72,9 @@ def windows(budget: int) -> tuple[int, int]:
 
 
 def schedule_fill(
-    array: LazyArray, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
+    array: ArrayView, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
 ) -> None:
-    """Read `array` (a LazyArray) into every target's `out`; call `on_done` after."""
+    """Read `array` (a ArrayView) into every target's `out`; call `on_done` after."""
     remaining = [0]
     called = [False]  # a composed view's parts may all finish before this returns
 
@@ -104,7 +102,7 @@ def schedule_fill(
         on_done()
 
 
-def read_view(array: LazyArray) -> ts.Future[np.ndarray]:
+def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
     touches, on the decoding threads (no job waits on another, so any thread may call
     this). Each job holds a few MiB while it runs; the result is allocated once."""
@@ -148,7 +146,7 @@ def read_view(array: LazyArray) -> ts.Future[np.ndarray]:
     return future
 
 
-def read_composed(array: LazyArray) -> np.ndarray:
+def read_composed(array: ArrayView) -> np.ndarray:
     """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
     default budget: each stored chunk of its parts read once."""
     scheduler = Scheduler(None)
@@ -160,7 +158,7 @@ def read_composed(array: LazyArray) -> np.ndarray:
 
 
 def _schedule_composed(
-    array: LazyArray,
+    array: ArrayView,
     targets: Sequence[Target],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
@@ -196,7 +194,7 @@ Consumer = tuple[Target, Selection]
 
 
 def _schedule_decoded(
-    array: LazyArray,
+    array: ArrayView,
     targets: Sequence[Target],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
@@ -232,7 +230,7 @@ def _clip(box: Box, shape: Sequence[int]) -> Box:
 
 
 def decode_into(
-    array: LazyArray,
+    array: ArrayView,
     index: tuple[int, ...],
     users: Sequence[Consumer],
     read_bytes: int,
@@ -245,7 +243,7 @@ def decode_into(
 
 
 def decode_slabs(
-    array: LazyArray,
+    array: ArrayView,
     index: tuple[int, ...],
     users: Sequence[Consumer],
     read_bytes: int,
@@ -328,7 +326,7 @@ def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | Non
 
 
 def _schedule_whole(
-    array: LazyArray,
+    array: ArrayView,
     targets: Sequence[Target],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
@@ -347,7 +345,7 @@ def _schedule_whole(
 
 
 def _schedule_blocks(
-    array: LazyArray,
+    array: ArrayView,
     mapping: Sequence[tuple[int, int] | None],
     targets: Sequence[Target],
     scheduler: Scheduler,

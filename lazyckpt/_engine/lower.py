@@ -16,25 +16,22 @@ along the strided dimension).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
 import numpy as np
 
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import Box, as_slices, bounds, box_bytes, stored_map, to_stored
 from lazyckpt._array.reshape import Reshape
 from lazyckpt._array.selection import NewAxis, Range, Selection
+from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Target
 
-if TYPE_CHECKING:
-    from lazyckpt._lazy import LazyArray
-
-Groups = dict[Any, tuple["LazyArray", list[Target]]]
+Groups = dict[Any, tuple[ArrayView, list[Target]]]
 
 
 def lower(
-    array: LazyArray, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+    array: ArrayView, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
 ) -> None:
     """Add to `groups` the targets, per array to read, that fill `out` with
     `array[region]`; copies out of temporaries go to `after`, innermost first."""
@@ -69,7 +66,7 @@ def lower(
     node_box = to_stored(array, mapping, region)
     node_out = stored_view(array.selection, out)
     if isinstance(node, Reshape) and not node_out.flags.c_contiguous:
-        whole = attrs.evolve(array, selection=Selection.full(node.shape))
+        whole = array._rebased(Selection.full(node.shape))
         _through_temporary(whole, node_box, node_out, groups, after, lambda t: t)
         return
     for part, box, dest in node.lower(node_box):
@@ -80,7 +77,7 @@ _BOX_BYTES = 64 << 20  # the largest box read around a strided view
 
 
 def _through_box(
-    array: LazyArray, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+    array: ArrayView, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
 ) -> bool:
     """Fill `out` with the strided `array[region]` through the box around it, read
     as a region of the whole array (with its other parts), where that box is at most
@@ -89,7 +86,7 @@ def _through_box(
     box = bounds(selection)
     if box_bytes(box, array.dtype.itemsize) > min(2 * out.nbytes + (1 << 20), _BOX_BYTES):
         return False
-    whole = attrs.evolve(array, selection=Selection.full(array.stored.shape))
+    whole = array._rebased(Selection.full(array.stored.shape))
     index = relative_index(selection, box)
     _through_temporary(whole, box, out, groups, after, lambda t: t[index])
     return True
@@ -100,7 +97,7 @@ def _strided(entry: Any) -> bool:
 
 
 def _through_temporary(
-    array: LazyArray,
+    array: ArrayView,
     region: Box,
     out: np.ndarray,
     groups: Groups,
@@ -113,7 +110,7 @@ def _through_temporary(
 
 
 def _add_plain(
-    array: LazyArray,
+    array: ArrayView,
     region: Box,
     out: np.ndarray,
     mapping: list[tuple[int, int] | None] | None,
@@ -128,7 +125,7 @@ def _add_plain(
         groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
         return
     # A region of the whole stored array, shared with the other parts of it.
-    base = attrs.evolve(array, selection=Selection.full(stored.shape))
+    base = array._rebased(Selection.full(stored.shape))
     box = to_stored(array, mapping, region)
     target = Target(box, out.dtype, out=stored_view(array.selection, out))
     groups.setdefault((id(stored), array.dtype), (base, []))[1].append(target)

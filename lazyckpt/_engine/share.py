@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -32,15 +32,13 @@ from lazyckpt._array.geometry import (
     view_origins,
 )
 from lazyckpt._array.selection import Selection
-
-if TYPE_CHECKING:
-    from lazyckpt._lazy import LazyArray
+from lazyckpt._array.view import ArrayView
 
 
 @attrs.frozen
 class _Member:
     position: int
-    array: LazyArray
+    array: ArrayView
     box: Box
     mapping: list[tuple[int, int] | None]
     origins: tuple[int, ...]
@@ -51,7 +49,7 @@ class Group:
     """Views of one stored array, streamed as `base`: blocks of `grid` (or of the
     stored chunks) cut by `route` into blocks of each member."""
 
-    base: LazyArray
+    base: ArrayView
     grid: tuple[int, ...] | None
     members: tuple[_Member, ...]
     origin: tuple[int, ...]
@@ -75,7 +73,7 @@ class Group:
 
 
 def groups(
-    arrays: Sequence[LazyArray], grids: Sequence[tuple[int, ...] | None], block: int
+    arrays: Sequence[ArrayView], grids: Sequence[tuple[int, ...] | None], block: int
 ) -> list[Group]:
     """The groups among `arrays` worth streaming together."""
     by_stored: dict[int, list[_Member]] = {}
@@ -93,7 +91,7 @@ def groups(
     return found
 
 
-def _member(position: int, array: LazyArray) -> _Member | None:
+def _member(position: int, array: ArrayView) -> _Member | None:
     stored = array.stored
     if isinstance(stored, Node) or array.key_impl or stored.inline is not None:
         return None
@@ -132,7 +130,7 @@ def _group(members: list[_Member], grids: list[tuple[int, ...] | None], block: i
         widest = max(block, math.prod(stored.chunks) * stored.dtype.itemsize)
         if math.prod(grid) * stored.dtype.itemsize > widest:
             return None
-    whole = attrs.evolve(first, selection=Selection.full(stored.shape), dtype=stored.dtype)
+    whole = first._rebased(Selection.full(stored.shape), stored.dtype)
     base = whole[as_slices(union)]
     return Group(base, grid, tuple(members), tuple(lo for lo, _ in union))
 

@@ -17,7 +17,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -41,6 +41,7 @@ from lazyckpt._array.geometry import (
     to_stored,
     view_origins,
 )
+from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
 from lazyckpt._engine.memory import Target
@@ -48,10 +49,8 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import Group, grouped
 from lazyckpt._engine.share import groups as share_groups
-from lazyckpt._storage.kvstore import check_unchanged, ready, stored_array, then
-
-if TYPE_CHECKING:  # LazyArray reads through this module
-    from lazyckpt._lazy import LazyArray
+from lazyckpt._engine.stored import stored_array
+from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
 
@@ -95,14 +94,14 @@ class _Job:
 
 
 def iter_blocks(
-    arrays: Sequence[LazyArray],
+    arrays: Sequence[ArrayView],
     budget: int | None,
     progress: Progress | None = None,
     grids: Sequence[tuple[int, ...] | None] | None = None,
     *,
     share: bool = True,
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
-    """`(position, index, values)` for consecutive blocks of each LazyArray in `arrays`,
+    """`(position, index, values)` for consecutive blocks of each ArrayView in `arrays`,
     where `arrays[position][index]` equals `values`.
 
     `grids[position]`, where given, is a chunk grid of the view (a new checkpoint's
@@ -179,7 +178,7 @@ def iter_blocks(
 
 
 def _jobs(
-    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
+    position: int, array: ArrayView, limits: Scheduler, grid: tuple[int, ...] | None
 ) -> Iterator[_Job]:
     """The jobs that stream one view, in order."""
     stored = array.stored
@@ -251,13 +250,13 @@ class _Leaf:
     """A view to stream, and how its blocks become blocks of the array asked for."""
 
     position: int
-    array: LazyArray
+    array: ArrayView
     grid: tuple[int, ...] | None
     place: compose.Place | None
 
 
 def _leaves(
-    position: int, array: LazyArray, grid: tuple[int, ...] | None, place: compose.Place | None
+    position: int, array: ArrayView, grid: tuple[int, ...] | None, place: compose.Place | None
 ) -> Iterator[_Leaf]:
     """`array`, or the parts of a composed view that can be streamed apart."""
     node = array.stored
@@ -289,7 +288,7 @@ def _then(
 
 
 def _composed_jobs(
-    position: int, array: LazyArray, limits: Scheduler, grid: tuple[int, ...] | None
+    position: int, array: ArrayView, limits: Scheduler, grid: tuple[int, ...] | None
 ) -> Iterator[_Job]:
     """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
     grid that cuts across parts), each filled from its parts through the engine."""
@@ -302,7 +301,7 @@ def _composed_jobs(
         yield _Job(position, block * 3, iter([_filled(array, region, block)]))
 
 
-def _filled(array: LazyArray, region: Box, budget: int) -> Callable[[], ts.Future[Any]]:
+def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Future[Any]]:
     """A step that fills `array[region]` through the engine, within `budget`, on the
     consumer's thread (the engine's own jobs run on the decoding threads)."""
 
@@ -317,7 +316,7 @@ def _filled(array: LazyArray, region: Box, budget: int) -> Callable[[], ts.Futur
 
 
 def _stored_cells(
-    array: LazyArray, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
+    array: ArrayView, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
 ) -> tuple[int, ...] | None:
     """`grid`'s cell size along each stored dimension (1 without a grid, and for
     dimensions the view drops), or None when its cells straddle stored chunks, so
@@ -336,7 +335,7 @@ def _stored_cells(
     return tuple(cells)
 
 
-def widened(array: LazyArray, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
+def widened(array: ArrayView, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
     """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
     grids line up (so that no stored chunk is read twice), as long as such a block is
     no larger than a stored chunk or a block of the budget."""
@@ -361,14 +360,14 @@ def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _view_bands(array: LazyArray, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
+def _view_bands(array: ArrayView, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
     """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
     cells = grid if grid is not None else (1,) * len(array.shape)
     yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
 
 
 def _decoded_block(
-    array: LazyArray, region: Box, read_bytes: int, window: int
+    array: ArrayView, region: Box, read_bytes: int, window: int
 ) -> Callable[[], ts.Future[Any]]:
     """A step that fills one block, `array[region]`, from every chunk it touches."""
 
@@ -385,7 +384,7 @@ def _decoded_block(
 
 
 def _chunk_bands(
-    array: LazyArray,
+    array: ArrayView,
     index: tuple[int, ...],
     bands: Callable[[], Iterable[Box]],
     mapping: Sequence[tuple[int, int] | None],
@@ -414,13 +413,13 @@ def _chunk_bands(
 
 
 def _ts_step(
-    array: LazyArray, index: tuple[slice, ...], nbytes: int
+    array: ArrayView, index: tuple[slice, ...], nbytes: int
 ) -> Callable[[], ts.Future[Any]]:
     return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
 
 
 def _ts_jobs(
-    position: int, array: LazyArray, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
+    position: int, array: ArrayView, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
 ) -> Iterator[_Job]:
     """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
     stored = stored_array(array)

@@ -13,12 +13,12 @@ import numpy as np
 from lazyckpt._array.tree import Select, leaves, selected
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.stored import StoredArray
 from lazyckpt._engine.stream import iter_blocks as engine_blocks
 from lazyckpt._errors import NoMatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
-from lazyckpt._storage.kvstore import StoredArray
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 

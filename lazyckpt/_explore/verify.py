@@ -35,10 +35,11 @@ from lazyckpt._engine.fill import windows
 from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
+from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
-from lazyckpt._storage.kvstore import StoredArray, check_unchanged, stored_array, then
+from lazyckpt._storage.kvstore import check_unchanged, then
 from lazyckpt._text import human_bytes
 
 _SHOWN = 20  # damaged arrays listed in full by str(); the rest are counted

@@ -18,86 +18,10 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._engine.stored import ChunkKeys, Codec
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"
-
-
-@attrs.frozen
-class ChunkKeys:
-    """Where an array's chunks are stored: the key of each cell of its grid (a chunk,
-    or with zarr3's `sharding_indexed` a shard of whole chunks), under its name."""
-
-    separator: str
-    """Between chunk indices in chunk keys."""
-    prefix: str = ""
-    """Before the chunk indices: `c/` for zarr3's default key encoding."""
-    shard: tuple[int, ...] | None = None
-    """zarr3 `sharding_indexed`: the shard shape, a whole number of read chunks."""
-
-    def cells(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of one stored cell: the shard, else the chunk."""
-        return self.shard if self.shard is not None else chunks
-
-    def key(self, name: str, cell: tuple[int, ...]) -> str:
-        """The store key of the cell at grid position `cell`."""
-        if cell:
-            key = self.prefix + self.separator.join(str(i) for i in cell)
-        else:
-            key = self.prefix.rstrip("/") or "0"  # zarr3's `c`, zarr2's `0`
-        return f"{name}/{key}" if name else key
-
-    def parse(self, name: str, key: str, rank: int) -> tuple[int, ...] | None:
-        """The grid position of a store key of this array; None for other keys
-        (its metadata, stray files)."""
-        head = f"{name}/{self.prefix}" if name else self.prefix
-        if rank == 0:
-            return () if key == self.key(name, ()) else None
-        if not key.startswith(head):
-            return None
-        parts = key[len(head) :].split(self.separator)
-        if len(parts) != rank or not all(p.isascii() and p.isdigit() for p in parts):
-            return None
-        return tuple(int(p) for p in parts)
-
-
-@attrs.frozen
-class Codec:
-    """How one stored chunk's bytes become its values, for chunks lazyckpt decodes."""
-
-    zstd: bool
-    """Compressed as one zstd frame; else the raw bytes."""
-    byteorder: str
-    """`<` or `>` as stored; `|` for one-byte types."""
-    order: tuple[int, ...]
-    """The stored dimension behind each dimension of the decoded byte stream, which is
-    in C order: identity for C order, reversed for zarr v2's F order, or zarr3's
-    `transpose`."""
-    keys: ChunkKeys
-    index_at_end: bool = True
-    index_byteorder: str = "<"
-    index_checksum: bool = True
-    fill: Any = 0
-    """The value of elements in a chunk that was never written."""
-
-    @property
-    def shard(self) -> tuple[int, ...] | None:
-        return self.keys.shard
-
-    def chunk_key(self, name: str, index: tuple[int, ...], chunks: tuple[int, ...]) -> str:
-        """The store key of the chunk (for shards, of the shard) at grid `index`."""
-        if self.shard is not None:
-            index = tuple(i * c // s for i, c, s in zip(index, chunks, self.shard, strict=True))
-        return self.keys.key(name, index)
-
-    def position_in_shard(self, index: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, int]:
-        """The chunk's entry in its shard's index, and the number of entries."""
-        assert self.shard is not None
-        counts = [s // c for s, c in zip(self.shard, chunks, strict=True)]
-        position = 0
-        for i, count in zip(index, counts, strict=True):
-            position = position * count + i % count
-        return position, math.prod(counts)
 
 
 @attrs.frozen

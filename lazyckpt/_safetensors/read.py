@@ -23,18 +23,12 @@ from lazyckpt._array.geometry import bounds
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import PathClash, nested
 from lazyckpt._engine.scheduler import in_pool
+from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors import format as st
 from lazyckpt._storage import paths as fs
-from lazyckpt._storage.kvstore import (
-    Store,
-    StoredArray,
-    changed_error,
-    from_one_generation,
-    ready,
-    then,
-)
+from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
 
 CHUNK_BYTES = 1 << 20
 """About how many bytes of a tensor one chunk of its grid covers."""
@@ -255,7 +249,7 @@ class RangeArray(StoredArray):
     start: int = 0
     file: str = ""
 
-    def _open_store(self) -> ts.Future[ts.TensorStore]:
+    def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
         return ready(
             ts.virtual_chunked(
                 self._read_chunk,

@@ -6,20 +6,14 @@ Everything here returns tensorstore futures, so callers either `.result()` them 
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import attrs
-import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.selection import Selection
-from lazyckpt._engine.memory import check_fits
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
-from lazyckpt._orbax.zarr import ChunkKeys, Codec
 from lazyckpt._storage import paths as fs
 
 T = TypeVar("T")
@@ -203,112 +197,3 @@ class Store:
                 ) from error
             results.append(result.value if result.state == "value" else None)
         return results
-
-
-@attrs.frozen(eq=False)
-class StoredArray:
-    """One array as stored: its zarr driver, shape, dtype and chunking."""
-
-    store: Store = attrs.field(repr=False)
-    key: str
-    name: str
-    driver: str
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    chunks: tuple[int, ...]
-    fill_missing: bool
-    inline: np.ndarray | None = attrs.field(default=None, repr=False)
-    """The values themselves, for arrays kept in the legacy msgpack file."""
-    codec: Codec | None = attrs.field(default=None, repr=False)
-    """How its chunks are encoded, where lazyckpt decodes them itself."""
-    checksummed: bool = attrs.field(default=False, repr=False)
-    """Whether its chunks carry checksums that reading verifies (`ZarrInfo`)."""
-    keys: ChunkKeys | None = attrs.field(default=None, repr=False)
-    """Where its chunks are stored, when lazyckpt knows the key encoding."""
-    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
-
-    def open(self) -> ts.Future[ts.TensorStore]:
-        """Open the array once; later calls share the same future.
-
-        Only for tensorstore's reads, which decode a stored chunk whole: a chunk that
-        cannot fit in memory is refused before tensorstore would try (and abort)."""
-        if self.inline is None:
-            chunk = math.prod(self.chunks) * self.dtype.itemsize
-            check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
-        with self._lock:
-            if not self._opened and self.inline is not None:
-                self._opened.append(ready(ts.array(self.inline)))
-            elif not self._opened:
-                self._opened.append(then(self._open_store(), self._check, self.read_error))
-            return self._opened[0]
-
-    def _open_store(self) -> ts.Future[ts.TensorStore]:
-        """The array as a TensorStore, through its zarr driver."""
-        return ts.open(self._spec(), context=self.store.context, open=True)
-
-    def _spec(self) -> dict[str, Any]:
-        kvstore = dict(self.store.kvstore_spec)
-        if self.name:
-            kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"
-        return {
-            "driver": self.driver,
-            "kvstore": kvstore,
-            "recheck_cached_data": False,
-            "recheck_cached_metadata": False,
-            "fill_missing_data_reads": self.fill_missing,
-        }
-
-    def _check(self, opened: ts.TensorStore) -> ts.TensorStore:
-        found = (tuple(opened.shape), opened.dtype.numpy_dtype)
-        if found != (self.shape, self.dtype):
-            raise CorruptCheckpointError(
-                f"{self.store.location}: array {self.key!r} changed on disk: expected "
-                f"shape {self.shape} and dtype {self.dtype}, found {found[0]} and {found[1]}; "
-                "open the checkpoint again"
-            )
-        return opened
-
-    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
-        """Read exactly the stored elements that `selection` picks, as its view."""
-        shape = selection.shape
-        check_fits(f"reading {self.key!r} {shape}", math.prod(shape) * self.dtype.itemsize)
-        if 0 in shape:
-            return ready(np.empty(shape, self.dtype))
-        index: list[int | slice] = []
-        flips: list[int] = []
-        for stored in selection.stored:
-            if isinstance(stored, int):
-                index.append(stored)
-                continue
-            low, high = stored.bounds
-            if stored.step < 0:
-                flips.append(sum(isinstance(i, slice) for i in index))
-            index.append(slice(low, high, abs(stored.step)))
-
-        def finish(data: np.ndarray) -> np.ndarray:
-            if flips:
-                data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
-            return data.reshape(shape)
-
-        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
-
-    def read_error(self, error: Exception) -> Exception:
-        """The error to show for a failed read of this array's data: that the checkpoint
-        was replaced, where it was, else that its files are damaged."""
-        if self.store.changed():
-            return changed_error(self.store.location)
-        if isinstance(error, LazyckptError):
-            return error
-        return CorruptCheckpointError(
-            f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
-            f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
-        )
-
-
-def stored_array(array: Any) -> StoredArray:
-    """The `StoredArray` behind a view of one, for code that reads stored arrays
-    (composed views are lowered into such views before they get there)."""
-    stored = array.stored
-    assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
-    return stored

@@ -1,0 +1,70 @@
+"""What the read engine needs of a lazy array: a protocol, so that the engine, which
+`LazyArray` reads through, does not import `LazyArray` back."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.selection import Index, Selection
+
+
+class Stored(Protocol):
+    """An array as stored, or a node of a composed view: known from metadata."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def chunks(self) -> tuple[int, ...]: ...
+
+
+class ArrayView(Protocol):
+    """A view of a stored array (or of a composed one) that reads nothing until asked:
+    what `lazyckpt.LazyArray` is, as the engine sees it."""
+
+    @property
+    def path(self) -> tuple[str | int, ...]: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def stored(self) -> Any: ...
+
+    @property
+    def selection(self) -> Selection: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def chunks(self) -> tuple[int, ...]: ...
+
+    @property
+    def key_impl(self) -> str | None: ...
+
+    def __getitem__(self, index: Index) -> ArrayView: ...
+
+    def read(self) -> ts.Future[Any]: ...
+
+    def _rebased(self, selection: Selection, dtype: Any = None) -> ArrayView:
+        """The same stored array (or node) through `selection`, in `dtype` if given."""
+        ...

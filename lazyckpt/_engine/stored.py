@@ -1,0 +1,206 @@
+"""The stored-array contract of the engine: one array as stored, its chunk keys and
+codec, and its reads through tensorstore. Orbax's zarr arrays are this class; a format
+whose arrays tensorstore cannot open by a driver (safetensors' byte ranges) subclasses
+it and supplies `open_tensorstore`."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import attrs
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.selection import Selection
+from lazyckpt._engine.memory import check_fits
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+
+
+@attrs.frozen
+class ChunkKeys:
+    """Where an array's chunks are stored: the key of each cell of its grid (a chunk,
+    or with zarr3's `sharding_indexed` a shard of whole chunks), under its name."""
+
+    separator: str
+    """Between chunk indices in chunk keys."""
+    prefix: str = ""
+    """Before the chunk indices: `c/` for zarr3's default key encoding."""
+    shard: tuple[int, ...] | None = None
+    """zarr3 `sharding_indexed`: the shard shape, a whole number of read chunks."""
+
+    def cells(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one stored cell: the shard, else the chunk."""
+        return self.shard if self.shard is not None else chunks
+
+    def key(self, name: str, cell: tuple[int, ...]) -> str:
+        """The store key of the cell at grid position `cell`."""
+        if cell:
+            key = self.prefix + self.separator.join(str(i) for i in cell)
+        else:
+            key = self.prefix.rstrip("/") or "0"  # zarr3's `c`, zarr2's `0`
+        return f"{name}/{key}" if name else key
+
+    def parse(self, name: str, key: str, rank: int) -> tuple[int, ...] | None:
+        """The grid position of a store key of this array; None for other keys
+        (its metadata, stray files)."""
+        head = f"{name}/{self.prefix}" if name else self.prefix
+        if rank == 0:
+            return () if key == self.key(name, ()) else None
+        if not key.startswith(head):
+            return None
+        parts = key[len(head) :].split(self.separator)
+        if len(parts) != rank or not all(p.isascii() and p.isdigit() for p in parts):
+            return None
+        return tuple(int(p) for p in parts)
+
+
+@attrs.frozen
+class Codec:
+    """How one stored chunk's bytes become its values, for chunks lazyckpt decodes."""
+
+    zstd: bool
+    """Compressed as one zstd frame; else the raw bytes."""
+    byteorder: str
+    """`<` or `>` as stored; `|` for one-byte types."""
+    order: tuple[int, ...]
+    """The stored dimension behind each dimension of the decoded byte stream, which is
+    in C order: identity for C order, reversed for zarr v2's F order, or zarr3's
+    `transpose`."""
+    keys: ChunkKeys
+    index_at_end: bool = True
+    index_byteorder: str = "<"
+    index_checksum: bool = True
+    fill: Any = 0
+    """The value of elements in a chunk that was never written."""
+
+    @property
+    def shard(self) -> tuple[int, ...] | None:
+        return self.keys.shard
+
+    def chunk_key(self, name: str, index: tuple[int, ...], chunks: tuple[int, ...]) -> str:
+        """The store key of the chunk (for shards, of the shard) at grid `index`."""
+        if self.shard is not None:
+            index = tuple(i * c // s for i, c, s in zip(index, chunks, self.shard, strict=True))
+        return self.keys.key(name, index)
+
+    def position_in_shard(self, index: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, int]:
+        """The chunk's entry in its shard's index, and the number of entries."""
+        assert self.shard is not None
+        counts = [s // c for s, c in zip(self.shard, chunks, strict=True)]
+        position = 0
+        for i, count in zip(index, counts, strict=True):
+            position = position * count + i % count
+        return position, math.prod(counts)
+
+
+@attrs.frozen(eq=False)
+class StoredArray:
+    """One array as stored: its zarr driver, shape, dtype and chunking."""
+
+    store: Store = attrs.field(repr=False)
+    key: str
+    name: str
+    driver: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    chunks: tuple[int, ...]
+    fill_missing: bool
+    inline: np.ndarray | None = attrs.field(default=None, repr=False)
+    """The values themselves, for arrays kept in the legacy msgpack file."""
+    codec: Codec | None = attrs.field(default=None, repr=False)
+    """How its chunks are encoded, where lazyckpt decodes them itself."""
+    checksummed: bool = attrs.field(default=False, repr=False)
+    """Whether its chunks carry checksums that reading verifies (`ZarrInfo`)."""
+    keys: ChunkKeys | None = attrs.field(default=None, repr=False)
+    """Where its chunks are stored, when lazyckpt knows the key encoding."""
+    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    def open(self) -> ts.Future[ts.TensorStore]:
+        """Open the array once; later calls share the same future.
+
+        Only for tensorstore's reads, which decode a stored chunk whole: a chunk that
+        cannot fit in memory is refused before tensorstore would try (and abort)."""
+        if self.inline is None:
+            chunk = math.prod(self.chunks) * self.dtype.itemsize
+            check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
+        with self._lock:
+            if not self._opened and self.inline is not None:
+                self._opened.append(ready(ts.array(self.inline)))
+            elif not self._opened:
+                self._opened.append(then(self.open_tensorstore(), self._check, self.read_error))
+            return self._opened[0]
+
+    def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
+        """The array as a TensorStore, through its zarr driver: what a subclass for
+        another format replaces."""
+        return ts.open(self._spec(), context=self.store.context, open=True)
+
+    def _spec(self) -> dict[str, Any]:
+        kvstore = dict(self.store.kvstore_spec)
+        if self.name:
+            kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"
+        return {
+            "driver": self.driver,
+            "kvstore": kvstore,
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+            "fill_missing_data_reads": self.fill_missing,
+        }
+
+    def _check(self, opened: ts.TensorStore) -> ts.TensorStore:
+        found = (tuple(opened.shape), opened.dtype.numpy_dtype)
+        if found != (self.shape, self.dtype):
+            raise CorruptCheckpointError(
+                f"{self.store.location}: array {self.key!r} changed on disk: expected "
+                f"shape {self.shape} and dtype {self.dtype}, found {found[0]} and {found[1]}; "
+                "open the checkpoint again"
+            )
+        return opened
+
+    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
+        """Read exactly the stored elements that `selection` picks, as its view."""
+        shape = selection.shape
+        check_fits(f"reading {self.key!r} {shape}", math.prod(shape) * self.dtype.itemsize)
+        if 0 in shape:
+            return ready(np.empty(shape, self.dtype))
+        index: list[int | slice] = []
+        flips: list[int] = []
+        for stored in selection.stored:
+            if isinstance(stored, int):
+                index.append(stored)
+                continue
+            low, high = stored.bounds
+            if stored.step < 0:
+                flips.append(sum(isinstance(i, slice) for i in index))
+            index.append(slice(low, high, abs(stored.step)))
+
+        def finish(data: np.ndarray) -> np.ndarray:
+            if flips:
+                data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
+            return data.reshape(shape)
+
+        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
+
+    def read_error(self, error: Exception) -> Exception:
+        """The error to show for a failed read of this array's data: that the checkpoint
+        was replaced, where it was, else that its files are damaged."""
+        if self.store.changed():
+            return changed_error(self.store.location)
+        if isinstance(error, LazyckptError):
+            return error
+        return CorruptCheckpointError(
+            f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
+            f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
+        )
+
+
+def stored_array(array: Any) -> StoredArray:
+    """The `StoredArray` behind a view of one, for code that reads stored arrays
+    (composed views are lowered into such views before they get there)."""
+    stored = array.stored
+    assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
+    return stored
