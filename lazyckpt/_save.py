@@ -20,9 +20,11 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import CheckpointExistsError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._orbax.layout import is_pytree_dir
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES, Planned, cost, description, plan
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
+from lazyckpt._safetensors.read import is_safetensors
 from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._storage import multihost
 from lazyckpt._storage import paths as fs
@@ -103,6 +105,7 @@ def save(
                 metadata=metadata,
                 memory_budget=memory_budget,
                 overwrite=overwrite,
+                replaceable=is_checkpoint,
                 progress=progress,
             )
     if max_shard_size is not None or metadata is not None:
@@ -120,14 +123,23 @@ def save(
     scheduler = Scheduler(memory_budget, bar)
     with fs.session(storage_options):
         if multihost.count() > 1:
-            save_together(final, leaves, scheduler, overwrite)
+            save_together(final, leaves, scheduler, overwrite, is_checkpoint)
         else:
-            with publishing(final, overwrite=overwrite) as tmp:
+            with publishing(final, overwrite=overwrite, replaceable=is_checkpoint) as tmp:
                 write_arrays(fs.kvstore_spec(tmp), leaves, scheduler, final)
                 write_metadata(tmp, final, leaves)
     if bar is not None:
         bar.close()
     return final
+
+
+def is_checkpoint(path: str) -> bool:
+    """What `save(..., overwrite=True)` may replace: a checkpoint of either format."""
+    return (
+        is_pytree_dir(path)
+        or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
+        or is_safetensors(path)
+    )
 
 
 def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:

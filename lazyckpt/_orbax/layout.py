@@ -12,9 +12,10 @@ from lazyckpt._errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
-from lazyckpt._orbax.metadata import TMP_MARKER, is_process_folder, is_unfinished
+from lazyckpt._orbax.metadata import is_process_folder
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
 from lazyckpt._storage import paths as fs
+from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
 
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
 _DEFAULT_ITEMS = ("state", "default", "pytree")

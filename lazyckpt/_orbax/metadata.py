@@ -42,15 +42,8 @@ _KNOWN_TYPES = frozenset([*EMPTY_VALUES, *ARRAY_TYPES, STRING])
 EMPTY_WRITTEN = ("None", "Dict", "List", "Tuple")
 """The value types `save` writes for None and empty containers."""
 
-TMP_MARKER = ".orbax-checkpoint-tmp"
-"""In the name of a folder whose save has not committed (spec §1.4)."""
 PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 _PROCESS_PREFIX = "ocdbt.process_"
-
-
-def is_unfinished(name: str) -> bool:
-    """Whether a folder named `name` is a save that never committed."""
-    return TMP_MARKER in name
 
 
 def process_folder(process: int) -> str:

@@ -12,7 +12,7 @@ on every process, and nothing is published.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import tensorstore as ts
@@ -29,7 +29,11 @@ from lazyckpt._storage.publish import publishing
 
 
 def save_together(
-    final: str, leaves: Sequence[Planned], scheduler: Scheduler, overwrite: bool
+    final: str,
+    leaves: Sequence[Planned],
+    scheduler: Scheduler,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
 ) -> None:
     """Save `leaves` together with the other processes (see the module docstring)."""
     me = multihost.index()
@@ -37,7 +41,9 @@ def save_together(
     tmp = ""
     if me == 0:
         try:
-            tmp = stack.enter_context(publishing(final, overwrite=overwrite))
+            tmp = stack.enter_context(
+                publishing(final, overwrite=overwrite, replaceable=replaceable)
+            )
         except Exception as error:
             multihost.broadcast_text(f"error:{type(error).__name__}:{error}")
             raise

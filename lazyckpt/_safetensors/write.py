@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -84,6 +84,7 @@ def save_safetensors(
     metadata: Mapping[str, str] | None,
     memory_budget: int | None,
     overwrite: bool,
+    replaceable: Callable[[str], bool],
     progress: bool | None,
 ) -> str:
     if multihost.count() > 1:
@@ -114,7 +115,7 @@ def save_safetensors(
         else None
     )
     bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
-    with _destination(path, single, overwrite) as write:
+    with _destination(path, single, overwrite, replaceable) as write:
         for file in files:
             write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
         if index is not None:
@@ -234,7 +235,9 @@ def _put(fd: int, start: int, entry: _Entry, index: tuple[Any, ...], values: np.
 
 
 @contextlib.contextmanager
-def _destination(path: str, single: bool, overwrite: bool) -> Iterator[Any]:
+def _destination(
+    path: str, single: bool, overwrite: bool, replaceable: Callable[[str], bool]
+) -> Iterator[Any]:
     """`write(name, fill)`, which creates the file `name` of the model with
     `fill(binary_file)`; on a clean exit the files are published at `path` (see
     `publishing`). In a bucket each file is built in a local scratch file, then
@@ -245,7 +248,7 @@ def _destination(path: str, single: bool, overwrite: bool) -> Iterator[Any]:
             f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
             "choose a new path"
         )
-    with publishing(path, overwrite=overwrite, file=single) as tmp:
+    with publishing(path, overwrite=overwrite, replaceable=replaceable, file=single) as tmp:
 
         def write(name: str, fill: Any) -> None:
             target = tmp if single else fs.join(tmp, name)

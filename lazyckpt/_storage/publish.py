@@ -18,7 +18,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from lazyckpt._errors import (
     CheckpointExistsError,
@@ -27,13 +27,20 @@ from lazyckpt._errors import (
     StorageAccessError,
     warn,
 )
-from lazyckpt._orbax.layout import is_pytree_dir
-from lazyckpt._orbax.metadata import TMP_MARKER, is_unfinished
-from lazyckpt._safetensors.read import is_safetensors
 from lazyckpt._storage import paths as fs
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
 _AT_FDCWD = -100
+
+
+TMP_MARKER = ".orbax-checkpoint-tmp"
+"""In the name of a folder whose save has not committed: Orbax's marker, which
+lazyckpt's temporary folders carry too, so that Orbax and lazyckpt skip each other's."""
+
+
+def is_unfinished(name: str) -> bool:
+    """Whether a folder named `name` is a save that never committed."""
+    return TMP_MARKER in name
 
 
 def _tmp_prefix(final: str) -> str:
@@ -41,11 +48,14 @@ def _tmp_prefix(final: str) -> str:
 
 
 @contextlib.contextmanager
-def publishing(final: str, *, overwrite: bool, file: bool = False) -> Iterator[str]:
+def publishing(
+    final: str, *, overwrite: bool, replaceable: Callable[[str], bool], file: bool = False
+) -> Iterator[str]:
     """Yield a fresh temporary folder (with `file=True`, the path of a file to write);
     on a clean exit, make it `final`.
 
-    Raises CheckpointExistsError if `final` exists and `overwrite` is false. On an
+    Raises CheckpointExistsError if `final` exists and `overwrite` is false, or if it
+    exists and `replaceable(final)` (the format's test of a checkpoint) is false. On an
     exception the temporary folder is removed and `final` is untouched. In a bucket
     the files are written in place (see `_publishing_to_bucket`).
     """
@@ -55,10 +65,10 @@ def publishing(final: str, *, overwrite: bool, file: bool = False) -> Iterator[s
             "never read; choose another name"
         )
     if not fs.atomic_rename(final):
-        with _publishing_to_bucket(final, overwrite=overwrite):
+        with _publishing_to_bucket(final, overwrite=overwrite, replaceable=replaceable):
             yield final
         return
-    _check_destination(final, overwrite, file)
+    _check_destination(final, overwrite, replaceable, file)
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     except OSError as error:
@@ -89,7 +99,9 @@ def publishing(final: str, *, overwrite: bool, file: bool = False) -> Iterator[s
 
 
 @contextlib.contextmanager
-def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
+def _publishing_to_bucket(
+    final: str, *, overwrite: bool, replaceable: Callable[[str], bool]
+) -> Iterator[None]:
     """Object stores have no rename: write in place, `commit_success.txt` last (the
     caller's last write), as Orbax does. Until that file exists, readers treat the
     folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
@@ -102,7 +114,7 @@ def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
                 f"{final} already exists ({len(existing)} entries); pass overwrite=True "
                 "(--overwrite) to replace it, or choose a new path"
             )
-        if not _is_checkpoint(final):
+        if not replaceable(final):
             raise CheckpointExistsError(
                 f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
                 "only checkpoints, delete it yourself if it should go"
@@ -118,7 +130,9 @@ def _publishing_to_bucket(final: str, *, overwrite: bool) -> Iterator[None]:
         raise
 
 
-def _check_destination(final: str, overwrite: bool, file: bool) -> None:
+def _check_destination(
+    final: str, overwrite: bool, replaceable: Callable[[str], bool], file: bool
+) -> None:
     if not os.path.lexists(final):
         return
     if not overwrite:
@@ -127,7 +141,7 @@ def _check_destination(final: str, overwrite: bool, file: bool) -> None:
             "or choose a new path"
         )
     if file:
-        if not os.path.isfile(final) or os.path.islink(final) or not is_safetensors(final):
+        if not os.path.isfile(final) or os.path.islink(final) or not replaceable(final):
             raise CheckpointExistsError(
                 f"{final} exists and is not a safetensors file; lazyckpt replaces only "
                 "checkpoints, delete it yourself if it should go"
@@ -139,7 +153,7 @@ def _check_destination(final: str, overwrite: bool, file: bool) -> None:
             f"{final} exists and is not a folder; lazyckpt replaces only checkpoints, "
             "delete it yourself if it should go"
         )
-    if os.listdir(final) and not _is_checkpoint(final):
+    if os.listdir(final) and not replaceable(final):
         raise CheckpointExistsError(
             f"{final} exists and does not look like a checkpoint (no _METADATA, "
             "_CHECKPOINT_METADATA or OCDBT database); lazyckpt replaces only "
@@ -199,14 +213,6 @@ def _check_writable(final: str, folder: str) -> None:
             "not be removed after the new one is in place; nothing was saved. Make it "
             "writable, or save to a new path"
         )
-
-
-def _is_checkpoint(path: str) -> bool:
-    return (
-        is_pytree_dir(path)
-        or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
-        or is_safetensors(path)
-    )
 
 
 def _publish(tmp: str, final: str, overwrite: bool) -> None:
