@@ -15,8 +15,7 @@ import tensorstore as ts
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import compose
-from lazyckpt._array.reshape import Reshape
-from lazyckpt._array.reshape import groups as reshape_groups
+from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import read_composed, read_view
@@ -250,7 +249,7 @@ class LazyArray:
             source: LazyArray = stored.array
             return source.astype(self.dtype).reshape(new)
         groups = (
-            reshape_groups(self.shape, new)
+            matched_dims(self.shape, new)
             if self.size
             else ((tuple(range(self.ndim)), tuple(range(len(new)))),)
         )

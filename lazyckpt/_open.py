@@ -1,35 +1,19 @@
-"""`open`: build the lazy tree of an Orbax PyTree checkpoint from its metadata."""
+"""`open`: a checkpoint of either format as a lazy tree (`lazyckpt._orbax.read`,
+`lazyckpt._safetensors.read`)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-import attrs
-import numpy as np
-
-from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import leaves
-from lazyckpt._engine.stored import StoredArray
-from lazyckpt._errors import (
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedCheckpointError,
-)
-from lazyckpt._lazy import LazyArray, key_dtype
-from lazyckpt._orbax import metadata as tm
-from lazyckpt._orbax.layout import json_item_file, locate
-from lazyckpt._orbax.legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
-from lazyckpt._orbax.sharding import read_shardings
-from lazyckpt._orbax.side_files import key_impls_of, strings_of
-from lazyckpt._orbax.zarr import ZarrInfo, metadata_key, parse_zarr
+from lazyckpt._errors import NotACheckpointError
+from lazyckpt._orbax.read import open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
-from lazyckpt._storage import paths as fs
-from lazyckpt._storage.kvstore import Store, from_one_generation
+from lazyckpt._storage import paths
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
@@ -77,8 +61,8 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     >>> tree["step"], tree["params"]["b"]
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
-    with _gc_paused(), fs.session(storage_options):
-        where = fs.normalize(path)
+    with _gc_paused(), paths.session(storage_options):
+        where = paths.normalize(path)
         if is_safetensors(where):
             if step is not None or item is not None:
                 raise NotACheckpointError(
@@ -86,39 +70,8 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                     "without step= and item="
                 )
             return open_safetensors(where, flat=flat)
-        found = locate(where, step=step, item=item)
-        if not allow_outside_links:
-            _refuse_outside_links(found)
-        json_file = json_item_file(found)
-        tree = (
-            from_one_generation(found, lambda generation: _open_once(found, generation))
-            if json_file is None
-            else _json_item(json_file)
-        )
+        tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
     return dict(leaves(tree)) if flat else tree
-
-
-def _refuse_outside_links(folder: str) -> None:
-    links = fs.links_outside(folder)
-    if links:
-        link, target = links[0]
-        raise NotACheckpointError(
-            f"{folder}: {link} is a symlink to {target}, outside the checkpoint folder "
-            f"({len(links)} such link(s)); refusing to read through it. Pass "
-            "allow_outside_links=True to lazyckpt.open if you trust these links"
-        )
-
-
-def _json_item(path: str) -> Any:
-    """The value of a JSON item (`ocp.args.JsonSave`)."""
-    text = fs.read_text(path)
-    try:
-        return json.loads(text or "")
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{path} is not valid JSON ({error}); the JSON item is damaged, copy the "
-            "checkpoint again"
-        ) from None
 
 
 @contextlib.contextmanager
@@ -135,233 +88,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _open_once(location: str, generation: tuple[Any, ...]) -> Any:
-    text = _read_text(location, "_METADATA")
-    metadata, leaves = tm.parse(location, text) if text is not None else ({}, [])
-    # A tree without arrays (strings, scalars read from _strings.json, None) has no
-    # database at all when Orbax or lazyckpt saves it.
-    needs_store = text is None or any(
-        leaf.value_type in (*tm.ARRAY_TYPES, tm.STORED) for leaf in leaves
-    )
-    store = _open_store(location, metadata, generation, required=needs_store)
-    legacy = read_msgpack(location)
-    if text is None:
-        leaves = msgpack_leaves(legacy) if legacy is not None else listed_leaves(store)
-    elif any(leaf.value_type == tm.INLINE for leaf in leaves):
-        if legacy is None:
-            raise CorruptCheckpointError(
-                f"{location}/_METADATA says some leaves are stored in the msgpack "
-                "'checkpoint' file, but that file is missing; copy the checkpoint again"
-            )
-        leaves = [
-            leaf if leaf.value_type != tm.INLINE else _with_value(leaf, location, legacy)
-            for leaf in leaves
-        ]
-    return _materialize(location, store, metadata, leaves)
-
-
-def _with_value(leaf: tm.Leaf, location: str, legacy: Any) -> tm.Leaf:
-    value = msgpack_value(location, legacy, leaf.path)
-    if leaf.declared_type == "scalar" and isinstance(value, np.ndarray | np.generic):
-        value = value.item()  # as a stored scalar restores (spec §3.1)
-    return attrs.evolve(leaf, value=value)
-
-
-def _materialize(
-    location: str, store: Store, metadata: dict[str, Any], leaves: list[tm.Leaf]
-) -> Any:
-    stored_leaves = [leaf for leaf in leaves if leaf.value_type in (*tm.ARRAY_TYPES, tm.STORED)]
-    infos = _zarr_infos(store, metadata, stored_leaves)
-    # Typed PRNG keys are stored as uint32 data ending in 2 or 4 (spec §9); only then is
-    # array_metadatas/ worth reading (one request per file on object storage).
-    maybe_keys = any(
-        info.dtype == np.uint32 and info.shape and info.shape[-1] in (2, 4)
-        for info in infos.values()
-    )
-    key_impls = key_impls_of(location) if maybe_keys else {}
-    shardings = read_shardings(
-        location, _read_text(location, "_sharding"), [leaf.name for leaf in stored_leaves]
-    )
-    fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
-    values: dict[tm.Path, Any] = {}
-    scalars = []
-    strings = []
-    for leaf in leaves:
-        info = infos.get(leaf.name)
-        if leaf.value_type in tm.EMPTY_VALUES:
-            values[leaf.path] = tm.EMPTY_VALUES[leaf.value_type]()
-        elif leaf.value_type == tm.STRING or (leaf.value_type == tm.STORED and info is None):
-            strings.append(leaf)
-        elif leaf.value_type == tm.INLINE:
-            values[leaf.path] = _inline(store, leaf, fill_missing)
-        else:
-            assert info is not None
-            _check_declared(location, leaf, info)
-            array = StoredArray(
-                store,
-                leaf.key,
-                leaf.name,
-                info.driver,
-                info.shape,
-                info.dtype,
-                info.chunks,
-                fill_missing,
-                codec=info.codec,
-                checksummed=info.checksummed,
-                keys=info.keys,
-            )
-            if leaf.value_type == "scalar":
-                scalars.append((leaf.path, array.read(Selection.full(info.shape))))
-                continue
-            values[leaf.path] = _lazy(location, leaf, array, shardings, key_impls)
-    values.update(strings_of(location, strings))
-    for leaf_path, future in scalars:
-        values[leaf_path] = future.result().item()
-    return tm.build(location, [(leaf.path, values[leaf.path]) for leaf in leaves])
-
-
-def _lazy(
-    location: str,
-    leaf: tm.Leaf,
-    array: StoredArray,
-    shardings: dict[str, Any],
-    key_impls: dict[str, str],
-) -> LazyArray:
-    impl = key_impls.get(leaf.name)
-    dtype: Any = array.dtype
-    if impl is not None:
-        try:
-            dtype, data_shape = key_dtype(impl)
-        except (ValueError, TypeError, KeyError):  # jax knows no such implementation
-            raise UnsupportedCheckpointError(
-                f"{location}: {leaf.key!r} is recorded as PRNG keys of implementation "
-                f"{impl!r}, which this jax does not know; delete array_metadatas/ to read "
-                "the keys as their uint32 data"
-            ) from None
-        if array.shape[len(array.shape) - len(data_shape) :] != data_shape:
-            raise CorruptCheckpointError(
-                f"{location}: {leaf.key!r} is recorded as {impl} PRNG keys, whose data ends "
-                f"in shape {data_shape}, but the stored array has shape {array.shape}"
-            )
-    return LazyArray(
-        path=leaf.path,
-        stored=array,
-        selection=Selection.full(array.shape),
-        dtype=dtype,
-        sharding=shardings.get(leaf.name) if leaf.value_type != "np.ndarray" else None,
-        key_impl=impl,
-    )
-
-
-def _inline(store: Store, leaf: tm.Leaf, fill_missing: bool) -> Any:
-    """A value from the msgpack file: arrays become LazyArrays like stored ones."""
-    value = leaf.value
-    if not isinstance(value, np.ndarray):
-        return value
-    array = StoredArray(
-        store,
-        leaf.key,
-        leaf.name,
-        "inline",
-        value.shape,
-        value.dtype,
-        tuple(max(n, 1) for n in value.shape),
-        fill_missing,
-        inline=value,
-    )
-    return LazyArray(leaf.path, array, Selection.full(value.shape), value.dtype)
-
-
-def _read_text(location: str, name: str) -> str | None:
-    return fs.read_text(fs.join(location, name))
-
-
-def _open_store(
-    location: str, metadata: dict[str, Any], generation: tuple[Any, ...], *, required: bool = True
-) -> Store:
-    names = fs.listdir(location)
-    per_process = sorted(n for n in names if tm.is_process_folder(n))
-    use_ocdbt = metadata.get("use_ocdbt")
-    ocdbt = (
-        bool(use_ocdbt) if use_ocdbt is not None else bool("manifest.ocdbt" in names or per_process)
-    )
-    if ocdbt and required:
-        # A missing manifest would open as an empty database without error (spec §15.1).
-        hint = (
-            f"; per-process databases {per_process} exist, so the merge step never ran or "
-            "the root files were lost"
-            if per_process
-            else ""
-        )
-        for needed, what in (("manifest.ocdbt", "root manifest"), ("d", "root data folder")):
-            if needed not in names:
-                raise CorruptCheckpointError(
-                    f"OCDBT {what} {location}/{needed} is missing{hint}; the checkpoint "
-                    "cannot be read as saved, copy it again"
-                )
-    return Store.open(location, ocdbt=ocdbt, generation=generation)
-
-
-def _zarr_infos(
-    store: Store, metadata: dict[str, Any], leaves: Sequence[tm.Leaf]
-) -> dict[str, ZarrInfo]:
-    """Zarr metadata of every stored leaf, read in batches; absent names are left out.
-
-    The declared format (`use_zarr3`) is read first; names missing in it are
-    probed in the other format, as checkpoints without `_METADATA` need.
-    """
-    names = sorted({leaf.name for leaf in leaves})
-    for name in names:
-        _check_name(store, name)
-    zarr3 = bool(metadata.get("use_zarr3", False))
-    infos: dict[str, ZarrInfo] = {}
-    for formats in (zarr3, not zarr3):
-        keys = [metadata_key(name, formats) for name in names]
-        missing = []
-        for name, key, raw in zip(names, keys, store.read_keys(keys), strict=True):
-            if raw is None:
-                missing.append(name)
-            else:
-                infos[name] = parse_zarr(f"{store.location}: array {name!r}", key, raw)
-        names = missing
-    for leaf in leaves:
-        if leaf.name in names and leaf.value_type != tm.STORED:
-            raise CorruptCheckpointError(
-                f"{store.location}: array {leaf.key!r} is listed in _METADATA but its zarr "
-                f"metadata {metadata_key(leaf.name, zarr3)!r} is missing from the store; the "
-                "checkpoint is incomplete, copy it again (cp -a keeps dotfiles)"
-            )
-    return infos
-
-
-def _check_name(store: Store, name: str) -> None:
-    """Refuse names that would read outside the checkpoint folder."""
-    if not name.startswith("/") and "\\" not in name and "/." not in f"/{name}":
-        return  # the common case, and cheap: no segment starts with a dot
-    parts = name.split("/")
-    if name.startswith("/") or "\\" in name or any(p in ("..", ".") for p in parts):
-        raise CorruptCheckpointError(
-            f"{store.location}: the checkpoint names an array {name!r}, which would be read "
-            "from outside the checkpoint folder; refusing to read it. The metadata is "
-            "damaged or hostile"
-        )
-
-
-def _check_declared(location: str, leaf: tm.Leaf, info: ZarrInfo) -> None:
-    """`_METADATA`'s write_shape (the saved shard) must fit the zarr array."""
-    if leaf.value_type == "scalar" and info.shape != ():
-        raise CorruptCheckpointError(
-            f"{location}: {leaf.key!r} is declared a scalar in _METADATA but its zarr "
-            f"metadata has shape {info.shape}; the metadata files disagree"
-        )
-    shape = leaf.write_shape
-    if shape is not None and (
-        len(shape) != len(info.shape) or any(w > n for w, n in zip(shape, info.shape, strict=True))
-    ):
-        raise CorruptCheckpointError(
-            f"{location}: {leaf.key!r} is declared with write_shape {shape} in _METADATA but "
-            f"its zarr metadata has shape {info.shape} ({info.dtype}); the metadata files "
-            "disagree, the checkpoint is damaged"
-        )

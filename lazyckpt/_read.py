@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._array.tree import Select, leaves, selected
+from lazyckpt._engine import stream
 from lazyckpt._engine.fill import stored_bytes
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.stream import iter_blocks as _iter_blocks
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
@@ -107,7 +107,7 @@ def iter_blocks(
     found = arrays_of(selected(tree, select))
     arrays = [array for _, array in found]
     bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
-    for position, index, values in _iter_blocks(arrays, memory_budget, bar):
+    for position, index, values in stream.iter_blocks(arrays, memory_budget, bar):
         yield found[position][0], index, values
     if bar is not None:
         bar.close()

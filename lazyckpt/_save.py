@@ -1,34 +1,18 @@
-"""`save`: write a tree as an Orbax PyTree checkpoint (OCDBT + zarr3), streaming.
-
-What goes where follows Orbax 0.12 (spec §2-§9, `lazyckpt._orbax.metadata`): one OCDBT
-database holding a zarr3 array per array leaf, `_METADATA` for the tree,
-`_sharding` and `array_metadatas/process_0` for jax.Array leaves, `_strings.json`
-for strings, `_CHECKPOINT_METADATA` and `commit_success.txt`. The leaves are planned
-first (`lazyckpt._orbax.plan`), written within the budget (`lazyckpt._orbax.write`, or
-`lazyckpt._orbax.write_together` in a multi-process run) into a temporary folder, and
-published atomically (`lazyckpt._storage.publish`).
-"""
+"""`save`: a tree written as a checkpoint of either format (`lazyckpt._orbax.save`,
+`lazyckpt._safetensors.write`), streamed, and published only once complete."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from lazyckpt._array.compose import stores
-from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.scheduler import Scheduler
-from lazyckpt._errors import CheckpointExistsError
-from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.layout import is_pytree_dir
-from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES, Planned, cost, description, plan
-from lazyckpt._orbax.write import write_arrays, write_metadata
-from lazyckpt._orbax.write_together import save_together
+from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
+from lazyckpt._orbax.save import save_orbax
 from lazyckpt._safetensors.read import is_safetensors
 from lazyckpt._safetensors.write import save_safetensors
-from lazyckpt._storage import multihost
-from lazyckpt._storage import paths as fs
-from lazyckpt._storage.publish import publishing
+from lazyckpt._storage import paths
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save"]
 
@@ -92,12 +76,12 @@ def save(
     >>> lazyckpt.open(out)
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
-    final = fs.normalize(path)
+    final = paths.normalize(path)
     kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
     if kind not in ("orbax", "safetensors"):
         raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
     if kind == "safetensors":
-        with fs.session(storage_options):
+        with paths.session(storage_options):
             return save_safetensors(
                 final,
                 tree,
@@ -110,26 +94,16 @@ def save(
             )
     if max_shard_size is not None or metadata is not None:
         raise ValueError("save: max_shard_size and metadata apply to format='safetensors'")
-    leaves = plan(tree, chunk_bytes)
-    if overwrite and not fs.atomic_rename(final):
-        _refuse_reading_from(final, leaves)
-    multihost.agree(
-        "the tree to save",
-        description(leaves),
-        "every process must pass the same tree: the same keys, shapes, dtypes and shardings",
-    )
-    total = sum(cost(leaf) for leaf in leaves if leaf.stored)
-    bar = Progress.maybe(progress, total, "lazyckpt save")
-    scheduler = Scheduler(memory_budget, bar)
-    with fs.session(storage_options):
-        if multihost.count() > 1:
-            save_together(final, leaves, scheduler, overwrite, is_checkpoint)
-        else:
-            with publishing(final, overwrite=overwrite, replaceable=is_checkpoint) as tmp:
-                write_arrays(fs.kvstore_spec(tmp), leaves, scheduler, final)
-                write_metadata(tmp, final, leaves)
-    if bar is not None:
-        bar.close()
+    with paths.session(storage_options):
+        save_orbax(
+            final,
+            tree,
+            chunk_bytes=chunk_bytes,
+            memory_budget=memory_budget,
+            overwrite=overwrite,
+            replaceable=is_checkpoint,
+            progress=progress,
+        )
     return final
 
 
@@ -137,21 +111,6 @@ def is_checkpoint(path: str) -> bool:
     """What `save(..., overwrite=True)` may replace: a checkpoint of either format."""
     return (
         is_pytree_dir(path)
-        or fs.isfile(fs.join(path, "_CHECKPOINT_METADATA"))
+        or paths.isfile(paths.join(path, "_CHECKPOINT_METADATA"))
         or is_safetensors(path)
     )
-
-
-def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:
-    """On object storage an overwrite deletes the old checkpoint before writing: refuse
-    when the tree still reads from it."""
-    for leaf in leaves:
-        for source in (
-            s.location for s in stores([leaf.value] if isinstance(leaf.value, LazyArray) else [])
-        ):
-            if source == final or source.startswith(final + "/"):
-                raise CheckpointExistsError(
-                    f"{leaf.path} is read from {source}, which overwriting {final} would "
-                    "delete before it is read (object storage has no atomic replace); save "
-                    "to a new path, then delete the old one"
-                )

@@ -270,14 +270,14 @@ class _Matcher:
             f"{n} {_LABELS[kind][0 if n == 1 else 1]}" for kind, n in counts.items() if n
         )
         lines = [f"the target does not match the checkpoint: {summary}"]
-        groups = [
+        folded = [
             (kind, line, size)
             for kind, found in self.problems.items()
-            for line, size in _grouped(found)
+            for line, size in _folded(found)
         ]
-        for shown, (kind, line, _) in enumerate(groups):
+        for shown, (kind, line, _) in enumerate(folded):
             if shown == _MAX_LINES:
-                rest = sum(size for _, _, size in groups[shown:])
+                rest = sum(size for _, _, size in folded[shown:])
                 lines.append(f"  ... and {rest} more")
                 break
             lines.append(f"  {_LABELS[kind][2]}: {line}")
@@ -329,16 +329,16 @@ def _as_keys(leaf: LazyArray, dtype: Any, shape: tuple[int, ...]) -> LazyArray |
     return None
 
 
-def _grouped(found: list[tuple[str, str]]) -> Iterator[tuple[str, int]]:
+def _folded(found: list[tuple[str, str]]) -> Iterator[tuple[str, int]]:
     """One line per path and detail, paths that differ only in one integer key
     (layers) folded into one: `blocks/{0..11}/kernel  float32[8,8]`; with the number of
     leaves each line stands for."""
-    groups: dict[tuple[tuple[str, ...], str], list[list[str]]] = {}
+    by_pattern: dict[tuple[tuple[str, ...], str], list[list[str]]] = {}
     for where, detail in found:
         parts = where.split("/")
         pattern = tuple("*" if part.isascii() and part.isdigit() else part for part in parts)
-        groups.setdefault((pattern, detail), []).append(parts)
-    for (pattern, detail), members in groups.items():
+        by_pattern.setdefault((pattern, detail), []).append(parts)
+    for (pattern, detail), members in by_pattern.items():
         varying = [
             i for i, key in enumerate(pattern) if key == "*" and len({m[i] for m in members}) > 1
         ]

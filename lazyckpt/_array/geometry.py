@@ -60,14 +60,14 @@ class _Edges(Sequence[tuple[int, int]]):
 
     def __init__(self, low: int, high: int, c: int, k: int) -> None:
         self.low, self.high, self.c, self.k = low, high, c, k
-        self.groups = range(low // c, (high - 1) // c + 1, k)
+        self.starts = range(low // c, (high - 1) // c + 1, k)
 
     def __len__(self) -> int:
-        return len(self.groups)
+        return len(self.starts)
 
     def __getitem__(self, i: Any) -> Any:
-        g = self.groups[i]
-        return max(self.low, g * self.c), min(self.high, (g + self.k) * self.c)
+        first = self.starts[i]
+        return max(self.low, first * self.c), min(self.high, (first + self.k) * self.c)
 
 
 def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:

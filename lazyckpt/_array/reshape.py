@@ -154,7 +154,7 @@ def _flat_boxes(sizes: Sequence[int], start: int, stop: int) -> Iterator[Box]:
             yield ((last, last + 1), *box)
 
 
-def groups(
+def matched_dims(
     source: Sequence[int], target: Sequence[int]
 ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Pair the dimensions of two shapes of the same (non-zero) size into groups that

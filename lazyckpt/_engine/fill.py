@@ -53,7 +53,7 @@ from lazyckpt._array.geometry import (
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_bytes
-from lazyckpt._engine.lower import Groups, lower
+from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Target, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
@@ -166,11 +166,11 @@ def _schedule_composed(
 ) -> None:
     """Lower each target into targets of the stored arrays' views it is made of
     (`lazyckpt._engine.lower`), and read those, one call per stored array."""
-    groups: Groups = {}
+    by_array: ByArray = {}
     after: list[Callable[[], None]] = []
     for target in targets:
-        lower(array, target.region, target.buffer(), groups, after)
-    left = [len(groups)]
+        lower(array, target.region, target.buffer(), by_array, after)
+    left = [len(by_array)]
     remaining[0] += 1
 
     def part_done() -> None:
@@ -180,10 +180,10 @@ def _schedule_composed(
                 copy()
             finished(None)
 
-    if not groups:
+    if not by_array:
         part_done()
         return
-    for part, part_targets in list(groups.values()):
+    for part, part_targets in list(by_array.values()):
         schedule_fill(part, part_targets, scheduler, part_done)
 
 

@@ -27,26 +27,30 @@ from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Target
 
-Groups = dict[Any, tuple[ArrayView, list[Target]]]
+ByArray = dict[Any, tuple[ArrayView, list[Target]]]
 
 
 def lower(
-    array: ArrayView, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+    array: ArrayView,
+    region: Box,
+    out: np.ndarray,
+    by_array: ByArray,
+    after: list[Callable[[], None]],
 ) -> None:
-    """Add to `groups` the targets, per array to read, that fill `out` with
+    """Add to `by_array` the targets, per array to read, that fill `out` with
     `array[region]`; copies out of temporaries go to `after`, innermost first."""
     if 0 in out.shape:
         return
     if array.dtype != out.dtype:
-        _through_temporary(array, region, out, groups, after, lambda t: t)
+        _through_temporary(array, region, out, by_array, after, lambda t: t)
         return
     mapping = stored_map(array)
     node = array.stored
     if not isinstance(node, compose.Node):
-        _add_plain(array, region, out, mapping, groups, after)
+        _add_plain(array, region, out, mapping, by_array, after)
         return
     if mapping is None:  # a reshaped view sliced with a step
-        if _through_box(array, region, out, groups, after):
+        if _through_box(array, region, out, by_array, after):
             return
         # Else one index at a time along a strided dimension: no temporary, and
         # nothing read that the view does not need.
@@ -61,23 +65,27 @@ def lower(
             at = (*region[:dim], (low + i, low + i + 1), *region[dim + 1 :])
             one: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
             into = out[one]
-            lower(array, at, into, groups, after)
+            lower(array, at, into, by_array, after)
         return
     node_box = to_stored(array, mapping, region)
     node_out = stored_view(array.selection, out)
     if isinstance(node, Reshape) and not node_out.flags.c_contiguous:
         whole = array._rebased(Selection.full(node.shape))
-        _through_temporary(whole, node_box, node_out, groups, after, lambda t: t)
+        _through_temporary(whole, node_box, node_out, by_array, after, lambda t: t)
         return
     for part, box, dest in node.lower(node_box):
-        lower(part, box, dest(node_out), groups, after)
+        lower(part, box, dest(node_out), by_array, after)
 
 
 _BOX_BYTES = 64 << 20  # the largest box read around a strided view
 
 
 def _through_box(
-    array: ArrayView, region: Box, out: np.ndarray, groups: Groups, after: list[Callable[[], None]]
+    array: ArrayView,
+    region: Box,
+    out: np.ndarray,
+    by_array: ByArray,
+    after: list[Callable[[], None]],
 ) -> bool:
     """Fill `out` with the strided `array[region]` through the box around it, read
     as a region of the whole array (with its other parts), where that box is at most
@@ -88,7 +96,7 @@ def _through_box(
         return False
     whole = array._rebased(Selection.full(array.stored.shape))
     index = relative_index(selection, box)
-    _through_temporary(whole, box, out, groups, after, lambda t: t[index])
+    _through_temporary(whole, box, out, by_array, after, lambda t: t[index])
     return True
 
 
@@ -100,12 +108,12 @@ def _through_temporary(
     array: ArrayView,
     region: Box,
     out: np.ndarray,
-    groups: Groups,
+    by_array: ByArray,
     after: list[Callable[[], None]],
     pick: Callable[[np.ndarray], np.ndarray],
 ) -> None:
     temporary = np.empty(tuple(high - low for low, high in region), array.dtype)
-    lower(array, region, temporary, groups, after)
+    lower(array, region, temporary, by_array, after)
     after.append(lambda: np.copyto(out, pick(temporary), casting="unsafe"))
 
 
@@ -114,21 +122,21 @@ def _add_plain(
     region: Box,
     out: np.ndarray,
     mapping: list[tuple[int, int] | None] | None,
-    groups: Groups,
+    by_array: ByArray,
     after: list[Callable[[], None]],
 ) -> None:
     stored = array.stored
     plain = not array.key_impl and stored.inline is None
-    if plain and mapping is None and _through_box(array, region, out, groups, after):
+    if plain and mapping is None and _through_box(array, region, out, by_array, after):
         return  # strided (`x[::-1]`): through the box, shared with the other parts
     if not plain or mapping is None:
-        groups.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
+        by_array.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
         return
     # A region of the whole stored array, shared with the other parts of it.
     base = array._rebased(Selection.full(stored.shape))
     box = to_stored(array, mapping, region)
     target = Target(box, out.dtype, out=stored_view(array.selection, out))
-    groups.setdefault((id(stored), array.dtype), (base, []))[1].append(target)
+    by_array.setdefault((id(stored), array.dtype), (base, []))[1].append(target)
 
 
 def stored_view(selection: Selection, out: np.ndarray) -> np.ndarray:

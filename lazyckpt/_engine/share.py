@@ -45,7 +45,7 @@ class _Member:
 
 
 @attrs.frozen
-class Group:
+class Sharing:
     """Views of one stored array, streamed as `base`: blocks of `grid` (or of the
     stored chunks) cut by `route` into blocks of each member."""
 
@@ -72,10 +72,10 @@ class Group:
             yield member.position, view_index, piece.astype(member.array.dtype, copy=False)
 
 
-def groups(
+def sharings(
     arrays: Sequence[ArrayView], grids: Sequence[tuple[int, ...] | None], block: int
-) -> list[Group]:
-    """The groups among `arrays` worth streaming together."""
+) -> list[Sharing]:
+    """The sharings among `arrays` worth streaming together."""
     by_stored: dict[int, list[_Member]] = {}
     for position, array in enumerate(arrays):
         member = _member(position, array)
@@ -85,9 +85,9 @@ def groups(
     for members in by_stored.values():
         if len(members) < 2:
             continue
-        group = _group(members, [grids[m.position] for m in members], block)
-        if group is not None:
-            found.append(group)
+        sharing = _sharing(members, [grids[m.position] for m in members], block)
+        if sharing is not None:
+            found.append(sharing)
     return found
 
 
@@ -102,7 +102,9 @@ def _member(position: int, array: ArrayView) -> _Member | None:
     return _Member(position, array, box, mapping, view_origins(mapping, len(stored.shape)))
 
 
-def _group(members: list[_Member], grids: list[tuple[int, ...] | None], block: int) -> Group | None:
+def _sharing(
+    members: list[_Member], grids: list[tuple[int, ...] | None], block: int
+) -> Sharing | None:
     first = members[0].array
     stored = first.stored
     ndim = len(stored.shape)
@@ -132,9 +134,9 @@ def _group(members: list[_Member], grids: list[tuple[int, ...] | None], block: i
             return None
     whole = first._rebased(Selection.full(stored.shape), stored.dtype)
     base = whole[as_slices(union)]
-    return Group(base, grid, tuple(members), tuple(lo for lo, _ in union))
+    return Sharing(base, grid, tuple(members), tuple(lo for lo, _ in union))
 
 
-def grouped(found: Sequence[Group]) -> dict[int, Any]:
-    """Each position in a group, mapped to its group (the first member streams it)."""
+def by_position(found: Sequence[Sharing]) -> dict[int, Any]:
+    """Each position in a sharing, mapped to its sharing (the first member streams it)."""
     return {p: g for g in found for p in g.positions}

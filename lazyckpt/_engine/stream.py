@@ -47,8 +47,7 @@ from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_
 from lazyckpt._engine.memory import Target
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
-from lazyckpt._engine.share import Group, grouped
-from lazyckpt._engine.share import groups as share_groups
+from lazyckpt._engine.share import Sharing, by_position, sharings
 from lazyckpt._engine.stored import stored_array
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
@@ -64,10 +63,10 @@ class _Job:
         position: int,
         held: int,
         steps: Iterator[Callable[[], Any]],
-        group: Group | None = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self.position, self.held, self._steps = position, held, steps
-        self.group = group
+        self.sharing = sharing
         """Views of one stored array that this job's blocks are cut into."""
 
     def step(self) -> ts.Future[Any]:
@@ -126,17 +125,17 @@ def iter_blocks(
         for leaf in _leaves(position, array, grid, None)
     ]
     found = [leaf.array for leaf in leaves], [leaf.grid for leaf in leaves]
-    owner = grouped(share_groups(*found, block)) if share else {}
+    owner = by_position(sharings(*found, block)) if share else {}
 
     def every_job() -> Iterator[_Job]:
         for i, leaf in enumerate(leaves):
-            group = owner.get(i)
-            if group is None:
+            sharing = owner.get(i)
+            if sharing is None:
                 for job in _jobs(leaf.position, leaf.array, limits, leaf.grid):
                     yield job if leaf.place is None else job.placed(leaf.place)
-            elif group.positions[0] == i:
-                for job in _jobs(i, group.base, limits, group.grid):
-                    yield _Job(i, job.held, job.steps(), group)
+            elif sharing.positions[0] == i:
+                for job in _jobs(i, sharing.base, limits, sharing.grid):
+                    yield _Job(i, job.held, job.steps(), sharing)
 
     jobs = every_job()
     active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
@@ -161,10 +160,10 @@ def iter_blocks(
             continue
         index, values, work = result
         active[0] = (job, job.step())  # decode the next block while this one is used
-        if job.group is None:
+        if job.sharing is None:
             yield job.position, index, values
         else:
-            for i, piece_index, piece in job.group.route(index, values):
+            for i, piece_index, piece in job.sharing.route(index, values):
                 leaf = leaves[i]
                 moved = (
                     (piece_index, piece) if leaf.place is None else leaf.place(piece_index, piece)

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 
 from lazyckpt._array.tree import Select, leaves, selected
+from lazyckpt._engine import stream
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.stored import StoredArray
-from lazyckpt._engine.stream import iter_blocks as engine_blocks
 from lazyckpt._errors import NoMatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
@@ -235,13 +235,13 @@ def _paired_blocks(
     half = None if memory_budget is None else max(1, memory_budget // 2)
     alike = [i for i, (old, new) in enumerate(pairs) if _stored_alike(old, new)]
     # Not shared: the two sides must come in the same blocks, whatever views share.
-    olds = engine_blocks([pairs[i][0] for i in alike], half, share=False)
-    news = engine_blocks([pairs[i][1] for i in alike], half, share=False)
+    olds = stream.iter_blocks([pairs[i][0] for i in alike], half, share=False)
+    news = stream.iter_blocks([pairs[i][1] for i in alike], half, share=False)
     for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
         assert a == b and index == other, "arrays stored alike stream alike"
         yield alike[a], left, right
     rest = [i for i in range(len(pairs)) if i not in set(alike)]
-    for position, index, left in engine_blocks([pairs[i][0] for i in rest], half):
+    for position, index, left in stream.iter_blocks([pairs[i][0] for i in rest], half):
         yield rest[position], left, load(pairs[rest[position]][1][index], memory_budget=half)
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyckpt._array.tree import Select, selected
+from lazyckpt._engine import stream
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.stream import iter_blocks as engine_blocks
 from lazyckpt._errors import LazyTypeError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
@@ -188,7 +188,7 @@ def stats(
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     bar = Progress.maybe(progress, total, "lazyckpt stats")
     running = [_Running() for _ in arrays]
-    for position, _, values in engine_blocks(arrays, memory_budget, bar):
+    for position, _, values in stream.iter_blocks(arrays, memory_budget, bar):
         running[position].add(values)
     histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
     if bins:
@@ -215,7 +215,7 @@ def _histograms(
         for r in running
     ]
     counts = [np.zeros(bins, np.int64) for _ in arrays]
-    for position, _, values in engine_blocks(arrays, memory_budget, bar):
+    for position, _, values in stream.iter_blocks(arrays, memory_budget, bar):
         flat = values.reshape(-1)
         if flat.dtype.kind == "b":
             flat = flat.view(np.uint8)

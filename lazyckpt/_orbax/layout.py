@@ -14,7 +14,7 @@ from lazyckpt._errors import (
 )
 from lazyckpt._orbax.metadata import is_process_folder
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import paths
 from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
 
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
@@ -24,17 +24,17 @@ _ZARR_METADATA = (ZARR2_KEY, ZARR3_KEY)
 
 def is_pytree_dir(path: str) -> bool:
     """Whether `path` holds PyTree files directly (spec §0)."""
-    if not fs.isdir(path):
+    if not paths.isdir(path):
         return False
-    names = fs.listdir(path)
+    names = paths.listdir(path)
     if {"_METADATA", "checkpoint", "manifest.ocdbt"} & set(names):
         return True
     if any(is_process_folder(n) for n in names):
         return True
     return any(
-        fs.isfile(fs.join(fs.join(path, n), m))
+        paths.isfile(paths.join(paths.join(path, n), m))
         for n in names
-        if fs.isdir(fs.join(path, n))
+        if paths.isdir(paths.join(path, n))
         for m in _ZARR_METADATA
     )
 
@@ -45,29 +45,29 @@ def _step_dirs(root: str) -> dict[int, str]:
     As Orbax's `all_steps()`: step folders are named `<step>` or `<prefix>_<step>` with
     one prefix for the whole run. Folders with several prefixes (`a_0`, `b_0`: separate
     checkpoints side by side) or one step twice (`ckpt_1`, `ckpt_01`) are no run."""
-    return _step_groups(root)[0]
+    return _steps_by_prefix(root)[0]
 
 
-def _step_groups(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]]:
+def _steps_by_prefix(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]]:
     """The steps, and the step-like folder names by prefix (when they make no run)."""
-    groups: dict[str | None, dict[int, str]] = {}
+    by_prefix: dict[str | None, dict[int, str]] = {}
     names: dict[str | None, list[str]] = {}
     twice = False
-    for name in fs.listdir(root):
+    for name in paths.listdir(root):
         match = _STEP_NAME.match(name)
         if (
             match
             and not is_unfinished(name)
             and not is_process_folder(name)  # a PyTree's per-process database
-            and fs.isdir(fs.join(root, name))
-            and _committed(fs.join(root, name))
+            and paths.isdir(paths.join(root, name))
+            and _committed(paths.join(root, name))
         ):
-            steps = groups.setdefault(match["prefix"], {})
+            steps = by_prefix.setdefault(match["prefix"], {})
             twice = twice or int(match["step"]) in steps
-            steps[int(match["step"])] = fs.join(root, name)
+            steps[int(match["step"])] = paths.join(root, name)
             names.setdefault(match["prefix"], []).append(name)
-    if len(groups) == 1 and not twice:
-        return next(iter(groups.values())), {}
+    if len(by_prefix) == 1 and not twice:
+        return next(iter(by_prefix.values())), {}
     return {}, names
 
 
@@ -75,8 +75,8 @@ def _pytree_items(step_dir: str) -> list[str]:
     """Names of the PyTree items inside a step folder."""
     return sorted(
         name
-        for name in fs.listdir(step_dir)
-        if not is_unfinished(name) and is_pytree_dir(fs.join(step_dir, name))
+        for name in paths.listdir(step_dir)
+        if not is_unfinished(name) and is_pytree_dir(paths.join(step_dir, name))
     )
 
 
@@ -87,20 +87,20 @@ _JSON_ITEM_FILES = ("metadata", "data.json")
 
 def json_item_file(folder: str) -> str | None:
     """The JSON file of a JSON item folder, or None if `folder` is not one."""
-    if not fs.isdir(folder) or is_pytree_dir(folder):
+    if not paths.isdir(folder) or is_pytree_dir(folder):
         return None
-    names = fs.listdir(folder)
+    names = paths.listdir(folder)
     for name in _JSON_ITEM_FILES:
-        if name in names and fs.isfile(fs.join(folder, name)):
-            return fs.join(folder, name)
+        if name in names and paths.isfile(paths.join(folder, name)):
+            return paths.join(folder, name)
     return None
 
 
 def _kinds(step_dir: str) -> dict[str, str]:
     """The items of a step folder by name: `pytree` or `json`."""
     found = {}
-    for name in fs.listdir(step_dir):
-        folder = fs.join(step_dir, name)
+    for name in paths.listdir(step_dir):
+        folder = paths.join(step_dir, name)
         if is_unfinished(name):
             continue
         if is_pytree_dir(folder):
@@ -112,7 +112,7 @@ def _kinds(step_dir: str) -> dict[str, str]:
 
 def _listed_items(step_dir: str) -> list[str]:
     try:
-        text = fs.read_text(fs.join(step_dir, "_CHECKPOINT_METADATA"))
+        text = paths.read_text(paths.join(step_dir, "_CHECKPOINT_METADATA"))
         handlers = json.loads(text).get("item_handlers") if text is not None else None
     except (OSError, ValueError, AttributeError, RecursionError):
         return []
@@ -133,12 +133,12 @@ def steps(
     >>> lazyckpt.steps(run)
     [1, 2]
     """
-    with fs.session(storage_options):
+    with paths.session(storage_options):
         root = _existing_folder(path)
-        found, mixed = _step_groups(root)
-        listed = fs.listdir(root)[:10]
+        found, mixed = _steps_by_prefix(root)
+        listed = paths.listdir(root)[:10]
     if mixed:
-        some = [name for group in mixed.values() for name in group][:6]
+        some = [name for names in mixed.values() for name in names][:6]
         raise NotACheckpointError(
             f"{root} is not a CheckpointManager root: its step-like folders {some} have "
             f"{len(mixed)} different prefixes or repeat a step, so they are separate "
@@ -173,7 +173,7 @@ def items(
     >>> lazyckpt.items(run), lazyckpt.items(run, step=1)
     ({'extra': 'pytree', 'state': 'pytree'}, {'state': 'pytree'})
     """
-    with fs.session(storage_options):
+    with paths.session(storage_options):
         folder = _existing_folder(path)
         if is_pytree_dir(folder):
             return {}
@@ -188,7 +188,7 @@ def _step_folder(folder: str, step: int | None) -> str:
     # Step folders that are PyTree folders themselves (saved directly, one per step)
     # make a root too; a step folder with items has _CHECKPOINT_METADATA, or items
     # not named like steps.
-    step_like = fs.isfile(fs.join(folder, "_CHECKPOINT_METADATA")) or any(
+    step_like = paths.isfile(paths.join(folder, "_CHECKPOINT_METADATA")) or any(
         not _STEP_NAME.match(name) for name in items
     )
     if not found or (items and step_like) or is_pytree_dir(folder):
@@ -208,8 +208,8 @@ def _step_folder(folder: str, step: int | None) -> str:
 
 
 def _existing_folder(path: str | os.PathLike[str]) -> str:
-    folder = fs.normalize(path)
-    if not fs.isdir(folder):
+    folder = paths.normalize(path)
+    if not paths.isdir(folder):
         raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
     return folder
 
@@ -217,15 +217,15 @@ def _existing_folder(path: str | os.PathLike[str]) -> str:
 def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
     """The item folder that `path` (with `step` and `item`) points to: a PyTree item,
     or a JSON item when one is asked for by name (or `path` is one)."""
-    path = fs.normalize(path)
-    if is_unfinished(fs.basename(path)):
+    path = paths.normalize(path)
+    if is_unfinished(paths.basename(path)):
         raise UnfinishedCheckpointError(
             f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
-    if not fs.exists(path):
+    if not paths.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
-    if not fs.isdir(path):
+    if not paths.isdir(path):
         raise NotACheckpointError(
             f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
             "_METADATA (or a CheckpointManager root or step folder)"
@@ -247,11 +247,11 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
 def _finished(item: str) -> bool:
     """Whether the save of the PyTree folder `item` finished: its step folder's commit
     marker when it is an item of a step, else its own."""
-    if fs.atomic_rename(item):
+    if paths.atomic_rename(item):
         return True
-    step = fs.dirname(item)
-    in_step = not fs.isfile(fs.join(item, "_CHECKPOINT_METADATA")) and fs.isfile(
-        fs.join(step, "_CHECKPOINT_METADATA")
+    step = paths.dirname(item)
+    in_step = not paths.isfile(paths.join(item, "_CHECKPOINT_METADATA")) and paths.isfile(
+        paths.join(step, "_CHECKPOINT_METADATA")
     )
     return _committed(step) if in_step else _committed(item) or _committed(step)
 
@@ -259,7 +259,7 @@ def _finished(item: str) -> bool:
 def _committed(folder: str) -> bool:
     """Whether a save to `folder` finished. On object storage only the presence of
     commit_success.txt says so (spec §1.1); on a local disk the rename did."""
-    return fs.atomic_rename(folder) or fs.isfile(fs.join(folder, "commit_success.txt"))
+    return paths.atomic_rename(folder) or paths.isfile(paths.join(folder, "commit_success.txt"))
 
 
 def _item(step_dir: str, item: str | None) -> str:
@@ -272,11 +272,11 @@ def _item(step_dir: str, item: str | None) -> str:
             )
         kinds = _kinds(step_dir)
         if item in kinds:
-            return fs.join(step_dir, item)
-        if fs.isdir(fs.join(step_dir, item)):
+            return paths.join(step_dir, item)
+        if paths.isdir(paths.join(step_dir, item)):
             raise NotACheckpointError(
                 f"item {item!r} in {step_dir} is neither a PyTree nor a JSON item (it holds "
-                f"{fs.listdir(fs.join(step_dir, item))[:5]}); items: {kinds}"
+                f"{paths.listdir(paths.join(step_dir, item))[:5]}); items: {kinds}"
             )
         if item in _listed_items(step_dir):
             raise CheckpointNotFoundError(
@@ -288,12 +288,12 @@ def _item(step_dir: str, item: str | None) -> str:
         )
     for name in _DEFAULT_ITEMS:
         if name in present:
-            return fs.join(step_dir, name)
+            return paths.join(step_dir, name)
     if len(present) == 1:
-        return fs.join(step_dir, present[0])
-    _, mixed = _step_groups(step_dir)
+        return paths.join(step_dir, present[0])
+    _, mixed = _steps_by_prefix(step_dir)
     if mixed:
-        some = [name for group in mixed.values() for name in group][:6]
+        some = [name for names in mixed.values() for name in names][:6]
         raise NotACheckpointError(
             f"{step_dir} holds separate checkpoints {some}, not the steps of one run (their "
             "names have different prefixes or repeat a step); open one of them"
@@ -302,21 +302,23 @@ def _item(step_dir: str, item: str | None) -> str:
         raise NotACheckpointError(
             f"{step_dir} holds several items {present}; choose one with item=NAME"
         )
-    unfinished = [n for n in fs.listdir(step_dir) if is_unfinished(n)]
+    unfinished = [n for n in paths.listdir(step_dir) if is_unfinished(n)]
     if unfinished:
         raise UnfinishedCheckpointError(
             f"{step_dir} holds only unfinished saves {unfinished}; wait for the save to "
             "finish or open an earlier checkpoint"
         )
-    listed = [name for name in _listed_items(step_dir) if not fs.isdir(fs.join(step_dir, name))]
+    listed = [
+        name for name in _listed_items(step_dir) if not paths.isdir(paths.join(step_dir, name))
+    ]
     if listed:
         raise CheckpointNotFoundError(
             f"{step_dir}/_CHECKPOINT_METADATA lists the item(s) {listed}, but their folders "
-            f"are missing (found {fs.listdir(step_dir)[:10]}); the step was copied "
+            f"are missing (found {paths.listdir(step_dir)[:10]}); the step was copied "
             "incompletely: copy it again, or open another step"
         )
     raise NotACheckpointError(
         f"{step_dir} is not an Orbax checkpoint: it has no _METADATA, manifest.ocdbt, "
-        f"step folders or item folders (found {fs.listdir(step_dir)[:10]}); "
+        f"step folders or item folders (found {paths.listdir(step_dir)[:10]}); "
         "pass the folder that a checkpointer saved to"
     )

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from lazyckpt._array.tree import Path
 from lazyckpt._engine.memory import physical_memory
 from lazyckpt._errors import CorruptCheckpointError, warn
-from lazyckpt._orbax.metadata import INLINE, STORED, Leaf, Path
+from lazyckpt._orbax.metadata import INLINE, STORED, Leaf
 from lazyckpt._orbax.msgpack import decode
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store
 
 MSGPACK_FILE = "checkpoint"
@@ -31,8 +32,8 @@ class InferredStructureWarning(UserWarning):
 
 def read_msgpack(location: str) -> Any | None:
     """The decoded legacy msgpack tree, or None if the file does not exist."""
-    path = fs.join(location, MSGPACK_FILE)
-    data = fs.read_bytes(path, limit=physical_memory())
+    path = paths.join(location, MSGPACK_FILE)
+    data = paths.read_bytes(path, limit=physical_memory())
     return None if data is None else decode(data, where=path)
 
 
@@ -101,7 +102,7 @@ def _ocdbt_names(store: Store) -> Iterator[str]:
 
 
 def _folder_names(location: str) -> Iterator[str]:
-    files = set(fs.walk_files(location))
+    files = set(paths.walk_files(location))
     if files & {ZARR2_KEY, ZARR3_KEY}:
         yield ""
         return

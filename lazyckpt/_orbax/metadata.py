@@ -18,10 +18,9 @@ from typing import Any
 
 import attrs
 
+from lazyckpt._array.tree import Path
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._orbax.msgpack import MAX_DEPTH
-
-Path = tuple[str | int, ...]
 
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 STRING = "string"
@@ -74,7 +73,7 @@ class Leaf:
         return "/".join([str(k) for k in self.path])
 
 
-def parse(location: str, text: str) -> tuple[dict[str, Any], list[Leaf]]:
+def parse_metadata(location: str, text: str) -> tuple[dict[str, Any], list[Leaf]]:
     """The `_METADATA` object and its leaves, in saved order."""
     try:
         metadata = json.loads(text)
@@ -151,7 +150,7 @@ def drop_stale_prefixes(leaves: list[Leaf]) -> list[Leaf]:
     return [leaf for leaf, end in zip(leaves, ends, strict=True) if not end]
 
 
-def build(location: str, entries: list[tuple[Path, Any]]) -> Any:
+def build_tree(location: str, entries: list[tuple[Path, Any]]) -> Any:
     """Nest `(path, value)` pairs into dicts (str keys) and lists (int keys)."""
     if len(entries) == 1 and entries[0][0] == ():
         return entries[0][1]
@@ -301,7 +300,7 @@ def metadata_json(entries: Iterable[Entry]) -> dict[str, Any]:
     }
 
 
-def sharding_json(shardings: Mapping[str, str]) -> dict[str, str]:
+def sharding_file(shardings: Mapping[str, str]) -> dict[str, str]:
     """`_sharding`: each jax.Array's sharding entry, keyed by its name in base64."""
     return {
         base64.urlsafe_b64encode(name.encode()).decode(): entry for name, entry in shardings.items()

@@ -23,8 +23,16 @@ import tensorstore as ts
 from lazyckpt._array.tree import key_of
 from lazyckpt._errors import UnsavableError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._orbax import metadata as orbax
-from lazyckpt._orbax.sharding import sharding_json
+from lazyckpt._orbax.metadata import (
+    ARRAY_TYPES,
+    DICT_KEY,
+    EMPTY_WRITTEN,
+    SEQUENCE_KEY,
+    Entry,
+    strings_json,
+    valid_pointer,
+)
+from lazyckpt._orbax.sharding import sharding_entry
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Stored chunk size that `save` aims for: small enough that reading a few rows
@@ -64,10 +72,10 @@ class Planned:
 
     @property
     def stored(self) -> bool:
-        return self.value_type in orbax.ARRAY_TYPES
+        return self.value_type in ARRAY_TYPES
 
-    def entry(self) -> orbax.Entry:
-        return orbax.Entry(self.keys, self.value_type, self.write_shape)
+    def entry(self) -> Entry:
+        return Entry(self.keys, self.value_type, self.write_shape)
 
 
 def description(leaves: Sequence[Planned]) -> str:
@@ -113,9 +121,9 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
                     f"{type(entry.key).__name__}; checkpoints keep str and int keys only"
                 )
             if isinstance(entry, jax.tree_util.DictKey | jax.tree_util.GetAttrKey):
-                keys.append((str(key_of(entry)), orbax.DICT_KEY))
+                keys.append((str(key_of(entry)), DICT_KEY))
             elif isinstance(entry, jax.tree_util.SequenceKey | jax.tree_util.FlattenedIndexKey):
-                keys.append((str(key_of(entry)), orbax.SEQUENCE_KEY))
+                keys.append((str(key_of(entry)), SEQUENCE_KEY))
             else:
                 raise UnsavableError(f"{_path_str(keys)}: unknown pytree key {entry!r}")
         yield tuple(keys), leaf
@@ -197,7 +205,7 @@ def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> Pl
             chunks = tuple(max(n, 1) for n in write_shape)
         return Planned(
             path, keys, "jax.Array", value, tuple(value.shape), dtype, chunks,
-            write_shape, sharding_json(value.sharding), impl,
+            write_shape, sharding_entry(value.sharding), impl,
         )  # fmt: skip
     if isinstance(value, bool | int | float | np.generic):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -280,7 +288,7 @@ def _check_names(leaves: Sequence[Planned]) -> None:
     """Refuse trees whose leaves Orbax would store under one name, or could not read."""
     seen: dict[str, Planned] = {}
     for leaf in leaves:
-        if leaf.value_type in orbax.EMPTY_WRITTEN:
+        if leaf.value_type in EMPTY_WRITTEN:
             continue
         name = leaf.name
         parts = name.split("/")
@@ -289,7 +297,7 @@ def _check_names(leaves: Sequence[Planned]) -> None:
                 f"{leaf.path}: its parameter name {name!r} has an empty, '.' or '..' part "
                 "between '/'s, which readers take as a path; rename the key"
             )
-        if leaf.value_type == "string" and not orbax.valid_pointer(name):
+        if leaf.value_type == "string" and not valid_pointer(name):
             raise UnsavableError(
                 f"{leaf.path}: Orbax reads strings by the JSON pointer '/{name}', where '~' "
                 "must be followed by '0' or '1'; rename the key"
@@ -303,7 +311,7 @@ def _check_names(leaves: Sequence[Planned]) -> None:
         seen[name] = leaf
     strings = [leaf for leaf in leaves if leaf.value_type == "string"]
     try:
-        orbax.strings_json(
+        strings_json(
             {leaf.name: leaf.value for leaf in strings}, {leaf.name: leaf.path for leaf in strings}
         )
     except ValueError as error:

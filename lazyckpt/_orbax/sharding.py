@@ -125,7 +125,7 @@ class SavedSharding:
         return f"{self.kind}()"
 
 
-def sharding_json(sharding: jax.sharding.Sharding) -> str:
+def sharding_entry(sharding: jax.sharding.Sharding) -> str:
     """The `_sharding` entry for a live sharding; "" (unknown) for kinds Orbax skips."""
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh

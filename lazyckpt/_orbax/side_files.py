@@ -7,21 +7,22 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from lazyckpt._array.tree import Path
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._orbax import metadata as tm
-from lazyckpt._storage import paths as fs
+from lazyckpt._orbax.metadata import STORED, Leaf, find_string
+from lazyckpt._storage import paths
 
 
 def key_impls_of(location: str) -> dict[str, str]:
     """PRNG key implementations by name, from `array_metadatas/process_*` (spec §8)."""
-    folder = fs.join(location, "array_metadatas")
-    if not fs.isdir(folder):
+    folder = paths.join(location, "array_metadatas")
+    if not paths.isdir(folder):
         return {}
     impls = {}
-    for name in fs.listdir(folder):
-        path = fs.join(folder, name)
+    for name in paths.listdir(folder):
+        path = paths.join(folder, name)
         try:
-            text = fs.read_text(path) or ""
+            text = paths.read_text(path) or ""
             if "random_key_impl" not in text:
                 continue  # the file's only use here is PRNG key identity; skip parsing
             entries = json.loads(text)["array_metadatas"]
@@ -38,13 +39,13 @@ def key_impls_of(location: str) -> dict[str, str]:
     return impls
 
 
-def strings_of(location: str, leaves: Sequence[tm.Leaf]) -> dict[tm.Path, str]:
+def strings_of(location: str, leaves: Sequence[Leaf]) -> dict[Path, str]:
     """The values of string leaves, from `_strings.json` (spec §5)."""
     if not leaves:
         return {}
-    text = fs.read_text(fs.join(location, "_strings.json"))
+    text = paths.read_text(paths.join(location, "_strings.json"))
     if text is None:
-        stored = [leaf for leaf in leaves if leaf.value_type == tm.STORED]
+        stored = [leaf for leaf in leaves if leaf.value_type == STORED]
         if stored:
             raise CorruptCheckpointError(
                 f"{location}: {stored[0].key!r} (stored as {stored[0].name!r}) has neither "
@@ -63,7 +64,7 @@ def strings_of(location: str, leaves: Sequence[tm.Leaf]) -> dict[tm.Path, str]:
         ) from None
     values = {}
     for leaf in leaves:
-        node = tm.find_string(table, leaf.name)
+        node = find_string(table, leaf.name)
         if not isinstance(node, str):
             found = "nothing" if node is None else f"a {type(node).__name__}"
             raise CorruptCheckpointError(

@@ -25,10 +25,18 @@ from lazyckpt._array.geometry import Box, box_bytes, chunk_blocks, on_grid
 from lazyckpt._engine.scheduler import HELD, Scheduler
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._lazy import LazyArray
-from lazyckpt._orbax import metadata as orbax
+from lazyckpt._orbax.metadata import (
+    ArrayRecord,
+    array_metadatas_json,
+    checkpoint_metadata_json,
+    commit_text,
+    metadata_json,
+    sharding_file,
+    strings_json,
+)
 from lazyckpt._orbax.plan import Planned, block_cost, cost
 from lazyckpt._orbax.zarr import zarr3_spec
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import then
 from lazyckpt._storage.publish import write_failure
 
@@ -247,23 +255,22 @@ def _shard_piece(data: jax.Array, local: tuple[slice, ...]) -> Callable[[], np.n
 def write_metadata(tmp: str, final: str, leaves: Sequence[Planned]) -> None:
     """The metadata files, `commit_success.txt` last (on object storage, the commit)."""
     started = time.time_ns()
-    _write_json(tmp, "_METADATA", orbax.metadata_json(leaf.entry() for leaf in leaves))
+    _write_json(tmp, "_METADATA", metadata_json(leaf.entry() for leaf in leaves))
     arrays = [leaf for leaf in leaves if leaf.value_type == "jax.Array"]
-    _write_json(tmp, "_sharding", orbax.sharding_json({a.name: a.sharding or "" for a in arrays}))
+    _write_json(tmp, "_sharding", sharding_file({a.name: a.sharding or "" for a in arrays}))
     if arrays:
-        fs.make_folder(fs.join(tmp, "array_metadatas"))
+        paths.make_folder(paths.join(tmp, "array_metadatas"))
         records = [
-            orbax.ArrayRecord(a.name, a.write_shape or a.shape, a.chunks, a.key_impl)
-            for a in arrays
+            ArrayRecord(a.name, a.write_shape or a.shape, a.chunks, a.key_impl) for a in arrays
         ]
-        _write_json(tmp, "array_metadatas/process_0", orbax.array_metadatas_json(records))
+        _write_json(tmp, "array_metadatas/process_0", array_metadatas_json(records))
     strings = {leaf.name: leaf.value for leaf in leaves if leaf.value_type == "string"}
     if strings:
         where = {name: name for name in strings}  # names were checked when planned
-        _write_json(tmp, "_strings.json", orbax.strings_json(strings, where))
-    _write_json(tmp, "_CHECKPOINT_METADATA", orbax.checkpoint_metadata_json(started))
-    fs.write_bytes(fs.join(tmp, "commit_success.txt"), orbax.commit_text(final))
+        _write_json(tmp, "_strings.json", strings_json(strings, where))
+    _write_json(tmp, "_CHECKPOINT_METADATA", checkpoint_metadata_json(started))
+    paths.write_bytes(paths.join(tmp, "commit_success.txt"), commit_text(final))
 
 
 def _write_json(directory: str, name: str, data: Any) -> None:
-    fs.write_bytes(fs.join(directory, name), json.dumps(data).encode())
+    paths.write_bytes(paths.join(directory, name), json.dumps(data).encode())

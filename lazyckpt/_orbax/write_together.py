@@ -17,14 +17,13 @@ from collections.abc import Callable, Sequence
 import jax
 import tensorstore as ts
 
-from lazyckpt import _errors as errors
+from lazyckpt import _errors
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
-from lazyckpt._orbax import metadata as orbax
+from lazyckpt._orbax.metadata import process_folder
 from lazyckpt._orbax.plan import Planned
 from lazyckpt._orbax.write import OCDBT_CONFIG, write_arrays, write_context, write_metadata
-from lazyckpt._storage import multihost
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.publish import publishing
 
 
@@ -56,7 +55,7 @@ def save_together(
         mine = [leaf for leaf in leaves if me == 0 or _holds_shards(leaf)]
         failed: BaseException | None = None
         try:
-            base = fs.kvstore_spec(fs.join(tmp, orbax.process_folder(me)))
+            base = paths.kvstore_spec(paths.join(tmp, process_folder(me)))
             write_arrays(base, mine, scheduler, final)
         except Exception as error:  # noqa: BLE001 - reported to every process below
             failed = error
@@ -83,7 +82,7 @@ def save_together(
 
 
 def _error_class(name: str) -> type[LazyckptError]:
-    found = getattr(errors, name, None)
+    found = getattr(_errors, name, None)
     return found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
 
 
@@ -100,7 +99,7 @@ def _merge(tmp: str, writers: list[int], final: str) -> None:
     missing = [
         i
         for i in writers
-        if not fs.isfile(fs.join(fs.join(tmp, orbax.process_folder(i)), "manifest.ocdbt"))
+        if not paths.isfile(paths.join(paths.join(tmp, process_folder(i)), "manifest.ocdbt"))
     ]
     if missing:
         raise LazyckptError(
@@ -108,12 +107,12 @@ def _merge(tmp: str, writers: list[int], final: str) -> None:
             "every process must save to the same shared file system or bucket"
         )
     context = write_context()
-    root_spec = {"driver": "ocdbt", "base": fs.kvstore_spec(tmp)}
+    root_spec = {"driver": "ocdbt", "base": paths.kvstore_spec(tmp)}
     root = ts.KvStore.open({**root_spec, "config": OCDBT_CONFIG}, context=context).result()
     for process in writers:
         spec = {
             "driver": "ocdbt",
-            "base": fs.kvstore_spec(fs.join(tmp, orbax.process_folder(process))),
+            "base": paths.kvstore_spec(paths.join(tmp, process_folder(process))),
         }
         source = ts.KvStore.open(spec, context=context).result()
         source.experimental_copy_range_to(root).result()

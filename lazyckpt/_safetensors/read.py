@@ -26,8 +26,16 @@ from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._safetensors import format as st
-from lazyckpt._storage import paths as fs
+from lazyckpt._safetensors.format import (
+    INDEX,
+    SINGLE,
+    SUFFIX,
+    Header,
+    header_length,
+    parse_header,
+    parse_index,
+)
+from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
 
 CHUNK_BYTES = 1 << 20
@@ -36,13 +44,13 @@ CHUNK_BYTES = 1 << 20
 
 def is_safetensors(path: str) -> bool:
     """Whether `path` is a safetensors file, or a folder of them without `_METADATA`."""
-    if path.endswith(st.SUFFIX):
-        return not fs.isdir(path)
-    if not fs.isdir(path):
+    if path.endswith(SUFFIX):
+        return not paths.isdir(path)
+    if not paths.isdir(path):
         return False
-    names = fs.listdir(path)
+    names = paths.listdir(path)
     return "_METADATA" not in names and (
-        st.INDEX in names or any(name.endswith(st.SUFFIX) for name in names)
+        INDEX in names or any(name.endswith(SUFFIX) for name in names)
     )
 
 
@@ -71,14 +79,14 @@ def metadata(
     >>> lazyckpt.safetensors_metadata(out)
     {'step': '3'}
     """
-    with fs.session(storage_options):
-        return _metadata(fs.normalize(path))
+    with paths.session(storage_options):
+        return _metadata(paths.normalize(path))
 
 
 def _metadata(path: str) -> dict[str, str]:
     folder, files, index = _files(path)
     out: dict[str, str] = dict(index[1]) if index is not None else {}
-    for header in _headers(folder, [name for name in files if name != st.INDEX]):
+    for header in _headers(folder, [name for name in files if name != INDEX]):
         out.update(header.metadata)
     return out
 
@@ -88,49 +96,49 @@ def _files(
 ) -> tuple[str, tuple[str, ...], tuple[dict[str, str], dict[str, str]] | None]:
     """The folder, the files that make up the model (the index first where there is
     one), and the index's weight map and metadata (None without an index)."""
-    if path.endswith(st.SUFFIX) and not fs.isdir(path):
-        if not fs.isfile(path):
+    if path.endswith(SUFFIX) and not paths.isdir(path):
+        if not paths.isfile(path):
             raise CheckpointNotFoundError(f"{path} does not exist; check the path")
-        return fs.dirname(path), (fs.basename(path),), None
-    names = fs.listdir(path)
-    if st.INDEX in names:
+        return paths.dirname(path), (paths.basename(path),), None
+    names = paths.listdir(path)
+    if INDEX in names:
         index = _index(path)
         shards = sorted(set(index[0].values()))
         missing = [shard for shard in shards if shard not in names]
         if missing:
             raise CorruptCheckpointError(
-                f"{path}/{st.INDEX} names shards that are not in the folder: {missing[:5]}; "
+                f"{path}/{INDEX} names shards that are not in the folder: {missing[:5]}; "
                 "download or copy the model again"
             )
-        return path, (st.INDEX, *shards), index
-    found = sorted(name for name in names if name.endswith(st.SUFFIX))
-    if st.SINGLE in found:
-        return path, (st.SINGLE,), None
+        return path, (INDEX, *shards), index
+    found = sorted(name for name in names if name.endswith(SUFFIX))
+    if SINGLE in found:
+        return path, (SINGLE,), None
     if len(found) == 1:
         return path, (found[0],), None
     raise CorruptCheckpointError(
-        f"{path} holds several safetensors files {found[:5]} but no {st.INDEX} saying which "
+        f"{path} holds several safetensors files {found[:5]} but no {INDEX} saying which "
         "tensor is in which; open one file, or add the index"
     )
 
 
 def _index(folder: str) -> tuple[dict[str, str], dict[str, str]]:
-    file = fs.join(folder, st.INDEX)
-    text = fs.read_text(file)
+    file = paths.join(folder, INDEX)
+    text = paths.read_text(file)
     if text is None:
         raise CheckpointNotFoundError(f"{file} does not exist")
-    return st.parse_index(file, text)
+    return parse_index(file, text)
 
 
 def _tensors(
     folder: str, files: tuple[str, ...], weight_map: dict[str, str] | None, generation: Any
 ) -> dict[str, LazyArray]:
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
-    shards = [name for name in files if name != st.INDEX]
+    shards = [name for name in files if name != INDEX]
     headers = _headers(folder, shards, store)
     by_name: dict[str, LazyArray] = {}
     for shard, header in zip(shards, headers, strict=True):
-        file = fs.join(folder, shard)
+        file = paths.join(folder, shard)
         for tensor in header.tensors:
             if weight_map is not None and weight_map.get(tensor.name) != shard:
                 continue  # the index places it elsewhere (or nowhere): Hugging Face skips it
@@ -156,7 +164,7 @@ def _tensors(
         missing = [name for name in weight_map if name not in by_name]
         if missing:
             raise CorruptCheckpointError(
-                f"{folder}/{st.INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
+                f"{folder}/{INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
                 "whose headers do not hold them; download or copy the model again"
             )
         order = {name: i for i, name in enumerate(weight_map)}
@@ -164,21 +172,21 @@ def _tensors(
     return by_name
 
 
-def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> list[st.Header]:
+def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> list[Header]:
     """The parsed headers of `shards`, read concurrently: 8 bytes, then the JSON, then
     one byte at the end of the data (that the file is not truncated)."""
     store = store or Store.open(folder, ocdbt=False)
-    files = [fs.join(folder, shard) for shard in shards]
+    files = [paths.join(folder, shard) for shard in shards]
     firsts = [
         _read(store, shard, file, 0, 8, what="its header length")
         for shard, file in zip(shards, files, strict=True)
     ]
-    lengths = [st.header_length(f, first.result()) for f, first in zip(files, firsts, strict=True)]
+    lengths = [header_length(f, first.result()) for f, first in zip(files, firsts, strict=True)]
     texts = [
         _read(store, shard, file, 8, 8 + length, what="its header")
         for shard, file, length in zip(shards, files, lengths, strict=True)
     ]
-    headers = [st.parse_header(f, text.result()) for f, text in zip(files, texts, strict=True)]
+    headers = [parse_header(f, text.result()) for f, text in zip(files, texts, strict=True)]
     probes = [
         _read(store, shard, file, header.end - 1, header.end, what="the end of its data")
         for shard, file, header, length in zip(shards, files, headers, lengths, strict=True)
@@ -212,8 +220,8 @@ def _read(
         if store.changed():
             return changed_error(store.location)
         return (
-            fs.storage_error(file, error)
-            if fs.is_remote(file)
+            paths.storage_error(file, error)
+            if paths.is_remote(file)
             else CorruptCheckpointError(f"{file}: reading {what} failed ({error})")
         )
 

@@ -30,9 +30,17 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._errors import CheckpointExistsError, UnsavableError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._safetensors import format as st
-from lazyckpt._storage import multihost
-from lazyckpt._storage import paths as fs
+from lazyckpt._safetensors.format import (
+    DTYPES,
+    INDEX,
+    SINGLE,
+    SUFFIX,
+    dtype_name,
+    encode_header,
+    index_json,
+    shard_name,
+)
+from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.publish import publishing
 
@@ -95,18 +103,20 @@ def save_safetensors(
         )
     entries = _entries(tree)
     meta = dict(DEFAULT_METADATA if metadata is None else metadata)
-    single = path.endswith(st.SUFFIX)
+    single = path.endswith(SUFFIX)
     limit = DEFAULT_SHARD_BYTES if max_shard_size is None else max_shard_size
-    groups = [list(entries)] if single else _shards(entries, limit)
+    per_file = [list(entries)] if single else _shards(entries, limit)
     if single:
-        names = [fs.basename(path)]
-    elif len(groups) == 1:
-        names = [st.SINGLE]
+        names = [paths.basename(path)]
+    elif len(per_file) == 1:
+        names = [SINGLE]
     else:
-        names = [st.shard_name(i + 1, len(groups)) for i in range(len(groups))]
-    files = [_file(name, group, meta) for name, group in zip(names, groups, strict=True)]
+        names = [shard_name(i + 1, len(per_file)) for i in range(len(per_file))]
+    files = [
+        _file(name, entries_of, meta) for name, entries_of in zip(names, per_file, strict=True)
+    ]
     index = (
-        st.index_json(
+        index_json(
             {entry.name: file.name for file in files for entry in file.entries},
             sum(entry.nbytes for entry in entries),
             meta,
@@ -119,7 +129,7 @@ def save_safetensors(
         for file in files:
             write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
         if index is not None:
-            write(st.INDEX, lambda out: out.write(index.encode()))
+            write(INDEX, lambda out: out.write(index.encode()))
     if bar is not None:
         bar.close()
     return path
@@ -145,10 +155,10 @@ def _entries(tree: Any) -> list[_Entry]:
                 "metadata"
             )
         dtype = np.dtype(leaf.dtype)
-        if st.dtype_name(dtype) is None:
+        if dtype_name(dtype) is None:
             raise UnsavableError(
                 f"{where} has dtype {dtype}, which safetensors has no name for; cast it "
-                f"(astype) to one of {', '.join(str(d) for d in st.DTYPES.values())}"
+                f"(astype) to one of {', '.join(str(d) for d in DTYPES.values())}"
             )
         if name in by_name:
             raise UnsavableError(
@@ -162,20 +172,20 @@ def _entries(tree: Any) -> list[_Entry]:
 def _shards(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
     """Tensors in tree order, a new shard whenever the next would pass `limit` (a
     tensor larger than that gets a shard of its own), as `transformers` shards."""
-    groups: list[list[_Entry]] = [[]]
+    per_file: list[list[_Entry]] = [[]]
     size = 0
     for entry in entries:
-        if groups[-1] and size + entry.nbytes > limit:
-            groups.append([])
+        if per_file[-1] and size + entry.nbytes > limit:
+            per_file.append([])
             size = 0
-        groups[-1].append(entry)
+        per_file[-1].append(entry)
         size += entry.nbytes
-    return groups
+    return per_file
 
 
 def _file(name: str, entries: Sequence[_Entry], metadata: Mapping[str, str]) -> _File:
     ordered = tuple(sorted(entries, key=lambda e: -e.dtype.itemsize))
-    header = st.encode_header(((e.name, e.dtype, e.shape, e.nbytes) for e in ordered), metadata)
+    header = encode_header(((e.name, e.dtype, e.shape, e.nbytes) for e in ordered), metadata)
     return _File(name, ordered, header)
 
 
@@ -242,8 +252,8 @@ def _destination(
     `fill(binary_file)`; on a clean exit the files are published at `path` (see
     `publishing`). In a bucket each file is built in a local scratch file, then
     uploaded in one request."""
-    remote = fs.is_remote(path)
-    if remote and single and fs.isfile(path) and not overwrite:
+    remote = paths.is_remote(path)
+    if remote and single and paths.isfile(path) and not overwrite:
         raise CheckpointExistsError(
             f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
             "choose a new path"
@@ -251,7 +261,7 @@ def _destination(
     with publishing(path, overwrite=overwrite, replaceable=replaceable, file=single) as tmp:
 
         def write(name: str, fill: Any) -> None:
-            target = tmp if single else fs.join(tmp, name)
+            target = tmp if single else paths.join(tmp, name)
             if not remote:
                 with open(target, "wb") as out:
                     fill(out)
@@ -259,6 +269,6 @@ def _destination(
             with tempfile.TemporaryFile() as scratch:
                 fill(scratch)
                 scratch.seek(0)
-                fs.write_bytes(target, scratch.read())
+                paths.write_bytes(target, scratch.read())
 
         yield write

@@ -14,7 +14,7 @@ import attrs
 import tensorstore as ts
 
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import paths
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -82,20 +82,22 @@ def changed_error(location: str) -> CheckpointChangedError:
 
 
 def from_one_generation(
-    folder: str, read: Callable[[tuple[Any, ...]], T], files: tuple[str, ...] = fs.GENERATION_FILES
+    folder: str,
+    read: Callable[[tuple[Any, ...]], T],
+    files: tuple[str, ...] = paths.GENERATION_FILES,
 ) -> T:
     """`read(generation)`, from one generation of the checkpoint in `folder`: when the
     checkpoint is replaced meanwhile (its `files` vanish or disagree), read again,
     once; a second change raises `CheckpointChangedError`, never a mix."""
     for _ in range(2):
-        before = fs.generation(folder, files)
+        before = paths.generation(folder, files)
         try:
             result = read(before)
         except LazyckptError:
-            if fs.generation(folder, files) == before:
+            if paths.generation(folder, files) == before:
                 raise
             continue  # files vanished or disagreed because a save replaced them: again
-        if fs.generation(folder, files) == before:
+        if paths.generation(folder, files) == before:
             return result
     raise changed_error(folder)
 
@@ -116,14 +118,14 @@ class Store:
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)
     kvstore: ts.KvStore = attrs.field(repr=False)
     generation: tuple[Any, ...] = attrs.field(default=(), repr=False)
-    """The checkpoint's `fs.generation` when it was opened."""
-    files: tuple[str, ...] = attrs.field(default=fs.GENERATION_FILES, repr=False)
+    """The checkpoint's `paths.generation` when it was opened."""
+    files: tuple[str, ...] = attrs.field(default=paths.GENERATION_FILES, repr=False)
     """The files whose identity makes up the generation."""
 
     def changed(self) -> bool:
         """Whether the checkpoint was replaced or rewritten since it was opened."""
         return bool(self.generation) and (
-            fs.generation(self.location, self.files) != self.generation
+            paths.generation(self.location, self.files) != self.generation
         )
 
     def check_unchanged(self) -> None:
@@ -139,7 +141,7 @@ class Store:
         *,
         ocdbt: bool,
         generation: tuple[Any, ...] = (),
-        files: tuple[str, ...] = fs.GENERATION_FILES,
+        files: tuple[str, ...] = paths.GENERATION_FILES,
     ) -> Store:
         context = ts.Context(
             {
@@ -149,7 +151,7 @@ class Store:
                 "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
             }
         )
-        base = fs.kvstore_spec(location)
+        base = paths.kvstore_spec(location)
         spec = (
             {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}
             if ocdbt
@@ -158,9 +160,9 @@ class Store:
         try:
             kvstore = ts.KvStore.open(spec, context=context).result()
         except Exception as error:
-            if not fs.is_remote(location):
+            if not paths.is_remote(location):
                 raise
-            raise fs.storage_error(location, error) from None
+            raise paths.storage_error(location, error) from None
         return cls(location, ocdbt, context, spec, kvstore, generation, files)
 
     def list_keys(self, prefix: str) -> list[str]:

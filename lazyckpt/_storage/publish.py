@@ -27,9 +27,9 @@ from lazyckpt._errors import (
     StorageAccessError,
     warn,
 )
-from lazyckpt._storage import paths as fs
+from lazyckpt._storage import paths
 
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/paths.h)
 _AT_FDCWD = -100
 
 
@@ -59,12 +59,12 @@ def publishing(
     exception the temporary folder is removed and `final` is untouched. In a bucket
     the files are written in place (see `_publishing_to_bucket`).
     """
-    if is_unfinished(fs.basename(final)):
+    if is_unfinished(paths.basename(final)):
         raise LazyckptError(
             f"{final}: names containing {TMP_MARKER!r} mark unfinished saves and are "
             "never read; choose another name"
         )
-    if not fs.atomic_rename(final):
+    if not paths.atomic_rename(final):
         with _publishing_to_bucket(final, overwrite=overwrite, replaceable=replaceable):
             yield final
         return
@@ -107,7 +107,7 @@ def _publishing_to_bucket(
     folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
     there is not atomic: the old one is deleted (its commit marker first) before the
     new one is written."""
-    existing = fs.listdir(final) if fs.isdir(final) else []
+    existing = paths.listdir(final) if paths.isdir(final) else []
     if existing:
         if not overwrite:
             raise CheckpointExistsError(
@@ -120,13 +120,13 @@ def _publishing_to_bucket(
                 "only checkpoints, delete it yourself if it should go"
             )
         # Before deleting anything: can we write here at all?
-        fs.probe_write(final)
-        fs.delete_folder(final)  # commit_success.txt goes first: never half old, half new
+        paths.probe_write(final)
+        paths.delete_folder(final)  # commit_success.txt goes first: never half old, half new
     try:
         yield
     except BaseException:
         with contextlib.suppress(Exception):
-            fs.delete_folder(final)
+            paths.delete_folder(final)
         raise
 
 
@@ -181,8 +181,8 @@ def write_failure(final: str, what: str, error: Exception) -> LazyckptError:
     """The error for a failed write of `what` by tensorstore while saving to `final`."""
     if isinstance(error, LazyckptError):
         return error
-    if fs.is_remote(final):
-        return fs.storage_error(final, error)
+    if paths.is_remote(final):
+        return paths.storage_error(final, error)
     text = str(error)
     if "No space left" in text or "RESOURCE_EXHAUSTED" in text or "File too large" in text:
         return CheckpointWriteError(

@@ -1,0 +1,74 @@
+"""Saving a tree as an Orbax PyTree checkpoint (OCDBT + zarr3), streamed.
+
+What goes where follows Orbax 0.12 (format notes: What lazyckpt writes): one OCDBT
+database holding a zarr3 array per array leaf, `_METADATA` for the tree, `_sharding`
+and `array_metadatas/process_0` for jax.Array leaves, `_strings.json` for strings,
+`_CHECKPOINT_METADATA` and `commit_success.txt`. The leaves are planned first
+(`lazyckpt._orbax.plan`), written within the budget (`lazyckpt._orbax.write`, or
+`lazyckpt._orbax.write_together` in a multi-process run) into a temporary folder, and
+published atomically (`lazyckpt._storage.publish`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lazyckpt._array.compose import stores
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._errors import CheckpointExistsError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._orbax.plan import Planned, cost, description, plan
+from lazyckpt._orbax.write import write_arrays, write_metadata
+from lazyckpt._orbax.write_together import save_together
+from lazyckpt._storage import multihost, paths
+from lazyckpt._storage.publish import publishing
+
+
+def save_orbax(
+    final: str,
+    tree: Any,
+    *,
+    chunk_bytes: int,
+    memory_budget: int | None,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    progress: bool | None,
+) -> None:
+    """Write `tree` at `final` (see `lazyckpt.save`); `replaceable` says what an
+    overwrite may replace."""
+    leaves = plan(tree, chunk_bytes)
+    if overwrite and not paths.atomic_rename(final):
+        _refuse_reading_from(final, leaves)
+    multihost.agree(
+        "the tree to save",
+        description(leaves),
+        "every process must pass the same tree: the same keys, shapes, dtypes and shardings",
+    )
+    total = sum(cost(leaf) for leaf in leaves if leaf.stored)
+    bar = Progress.maybe(progress, total, "lazyckpt save")
+    scheduler = Scheduler(memory_budget, bar)
+    if multihost.count() > 1:
+        save_together(final, leaves, scheduler, overwrite, replaceable)
+    else:
+        with publishing(final, overwrite=overwrite, replaceable=replaceable) as tmp:
+            write_arrays(paths.kvstore_spec(tmp), leaves, scheduler, final)
+            write_metadata(tmp, final, leaves)
+    if bar is not None:
+        bar.close()
+
+
+def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:
+    """On object storage an overwrite deletes the old checkpoint before writing: refuse
+    when the tree still reads from it."""
+    for leaf in leaves:
+        for source in (
+            s.location for s in stores([leaf.value] if isinstance(leaf.value, LazyArray) else [])
+        ):
+            if source == final or source.startswith(final + "/"):
+                raise CheckpointExistsError(
+                    f"{leaf.path} is read from {source}, which overwriting {final} would "
+                    "delete before it is read (object storage has no atomic replace); save "
+                    "to a new path, then delete the old one"
+                )
