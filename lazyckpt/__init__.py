@@ -14,6 +14,7 @@ array([ 8.,  9., 10., 11.], dtype=float32)
 
 __version__ = "0.1.0"
 
+from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.tree import leaves, select
 from lazyckpt._convert import convert
 from lazyckpt._device_put import device_put
@@ -45,7 +46,6 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._orbax.layout import items, steps
 from lazyckpt._orbax.legacy import InferredStructureWarning
-from lazyckpt._orbax.sharding import SavedSharding
 from lazyckpt._placement import saved_shardings
 from lazyckpt._read import iter_blocks, load
 from lazyckpt._rename import RenameError, rename

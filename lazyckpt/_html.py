@@ -11,7 +11,7 @@ import html
 import math
 from typing import Any
 
-from lazyckpt._orbax.sharding import SavedSharding, spec_str
+from lazyckpt._array.sharding import SavedSharding, spec_str
 from lazyckpt._text import human_bytes
 
 STYLE = """<style>

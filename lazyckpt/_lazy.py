@@ -17,12 +17,12 @@ from numpy.typing import DTypeLike
 from lazyckpt._array import compose
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
+from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
-from lazyckpt._orbax.sharding import SavedSharding
 from lazyckpt._storage.kvstore import ready, then
 
 

@@ -15,10 +15,10 @@ import attrs
 import jax
 import numpy as np
 
+from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.tree import Key, Path, children, keystr
 from lazyckpt._html import STYLE, array_nbytes, array_row, array_type, key_cell, spec_of
 from lazyckpt._lazy import LazyArray
-from lazyckpt._orbax.sharding import SavedSharding
 from lazyckpt._text import human_bytes, printable
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level

@@ -6,123 +6,25 @@ import base64
 import functools
 import json
 import math
-import re
 from typing import Any
 
-import attrs
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import NamedSharding
 
-from lazyckpt._errors import CorruptCheckpointError, ShardingError
-
-SpecEntry = None | str | tuple[str, ...]
+from lazyckpt._array.sharding import SavedSharding, SpecEntry, spec_str
+from lazyckpt._errors import CorruptCheckpointError
 
 
-@attrs.frozen
-class SavedSharding:
-    """The sharding an array had when it was saved, as the checkpoint records it.
-
-    `kind` is the JAX class name (`NamedSharding`, `SingleDeviceSharding`, ...).
-    For a `NamedSharding`, `mesh_shape`, `axis_names` and `partition_spec` describe
-    the layout and `device_ids` the saved device order; for a `SingleDeviceSharding`,
-    `device` names the saved device. Nothing here needs the saving devices.
-
-    >>> s = SavedSharding("NamedSharding", mesh_shape=(4, 2), axis_names=("x", "y"),
-    ...                   partition_spec=("x", None))
-    >>> s.spec == jax.sharding.PartitionSpec("x", None)
-    True
-    >>> s
-    NamedSharding(mesh={'x': 4, 'y': 2}, spec=P('x', None))
-    """
-
-    kind: str
-    mesh_shape: tuple[int, ...] = ()
-    axis_names: tuple[str, ...] = ()
-    partition_spec: tuple[SpecEntry, ...] = ()
-    device_ids: tuple[int, ...] = ()
-    device: str | None = None
-
-    @property
-    def spec(self) -> PartitionSpec:
-        """The saved partition spec as a `jax.sharding.PartitionSpec`."""
-        return PartitionSpec(*self.partition_spec)
-
-    @property
-    def mesh_axes(self) -> dict[str, int]:
-        """Saved mesh axis name to size, in mesh order."""
-        return dict(zip(self.axis_names, self.mesh_shape, strict=True))
-
-    @property
-    def is_replicated(self) -> bool:
-        """Whether every device held the whole array."""
-        return self.kind == "SingleDeviceSharding" or all(
-            entry is None for entry in self.partition_spec
+def saved_entry(saved: SavedSharding) -> str:
+    """The `_sharding` entry that records a saved sharding (as Orbax writes it); ""
+    (unknown) for kinds Orbax skips."""
+    if saved.kind == "NamedSharding":
+        return _named_json(
+            saved.mesh_shape, saved.axis_names, saved.partition_spec, saved.device_ids
         )
-
-    def on(self, mesh: Mesh) -> NamedSharding:
-        """The saved partition spec on the caller's `mesh`, whose axis names must match."""
-        missing = [
-            name
-            for entry in self.partition_spec
-            for name in ((entry,) if isinstance(entry, str) else entry or ())
-            if name not in mesh.axis_names
-        ]
-        if missing:
-            raise ShardingError(
-                f"the saved partition spec {spec_str(self.partition_spec)} uses mesh axes "
-                f"{missing} that the given mesh (axes {list(mesh.axis_names)}) lacks; "
-                "name the mesh axes as saved, or pass explicit shardings"
-            )
-        return NamedSharding(mesh, self.spec)
-
-    def on_saved_devices(self) -> Sharding | None:
-        """This sharding on the devices it was saved from, as Orbax restores an array
-        whose target names no sharding; None unless this run has all of them."""
-        by_id = {device.id: device for device in jax.devices()}
-        if self.kind == "NamedSharding" and self.device_ids:
-            if not all(i in by_id for i in self.device_ids):
-                return None
-            devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.mesh_shape)
-            return NamedSharding(Mesh(devices, self.axis_names), self.spec)
-        if self.kind == "SingleDeviceSharding" and self.device:
-            # "cpu:0" since jax 0.10, "TFRT_CPU_0" before: the id is the trailing number.
-            digits = re.search(r"(\d+)\D*$", self.device)
-            device = by_id.get(int(digits[1])) if digits else None
-            return jax.sharding.SingleDeviceSharding(device) if device is not None else None
-        return None
-
-    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of one device's shard of an array of `shape` under this sharding."""
-        if self.kind != "NamedSharding":
-            return shape
-        sizes = self.mesh_axes
-        out = []
-        for dim, n in enumerate(shape):
-            entry = self.partition_spec[dim] if dim < len(self.partition_spec) else None
-            names = (entry,) if isinstance(entry, str) else entry or ()
-            ways = math.prod(sizes[name] for name in names)
-            out.append(-(-n // ways))
-        return tuple(out)
-
-    def to_json(self) -> str:
-        """The `_sharding` entry that records this sharding (as Orbax writes it)."""
-        if self.kind == "NamedSharding":
-            return _named_json(
-                self.mesh_shape, self.axis_names, self.partition_spec, self.device_ids
-            )
-        if self.kind == "SingleDeviceSharding":
-            return json.dumps({"sharding_type": self.kind, "device_str": self.device})
-        return ""
-
-    def __repr__(self) -> str:
-        if self.kind == "NamedSharding":
-            return f"NamedSharding(mesh={self.mesh_axes}, spec={spec_str(self.partition_spec)})"
-        if self.kind == "SingleDeviceSharding":
-            return f"SingleDeviceSharding(device={self.device!r})"
-        if self.mesh_shape:
-            return f"{self.kind}(shape={self.mesh_shape})"
-        return f"{self.kind}()"
+    if saved.kind == "SingleDeviceSharding":
+        return json.dumps({"sharding_type": saved.kind, "device_str": saved.device})
+    return ""
 
 
 def sharding_entry(sharding: jax.sharding.Sharding) -> str:
@@ -159,11 +61,6 @@ def _named_json(
             ids = [ids[i : i + size] for i in range(0, len(ids), size)]  # type: ignore[misc]
         entry["device_mesh"] = {"mesh": ids}
     return json.dumps(entry)
-
-
-def spec_str(spec: tuple[SpecEntry, ...]) -> str:
-    """A saved partition spec as JAX prints it: `P('x', None)`."""
-    return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
 def _entry(value: Any) -> SpecEntry:

@@ -1,0 +1,117 @@
+"""Saved shardings: how an array was laid out over devices when it was saved, as
+plain data that needs none of those devices, and its placement on the caller's."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import attrs
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from lazyckpt._errors import ShardingError
+
+SpecEntry = None | str | tuple[str, ...]
+
+
+@attrs.frozen
+class SavedSharding:
+    """The sharding an array had when it was saved, as the checkpoint records it.
+
+    `kind` is the JAX class name (`NamedSharding`, `SingleDeviceSharding`, ...).
+    For a `NamedSharding`, `mesh_shape`, `axis_names` and `partition_spec` describe
+    the layout and `device_ids` the saved device order; for a `SingleDeviceSharding`,
+    `device` names the saved device. Nothing here needs the saving devices.
+
+    >>> s = SavedSharding("NamedSharding", mesh_shape=(4, 2), axis_names=("x", "y"),
+    ...                   partition_spec=("x", None))
+    >>> s.spec == jax.sharding.PartitionSpec("x", None)
+    True
+    >>> s
+    NamedSharding(mesh={'x': 4, 'y': 2}, spec=P('x', None))
+    """
+
+    kind: str
+    mesh_shape: tuple[int, ...] = ()
+    axis_names: tuple[str, ...] = ()
+    partition_spec: tuple[SpecEntry, ...] = ()
+    device_ids: tuple[int, ...] = ()
+    device: str | None = None
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The saved partition spec as a `jax.sharding.PartitionSpec`."""
+        return PartitionSpec(*self.partition_spec)
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Saved mesh axis name to size, in mesh order."""
+        return dict(zip(self.axis_names, self.mesh_shape, strict=True))
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether every device held the whole array."""
+        return self.kind == "SingleDeviceSharding" or all(
+            entry is None for entry in self.partition_spec
+        )
+
+    def on(self, mesh: Mesh) -> NamedSharding:
+        """The saved partition spec on the caller's `mesh`, whose axis names must match."""
+        missing = [
+            name
+            for entry in self.partition_spec
+            for name in ((entry,) if isinstance(entry, str) else entry or ())
+            if name not in mesh.axis_names
+        ]
+        if missing:
+            raise ShardingError(
+                f"the saved partition spec {spec_str(self.partition_spec)} uses mesh axes "
+                f"{missing} that the given mesh (axes {list(mesh.axis_names)}) lacks; "
+                "name the mesh axes as saved, or pass explicit shardings"
+            )
+        return NamedSharding(mesh, self.spec)
+
+    def on_saved_devices(self) -> Sharding | None:
+        """This sharding on the devices it was saved from, as Orbax restores an array
+        whose target names no sharding; None unless this run has all of them."""
+        by_id = {device.id: device for device in jax.devices()}
+        if self.kind == "NamedSharding" and self.device_ids:
+            if not all(i in by_id for i in self.device_ids):
+                return None
+            devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.mesh_shape)
+            return NamedSharding(Mesh(devices, self.axis_names), self.spec)
+        if self.kind == "SingleDeviceSharding" and self.device:
+            # "cpu:0" since jax 0.10, "TFRT_CPU_0" before: the id is the trailing number.
+            digits = re.search(r"(\d+)\D*$", self.device)
+            device = by_id.get(int(digits[1])) if digits else None
+            return jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        return None
+
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one device's shard of an array of `shape` under this sharding."""
+        if self.kind != "NamedSharding":
+            return shape
+        sizes = self.mesh_axes
+        out = []
+        for dim, n in enumerate(shape):
+            entry = self.partition_spec[dim] if dim < len(self.partition_spec) else None
+            names = (entry,) if isinstance(entry, str) else entry or ()
+            ways = math.prod(sizes[name] for name in names)
+            out.append(-(-n // ways))
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        if self.kind == "NamedSharding":
+            return f"NamedSharding(mesh={self.mesh_axes}, spec={spec_str(self.partition_spec)})"
+        if self.kind == "SingleDeviceSharding":
+            return f"SingleDeviceSharding(device={self.device!r})"
+        if self.mesh_shape:
+            return f"{self.kind}(shape={self.mesh_shape})"
+        return f"{self.kind}()"
+
+
+def spec_str(spec: tuple[SpecEntry, ...]) -> str:
+    """A saved partition spec as JAX prints it: `P('x', None)`."""
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
