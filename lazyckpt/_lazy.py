@@ -263,6 +263,14 @@ class LazyArray:
             return attrs.evolve(self, selection=selection)
         return attrs.evolve(self, selection=selection, dtype=dtype)
 
+    def _key_data(self) -> LazyArray:
+        """For typed PRNG keys, the view of their stored uint32 data (one trailing
+        dimension more); what every read of keys goes through, so that the read
+        engine only ever sees plain arrays. Any other array is its own data."""
+        if not self.key_impl:
+            return self
+        return attrs.evolve(self, dtype=self.stored.dtype, key_impl=None)
+
     def _composable(self, operation: str) -> None:
         if self.key_impl:
             raise LazyTypeError(
@@ -290,14 +298,15 @@ class LazyArray:
         stored = self.stored
         if isinstance(stored, compose.Node):
             return ready(read_composed(self))
+        if self.key_impl:
+            impl = self.key_impl
+            keys = self._key_data().read()
+            return then(keys, lambda data: jax.random.wrap_key_data(jnp.asarray(data), impl=impl))
         store = stored.store
-        if decodes(stored) and not self.key_impl:
+        if decodes(stored):
             # Decoded by lazyckpt, cast as it is copied.
             return then(read_view(self), lambda values: _unchanged(store, values))
         data = then(stored.read(self.selection), lambda values: _unchanged(store, values))
-        if self.key_impl:
-            impl = self.key_impl
-            return then(data, lambda array: jax.random.wrap_key_data(jnp.asarray(array), impl=impl))
         if self.dtype == stored.dtype:
             return data
         return then(data, lambda array: array.astype(self.dtype))

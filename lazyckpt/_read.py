@@ -105,6 +105,10 @@ def iter_blocks(
     True
     """
     found = arrays_of(selected(tree, select))
+    for path, keys in found:
+        if keys.key_impl:  # typed PRNG keys: small, and one block of keys
+            yield path, tuple(slice(0, n) for n in keys.shape), keys.get()
+    found = [(path, array) for path, array in found if not array.key_impl]
     arrays = [array for _, array in found]
     bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
     for position, index, values in stream.iter_blocks(arrays, memory_budget, bar):

@@ -26,7 +26,8 @@ class Stored(Protocol):
 
 class ArrayView(Protocol):
     """A view of a stored array (or of a composed one) that reads nothing until asked:
-    what `lazyckpt.LazyArray` is, as the engine sees it."""
+    what `lazyckpt.LazyArray` is, as the engine sees it. Typed PRNG keys never reach
+    the engine: their reads go through `LazyArray._key_data`, plain uint32 data."""
 
     @property
     def path(self) -> tuple[str | int, ...]: ...
@@ -57,9 +58,6 @@ class ArrayView(Protocol):
 
     @property
     def chunks(self) -> tuple[int, ...]: ...
-
-    @property
-    def key_impl(self) -> str | None: ...
 
     def __getitem__(self, index: Index) -> ArrayView: ...
 

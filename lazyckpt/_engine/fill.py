@@ -91,9 +91,9 @@ def schedule_fill(
     mapping = stored_map(array)
     if isinstance(stored, compose.Node):
         _schedule_composed(array, targets, scheduler, finished, remaining)
-    elif decodes(stored) and not array.key_impl:
+    elif decodes(stored):
         _schedule_decoded(array, targets, scheduler, finished, remaining)
-    elif mapping is None or stored.inline is not None or array.key_impl:
+    elif mapping is None or stored.inline is not None:
         _schedule_whole(array, targets, scheduler, finished, remaining)
     else:
         _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)

@@ -126,7 +126,7 @@ def _add_plain(
     after: list[Callable[[], None]],
 ) -> None:
     stored = array.stored
-    plain = not array.key_impl and stored.inline is None
+    plain = stored.inline is None
     if plain and mapping is None and _through_box(array, region, out, by_array, after):
         return  # strided (`x[::-1]`): through the box, shared with the other parts
     if not plain or mapping is None:

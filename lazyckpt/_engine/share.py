@@ -93,7 +93,7 @@ def sharings(
 
 def _member(position: int, array: ArrayView) -> _Member | None:
     stored = array.stored
-    if isinstance(stored, Node) or array.key_impl or stored.inline is not None:
+    if isinstance(stored, Node) or stored.inline is not None:
         return None
     mapping = stored_map(array)
     if mapping is None or array.size == 0:

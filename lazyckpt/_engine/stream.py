@@ -189,7 +189,7 @@ def _jobs(
     block = max(1, budget // 8)
     itemsize = stored.dtype.itemsize
     whole = tuple((0, n) for n in array.shape)
-    if array.key_impl or 0 in array.shape or (mapping is None and not decodes(stored)):
+    if 0 in array.shape or (mapping is None and not decodes(stored)):
         index = as_slices(whole)
         yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, index, array.nbytes)]))
         return
