@@ -12,7 +12,7 @@ from lazyckpt._array.compose import stores
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
-from lazyckpt._engine.memory import Target
+from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import ShardingError
@@ -51,7 +51,7 @@ def materialize(plan: Any, memory_budget: int | None, progress: bool | None, lab
 
 def _result(results: dict[int, Any], placement: Placement) -> Any:
     found = results[id(placement)]
-    return found.buffer() if isinstance(found, Target) else found
+    return found.buffer() if isinstance(found, Destination) else found
 
 
 def _describe(placement: Placement) -> str:
@@ -68,9 +68,9 @@ def _schedule_load(placement: Placement, scheduler: Scheduler, results: dict[int
     if array.key_impl:
         results[id(placement)] = array.get()  # typed keys are small
         return
-    target = Target(tuple((0, n) for n in array.shape), array.dtype)
-    schedule_fill(array, [target], scheduler, lambda: None)
-    results[id(placement)] = target
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    schedule_fill(array, [destination], scheduler, lambda: None)
+    results[id(placement)] = destination
 
 
 def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:
@@ -109,21 +109,21 @@ def _schedule_put(
             array.shape, sharding, shards
         )
         return
-    targets = [Target(region, array.dtype, aligned=True) for region in regions]
+    destinations = [Destination(region, array.dtype, aligned=True) for region in regions]
 
     def finish() -> None:
         shards: list[jax.Array] = []
-        for target, devices in zip(targets, regions.values(), strict=True):
-            scheduler.guard.keep(target.out_nbytes() * (len(devices) - 1))  # replica copies
+        for destination, devices in zip(destinations, regions.values(), strict=True):
+            scheduler.guard.keep(destination.out_nbytes() * (len(devices) - 1))  # replica copies
             # On CPU the first device adopts the aligned buffer without a copy; replicas
             # get their own copies, so that donating one cannot overwrite another.
             shards.extend(
-                jax.device_put(target.buffer(), device, may_alias=i == 0)
+                jax.device_put(destination.buffer(), device, may_alias=i == 0)
                 for i, device in enumerate(devices)
             )
         results[id(placement)] = jax.make_array_from_single_device_arrays(
             array.shape, sharding, shards
         )
-        targets.clear()
+        destinations.clear()
 
-    schedule_fill(array, targets, scheduler, finish)
+    schedule_fill(array, destinations, scheduler, finish)

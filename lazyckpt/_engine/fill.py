@@ -1,20 +1,20 @@
-"""The read engine: filling the targets of `load` and `device_put`, chunk by chunk.
+"""The read engine: filling the destinations of `load` and `device_put`, chunk by chunk.
 
-Each array is read into destination buffers ("targets": a region of the view and the
-NumPy array that receives it) so that every stored chunk is decoded once per call,
-however the targets cut through the chunks, with the host memory of reads in flight
+Each array is read into destinations (`Destination`: a region of the view and the
+NumPy buffer that receives it) so that every stored chunk is decoded once per call,
+however the destinations cut through the chunks, with the host memory of reads in flight
 within a budget across the whole tree. Two ways:
 
 - *decoded*: arrays whose chunks have a `Codec` and hold at least 1 MiB (Orbax's
   usual layouts: one chunk per device shard, or per NumPy array) are decoded by
   lazyckpt (`lazyckpt._engine.decode`): one job per chunk on the decoding threads, slab by
-  slab, straight into the target where the layouts match, else through one scratch
-  slab whose pieces are copied to every target that needs them. A job holds a few
-  MiB whatever the chunk's size; reading stops after the last slab a target needs.
+  slab, straight into the destination where the layouts match, else through one scratch
+  slab whose pieces are copied to every destination that needs them. A job holds a few
+  MiB whatever the chunk's size; reading stops after the last slab a destination needs.
 - *tensorstore*: other arrays (small chunks, other codecs, values held in the legacy
   msgpack file, typed PRNG keys) are read by tensorstore in blocks cut along the
-  stored chunks: straight into the target where it is a union of whole chunks, else
-  each block once into a temporary, copied to every target that overlaps it (Orbax
+  stored chunks: straight into the destination where it is a union of whole chunks, else
+  each block once into a temporary, copied to every destination that overlaps it (Orbax
   was measured reading up to 2.9x the needed bytes this way in a 4-process restore).
 
 `lazyckpt._engine.stream` streams blocks through the same two paths.
@@ -54,7 +54,7 @@ from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.lower import ByArray, lower
-from lazyckpt._engine.memory import Target, check_fits
+from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._storage.kvstore import check_unchanged, then
@@ -72,9 +72,12 @@ def windows(budget: int) -> tuple[int, int]:
 
 
 def schedule_fill(
-    array: ArrayView, targets: Sequence[Target], scheduler: Scheduler, on_done: Callable[[], None]
+    array: ArrayView,
+    destinations: Sequence[Destination],
+    scheduler: Scheduler,
+    on_done: Callable[[], None],
 ) -> None:
-    """Read `array` (a ArrayView) into every target's `out`; call `on_done` after."""
+    """Read `array` (a ArrayView) into every destination's `out`; call `on_done` after."""
     remaining = [0]
     called = [False]  # a composed view's parts may all finish before this returns
 
@@ -84,19 +87,19 @@ def schedule_fill(
             called[0] = True
             on_done()
 
-    for target in targets:
-        target.on_allocate = scheduler.guard.keep
-        check_fits(f"reading {array.key!r} {target.shape}", target.out_nbytes())
+    for destination in destinations:
+        destination.on_allocate = scheduler.guard.keep
+        check_fits(f"reading {array.key!r} {destination.shape}", destination.out_nbytes())
     stored = array.stored
     mapping = stored_map(array)
     if isinstance(stored, compose.Node):
-        _schedule_composed(array, targets, scheduler, finished, remaining)
+        _schedule_composed(array, destinations, scheduler, finished, remaining)
     elif decodes(stored):
-        _schedule_decoded(array, targets, scheduler, finished, remaining)
+        _schedule_decoded(array, destinations, scheduler, finished, remaining)
     elif mapping is None or stored.inline is not None:
-        _schedule_whole(array, targets, scheduler, finished, remaining)
+        _schedule_whole(array, destinations, scheduler, finished, remaining)
     else:
-        _schedule_blocks(array, mapping, targets, scheduler, finished, remaining)
+        _schedule_blocks(array, mapping, destinations, scheduler, finished, remaining)
     if remaining[0] == 0 and not called[0]:
         called[0] = True
         on_done()
@@ -107,14 +110,14 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     touches, on the decoding threads (no job waits on another, so any thread may call
     this). Each job holds a few MiB while it runs; the result is allocated once."""
     stored = stored_array(array)
-    target = Target(tuple((0, n) for n in array.shape), array.dtype)
-    check_fits(f"reading {array.key!r} {array.shape}", target.out_nbytes())
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    check_fits(f"reading {array.key!r} {array.shape}", destination.out_nbytes())
     promise: ts.Promise[np.ndarray]
     future: ts.Future[np.ndarray]
     promise, future = ts.Promise.new()
     selection = array.selection
     if 0 in array.shape:
-        promise.set_result(target.buffer())
+        promise.set_result(destination.buffer())
         return future
     read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
     indices = list(chunks_in(bounds(selection), stored.chunks))
@@ -134,9 +137,9 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
             state["left"] -= 1
             last = state["left"] == 0 and not state["failed"]
         if last:
-            promise.set_result(target.buffer())
+            promise.set_result(destination.buffer())
 
-    users = [(target, selection)]
+    users = [(destination, selection)]
     for index in indices:
 
         def run(index: tuple[int, ...] = index) -> None:
@@ -150,26 +153,26 @@ def read_composed(array: ArrayView) -> np.ndarray:
     """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
     default budget: each stored chunk of its parts read once."""
     scheduler = Scheduler(None)
-    target = Target(tuple((0, n) for n in array.shape), array.dtype)
-    schedule_fill(array, [target], scheduler, lambda: None)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    schedule_fill(array, [destination], scheduler, lambda: None)
     scheduler.drain()
     check_unchanged(compose.stores([array]))
-    return target.buffer()
+    return destination.buffer()
 
 
 def _schedule_composed(
     array: ArrayView,
-    targets: Sequence[Target],
+    destinations: Sequence[Destination],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
     remaining: list[int],
 ) -> None:
-    """Lower each target into targets of the stored arrays' views it is made of
+    """Lower each destination into destinations of the stored arrays' views it is made of
     (`lazyckpt._engine.lower`), and read those, one call per stored array."""
     by_array: ByArray = {}
     after: list[Callable[[], None]] = []
-    for target in targets:
-        lower(array, target.region, target.buffer(), by_array, after)
+    for destination in destinations:
+        lower(array, destination.region, destination.buffer(), by_array, after)
     left = [len(by_array)]
     remaining[0] += 1
 
@@ -183,26 +186,28 @@ def _schedule_composed(
     if not by_array:
         part_done()
         return
-    for part, part_targets in list(by_array.values()):
-        schedule_fill(part, part_targets, scheduler, part_done)
+    for part, part_destinations in list(by_array.values()):
+        schedule_fill(part, part_destinations, scheduler, part_done)
 
 
 # The decoded path.
 
 
-Consumer = tuple[Target, Selection]
+Consumer = tuple[Destination, Selection]
 
 
 def _schedule_decoded(
     array: ArrayView,
-    targets: Sequence[Target],
+    destinations: Sequence[Destination],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
     remaining: list[int],
 ) -> None:
-    """One decoding job per stored chunk that some target needs."""
+    """One decoding job per stored chunk that some destination needs."""
     stored = stored_array(array)
-    consumers = [(t, array.selection[as_slices(t.region)]) for t in targets if 0 not in t.shape]
+    consumers = [
+        (t, array.selection[as_slices(t.region)]) for t in destinations if 0 not in t.shape
+    ]
     if not consumers:
         return
     read_bytes, window = windows(scheduler.budget)
@@ -248,8 +253,8 @@ def decode_slabs(
     users: Sequence[Consumer],
     read_bytes: int,
     window: int,
-) -> Iterator[list[Target]]:
-    """`decode_into`, one slab at a time: after each slab, the targets it completed.
+) -> Iterator[list[Destination]]:
+    """`decode_into`, one slab at a time: after each slab, the destinations it completed.
 
     Slabs are planned as the stream goes, and each is matched only against the users
     whose extent along the split dimension it meets, so the work is linear in the
@@ -263,7 +268,7 @@ def decode_slabs(
     extents = [bounds(selection) for _, selection in users]
     split = split_dim(box, order, itemsize, window) if stored.shape else 0
     cuts: set[int] = {stored.shape[split]} if stored.shape else set()
-    for extent in extents:  # slabs are also cut where targets and the array end
+    for extent in extents:  # slabs are also cut where destinations and the array end
         cuts.update(extent[split] if extent else ())
     # The last element any user needs, in stream order: decoding stops after it.
     last = max(tuple(extent[d][1] - 1 for d in order) for extent in extents)
@@ -292,15 +297,15 @@ def decode_slabs(
             into = _direct(slab, inside, parts) if direct_ok else None
             values = stream.next(slab, into)
             completed = []
-            for target, (in_slab, in_view_index) in parts:
-                out = target.buffer()[(*in_view_index, Ellipsis)]  # a view, even for 0-d
+            for destination, (in_slab, in_view_index) in parts:
+                out = destination.buffer()[(*in_view_index, Ellipsis)]  # a view, even for 0-d
                 if into is None:
                     assert values is not None and inside is not None
                     piece_values = values[slices(inside, slab)][in_slab]
                     np.copyto(out, piece_values.reshape(out.shape), casting="unsafe")
-                left[id(target)] -= out.size
-                if not left[id(target)]:
-                    completed.append(target)
+                left[id(destination)] -= out.size
+                if not left[id(destination)]:
+                    completed.append(destination)
             yield completed
         if whole:
             stream.finish()
@@ -309,14 +314,14 @@ def decode_slabs(
 
 
 def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | None:
-    """The memory to decode `slab` straight into: one target's buffer region that holds
+    """The memory to decode `slab` straight into: one destination's buffer region that holds
     exactly the slab's elements, contiguous and in the same order; else None."""
     if len(parts) != 1 or inside != slab:
         return None
-    target, (in_slab, in_view_index) = parts[0]
+    destination, (in_slab, in_view_index) = parts[0]
     if any(isinstance(s, slice) and s.step not in (None, 1) for s in in_slab):
         return None
-    region = target.buffer()[(*in_view_index, Ellipsis)]
+    region = destination.buffer()[(*in_view_index, Ellipsis)]
     if region.size != math.prod(high - low for low, high in slab) or not region.flags.c_contiguous:
         return None
     return memoryview(region.reshape(-1).view(np.uint8))
@@ -327,18 +332,18 @@ def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | Non
 
 def _schedule_whole(
     array: ArrayView,
-    targets: Sequence[Target],
+    destinations: Sequence[Destination],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
     remaining: list[int],
 ) -> None:
-    """Strided or in-memory views: one read per target, cast into it."""
-    for target in targets:
-        view = array[tuple(slice(low, high) for low, high in target.region)]
+    """Strided or in-memory views: one read per destination, cast into it."""
+    for destination in destinations:
+        view = array[tuple(slice(low, high) for low, high in destination.region)]
         remaining[0] += 1
 
-        def copy(data: Any, target: Target = target) -> None:
-            np.copyto(target.buffer(), np.asarray(data), casting="unsafe")
+        def copy(data: Any, destination: Destination = destination) -> None:
+            np.copyto(destination.buffer(), np.asarray(data), casting="unsafe")
             finished(None)
 
         scheduler.submit(view.read, copy, held=view.nbytes * HELD, work=view.nbytes)
@@ -347,7 +352,7 @@ def _schedule_whole(
 def _schedule_blocks(
     array: ArrayView,
     mapping: Sequence[tuple[int, int] | None],
-    targets: Sequence[Target],
+    destinations: Sequence[Destination],
     scheduler: Scheduler,
     finished: Callable[[Any], None],
     remaining: list[int],
@@ -355,7 +360,7 @@ def _schedule_blocks(
     stored = stored_array(array)
     itemsize = stored.dtype.itemsize
     array_box = tuple((0, n) for n in stored.shape)
-    boxes = [to_stored(array, mapping, t.region) for t in targets]
+    boxes = [to_stored(array, mapping, t.region) for t in destinations]
     plain = all(entry is not None for entry in mapping) and len(mapping) == len(stored.shape)
     direct = (
         plain
@@ -364,25 +369,25 @@ def _schedule_blocks(
     )
     opened = stored.open()
     if direct:
-        for target, box in zip(targets, boxes, strict=True):
+        for destination, box in zip(destinations, boxes, strict=True):
             blocks = list(chunk_blocks(box, stored.chunks, itemsize, scheduler.block_bytes))
-            if len(blocks) == 1 and not target.aligned and target.out is None:
-                # One read covers the target: keep the array tensorstore returns.
+            if len(blocks) == 1 and not destination.aligned and destination.out is None:
+                # One read covers the destination: keep the array tensorstore returns.
                 remaining[0] += 1
 
-                def adopt(data: np.ndarray, target: Target = target) -> None:
-                    target.out = data.reshape(target.shape)
+                def adopt(data: np.ndarray, destination: Destination = destination) -> None:
+                    destination.out = data.reshape(destination.shape)
                     scheduler.guard.keep(data.nbytes)
                     finished(None)
 
-                nbytes = target.out_nbytes()
+                nbytes = destination.out_nbytes()
                 start = read_box(stored, opened, blocks[0])
                 scheduler.submit(start, adopt, held=nbytes * HELD, work=nbytes)
                 continue
             for block in blocks:
                 remaining[0] += 1
                 nbytes = box_bytes(block, itemsize)
-                start = _direct_read(stored, opened, target, block, box)
+                start = _direct_read(stored, opened, destination, block, box)
                 scheduler.submit(start, finished, held=nbytes * HELD, work=nbytes)
         return
     union = tuple(
@@ -391,7 +396,7 @@ def _schedule_blocks(
     for block in chunk_blocks(union, stored.chunks, itemsize, scheduler.block_bytes):
         consumers = [
             (t, b, part)
-            for t, b in zip(targets, boxes, strict=True)
+            for t, b in zip(destinations, boxes, strict=True)
             if (part := intersect(block, b)) is not None
         ]
         if not consumers:
@@ -402,13 +407,13 @@ def _schedule_blocks(
         def route(
             data: np.ndarray,
             block: Box = block,
-            consumers: list[tuple[Target, Box, Box]] = consumers,
+            consumers: list[tuple[Destination, Box, Box]] = consumers,
         ) -> None:
-            for target, box, part in consumers:
+            for destination, box, part in consumers:
                 values = data[slices(part, block)]
                 out_index, view_shape = in_view(mapping, part, [b[0] for b in box])
                 at: tuple[Any, ...] = (*out_index, Ellipsis)  # a view, even for 0-d
-                out = target.buffer()[at]
+                out = destination.buffer()[at]
                 np.copyto(out, values.reshape(view_shape), casting="unsafe")
             finished(None)
 
@@ -416,10 +421,14 @@ def _schedule_blocks(
 
 
 def _direct_read(
-    stored: StoredArray, opened: ts.Future[ts.TensorStore], target: Target, block: Box, box: Box
+    stored: StoredArray,
+    opened: ts.Future[ts.TensorStore],
+    destination: Destination,
+    block: Box,
+    box: Box,
 ) -> Callable[[], ts.Future[Any]]:
     def start() -> ts.Future[Any]:
-        out = target.buffer()
+        out = destination.buffer()
 
         def write(source: ts.TensorStore) -> ts.Future[Any]:
             dest = ts.array(out, copy=False, write=True)[slices(block, box)].translate_to[0]

@@ -1,7 +1,7 @@
 """Reading composed views (`lazyckpt._array.compose`) through the engine.
 
-A target of a composed view is lowered, node by node, into targets of the views of
-stored arrays it is made of, each with a NumPy view of the target's buffer as its
+A destination of a composed view is lowered, node by node, into destinations of the views of
+stored arrays it is made of, each with a NumPy view of the destination's buffer as its
 destination: a transposed part lands in a transposed view, a stacked one in a
 slice. Parts that are views of one stored array become regions of that whole
 array (a strided one, `x[::-1]`, through the box around it), so that the engine
@@ -25,9 +25,9 @@ from lazyckpt._array.geometry import Box, as_slices, bounds, box_bytes, stored_m
 from lazyckpt._array.reshape import Reshape
 from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
-from lazyckpt._engine.memory import Target
+from lazyckpt._engine.memory import Destination
 
-ByArray = dict[Any, tuple[ArrayView, list[Target]]]
+ByArray = dict[Any, tuple[ArrayView, list[Destination]]]
 
 
 def lower(
@@ -37,7 +37,7 @@ def lower(
     by_array: ByArray,
     after: list[Callable[[], None]],
 ) -> None:
-    """Add to `by_array` the targets, per array to read, that fill `out` with
+    """Add to `by_array` the destinations, per array to read, that fill `out` with
     `array[region]`; copies out of temporaries go to `after`, innermost first."""
     if 0 in out.shape:
         return
@@ -130,13 +130,15 @@ def _add_plain(
     if plain and mapping is None and _through_box(array, region, out, by_array, after):
         return  # strided (`x[::-1]`): through the box, shared with the other parts
     if not plain or mapping is None:
-        by_array.setdefault(id(array), (array, []))[1].append(Target(region, out.dtype, out=out))
+        by_array.setdefault(id(array), (array, []))[1].append(
+            Destination(region, out.dtype, out=out)
+        )
         return
     # A region of the whole stored array, shared with the other parts of it.
     base = array._rebased(Selection.full(stored.shape))
     box = to_stored(array, mapping, region)
-    target = Target(box, out.dtype, out=stored_view(array.selection, out))
-    by_array.setdefault((id(stored), array.dtype), (base, []))[1].append(target)
+    destination = Destination(box, out.dtype, out=stored_view(array.selection, out))
+    by_array.setdefault((id(stored), array.dtype), (base, []))[1].append(destination)
 
 
 def stored_view(selection: Selection, out: np.ndarray) -> np.ndarray:

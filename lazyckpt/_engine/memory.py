@@ -158,8 +158,9 @@ class MemoryGuard:
 
 
 @attrs.define(eq=False)
-class Target:
-    """Read the view's elements in `region` (half-open per view dimension) into `out`.
+class Destination:
+    """Where the engine puts the view's elements in `region` (half-open per view
+    dimension): the buffer `out`.
 
     Without `out`, the engine allocates it, once, from whichever thread writes first,
     or adopts the array that a read of the whole region returns (no copy); `aligned`

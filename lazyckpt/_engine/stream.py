@@ -44,7 +44,7 @@ from lazyckpt._array.geometry import (
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
-from lazyckpt._engine.memory import Target
+from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import Sharing, by_position, sharings
@@ -306,10 +306,10 @@ def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Futur
 
     def fill() -> ts.Future[Any]:
         scheduler = Scheduler(budget)
-        target = Target(region, array.dtype)
-        schedule_fill(array, [target], scheduler, lambda: None)
+        destination = Destination(region, array.dtype)
+        schedule_fill(array, [destination], scheduler, lambda: None)
         scheduler.drain()
-        return ready((as_slices(region), target.buffer(), target.out_nbytes()))
+        return ready((as_slices(region), destination.buffer(), destination.out_nbytes()))
 
     return fill
 
@@ -371,13 +371,13 @@ def _decoded_block(
     """A step that fills one block, `array[region]`, from every chunk it touches."""
 
     def fill() -> tuple[tuple[slice, ...], np.ndarray, int]:
-        target = Target(region, array.dtype)
+        destination = Destination(region, array.dtype)
         selection = array.selection[as_slices(region)]
         box = bounds(selection)
         for index in chunks_in(box, stored_array(array).chunks) if box else [()]:
-            decode_into(array, index, [(target, selection)], read_bytes, window)
-        nbytes = target.out_nbytes()
-        return as_slices(region), target.buffer(), nbytes
+            decode_into(array, index, [(destination, selection)], read_bytes, window)
+        nbytes = destination.out_nbytes()
+        return as_slices(region), destination.buffer(), nbytes
 
     return lambda: in_pool(fill)
 
@@ -400,12 +400,12 @@ def _chunk_bands(
     def produce() -> Iterator[Any]:
         ChunkStream(stored_array(array), index, read_bytes).check()
         regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
-        targets = [Target(region, array.dtype) for region in regions]
-        users = [(t, array.selection[as_slices(t.region)]) for t in targets]
+        destinations = [Destination(region, array.dtype) for region in regions]
+        users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
         for completed in decode_slabs(array, index, users, read_bytes, window):
-            for target in completed:
-                yield as_slices(target.region), target.buffer(), target.out_nbytes()
-                target.out = None  # handed over: the job keeps no reference
+            for destination in completed:
+                yield as_slices(destination.region), destination.buffer(), destination.out_nbytes()
+                destination.out = None  # handed over: the job keeps no reference
 
     bands_out = produce()
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
