@@ -25,11 +25,14 @@ from lazyckpt._errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    InferredStructureWarning,
     LazyckptError,
     LazyIndexError,
     LazyTypeError,
+    LeftoverWarning,
     NoMatchError,
     NotACheckpointError,
+    RenameError,
     ShardingError,
     StorageAccessError,
     TooLargeError,
@@ -45,13 +48,11 @@ from lazyckpt._explore.verify import Verification, verify
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open  # noqa: A004 - the library's main verb
 from lazyckpt._orbax.layout import items, steps
-from lazyckpt._orbax.legacy import InferredStructureWarning
 from lazyckpt._placement import saved_shardings
 from lazyckpt._read import iter_blocks, load
-from lazyckpt._rename import RenameError, rename
+from lazyckpt._rename import rename
 from lazyckpt._safetensors.read import metadata as safetensors_metadata
 from lazyckpt._save import save
-from lazyckpt._storage.publish import LeftoverWarning
 from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
 
 __all__ = [

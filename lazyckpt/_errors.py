@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import warnings
 from collections.abc import Callable
@@ -115,6 +116,36 @@ class CheckpointWriteError(LazyckptError, OSError):
     nothing was published."""
 
     __module__ = "lazyckpt"
+
+
+class RenameError(LazyckptError, ValueError):
+    """Rename rules that cannot be applied: a bad pattern, or two leaves sent to one
+    key path."""
+
+    __module__ = "lazyckpt"
+
+
+class LeftoverWarning(UserWarning):
+    """A save succeeded but left the checkpoint it replaced behind."""
+
+    __module__ = "lazyckpt"
+
+
+class InferredStructureWarning(UserWarning):
+    """The tree was rebuilt from array names alone, so some structure may be lost."""
+
+    __module__ = "lazyckpt"
+
+
+def json_or_corrupt(where: str, text: str | bytes, remedy: str) -> Any:
+    """`text` parsed as JSON; else a `CorruptCheckpointError` naming `where` (the
+    file), what is wrong, and `remedy` (what to do)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, depth
+        raise CorruptCheckpointError(
+            f"{where} is not valid JSON ({str(error)[:100]}); {remedy}"
+        ) from None
 
 
 def warn(message: str, category: type[Warning]) -> None:

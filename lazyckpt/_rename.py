@@ -7,14 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lazyckpt._array.tree import PathClash, leaves, nested
-from lazyckpt._errors import LazyckptError
-
-
-class RenameError(LazyckptError, ValueError):
-    """Rename rules that cannot be applied: a bad pattern, or two leaves sent to one
-    key path."""
-
-    __module__ = "lazyckpt"
+from lazyckpt._errors import RenameError
 
 
 def rename(tree: Any, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:

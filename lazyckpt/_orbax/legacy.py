@@ -13,7 +13,7 @@ from typing import Any
 
 from lazyckpt._array.tree import Path
 from lazyckpt._engine.memory import physical_memory
-from lazyckpt._errors import CorruptCheckpointError, warn
+from lazyckpt._errors import CorruptCheckpointError, InferredStructureWarning, warn
 from lazyckpt._orbax.metadata import INLINE, STORED, Leaf
 from lazyckpt._orbax.msgpack import decode
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
@@ -22,12 +22,6 @@ from lazyckpt._storage.kvstore import Store
 
 MSGPACK_FILE = "checkpoint"
 _PLACEHOLDER = "PLACEHOLDER://"
-
-
-class InferredStructureWarning(UserWarning):
-    """The tree was rebuilt from array names alone, so some structure may be lost."""
-
-    __module__ = "lazyckpt"
 
 
 def read_msgpack(location: str) -> Any | None:

@@ -11,7 +11,6 @@ of an unfinished save. Readers parse with `parse` and nest leaves with `build`;
 from __future__ import annotations
 
 import base64
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import attrs
 
 from lazyckpt._array.tree import Path
-from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError, json_or_corrupt
 from lazyckpt._orbax.msgpack import MAX_DEPTH
 
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
@@ -75,13 +74,12 @@ class Leaf:
 
 def parse_metadata(location: str, text: str) -> tuple[dict[str, Any], list[Leaf]]:
     """The `_METADATA` object and its leaves, in saved order."""
-    try:
-        metadata = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{location}/_METADATA is not valid JSON ({error}); the save was interrupted "
-            "or the file was damaged: open another step or copy the checkpoint again"
-        ) from error
+    metadata = json_or_corrupt(
+        f"{location}/_METADATA",
+        text,
+        "the save was interrupted or the file was damaged: open another step or copy the "
+        "checkpoint again",
+    )
     if not isinstance(metadata, dict) or not isinstance(metadata.get("tree_metadata"), dict):
         found = sorted(metadata)[:5] if isinstance(metadata, dict) else type(metadata).__name__
         raise CorruptCheckpointError(

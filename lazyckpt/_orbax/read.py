@@ -9,7 +9,6 @@ as Orbax restores them (format notes: Other leaves).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,12 @@ import numpy as np
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import Path
 from lazyckpt._engine.stored import StoredArray
-from lazyckpt._errors import CorruptCheckpointError, NotACheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+    json_or_corrupt,
+)
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._orbax.layout import json_item_file, locate
 from lazyckpt._orbax.legacy import listed_leaves, msgpack_leaves, msgpack_value, read_msgpack
@@ -67,13 +71,7 @@ def _refuse_outside_links(folder: str) -> None:
 def _json_item(path: str) -> Any:
     """The value of a JSON item (`ocp.args.JsonSave`)."""
     text = paths.read_text(path)
-    try:
-        return json.loads(text or "")
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{path} is not valid JSON ({error}); the JSON item is damaged, copy the "
-            "checkpoint again"
-        ) from None
+    return json_or_corrupt(path, text or "", "the JSON item is damaged, copy the checkpoint again")
 
 
 def _open_once(location: str, generation: tuple[Any, ...]) -> Any:

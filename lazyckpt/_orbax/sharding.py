@@ -12,7 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from lazyckpt._array.sharding import SavedSharding, SpecEntry, spec_str
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, json_or_corrupt
 
 
 def saved_entry(saved: SavedSharding) -> str:
@@ -140,13 +140,11 @@ def read_shardings(location: str, text: str | None, names: list[str]) -> dict[st
     """Saved shardings by parameter name from the `_sharding` file's text."""
     if not text:
         return {}
-    try:
-        table = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{location}/_sharding is not valid JSON ({error}); delete the file to open "
-            "the checkpoint without saved shardings"
-        ) from error
+    table = json_or_corrupt(
+        f"{location}/_sharding",
+        text,
+        "delete the file to open the checkpoint without saved shardings",
+    )
     if not isinstance(table, dict):
         raise CorruptCheckpointError(
             f"{location}/_sharding holds {type(table).__name__}, expected an object of "

@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 
 from lazyckpt._array.tree import Path
-from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, json_or_corrupt
 from lazyckpt._orbax.metadata import STORED, Leaf, find_string
 from lazyckpt._storage import paths
 
@@ -55,13 +55,9 @@ def strings_of(location: str, leaves: Sequence[Leaf]) -> dict[Path, str]:
             f"{location}/_strings.json is missing but _METADATA lists string leaves "
             f"{[leaf.key for leaf in leaves[:3]]}; copy the checkpoint again"
         )
-    try:
-        table = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{location}/_strings.json is not valid JSON ({str(error)[:100]}); the file is "
-            "damaged, copy the checkpoint again"
-        ) from None
+    table = json_or_corrupt(
+        f"{location}/_strings.json", text, "the file is damaged, copy the checkpoint again"
+    )
     values = {}
     for leaf in leaves:
         node = find_string(table, leaf.name)

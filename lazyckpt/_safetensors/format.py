@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,7 +23,7 @@ import attrs
 import jax.numpy as jnp
 import numpy as np
 
-from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError, json_or_corrupt
 
 SUFFIX = ".safetensors"
 INDEX = "model.safetensors.index.json"
@@ -171,12 +170,7 @@ def _natural(value: Any) -> bool:
 
 def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
     """`(weight_map, metadata)` of a `model.safetensors.index.json`."""
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise CorruptCheckpointError(
-            f"{file} is not valid JSON ({str(error)[:100]}); the file is damaged"
-        ) from None
+    raw = json_or_corrupt(file, text, "the file is damaged")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -225,10 +219,3 @@ def index_json(weight_map: Mapping[str, str], total_size: int, metadata: Mapping
 def shard_name(number: int, count: int) -> str:
     """`model-00001-of-00003.safetensors`, as `transformers` names shards."""
     return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
-
-
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-def is_shard_name(name: str) -> bool:
-    return bool(_SHARD.fullmatch(name))

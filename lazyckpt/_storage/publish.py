@@ -24,6 +24,7 @@ from lazyckpt._errors import (
     CheckpointExistsError,
     CheckpointWriteError,
     LazyckptError,
+    LeftoverWarning,
     StorageAccessError,
     warn,
 )
@@ -249,12 +250,6 @@ def _discard(old: str, final: str) -> None:
             f"({error.strerror}); it is never read, delete it yourself",
             LeftoverWarning,
         )
-
-
-class LeftoverWarning(UserWarning):
-    """A save succeeded but left the checkpoint it replaced behind."""
-
-    __module__ = "lazyckpt"
 
 
 def _renameat2(source: str, destination: str, flags: int) -> bool:
