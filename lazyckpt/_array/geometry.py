@@ -29,6 +29,11 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(low < high for low, high in out) else None
 
 
+def clip(box: Box, shape: Sequence[int]) -> Box:
+    """`box` cut at the end of an array of `shape`: an edge chunk's elements."""
+    return tuple((low, min(high, n)) for (low, high), n in zip(box, shape, strict=True))
+
+
 def slices(box: Box, origin: Box) -> tuple[slice, ...]:
     """`box` as slices relative to the start of `origin`."""
     return tuple(slice(low - o, high - o) for (low, high), (o, _) in zip(box, origin, strict=True))
@@ -217,16 +222,6 @@ def bounds(selection: Selection) -> Box:
         else:
             out.append(entry.bounds)
     return tuple(out)
-
-
-def is_plain(selection: Selection, ndim: int) -> bool:
-    """Whether every stored dimension is kept, in order, with step 1 and no new axes:
-    the view is a box of the stored array."""
-    return (
-        len(selection.view) == ndim
-        and all(isinstance(entry, Range) and entry.step == 1 for entry in selection.stored)
-        and all(isinstance(dim, int) for dim in selection.view)
-    )
 
 
 def stored_map(array: Any) -> list[tuple[int, int] | None] | None:

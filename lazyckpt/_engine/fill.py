@@ -12,10 +12,11 @@ within a budget across the whole tree. Two ways:
   slab whose pieces are copied to every destination that needs them. A job holds a few
   MiB whatever the chunk's size; reading stops after the last slab a destination needs.
 - *tensorstore*: other arrays (small chunks, other codecs, values held in the legacy
-  msgpack file, typed PRNG keys) are read by tensorstore in blocks cut along the
-  stored chunks: straight into the destination where it is a union of whole chunks, else
-  each block once into a temporary, copied to every destination that overlaps it (Orbax
-  was measured reading up to 2.9x the needed bytes this way in a 4-process restore).
+  msgpack file) are read by tensorstore in blocks cut along the stored chunks:
+  straight into the destination where it is a union of whole chunks, else each block
+  once into a temporary, copied to every destination that overlaps it (reading per
+  destination instead is what makes Orbax read a chunk several times:
+  docs/benchmarks.md, section 8).
 
 `lazyckpt._engine.stream` streams blocks through the same two paths.
 """
@@ -40,6 +41,7 @@ from lazyckpt._array.geometry import (
     chunk_blocks,
     chunk_box,
     chunks_in,
+    clip,
     in_view,
     intersect,
     on_grid,
@@ -217,7 +219,7 @@ def _schedule_decoded(
         (min(b[d][0] for b in every), max(b[d][1] for b in every)) for d in range(len(stored.shape))
     )
     for index in chunks_in(union, stored.chunks):
-        inside = _clip(chunk_box(index, stored.chunks), stored.shape)
+        inside = clip(chunk_box(index, stored.chunks), stored.shape)
         users = [(t, s) for t, s in consumers if piece(s, inside) is not None]
         if not users:
             continue
@@ -228,10 +230,6 @@ def _schedule_decoded(
             return in_pool(lambda: decode_into(array, index, users, read_bytes, window))
 
         scheduler.submit(start, finished, held=held, work=work)
-
-
-def _clip(box: Box, shape: Sequence[int]) -> Box:
-    return tuple((low, min(high, n)) for (low, high), n in zip(box, shape, strict=True))
 
 
 def decode_into(
@@ -286,7 +284,7 @@ def decode_slabs(
             if tuple(slab[d][0] for d in order) > last:
                 whole = False
                 break
-            inside = intersect(slab, _clip(slab, stored.shape)) if slab else ()
+            inside = intersect(slab, clip(slab, stored.shape)) if slab else ()
             parts = []
             if inside is not None:
                 span = slab[split] if slab else (0, 1)

@@ -20,10 +20,12 @@ import tensorstore as ts
 
 from lazyckpt._array.geometry import (
     Box,
+    as_slices,
     bounds,
     box_bytes,
     chunk_box,
     chunks_in,
+    clip,
     intersect,
     product,
     slabs,
@@ -270,8 +272,7 @@ def _aligned_bytes(stored: StoredArray, box: Box) -> int:
 
 
 def _chunk_bytes(stored: StoredArray, box: Box) -> int:
-    clipped = tuple((low, min(high, n)) for (low, high), n in zip(box, stored.shape, strict=True))
-    return box_bytes(clipped, stored.dtype.itemsize)
+    return box_bytes(clip(box, stored.shape), stored.dtype.itemsize)
 
 
 def _decode_start(
@@ -299,10 +300,7 @@ def _decode_start(
 
 
 def _tensorstore_start(stored: StoredArray, index: tuple[int, ...]) -> Callable[[], Any]:
-    box = chunk_box(index, stored.chunks)
-    region = tuple(
-        slice(low, min(high, n)) for (low, high), n in zip(box, stored.shape, strict=True)
-    )
+    region = as_slices(clip(chunk_box(index, stored.chunks), stored.shape))
 
     def start() -> ts.Future[str | None]:
         reading = then(
