@@ -78,8 +78,9 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while building a large tree.
 
-    Opening allocates a few objects per array, none in cycles; with 10,000 arrays the
-    collector's repeated passes over them took a third of the time.
+    Opening allocates a few objects per array, none in cycles, over which the
+    collector's repeated passes cost a third of the time at 10,000 arrays
+    (docs/benchmarks.md, Design measurements).
     """
     enabled = gc.isenabled()
     gc.disable()

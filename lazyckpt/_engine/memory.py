@@ -199,9 +199,9 @@ def result_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     so that `jax.device_put` on CPU adopts it without a copy.
 
     Large ones are mapped on their own: page-aligned, returned to the OS as soon as
-    they are freed, and without the transparent huge pages NumPy asks for. Faulting
-    those in stalls on the kernel's synchronous compaction: a 1 GiB restore here took
-    0.6-1.9 s with them (up to 2.8 s of system time) and 0.72-0.80 s without.
+    they are freed, and without the transparent huge pages NumPy asks for, whose
+    faults stall on the kernel's synchronous compaction (docs/benchmarks.md, Design
+    measurements).
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize

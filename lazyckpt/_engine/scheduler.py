@@ -30,9 +30,9 @@ decoding, and little more."""
 # What a block read by tensorstore holds in flight, in multiples of its decoded size:
 # its stored (compressed) bytes and the chunk tensorstore decodes them into, which is
 # also the temporary that routed blocks are copied from. Measured, not assumed:
-# counting a third copy kept one 12.5 MiB block in flight at the default budget, and a
-# misaligned 1 GiB restore took 2.6 s instead of 1.4 s, with peak RSS within the
-# budget either way (tests/test_engine.py checks it in a fresh process).
+# counting a third copy left too few blocks in flight to keep the cores busy, for no
+# lower peak (docs/benchmarks.md, Design measurements; tests/test_engine.py checks
+# the peak in a fresh process).
 HELD = 2
 _BLOCKS_IN_FLIGHT = 4
 
