@@ -18,6 +18,7 @@ from lazyckpt._array import compose
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._array.sharding import SavedSharding
+from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._engine.stored import StoredArray
@@ -122,7 +123,7 @@ class LazyArray:
         """The views of stored arrays that this one reads: itself, or the parts of a
         stacked, concatenated, transposed or reshaped view (`sources[i].key` is each
         part's key path in its checkpoint)."""
-        return tuple(compose.sources(self))
+        return tuple(_own(part) for part in compose.sources(self))
 
     @property
     def weak_type(self) -> bool:
@@ -151,10 +152,11 @@ class LazyArray:
                 result = result._new_axis(at, dim.count)
         return result
 
-    def _composed(self, found: LazyArray | compose.Node) -> LazyArray:
+    def _composed(self, found: ArrayView | compose.Node) -> LazyArray:
         if isinstance(found, compose.Node):
             return composed(self.path, found, self.dtype)
-        return found if found.dtype == self.dtype else found.astype(self.dtype)
+        part = _own(found)
+        return part if part.dtype == self.dtype else part.astype(self.dtype)
 
     def _new_axis(self, at: int, count: int) -> LazyArray:
         if isinstance(self.stored, compose.Pushed):
@@ -210,7 +212,7 @@ class LazyArray:
         if isinstance(stored, compose.Transpose):  # compose the two permutations
             inner = tuple(stored.perm[a] for a in perm)
             if inner == tuple(range(ndim)):
-                part: LazyArray = stored.array
+                part = _own(stored.array)
                 return part if part.dtype == self.dtype else part.astype(self.dtype)
             return composed(
                 self.path, compose.Transpose(shape, self.dtype, stored.array, inner), self.dtype
@@ -246,7 +248,7 @@ class LazyArray:
         self._composable("reshape")
         stored = self.stored
         if isinstance(stored, Reshape) and self.selection.is_full(stored.shape):
-            source: LazyArray = stored.array
+            source = _own(stored.array)
             return source.astype(self.dtype).reshape(new)
         groups = (
             matched_dims(self.shape, new)
@@ -358,6 +360,12 @@ class LazyArray:
         if self.sharding is not None:
             parts.append(f"sharding={self.sharding!r}")
         return f"LazyArray({', '.join(parts)})"
+
+
+def _own(part: ArrayView) -> LazyArray:
+    """A part of a composed view, which `LazyArray` builds from LazyArrays only."""
+    assert isinstance(part, LazyArray), part
+    return part
 
 
 def exact(source: Any, dest: Any) -> bool:

@@ -8,13 +8,13 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
-from lazyckpt._array.compose import stores
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._engine.stored import stores
 from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._storage import multihost

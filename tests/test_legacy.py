@@ -20,6 +20,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import LazyArray
+from lazyckpt._engine.stored import stored_array
 from tests.helpers import assert_loaded, expected, orbax_save, structure
 
 
@@ -170,7 +171,11 @@ def test_metadata_with_values_in_msgpack(tmp_path: Path, aggregated: set[str]) -
     values = _aggregate_checkpoint(tmp_path / "ckpt", aggregated)
     lazy = lazyckpt.open(tmp_path / "ckpt")
     assert isinstance(lazy["a"], LazyArray) and isinstance(lazy["c"]["f"], LazyArray)
-    assert lazy["a"].stored.inline is not None if "a" in aggregated else lazy["a"].chunks == (4,)
+    assert (
+        stored_array(lazy["a"]).inline is not None
+        if "a" in aggregated
+        else lazy["a"].chunks == (4,)
+    )
     np.testing.assert_array_equal(lazy["a"][::3].get(), values["a"][::3])
     assert_loaded(lazyckpt.load(lazy), expected(values))
 

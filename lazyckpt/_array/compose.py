@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import bisect
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -31,8 +31,9 @@ import numpy as np
 
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.selection import Range, Stored
+from lazyckpt._array.view import ArrayView
 
-Part: TypeAlias = Any  # a LazyArray
+Part: TypeAlias = ArrayView
 Dest: TypeAlias = Callable[[np.ndarray], np.ndarray]
 Piece: TypeAlias = tuple[Part, Box, Dest]
 # How a block `(index, values)` of a part becomes a block of the node.
@@ -45,10 +46,6 @@ class Node(abc.ABC):
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    # No codec, values or checksums of its own: its parts have them.
-    codec = None
-    inline = None
-    checksummed = False
 
     @property
     @abc.abstractmethod
@@ -99,10 +96,9 @@ def view_chunks(part: Part) -> tuple[int, ...]:
     grid = []
     for dim in part.selection.view:
         entry = part.selection.stored[dim] if isinstance(dim, int) else None
-        if isinstance(entry, Range) and entry.step == 1 and entry.start % stored.chunks[dim] == 0:
-            grid.append(stored.chunks[dim])
-        else:
-            grid.append(1)
+        chunk = stored.chunks[dim] if isinstance(dim, int) else 1
+        aligned = isinstance(entry, Range) and entry.step == 1 and entry.start % chunk == 0
+        grid.append(chunk if aligned else 1)
     return tuple(grid[:ndim])
 
 
@@ -374,13 +370,6 @@ def _inserted(shape: tuple[int, ...], at: int) -> tuple[int, ...]:
 
 def _without(values: Sequence[Any], axis: int) -> tuple[Any, ...]:
     return (*values[:axis], *values[axis + 1 :])
-
-
-def stores(arrays: Iterable[Part]) -> Iterator[Any]:
-    """The stores of every stored array that `arrays` (composed views too) read."""
-    for array in arrays:
-        for part in sources(array):
-            yield part.stored.store
 
 
 def sources(array: Part) -> Iterator[Part]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import zstandard
 
 from lazyckpt._array.geometry import Box, chunk_box
+from lazyckpt._array.view import Stored
 from lazyckpt._engine.memory import populate
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
@@ -38,10 +39,12 @@ through tensorstore, whose per-chunk cost is lower and whose buffers are small."
 _MISSING = (1 << 64) - 1  # an inner chunk never written, in a shard index
 
 
-def decodes(stored: StoredArray) -> bool:
-    """Whether lazyckpt decodes this array's chunks itself."""
+def decodes(stored: Stored) -> TypeGuard[StoredArray]:
+    """Whether lazyckpt decodes this array's chunks itself (never a composed view's:
+    its parts are read instead)."""
     return (
-        stored.codec is not None
+        isinstance(stored, StoredArray)
+        and stored.codec is not None
         and stored.inline is None
         and math.prod(stored.chunks) * stored.dtype.itemsize >= MIN_CHUNK_BYTES
     )

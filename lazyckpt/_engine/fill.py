@@ -58,7 +58,7 @@ from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_byt
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
-from lazyckpt._engine.stored import StoredArray, stored_array
+from lazyckpt._engine.stored import StoredArray, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, then
 
 
@@ -98,7 +98,7 @@ def schedule_fill(
         _schedule_composed(array, destinations, scheduler, finished, remaining)
     elif decodes(stored):
         _schedule_decoded(array, destinations, scheduler, finished, remaining)
-    elif mapping is None or stored.inline is not None:
+    elif mapping is None or stored_array(array).inline is not None:
         _schedule_whole(array, destinations, scheduler, finished, remaining)
     else:
         _schedule_blocks(array, mapping, destinations, scheduler, finished, remaining)
@@ -158,7 +158,7 @@ def read_composed(array: ArrayView) -> np.ndarray:
     destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
     schedule_fill(array, [destination], scheduler, lambda: None)
     scheduler.drain()
-    check_unchanged(compose.stores([array]))
+    check_unchanged(stores([array]))
     return destination.buffer()
 
 

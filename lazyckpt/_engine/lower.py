@@ -26,6 +26,7 @@ from lazyckpt._array.reshape import Reshape
 from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.stored import stored_array
 
 ByArray = dict[Any, tuple[ArrayView, list[Destination]]]
 
@@ -125,7 +126,7 @@ def _add_plain(
     by_array: ByArray,
     after: list[Callable[[], None]],
 ) -> None:
-    stored = array.stored
+    stored = stored_array(array)
     plain = stored.inline is None
     if plain and mapping is None and _through_box(array, region, out, by_array, after):
         return  # strided (`x[::-1]`): through the box, shared with the other parts

@@ -33,6 +33,7 @@ from lazyckpt._array.geometry import (
 )
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.stored import stored_array
 
 
 @attrs.frozen
@@ -92,14 +93,13 @@ def sharings(
 
 
 def _member(position: int, array: ArrayView) -> _Member | None:
-    stored = array.stored
-    if isinstance(stored, Node) or stored.inline is not None:
+    if isinstance(array.stored, Node) or stored_array(array).inline is not None:
         return None
     mapping = stored_map(array)
     if mapping is None or array.size == 0:
         return None
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    return _Member(position, array, box, mapping, view_origins(mapping, len(stored.shape)))
+    return _Member(position, array, box, mapping, view_origins(mapping, len(array.stored.shape)))
 
 
 def _sharing(

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._array.compose import sources
 from lazyckpt._array.selection import Selection
+from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import check_fits
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
@@ -198,9 +201,16 @@ class StoredArray:
         )
 
 
-def stored_array(array: Any) -> StoredArray:
+def stored_array(array: ArrayView) -> StoredArray:
     """The `StoredArray` behind a view of one, for code that reads stored arrays
     (composed views are lowered into such views before they get there)."""
     stored = array.stored
     assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
     return stored
+
+
+def stores(arrays: Iterable[ArrayView]) -> Iterator[Store]:
+    """The stores of every stored array that `arrays` (composed views too) read."""
+    for array in arrays:
+        for part in sources(array):
+            yield stored_array(part).store

@@ -24,7 +24,6 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt._array import compose
-from lazyckpt._array.compose import stores
 from lazyckpt._array.geometry import (
     Box,
     as_slices,
@@ -48,7 +47,7 @@ from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import Sharing, by_position, sharings
-from lazyckpt._engine.stored import stored_array
+from lazyckpt._engine.stored import stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
@@ -184,6 +183,7 @@ def _jobs(
     if isinstance(stored, compose.Node):
         yield from _composed_jobs(position, array, limits, grid)
         return
+    stored = stored_array(array)
     mapping = stored_map(array)
     budget = limits.budget
     block = max(1, budget // 8)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lazyckpt._array.compose import stores
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._engine.stored import stores
 from lazyckpt._errors import CheckpointExistsError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.plan import Planned, cost, description, plan

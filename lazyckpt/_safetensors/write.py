@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyckpt._array.compose import stores
 from lazyckpt._array.tree import leaves
 from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.stored import stores
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._errors import CheckpointExistsError, UnsavableError
 from lazyckpt._lazy import LazyArray
