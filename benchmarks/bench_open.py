@@ -3,8 +3,7 @@
     python benchmarks/bench_open.py [--root DIR] [--repeat N]
 
 The checkpoint: {layer_000..099: {p000..p099: f32[8]}}, 10,000 jax.Arrays saved by
-orbax-checkpoint (OCDBT, zarr v2), the setup of ORBAX_FORMAT.md §12. Each figure is
-the fastest of `--repeat` fresh processes (imports excluded), files in the page cache.
+orbax-checkpoint (OCDBT, zarr v2). Each figure is the fastest of `--repeat` fresh processes (imports excluded), files in the page cache.
 Both return every array's shape and dtype; lazyckpt also its chunks and sharding.
 """
 

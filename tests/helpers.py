@@ -172,7 +172,7 @@ def rss_probe(path: Path, mode: str, budget: int, *extra: str) -> dict[str, Any]
 
 
 def rich_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """Every kind of leaf and key that Orbax can save (spec §3, §5, §9)."""
+    """Every kind of leaf and key that Orbax can save (docs/format.md: The tree, Other leaves, PRNG keys)."""
     rng = np.random.default_rng(3)
     return {
         "sharded": jax.device_put(
@@ -217,7 +217,7 @@ def rich_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
 
 
 def expected(value: Any) -> Any:
-    """What lazyckpt.load returns for what was saved (spec §3.1, §15.6)."""
+    """What lazyckpt.load returns for what was saved (docs/format.md, The tree)."""
     if isinstance(value, dict):
         return {str(k): expected(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -163,7 +163,7 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     v1 = v1_save(tmp_path / "v1", {"x": np.arange(3)})
     assert (v1 / "orbax.checkpoint").exists() and lazyckpt.items(v1) == {"state": "pytree"}
     assert lazyckpt.open(v1)["x"].get().tolist() == [0, 1, 2]
-    # v1's JsonHandler writes <item>/data.json (spec §1.3), as in Orbax's own corpus.
+    # v1's JsonHandler writes <item>/data.json (docs/format.md, Folders and levels), as in Orbax's own corpus.
     (v1 / "metadata").mkdir()
     (v1 / "metadata" / "data.json").write_text('{"metadata": "json_data"}')
     assert lazyckpt.items(v1) == {"metadata": "json", "state": "pytree"}
@@ -195,7 +195,7 @@ def test_structure_inferred_from_the_store_without_metadata(tmp_path: Path, ocdb
         r"names: lists come back as dicts",
     ):
         lazy = lazyckpt.open(path)
-    # Lossy, as the spec says: the list becomes a dict keyed by index strings.
+    # Lossy, as docs/format.md says (Without metadata): the list becomes a dict keyed by index strings.
     want = {
         "layers": {"0": tree["layers"][0], "1": tree["layers"][1]},
         "params": tree["params"],

@@ -1,4 +1,4 @@
-"""Legacy layouts current orbax no longer writes, built by hand from the format spec (§6).
+"""Legacy layouts current orbax no longer writes, built by hand as docs/format.md describes them.
 
 - orbax <= 0.2 (2023): no `_METADATA`; the msgpack `checkpoint` file holds the tree,
   with `PLACEHOLDER://<name>` where the value is a zarr array folder (or a string in
@@ -31,7 +31,7 @@ def _ext_array(value: np.ndarray, code: int = 1) -> msgpack.ExtType:
 
 
 def _zarr2_folder(item: Path, name: str, value: np.ndarray) -> None:
-    """A non-OCDBT zarr v2 array folder as orbax 0.2 wrote it (spec §4.2)."""
+    """A non-OCDBT zarr v2 array folder as orbax 0.2 wrote it (docs/format.md, Arrays)."""
     spec = {
         "driver": "zarr",
         "kvstore": {"driver": "file", "path": f"{item}/{name}/"},
@@ -117,14 +117,16 @@ def test_legacy_structure_equals_orbax_written_structure(tmp_path: Path) -> None
 def test_inline_numpy_scalars_complex_and_empty_values(tmp_path: Path) -> None:
     tree = {"i8": np.int8(-3), "c": 1.5 - 2j, "agg": "inline string", "lst": [None, [], {}]}
     lazy = lazyckpt.open(_legacy_checkpoint(tmp_path / "ckpt", tree, aggregated={"agg"}))
-    assert lazy["i8"] == np.int8(-3) and type(lazy["i8"]) is np.int8  # numpy type kept (§6)
+    assert (
+        lazy["i8"] == np.int8(-3) and type(lazy["i8"]) is np.int8
+    )  # numpy type kept (docs/format.md, Legacy msgpack)
     assert lazy["c"] == 1.5 - 2j
     assert lazy["agg"] == "inline string"
     assert lazy["lst"] == [None, [], {}]
 
 
 def _aggregate_checkpoint(item: Path, aggregated: set[str]) -> dict[str, Any]:
-    """`_METADATA` + msgpack, as orbax's own testdata `aggregate_{all,some}` (spec §13)."""
+    """`_METADATA` + msgpack, as orbax's own testdata `aggregate_{all,some}`."""
     values: dict[str, Any] = {
         "a": np.arange(8, dtype=np.int32),
         "b": np.ones((2, 3), np.float32),

@@ -1,0 +1,132 @@
+"""The floor plan of docs/architecture.md, checked: layers import only downward, no
+module imports in a circle (imports under TYPE_CHECKING and inside functions
+included), subpackages are private with empty `__init__.py`s, no module is over 500
+lines, and nothing in the repository points outside it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lazyckpt"
+
+LAYERS: list[set[str]] = [
+    {"_errors", "_text"},
+    {"_array"},
+    {"_storage"},
+    {"_engine"},
+    {"_lazy", "_html"},
+    {"_orbax", "_safetensors"},
+    {
+        "_open",
+        "_save",
+        "_read",
+        "_device_put",
+        "_target",
+        "_placement",
+        "_materialize",
+        "_surgery",
+        "_rename",
+        "_convert",
+    },
+    {"_explore"},
+    {"_cli"},
+    {"__init__", "__main__"},
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The lazyckpt modules that `name` imports, wherever the import statement is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if full in modules else base)
+    return {m for m in out if m in modules and m not in (name, "lazyckpt")}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return RANK[parts[1] if len(parts) > 1 else "__init__"]
+
+
+GRAPH = {name: _imports(name, path, _modules()) for name, path in _modules().items()}
+
+
+def test_every_module_has_a_layer() -> None:
+    unknown = sorted(m for m in GRAPH if m != "lazyckpt" and m.split(".")[1] not in RANK)
+    assert not unknown, f"add these to LAYERS and docs/architecture.md: {unknown}"
+
+
+def test_layers_import_only_downward() -> None:
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in sorted(GRAPH.items())
+        for b in sorted(targets)
+        if _layer(b) > _layer(a)
+    ]
+    assert not upward, upward
+
+
+def test_no_module_imports_in_a_circle() -> None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                circles.append([*trail[trail.index(target) :], target])
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, circles
+
+
+def test_subpackages_are_private_and_empty() -> None:
+    for init in PACKAGE.glob("*/__init__.py"):
+        assert init.parent.name.startswith("_"), init
+        assert init.read_text().strip() == "", f"{init} must stay empty"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: p.name)
+def test_no_module_is_over_500_lines(path: Path) -> None:
+    assert len(path.read_text().splitlines()) <= 500
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    outside = re.compile(r"ORBAX_FORMAT|\.\./shared|\bspec §")
+    files = [
+        p
+        for folder in ("lazyckpt", "tests", "docs", "benchmarks")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".yml", ".toml") and p != Path(__file__)
+    ]
+    files += [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "mkdocs.yml"]
+    hits = [f"{p.relative_to(ROOT)}" for p in files if outside.search(p.read_text())]
+    assert not hits, hits
