@@ -23,7 +23,7 @@ _ZARR_METADATA = (ZARR2_KEY, ZARR3_KEY)
 
 
 def is_pytree_dir(path: str) -> bool:
-    """Whether `path` holds PyTree files directly (spec §0)."""
+    """Whether `path` holds PyTree files directly (format notes, A PyTree folder)."""
     if not paths.isdir(path):
         return False
     names = paths.listdir(path)
@@ -81,7 +81,7 @@ def _pytree_items(step_dir: str) -> list[str]:
 
 
 # The file of a JSON item (`ocp.args.JsonSave`): Orbax's v0 JsonCheckpointHandler
-# writes `metadata`, v1's JsonHandler `data.json` (spec §1.2, §1.3).
+# writes `metadata`, v1's JsonHandler `data.json` (format notes, Folders and levels).
 _JSON_ITEM_FILES = ("metadata", "data.json")
 
 
@@ -258,7 +258,7 @@ def _finished(item: str) -> bool:
 
 def _committed(folder: str) -> bool:
     """Whether a save to `folder` finished. On object storage only the presence of
-    commit_success.txt says so (spec §1.1); on a local disk the rename did."""
+    commit_success.txt says so (format notes, Folders and levels); on a local disk the rename did."""
     return paths.atomic_rename(folder) or paths.isfile(paths.join(folder, "commit_success.txt"))
 
 

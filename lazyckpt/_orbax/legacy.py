@@ -2,8 +2,8 @@
 
 Orbax before 2023-11 wrote no `_METADATA`; its tree is in the msgpack `checkpoint`
 file, with `PLACEHOLDER://<name>` strings where a value lives in tensorstore
-(spec §6). Without either file, the arrays in the store are the only record, and
-the tree is inferred from their names (spec §10): lossy, so it warns.
+(format notes, Legacy msgpack). Without either file, the arrays in the store are the only record, and
+the tree is inferred from their names (format notes, Without metadata): lossy, so it warns.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Orbax's PyTree format, read and written in one place (spec §1-§9).
+"""Orbax's PyTree format, read and written in one place (docs/format.md).
 
 What the files are called and hold: `_METADATA` (the tree: one entry per leaf, with
 its key path, key types and value type), `_sharding`, `array_metadatas/process_<i>`,
@@ -35,7 +35,7 @@ EMPTY_VALUES: dict[str, Callable[[], Any]] = {
     "Tuple": list,  # Orbax rebuilds tuples as lists too
     "NamedTuple": lambda: None,
 }
-SEQUENCE_KEY, DICT_KEY = 1, 2  # key_type codes in _METADATA (spec §3.1)
+SEQUENCE_KEY, DICT_KEY = 1, 2  # key_type codes in _METADATA (format notes, The tree)
 _KNOWN_TYPES = frozenset([*EMPTY_VALUES, *ARRAY_TYPES, STRING])
 EMPTY_WRITTEN = ("None", "Dict", "List", "Tuple")
 """The value types `save` writes for None and empty containers."""
@@ -59,7 +59,7 @@ class Leaf:
 
     path: Path
     name: str
-    """The storage name: the path's keys joined by '.' (spec §3.4)."""
+    """The storage name: the path's keys joined by '.' (format notes, Storage names)."""
     value_type: str
     write_shape: tuple[int, ...] | None = None
     value: Any = attrs.field(default=None, eq=False)
@@ -126,7 +126,7 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
             "does not read (it is written by a custom orbax TypeHandler)"
         )
     if skipped and value_type not in EMPTY_VALUES:
-        # Its value is aggregated into the legacy msgpack file (spec §5, §6).
+        # Its value is aggregated into the legacy msgpack file (format notes, Legacy msgpack).
         return attrs.evolve(leaf, value_type=INLINE, declared_type=value_type)
     return leaf
 
@@ -135,7 +135,7 @@ def drop_stale_prefixes(leaves: list[Leaf]) -> list[Leaf]:
     """Drop entries whose path is a strict prefix of another's.
 
     A partial save can leave a stale empty-container entry above real entries;
-    Orbax drops those too (spec §3.2). The paths go into a trie, so the work is linear
+    Orbax drops those too (format notes, The tree). The paths go into a trie, so the work is linear
     in their total length, however deep they are.
     """
     root: dict[Any, Any] = {}
@@ -203,7 +203,7 @@ def _to_lists(location: str, root: Any, path: Path) -> Any:
     return result[0]
 
 
-# Strings (spec §5): Orbax finds each with the JSON pointer "/" + its name.
+# Strings (format notes, Other leaves): Orbax finds each with the JSON pointer "/" + its name.
 
 
 def pointer_parts(name: str) -> list[str]:
@@ -270,7 +270,7 @@ class Entry:
 
     @property
     def name(self) -> str:
-        """The storage name: the keys joined by '.' (spec §3.4)."""
+        """The storage name: the keys joined by '.' (format notes, Storage names)."""
         return ".".join(key for key, _ in self.keys)
 
 

@@ -1,7 +1,7 @@
 """A safe, pure-Python reader for the legacy msgpack `checkpoint` file (flax's format).
 
 Orbax 0.2-0.5 wrote aggregated leaves and placeholders as one msgpack value with
-flax's extension types (ORBAX_FORMAT.md §6). This decoder never uses pickle or eval,
+flax's extension types (format notes, Legacy msgpack). This decoder never uses pickle or eval,
 keeps its own stack instead of recursing per nesting level, and checks every declared
 length against the bytes that remain before allocating, so a damaged file raises
 `CorruptCheckpointError` rather than crashing or exhausting memory.

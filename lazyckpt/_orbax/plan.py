@@ -153,7 +153,7 @@ def _empty_node(node: Any) -> bool:
 
 
 def _empty_type(node: Any) -> str:
-    """The value_type Orbax records for an empty container (spec §3.1)."""
+    """The value_type Orbax records for an empty container (format notes, The tree)."""
     if node is None:
         return "None"
     if isinstance(node, dict):

@@ -100,14 +100,14 @@ def _open_once(location: str, generation: tuple[Any, ...]) -> Any:
 def _with_value(leaf: Leaf, location: str, legacy: Any) -> Leaf:
     value = msgpack_value(location, legacy, leaf.path)
     if leaf.declared_type == "scalar" and isinstance(value, np.ndarray | np.generic):
-        value = value.item()  # as a stored scalar restores (spec §3.1)
+        value = value.item()  # as a stored scalar restores (format notes, The tree)
     return attrs.evolve(leaf, value=value)
 
 
 def _materialize(location: str, store: Store, metadata: dict[str, Any], leaves: list[Leaf]) -> Any:
     stored_leaves = [leaf for leaf in leaves if leaf.value_type in (*ARRAY_TYPES, STORED)]
     infos = _zarr_infos(store, metadata, stored_leaves)
-    # Typed PRNG keys are stored as uint32 data ending in 2 or 4 (spec §9); only then is
+    # Typed PRNG keys are stored as uint32 data ending in 2 or 4 (format notes, PRNG keys); only then is
     # array_metadatas/ worth reading (one request per file on object storage).
     maybe_keys = any(
         info.dtype == np.uint32 and info.shape and info.shape[-1] in (2, 4)
@@ -221,7 +221,7 @@ def _open_store(
         bool(use_ocdbt) if use_ocdbt is not None else bool("manifest.ocdbt" in names or per_process)
     )
     if ocdbt and required:
-        # A missing manifest would open as an empty database without error (spec §15.1).
+        # A missing manifest would open as an empty database without error (format notes, Arrays).
         hint = (
             f"; per-process databases {per_process} exist, so the merge step never ran or "
             "the root files were lost"

@@ -14,7 +14,7 @@ from lazyckpt._storage import paths
 
 
 def key_impls_of(location: str) -> dict[str, str]:
-    """PRNG key implementations by name, from `array_metadatas/process_*` (spec §8)."""
+    """PRNG key implementations by name, from `array_metadatas/process_*` (format notes, PRNG keys)."""
     folder = paths.join(location, "array_metadatas")
     if not paths.isdir(folder):
         return {}
@@ -40,7 +40,7 @@ def key_impls_of(location: str) -> dict[str, str]:
 
 
 def strings_of(location: str, leaves: Sequence[Leaf]) -> dict[Path, str]:
-    """The values of string leaves, from `_strings.json` (spec §5)."""
+    """The values of string leaves, from `_strings.json` (format notes, Other leaves)."""
     if not leaves:
         return {}
     text = paths.read_text(paths.join(location, "_strings.json"))

@@ -1,7 +1,7 @@
 """Writing planned leaves: arrays into an OCDBT database block by block, then the
 metadata files, within the memory budget.
 
-Arrays are zarr3 arrays in one OCDBT database, as Orbax 0.12 writes them (spec §4).
+Arrays are zarr3 arrays in one OCDBT database, as Orbax 0.12 writes them (format notes, What lazyckpt writes).
 LazyArray leaves are read and written block by block: every block of values in
 flight counts against the budget, and none is read twice when the stored chunks
 line up with the new ones. A jax.Array is written from its shards, each distinct

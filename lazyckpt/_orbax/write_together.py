@@ -1,4 +1,4 @@
-"""A save by every process of a `jax.distributed` run, as Orbax does one (spec §4.1).
+"""A save by every process of a `jax.distributed` run, as Orbax does one (format notes, Multi-process saves).
 
 Process 0 checks the destination and makes the temporary folder; each process
 writes the shards it holds (replica 0 of each, so replicated data is written once in
@@ -94,7 +94,7 @@ def _holds_shards(leaf: Planned) -> bool:
 
 
 def _merge(tmp: str, writers: list[int], final: str) -> None:
-    """Copy every writer's database into the root one (spec §4.1); large chunks stay
+    """Copy every writer's database into the root one (format notes, Multi-process saves); large chunks stay
     in the files where they were written."""
     missing = [
         i

@@ -1,4 +1,4 @@
-"""Zarr v2 and v3 array metadata as Orbax writes it (spec §4.3), and its chunk codecs.
+"""Zarr v2 and v3 array metadata as Orbax writes it (format notes, Arrays), and its chunk codecs.
 
 `parse_zarr` gives what reading needs: shape, dtype, the read-chunk shape, and, when
 lazyckpt decodes the chunks itself (`lazyckpt._engine.decode`), their `Codec`: zstd or no
