@@ -24,14 +24,14 @@ MSGPACK_FILE = "checkpoint"
 _PLACEHOLDER = "PLACEHOLDER://"
 
 
-def read_msgpack(location: str) -> Any | None:
+def read_msgpack(location: str) -> object | None:
     """The decoded legacy msgpack tree, or None if the file does not exist."""
     path = paths.join(location, MSGPACK_FILE)
     data = paths.read_bytes(path, limit=physical_memory())
     return None if data is None else decode(data, where=path)
 
 
-def msgpack_value(location: str, tree: Any, path: Path) -> Any:
+def msgpack_value(location: str, tree: Any, path: Path) -> object:
     """The value at `path` in the msgpack tree, for a leaf aggregated into it."""
     node = tree
     for key in path:
@@ -45,7 +45,7 @@ def msgpack_value(location: str, tree: Any, path: Path) -> Any:
     return node
 
 
-def msgpack_leaves(tree: Any) -> list[Leaf]:
+def msgpack_leaves(tree: object) -> list[Leaf]:
     """The leaves of a msgpack tree: placeholders point into the store, the rest is inline."""
     leaves = []
     for path, value in _walk(tree, ()):
@@ -56,10 +56,10 @@ def msgpack_leaves(tree: Any) -> list[Leaf]:
     return leaves
 
 
-def _walk(tree: Any, root: Path) -> Iterator[tuple[Path, Any]]:
+def _walk(tree: object, root: Path) -> Iterator[tuple[Path, object]]:
     """`(path, leaf)` in jax's order, with a stack of its own rather than recursion (the
     msgpack tree may be 512 levels deep)."""
-    todo: list[tuple[Any, Path]] = [(tree, root)]
+    todo: list[tuple[object, Path]] = [(tree, root)]
     while todo:
         node, path = todo.pop()
         if isinstance(node, dict) and node:

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from lazyckpt._array.tree import Path
+from lazyckpt._array.tree import Key, Path
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError, json_or_corrupt
 from lazyckpt._orbax.msgpack import MAX_DEPTH
 
@@ -28,7 +28,7 @@ STRING = "string"
 STORED = "stored"
 # A value held in the legacy msgpack `checkpoint` file itself.
 INLINE = "inline"
-EMPTY_VALUES: dict[str, Callable[[], Any]] = {
+EMPTY_VALUES: dict[str, Callable[[], object]] = {
     "None": lambda: None,
     "Dict": dict,
     "List": list,
@@ -62,7 +62,7 @@ class Leaf:
     """The storage name: the path's keys joined by '.' (format notes, Storage names)."""
     value_type: str
     write_shape: tuple[int, ...] | None = None
-    value: Any = attrs.field(default=None, eq=False)
+    value: object = attrs.field(default=None, eq=False)
     """For INLINE leaves, the value itself."""
     declared_type: str = ""
     """For INLINE leaves, the value_type `_METADATA` declares, if any."""
@@ -138,7 +138,7 @@ def drop_stale_prefixes(leaves: list[Leaf]) -> list[Leaf]:
     Orbax drops those too (format notes, The tree). The paths go into a trie, so the work is linear
     in their total length, however deep they are.
     """
-    root: dict[Any, Any] = {}
+    root: dict[Key, Any] = {}
     ends = []
     for leaf in leaves:
         node = root
@@ -148,11 +148,11 @@ def drop_stale_prefixes(leaves: list[Leaf]) -> list[Leaf]:
     return [leaf for leaf, end in zip(leaves, ends, strict=True) if not end]
 
 
-def build_tree(location: str, entries: list[tuple[Path, Any]]) -> Any:
+def build_tree(location: str, entries: list[tuple[Path, object]]) -> object:
     """Nest `(path, value)` pairs into dicts (str keys) and lists (int keys)."""
     if len(entries) == 1 and entries[0][0] == ():
         return entries[0][1]
-    root: dict[Any, Any] = {}
+    root: dict[Key, Any] = {}
     for path, value in entries:
         where = "/".join(map(str, path))
         if not path:
@@ -170,12 +170,12 @@ def build_tree(location: str, entries: list[tuple[Path, Any]]) -> Any:
     return _to_lists(location, root, ())
 
 
-def _to_lists(location: str, root: Any, path: Path) -> Any:
+def _to_lists(location: str, root: object, path: Path) -> object:
     """Dicts keyed 0..n-1 (list indices) become lists, bottom up, without recursing:
     the tree is as deep as the checkpoint says."""
-    result: list[Any] = [None]
+    result: list[object] = [None]
     # (node, its path, where the converted node goes)
-    todo: list[tuple[Any, Path, Any, Any]] = [(root, path, result, 0)]
+    todo: list[tuple[object, Path, Any, Key]] = [(root, path, result, 0)]
     while todo:
         node, where_path, parent, slot = todo.pop()
         if not isinstance(node, dict) or not node:
@@ -220,7 +220,7 @@ def valid_pointer(name: str) -> bool:
     )
 
 
-def find_string(table: Any, name: str) -> Any:
+def find_string(table: Any, name: str) -> object:
     """What `_strings.json`'s `table` holds at the pointer of `name` (None if nothing)."""
     node = table
     try:

@@ -191,7 +191,7 @@ class _Decoder:
             return self.ext(1 << (b - 0xD4), start)
         raise self.fail(start, "has byte 0xc1", "msgpack never uses it")
 
-    def open(self, kind: int, n: int, start: int) -> Any:
+    def open(self, kind: int, n: int, start: int) -> object:
         # Every value takes at least one byte, so a count is checked before any work.
         needed, what = (n, "an array") if kind == _LIST else (2 * n, "a map")
         remain = self.end - self.pos
@@ -202,7 +202,7 @@ class _Decoder:
             return [] if kind == _LIST else {}
         return _Frame(kind, [] if kind == _LIST else {}, n, start)
 
-    def string(self, n: int, what: str) -> Any:
+    def string(self, n: int, what: str) -> object:
         start = self.take(n, f"a {what}")
         view = self.data[start : start + n]
         if self.raw:
@@ -215,7 +215,7 @@ class _Decoder:
         except UnicodeDecodeError as e:
             raise self.fail(start, "has a bad str", f"expected UTF-8, found {e.reason}") from None
 
-    def ext(self, n: int, start: int) -> Any:
+    def ext(self, n: int, start: int) -> object:
         code = _INT8.unpack_from(self.data, self.take(1, "an ext code", declared=False))[0]
         begin = self.take(n, "an ext payload")
         if self.raw:
@@ -244,7 +244,7 @@ class _Decoder:
             return array[()]
         return array
 
-    def ndarray(self, payload: Any, start: int) -> np.ndarray[Any, Any]:
+    def ndarray(self, payload: object, start: int) -> np.ndarray:
         if not (isinstance(payload, list) and len(payload) == 3):
             detail = f"expected [shape, dtype name, bytes], found {_show(payload)}"
             raise self.fail(start, "has a bad ndarray", detail)
@@ -275,7 +275,7 @@ class _Decoder:
         # A copy, so the array is writable and does not pin the whole file's bytes.
         return np.frombuffer(buffer, dtype).reshape(shape).copy()
 
-    def unchunk(self, chunked: dict[Any, Any], start: int) -> np.ndarray[Any, Any]:
+    def unchunk(self, chunked: dict[str, object], start: int) -> np.ndarray:
         """Reassemble flax's split form of an array over 2**30 bytes."""
         shape, chunks = _indexed(chunked.get("shape")), _indexed(chunked.get("chunks"))
         if not (_is_shape(shape) and chunks):
@@ -292,7 +292,7 @@ class _Decoder:
 
 
 # `type(x) is int`, not isinstance: a bool is neither a size nor a complex part.
-def _is_shape(shape: Any) -> TypeGuard[list[int]]:
+def _is_shape(shape: object) -> TypeGuard[list[int]]:
     """A list of sizes numpy can hold; the product skips zeros, as numpy's own check does."""
     return (
         isinstance(shape, list)
@@ -302,7 +302,7 @@ def _is_shape(shape: Any) -> TypeGuard[list[int]]:
     )
 
 
-def _numbers(parts: list[Any]) -> bool:
+def _numbers(parts: list[object]) -> bool:
     return all(type(x) in (int, float) for x in parts)
 
 
@@ -316,7 +316,7 @@ class _Short(reprlib.Repr):
 _show = _Short().repr
 
 
-def _indexed(mapping: Any) -> list[Any] | None:
+def _indexed(mapping: object) -> list[Any] | None:
     """`{"0": a, "1": b}` as `[a, b]`: how flax stores a tuple inside a chunked array."""
     if not isinstance(mapping, dict) or set(mapping) != {str(i) for i in range(len(mapping))}:
         return None

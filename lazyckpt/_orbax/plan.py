@@ -40,7 +40,7 @@ reads little more, large enough that a full read is not dominated by per-chunk
 overhead."""
 
 
-def plan(tree: Any, chunk_bytes: int) -> list[Planned]:
+def plan(tree: object, chunk_bytes: int) -> list[Planned]:
     """Every leaf of `tree` as it will be saved, in tree order; raises
     `UnsavableError` for leaves and names a checkpoint cannot hold."""
     if chunk_bytes <= 0:
@@ -92,10 +92,10 @@ def block_cost(leaf: Planned, size: int) -> int:
     return size * (int(np.dtype(leaf.dtype).itemsize) + stored)
 
 
-def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
+def _flatten(tree: object) -> Iterator[tuple[tuple[tuple[str, int], ...], object]]:
     """`(keys, leaf)` in tree order, None and empty containers included as leaves."""
 
-    def is_leaf(node: Any) -> bool:
+    def is_leaf(node: object) -> bool:
         return node is None or _empty_node(node)
 
     try:
@@ -129,9 +129,9 @@ def _flatten(tree: Any) -> Iterator[tuple[tuple[tuple[str, int], ...], Any]]:
         yield tuple(keys), leaf
 
 
-def _mixed_keys(tree: Any) -> tuple[str, list[Any]] | None:
+def _mixed_keys(tree: object) -> tuple[str, list[object]] | None:
     """The first dict (its path, its keys) whose keys are not all of one type."""
-    todo: list[tuple[Any, str]] = [(tree, "")]
+    todo: list[tuple[object, str]] = [(tree, "")]
     while todo:
         node, where = todo.pop()
         if isinstance(node, dict):
@@ -143,7 +143,7 @@ def _mixed_keys(tree: Any) -> tuple[str, list[Any]] | None:
     return None
 
 
-def _empty_node(node: Any) -> bool:
+def _empty_node(node: object) -> bool:
     """Whether `node` is a pytree container with no children (`{}`, `()`, an empty
     NamedTuple such as optax's EmptyState, an empty OrderedDict...)."""
     if node is None or isinstance(node, LazyArray | np.ndarray | jax.Array | str | bytes):
@@ -152,7 +152,7 @@ def _empty_node(node: Any) -> bool:
     return bool(children.num_leaves == 0 and children.num_nodes == 1)
 
 
-def _empty_type(node: Any) -> str:
+def _empty_type(node: object) -> str:
     """The value_type Orbax records for an empty container (format notes, The tree)."""
     if node is None:
         return "None"
@@ -169,7 +169,7 @@ def _path_str(keys: Sequence[tuple[str, int]]) -> str:
     return "/".join(key for key, _ in keys) or "(the root)"
 
 
-def _plan(keys: tuple[tuple[str, int], ...], value: Any, chunk_bytes: int) -> Planned:
+def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) -> Planned:
     path = _path_str(keys)
     if value is None or _empty_node(value):
         return Planned(path, keys, _empty_type(value))

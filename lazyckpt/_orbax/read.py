@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from lazyckpt._array.selection import Selection
+from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.tree import Path
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
@@ -45,7 +46,9 @@ from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, from_one_generation
 
 
-def open_orbax(path: str, *, step: int | None, item: str | None, allow_outside_links: bool) -> Any:
+def open_orbax(
+    path: str, *, step: int | None, item: str | None, allow_outside_links: bool
+) -> object:
     """The lazy tree of the PyTree checkpoint at `path` (a root, a step or an item;
     see `lazyckpt.open`), or the value of a JSON item."""
     found = locate(path, step=step, item=item)
@@ -74,7 +77,7 @@ def _json_item(path: str) -> Any:
     return json_or_corrupt(path, text or "", "the JSON item is damaged, copy the checkpoint again")
 
 
-def _open_once(location: str, generation: tuple[Any, ...]) -> Any:
+def _open_once(location: str, generation: tuple[object, ...]) -> object:
     text = _read_text(location, "_METADATA")
     metadata, leaves = parse_metadata(location, text) if text is not None else ({}, [])
     # A tree without arrays (strings, scalars read from _strings.json, None) has no
@@ -97,14 +100,16 @@ def _open_once(location: str, generation: tuple[Any, ...]) -> Any:
     return _materialize(location, store, metadata, leaves)
 
 
-def _with_value(leaf: Leaf, location: str, legacy: Any) -> Leaf:
+def _with_value(leaf: Leaf, location: str, legacy: object) -> Leaf:
     value = msgpack_value(location, legacy, leaf.path)
     if leaf.declared_type == "scalar" and isinstance(value, np.ndarray | np.generic):
         value = value.item()  # as a stored scalar restores (format notes, The tree)
     return attrs.evolve(leaf, value=value)
 
 
-def _materialize(location: str, store: Store, metadata: dict[str, Any], leaves: list[Leaf]) -> Any:
+def _materialize(
+    location: str, store: Store, metadata: dict[str, Any], leaves: list[Leaf]
+) -> object:
     stored_leaves = [leaf for leaf in leaves if leaf.value_type in (*ARRAY_TYPES, STORED)]
     infos = _zarr_infos(store, metadata, stored_leaves)
     # Typed PRNG keys are stored as uint32 data ending in 2 or 4 (format notes, PRNG keys); only then is
@@ -118,7 +123,7 @@ def _materialize(location: str, store: Store, metadata: dict[str, Any], leaves: 
         location, _read_text(location, "_sharding"), [leaf.name for leaf in stored_leaves]
     )
     fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
-    values: dict[Path, Any] = {}
+    values: dict[Path, object] = {}
     scalars = []
     strings = []
     for leaf in leaves:
@@ -159,11 +164,11 @@ def _lazy(
     location: str,
     leaf: Leaf,
     array: StoredArray,
-    shardings: dict[str, Any],
+    shardings: dict[str, SavedSharding],
     key_impls: dict[str, str],
 ) -> LazyArray:
     impl = key_impls.get(leaf.name)
-    dtype: Any = array.dtype
+    dtype: object = array.dtype
     if impl is not None:
         try:
             dtype, data_shape = key_dtype(impl)
@@ -188,7 +193,7 @@ def _lazy(
     )
 
 
-def _inline(store: Store, leaf: Leaf, fill_missing: bool) -> Any:
+def _inline(store: Store, leaf: Leaf, fill_missing: bool) -> object:
     """A value from the msgpack file: arrays become LazyArrays like stored ones."""
     value = leaf.value
     if not isinstance(value, np.ndarray):
@@ -212,7 +217,11 @@ def _read_text(location: str, name: str) -> str | None:
 
 
 def _open_store(
-    location: str, metadata: dict[str, Any], generation: tuple[Any, ...], *, required: bool = True
+    location: str,
+    metadata: dict[str, Any],
+    generation: tuple[object, ...],
+    *,
+    required: bool = True,
 ) -> Store:
     names = paths.listdir(location)
     per_process = sorted(n for n in names if is_process_folder(n))

@@ -12,7 +12,6 @@ published atomically (`lazyckpt._storage.publish`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
@@ -28,7 +27,7 @@ from lazyckpt._storage.publish import publishing
 
 def save_orbax(
     final: str,
-    tree: Any,
+    tree: object,
     *,
     chunk_bytes: int,
     memory_budget: int | None,

@@ -63,7 +63,7 @@ def _named_json(
     return json.dumps(entry)
 
 
-def _entry(value: Any) -> SpecEntry:
+def _entry(value: object) -> SpecEntry:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -71,7 +71,7 @@ def _entry(value: Any) -> SpecEntry:
     raise ValueError(f"partition spec entry {value!r} is not null, a name or a list of names")
 
 
-def _sizes(value: Any, what: str) -> tuple[int, ...]:
+def _sizes(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(n) is int and n >= 1 for n in value):
         raise ValueError(f"{what} {value!r} is not a list of positive ints")
     return tuple(value)
@@ -130,7 +130,7 @@ def parse_sharding(text: str) -> SavedSharding | None:
     return SavedSharding(kind, mesh_shape=_sizes(data.get("shape", []), "shape"))
 
 
-def _flatten(nested: Any) -> list[Any]:
+def _flatten(nested: object) -> list[Any]:
     if isinstance(nested, list):
         return [leaf for item in nested for leaf in _flatten(item)]
     return [nested]

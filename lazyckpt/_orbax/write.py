@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 import tensorstore as ts
+from numpy.typing import DTypeLike
 
 from lazyckpt._array.geometry import Box, box_bytes, chunk_blocks, on_grid
 from lazyckpt._engine.scheduler import HELD, Scheduler
@@ -55,7 +56,7 @@ def write_arrays(
     """Write the stored leaves into the OCDBT database at `base`, block by block."""
     context = write_context()
     kvstore = {"driver": "ocdbt", "base": base, "config": OCDBT_CONFIG}
-    created: list[ts.Future[Any]] = []
+    created: list[ts.Future[None]] = []
     streamed = [leaf for leaf in leaves if leaf.stored and _streamed(leaf)]
     # Lazy leaves are read by one stream with half the budget; their writes get the rest.
     writes = Scheduler(max(1, scheduler.budget // 2), scheduler.progress) if streamed else None
@@ -91,7 +92,7 @@ def _stream(
     context: ts.Context,
     writes: Scheduler,
     final: str,
-    created: list[ts.Future[Any]],
+    created: list[ts.Future[None]],
 ) -> None:
     """Write LazyArray leaves from one stream of blocks, each a union of whole new
     chunks, read ahead within half the budget while earlier blocks are written; the
@@ -113,11 +114,11 @@ def _stream(
         cost = block_cost(leaf, values.size)
 
         def start(
-            store: ts.Future[Any] = opened[position],
+            store: ts.Future[ts.TensorStore] = opened[position],
             index: tuple[slice, ...] = index,
             values: np.ndarray = values,
             failed: Callable[[Exception], Exception] = failures[position],
-        ) -> ts.Future[Any]:
+        ) -> ts.Future[None]:
             written = then(store, lambda array: array[index].write(values).commit)
             return then(written, _ignore, failed)
 
@@ -134,7 +135,7 @@ def _schedule(
     context: ts.Context,
     scheduler: Scheduler,
     final: str,
-) -> ts.Future[Any]:
+) -> ts.Future[None]:
     """Submit the writes of one array leaf, block by block, to `scheduler`; return
     the creation of its zarr array."""
     opened = ts.open(
@@ -144,13 +145,15 @@ def _schedule(
     for index, nbytes, values in _blocks_of(leaf, scheduler.block_bytes):
 
         def start(
-            index: tuple[slice, ...] = index, values: Callable[[], Any] = values
-        ) -> ts.Future[Any]:
-            def write(data: Any) -> ts.Future[Any]:
+            index: tuple[slice, ...] = index, values: Callable[[], object] = values
+        ) -> ts.Future[None]:
+            def write(data: Any) -> ts.Future[None]:
                 return then(opened, lambda store: store[index].write(data).commit)
 
             data = values()
-            written = then(data, write) if isinstance(data, ts.Future) else write(data)
+            written: ts.Future[None] = (
+                then(data, write) if isinstance(data, ts.Future) else write(data)
+            )
             return then(written, lambda _: None, failed)
 
         # A failed block raises from the scheduler, and `publishing` discards the save.
@@ -158,13 +161,13 @@ def _schedule(
     return then(opened, _ignore, failed)
 
 
-def _ignore(_: Any) -> None:
+def _ignore(_: object) -> None:
     pass
 
 
 def _blocks_of(
     leaf: Planned, block_bytes: int
-) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], Any]]]:
+) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], object]]]:
     """`(index, budget bytes, values)` for each block to write; `values()` returns the
     block's values or a future of them."""
     value = leaf.value
@@ -195,7 +198,7 @@ def _index(box: Box) -> tuple[slice, ...]:
 
 def _shard_blocks(
     value: jax.Array, leaf: Planned, block_bytes: int
-) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], Any]]]:
+) -> Iterator[tuple[tuple[slice, ...], int, Callable[[], np.ndarray]]]:
     """Blocks of a jax.Array, taken from its shards: each distinct shard once (replica
     0), each block from the device that holds it."""
     full: Box = tuple((0, n) for n in leaf.shape)
@@ -226,7 +229,7 @@ def _shard_blocks(
 
 
 def _assemble(
-    block: Box, parts: list[tuple[jax.Array, Box, Box]], dtype: Any
+    block: Box, parts: list[tuple[jax.Array, Box, Box]], dtype: DTypeLike
 ) -> Callable[[], np.ndarray]:
     """The values of `block`, copied together from the shards that overlap it."""
 
@@ -272,5 +275,5 @@ def write_metadata(tmp: str, final: str, leaves: Sequence[Planned]) -> None:
     paths.write_bytes(paths.join(tmp, "commit_success.txt"), commit_text(final))
 
 
-def _write_json(directory: str, name: str, data: Any) -> None:
+def _write_json(directory: str, name: str, data: object) -> None:
     paths.write_bytes(paths.join(directory, name), json.dumps(data).encode())

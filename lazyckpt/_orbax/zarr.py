@@ -261,7 +261,11 @@ def _zarr3_codec(
 
 
 def zarr3_spec(
-    kvstore: dict[str, Any], name: str, shape: tuple[int, ...], dtype: Any, chunks: tuple[int, ...]
+    kvstore: dict[str, Any],
+    name: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    chunks: tuple[int, ...],
 ) -> dict[str, Any]:
     """A tensorstore spec creating the zarr3 array `name` as Orbax writes it, its
     chunks zstd-compressed with their content checksum."""
@@ -300,7 +304,7 @@ def zarr3_spec(
     }
 
 
-def _fill(value: Any, dtype: np.dtype[Any]) -> Any:
+def _fill(value: object, dtype: np.dtype[Any]) -> object:
     """The fill value as a scalar of `dtype`; null (zarr v2's default) is zero."""
     if value is None:
         return np.zeros((), dtype)[()]

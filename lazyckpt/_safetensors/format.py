@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError, json_or_corrupt
 
@@ -52,7 +53,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 _NAMES = {dtype.newbyteorder("="): name for name, dtype in DTYPES.items()}
 
 
-def dtype_name(dtype: Any) -> str | None:
+def dtype_name(dtype: DTypeLike) -> str | None:
     """The safetensors name of a NumPy dtype (`F32`), or None where it has none."""
     return _NAMES.get(np.dtype(dtype).newbyteorder("="))
 
@@ -131,7 +132,7 @@ def parse_header(file: str, text: bytes) -> Header:
     return Header(tuple(tensors), dict(metadata), end)
 
 
-def _tensor(file: str, name: str, entry: Any, data_start: int) -> Tensor:
+def _tensor(file: str, name: str, entry: object, data_start: int) -> Tensor:
     where = f"{file}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{where} is a {type(entry).__name__}, expected an object")
@@ -164,7 +165,7 @@ def _tensor(file: str, name: str, entry: Any, data_start: int) -> Tensor:
     return Tensor(name, dtype, tuple(shape), data_start + offsets[0], declared)
 
 
-def _natural(value: Any) -> bool:
+def _natural(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -188,7 +189,7 @@ def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def encode_header(
-    entries: Iterable[tuple[str, Any, tuple[int, ...], int]], metadata: Mapping[str, str]
+    entries: Iterable[tuple[str, np.dtype[Any], tuple[int, ...], int]], metadata: Mapping[str, str]
 ) -> bytes:
     """The length and JSON header of a file holding `(name, dtype, shape, nbytes)`
     tensors in that order, padded with spaces to a multiple of 8 bytes (so that data

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -54,7 +54,7 @@ def is_safetensors(path: str) -> bool:
     )
 
 
-def open_safetensors(path: str, *, flat: bool = False) -> Any:
+def open_safetensors(path: str, *, flat: bool = False) -> Mapping[str, object]:
     """The tensors at `path` as a tree of LazyArrays: nested by the `.`-separated parts
     of their names (`model.layers.0.q_proj.weight`), or flat by name."""
     folder, files, index = _files(path)
@@ -131,7 +131,10 @@ def _index(folder: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _tensors(
-    folder: str, files: tuple[str, ...], weight_map: dict[str, str] | None, generation: Any
+    folder: str,
+    files: tuple[str, ...],
+    weight_map: dict[str, str] | None,
+    generation: tuple[object, ...],
 ) -> dict[str, LazyArray]:
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name != INDEX]
@@ -206,7 +209,7 @@ def _read(
             f"{file}: the header places {what} at byte {stop}; the header is damaged"
         )
 
-    def value(result: Any) -> bytes:
+    def value(result: ts.KvStore.ReadResult) -> bytes:
         if result.state != "value":
             raise CheckpointNotFoundError(f"{file} does not exist")
         return bytes(result.value)
@@ -275,14 +278,16 @@ class RangeArray(StoredArray):
         size = self.dtype.itemsize
         return self.start + first * size, self.start + (last + 1) * size
 
-    def _read_chunk(self, domain: ts.IndexDomain, array: np.ndarray, _: Any) -> ts.Future[None]:
+    def _read_chunk(
+        self, domain: ts.IndexDomain, array: np.ndarray, _: ts.VirtualChunkedReadParameters
+    ) -> ts.Future[None]:
         """Fill one chunk of the grid from its byte range. Returns a future instead of
         waiting: a storage client whose threads all waited here would never answer."""
         low = [d.inclusive_min for d in domain]
         high = [d.exclusive_max - 1 for d in domain]
         start, stop = self._span(low, high)
 
-        def fill(result: Any) -> None:
+        def fill(result: ts.KvStore.ReadResult) -> None:
             if result.state != "value" or len(result.value) != stop - start:
                 raise CorruptCheckpointError(
                     f"{self.file}: tensor {self.key!r} needs bytes {start} to {stop}, but "
@@ -308,7 +313,7 @@ class RangeArray(StoredArray):
         first = box[0][0]
         start = self.start + first * row_bytes
 
-        def pick(result: Any) -> np.ndarray:
+        def pick(result: ts.KvStore.ReadResult) -> np.ndarray:
             block = np.frombuffer(result.value, self.dtype).reshape((rows, *self.shape[1:]))
             index = _indices(selection)
             index[0] = index[0] - first
@@ -339,7 +344,7 @@ def _indices(selection: Selection) -> list[np.ndarray]:
     return out
 
 
-def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, Any]:
+def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
     """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`.
     A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
     try:

@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 import attrs
 import jax
@@ -55,7 +55,7 @@ class _Entry:
     name: str
     path: str
     """The key path in the tree being saved."""
-    value: Any
+    value: object
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
 
@@ -86,7 +86,7 @@ class _File:
 
 def save_safetensors(
     path: str,
-    tree: Any,
+    tree: object,
     *,
     max_shard_size: int | None,
     metadata: Mapping[str, str] | None,
@@ -135,7 +135,7 @@ def save_safetensors(
     return path
 
 
-def _entries(tree: Any) -> list[_Entry]:
+def _entries(tree: object) -> list[_Entry]:
     out: list[_Entry] = []
     by_name: dict[str, str] = {}
     for key, leaf in leaves(tree):
@@ -189,7 +189,9 @@ def _file(name: str, entries: Sequence[_Entry], metadata: Mapping[str, str]) -> 
     return _File(name, ordered, header)
 
 
-def _write_file(out: Any, file: _File, memory_budget: int | None, bar: Progress | None) -> None:
+def _write_file(
+    out: IO[bytes], file: _File, memory_budget: int | None, bar: Progress | None
+) -> None:
     """Write `file` to the open binary file `out`: the header, then every tensor's
     bytes at its offset, block by block."""
     fd = out.fileno()
@@ -208,14 +210,14 @@ def _write_file(out: Any, file: _File, memory_budget: int | None, bar: Progress 
             _put(fd, offsets[entry.name], entry, (), np.asarray(entry.value))
             if bar is not None:
                 bar.advance(entry.nbytes)
-    arrays = [e.value for e in lazy]
+    arrays = [e.value for e in lazy if isinstance(e.value, LazyArray)]  # all are; for mypy
     for position, index, values in iter_blocks(arrays, memory_budget, bar):
         entry = lazy[position]
         _put(fd, offsets[entry.name], entry, index, values)
     check_unchanged(stores(arrays))
 
 
-def _put(fd: int, start: int, entry: _Entry, index: tuple[Any, ...], values: np.ndarray) -> None:
+def _put(fd: int, start: int, entry: _Entry, index: tuple[slice, ...], values: np.ndarray) -> None:
     """Write the block `values` of `entry` at `index` into the file, as runs of its
     C-order bytes."""
     shape = entry.shape
@@ -247,7 +249,7 @@ def _put(fd: int, start: int, entry: _Entry, index: tuple[Any, ...], values: np.
 @contextlib.contextmanager
 def _destination(
     path: str, single: bool, overwrite: bool, replaceable: Callable[[str], bool]
-) -> Iterator[Any]:
+) -> Iterator[Callable[[str, Callable[..., object]], None]]:
     """`write(name, fill)`, which creates the file `name` of the model with
     `fill(binary_file)`; on a clean exit the files are published at `path` (see
     `publishing`). In a bucket each file is built in a local scratch file, then
@@ -260,7 +262,7 @@ def _destination(
         )
     with publishing(path, overwrite=overwrite, replaceable=replaceable, file=single) as tmp:
 
-        def write(name: str, fill: Any) -> None:
+        def write(name: str, fill: Callable[..., object]) -> None:
             target = tmp if single else paths.join(tmp, name)
             if not remote:
                 with open(target, "wb") as out:

@@ -185,7 +185,7 @@ class BucketFolders:
         except Exception as error:  # noqa: BLE001 - turned into a clear error
             raise storage_error(probe, error) from None
 
-    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[Any, ...]:
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[object, ...]:
         """The object generations of the first two `files` (`_METADATA` and the OCDBT
         manifest: two requests), which any rewrite of the checkpoint changes."""
         _, _, key = split(folder)

@@ -38,7 +38,7 @@ def then(
     chained: ts.Future[U]
     promise, chained = ts.Promise.new()
 
-    def settle(done: ts.Future[Any]) -> None:
+    def settle(done: ts.Future[T]) -> None:
         try:
             result = done.result()
         except Exception as error:  # noqa: BLE001 - handed to whoever awaits
@@ -58,7 +58,7 @@ def then(
     return chained
 
 
-def _forward(done: ts.Future[Any], promise: ts.Promise[Any]) -> None:
+def _forward(done: ts.Future[U], promise: ts.Promise[U]) -> None:
     try:
         promise.set_result(done.result())
     except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
@@ -83,7 +83,7 @@ def changed_error(location: str) -> CheckpointChangedError:
 
 def from_one_generation(
     folder: str,
-    read: Callable[[tuple[Any, ...]], T],
+    read: Callable[[tuple[object, ...]], T],
     files: tuple[str, ...] = paths.GENERATION_FILES,
 ) -> T:
     """`read(generation)`, from one generation of the checkpoint in `folder`: when the
@@ -117,7 +117,7 @@ class Store:
     context: ts.Context = attrs.field(repr=False)
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)
     kvstore: ts.KvStore = attrs.field(repr=False)
-    generation: tuple[Any, ...] = attrs.field(default=(), repr=False)
+    generation: tuple[object, ...] = attrs.field(default=(), repr=False)
     """The checkpoint's `paths.generation` when it was opened."""
     files: tuple[str, ...] = attrs.field(default=paths.GENERATION_FILES, repr=False)
     """The files whose identity makes up the generation."""
@@ -140,7 +140,7 @@ class Store:
         location: str,
         *,
         ocdbt: bool,
-        generation: tuple[Any, ...] = (),
+        generation: tuple[object, ...] = (),
         files: tuple[str, ...] = paths.GENERATION_FILES,
     ) -> Store:
         context = ts.Context(

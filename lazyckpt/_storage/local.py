@@ -92,14 +92,14 @@ class LocalFolders:
                 "permissions and free space"
             ) from None
 
-    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[Any, ...]:
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[object, ...]:
         """The folder's inode, and its metadata files' inodes, times and sizes (a few
         stats): a save with overwrite=True renames a new folder into place."""
         try:
             top = os.stat(folder)
         except OSError:
             return (None,)
-        found: list[Any] = [(top.st_dev, top.st_ino)]
+        found: list[object] = [(top.st_dev, top.st_ino)]
         for name in files:
             try:
                 info = os.stat(os.path.join(folder, name))

@@ -74,7 +74,7 @@ class Storage(Protocol):
         """Raise `StorageAccessError` unless files can be written beside `path`."""
         ...
 
-    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[Any, ...]:
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[object, ...]:
         """What identifies the folder's contents now: it changes when the folder is
         replaced or `files` in it are rewritten."""
         ...
@@ -202,7 +202,7 @@ def probe_write(path: str) -> None:
     storage(path).probe_write(path)
 
 
-def generation(folder: str, files: tuple[str, ...] = GENERATION_FILES) -> tuple[Any, ...]:
+def generation(folder: str, files: tuple[str, ...] = GENERATION_FILES) -> tuple[object, ...]:
     """What identifies the checkpoint in `folder` as it is now. It changes when the
     checkpoint is replaced (a save with overwrite=True) or its metadata (`files`)
     rewritten."""
