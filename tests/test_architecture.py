@@ -51,7 +51,7 @@ def _modules() -> dict[str, Path]:
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The lazyckpt modules that `name` imports, wherever the import statement is."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
