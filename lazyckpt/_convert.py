@@ -24,7 +24,7 @@ def convert(
     *,
     to: Format | None = None,
     select: Select | None = None,
-    transform: Callable[[Any], Any] | None = None,
+    transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
     step: int | None = None,
@@ -100,11 +100,11 @@ def convert(
     )
 
 
-def _cast(leaf: Any, dtype: np.dtype[Any]) -> Any:
+def _cast(leaf: object, dtype: np.dtype[Any]) -> object:
     if isinstance(leaf, LazyArray) and not leaf.key_impl and _floating(leaf.dtype):
         return leaf.astype(dtype)
     return leaf
 
 
-def _floating(dtype: Any) -> bool:
+def _floating(dtype: np.dtype[Any]) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))

@@ -10,13 +10,13 @@ from jax.sharding import Mesh
 from lazyckpt._array.tree import Select, children, map_leaves, selected
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
-from lazyckpt._placement import resolve
+from lazyckpt._placement import Layout, resolve
 from lazyckpt._target import Missing, Placement, match
 
 
 def device_put(
-    tree: Any,
-    target: Any,
+    tree: object,
+    target: object,
     *,
     select: Select | None = None,
     partial: bool = False,
@@ -93,7 +93,7 @@ def device_put(
     """
     tree = selected(tree, select)
     if callable(target) and children(target) is None:  # a function, not a pytree (a Module)
-        choose: Callable[[str, LazyArray], Any] = target
+        choose: Callable[[str, LazyArray], Layout] = target
         plan = map_leaves(
             lambda x: (
                 Placement(x, resolve(x.key, choose(x.key, x), mesh))

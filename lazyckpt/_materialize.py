@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Sharding
 
 from lazyckpt._array.geometry import Box
@@ -21,8 +22,12 @@ from lazyckpt._storage import multihost
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._target import Placement
 
+ReadResult = Destination | np.ndarray | jax.Array
+"""What a placement's read leaves: a filled host buffer, or an array (typed PRNG keys,
+shards placed on devices)."""
 
-def materialize(plan: Any, memory_budget: int | None, progress: bool | None, label: str) -> Any:
+
+def materialize(plan: object, memory_budget: int | None, progress: bool | None, label: str) -> Any:
     """`plan` with every `Placement` read: onto its sharding, or into a NumPy array."""
     placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
@@ -35,7 +40,7 @@ def materialize(plan: Any, memory_budget: int | None, progress: bool | None, lab
             "every process must call device_put with the same tree and the same shardings",
         )
     scheduler = Scheduler(memory_budget, bar)
-    results: dict[int, Any] = {}
+    results: dict[int, ReadResult] = {}
     for placement in placements:
         if placement.sharding is None:
             _schedule_load(placement, scheduler, results)
@@ -49,7 +54,7 @@ def materialize(plan: Any, memory_budget: int | None, progress: bool | None, lab
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 
-def _result(results: dict[int, Any], placement: Placement) -> Any:
+def _result(results: dict[int, ReadResult], placement: Placement) -> np.ndarray | jax.Array:
     found = results[id(placement)]
     return found.buffer() if isinstance(found, Destination) else found
 
@@ -62,7 +67,9 @@ def _describe(placement: Placement) -> str:
     return f"{array.key}|{array.shape}|{array.dtype}|{layout}"
 
 
-def _schedule_load(placement: Placement, scheduler: Scheduler, results: dict[int, Any]) -> None:
+def _schedule_load(
+    placement: Placement, scheduler: Scheduler, results: dict[int, ReadResult]
+) -> None:
     """Read the whole view into a NumPy array (typed PRNG keys: a jax.Array of keys)."""
     array = placement.array
     if array.key_impl:
@@ -94,7 +101,7 @@ def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]
 
 
 def _schedule_put(
-    placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, Any]
+    placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, ReadResult]
 ) -> None:
     """Fill one host buffer per distinct region, then hand them to the devices."""
     array = placement.array

@@ -17,17 +17,17 @@ from lazyckpt._materialize import materialize
 from lazyckpt._target import Missing, host, match
 
 
-def arrays_of(tree: Any) -> list[tuple[str, LazyArray]]:
+def arrays_of(tree: object) -> list[tuple[str, LazyArray]]:
     """`(key path, LazyArray)` for every LazyArray leaf of `tree`."""
     return [(path, leaf) for path, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
 
 
 @renamed(which="select")
 def load(
-    tree: Any,
+    tree: object,
     select: Select | None = None,
     *,
-    like: Any = None,
+    like: object = None,
     partial: bool = False,
     missing: Missing = "error",
     lossy_casts: bool = False,
@@ -76,7 +76,7 @@ def load(
 
 
 def iter_blocks(
-    tree: Any,
+    tree: object,
     select: Select | None = None,
     *,
     memory_budget: int | None = None,

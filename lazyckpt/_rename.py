@@ -10,7 +10,7 @@ from lazyckpt._array.tree import PathClash, leaves, nested
 from lazyckpt._errors import RenameError
 
 
-def rename(tree: Any, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def rename(tree: object, rules: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """The leaves of `tree` under new key paths, reading nothing.
 
     Each leaf's key path, as `lazyckpt.leaves` writes it (`layers/0/attn/q`), goes

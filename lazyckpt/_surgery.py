@@ -45,7 +45,9 @@ def _name(operation: str, arrays: Sequence[LazyArray]) -> tuple[str]:
     return (f"{operation}({shown})",)
 
 
-def _parts(operation: str, arrays: Sequence[LazyArray], axis: int, extra: int) -> tuple[Any, int]:
+def _parts(
+    operation: str, arrays: Sequence[LazyArray], axis: int, extra: int
+) -> tuple[np.dtype[Any], int]:
     """The common dtype of `arrays` and `axis` normalized, or a clear error."""
     if not arrays:
         raise LazyIndexError(f"{operation} needs at least one LazyArray")
@@ -113,7 +115,7 @@ def concat(arrays: Sequence[LazyArray], axis: int = 0) -> LazyArray:
     return composed(_name("concat", arrays), node, dtype)
 
 
-def unstack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
+def unstack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
     """A scanned tree made per-layer: every array under `at` (shape `(layers, ...)`)
     becomes one view per layer, `at/{i}/...`; the rest of the tree is kept. Reads
     nothing. The inverse of `stack_layers`.
@@ -149,7 +151,7 @@ def unstack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
     return _nest(items)
 
 
-def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
+def stack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
     """A per-layer tree made scanned: arrays at `at/{i}/...` for `i` in `0..n-1`
     become one stacked view per name, `at/...` of shape `(n, ...)` (along `axis`);
     the rest of the tree is kept. Reads nothing. The inverse of `unstack_layers`.
@@ -164,7 +166,7 @@ def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
     >>> lazyckpt.stack_layers(per_layer, "layers")["layers"]["w"].shape
     (2, 8)
     """
-    kept: list[tuple[tuple[str, ...], Any, str]] = []
+    kept: list[tuple[tuple[str, ...], object, str]] = []
     layers: dict[tuple[str, ...], dict[int, tuple[str, Any]]] = {}
     for key, leaf in leaves(tree):
         rest = _under(key, at)
@@ -181,7 +183,7 @@ def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
     if not layers:
         _nothing_under(at, tree, "stack_layers")
     count = 1 + max((max(found) for found in layers.values()), default=-1)
-    stacked = []
+    stacked: list[tuple[tuple[str, ...], object, str]] = []
     for names, found in layers.items():
         missing = sorted(set(range(count)) - set(found))
         if missing:
@@ -200,7 +202,7 @@ def stack_layers(tree: Any, at: str, axis: int = 0) -> dict[str, Any]:
     return _nest(kept + stacked)
 
 
-def _nothing_under(at: str, tree: Any, operation: str) -> None:
+def _nothing_under(at: str, tree: object, operation: str) -> None:
     top = sorted({key.split("/")[0] for key, _ in leaves(tree)})
     shown = ", ".join(top[:8]) + (", ..." if len(top) > 8 else "")
     raise NoMatchError(
@@ -219,7 +221,7 @@ def _keys(at: str) -> tuple[str, ...]:
     return tuple(at.strip("/").split("/"))
 
 
-def _nest(items: list[tuple[tuple[str, ...], Any, str]]) -> dict[str, Any]:
+def _nest(items: list[tuple[tuple[str, ...], object, str]]) -> dict[str, Any]:
     try:
         return nested(items)
     except PathClash as clash:

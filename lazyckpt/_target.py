@@ -24,17 +24,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, Sharding
+from jax.typing import DTypeLike
 
 from lazyckpt._array.tree import Path, keystr, map_leaves, path_of, subtree
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._placement import LAYOUTS, Layout, resolve
 
-Missing = Literal["error", "keep"] | Callable[[str, Any], Any]
+Missing = Literal["error", "keep"] | Callable[[str, Any], object]
 
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 _ARRAYS = (jax.ShapeDtypeStruct, jax.Array, np.ndarray)
 _VALUES = (bool, int, float, complex, str, np.generic)
+TargetArray = jax.ShapeDtypeStruct | jax.Array | np.ndarray
+"""A target leaf restored as an array (one of `_ARRAYS`)."""
+TargetValue = bool | int | float | complex | str | np.generic
+"""A target leaf restored as a value of its type (one of `_VALUES`)."""
 _TARGET_LEAVES = (*LAYOUTS, *_ARRAYS, *_VALUES)
 _MAX_LINES = 20
 # Per kind of difference: how the headline counts one, and several; how a line starts.
@@ -63,21 +68,21 @@ class Placement:
     sharding: Sharding | None
 
 
-def host(tree: Any) -> Any:
+def host(tree: object) -> object:
     """`tree` with every LazyArray marked for reading to host memory."""
     return map_leaves(lambda x: Placement(x, None) if isinstance(x, LazyArray) else x, tree)
 
 
 def match(
-    tree: Any,
-    target: Any,
+    tree: object,
+    target: object,
     *,
     partial: bool = False,
     missing: Missing = "error",
     lossy_casts: bool = False,
     mesh: Mesh | None = None,
     to_host: bool = False,
-) -> Any:
+) -> object:
     """`target`'s structure, each leaf replaced by what restores it: a `Placement`,
     a value, or (for layout and None leaves) the checkpoint's subtree there.
 
@@ -96,7 +101,7 @@ def _norm(path: Path) -> tuple[str, ...]:
     return tuple(str(key) for key in path)
 
 
-def _describe(leaf: Any) -> str:
+def _describe(leaf: object) -> str:
     if isinstance(leaf, LazyArray | jax.Array | np.ndarray | jax.ShapeDtypeStruct):
         return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
     text = repr(leaf) if not isinstance(leaf, Sharding) else type(leaf).__name__
@@ -108,7 +113,7 @@ class _Matcher:
 
     def __init__(
         self,
-        tree: Any,
+        tree: object,
         partial: bool,
         missing: Missing,
         lossy_casts: bool,
@@ -122,7 +127,7 @@ class _Matcher:
         self.mesh = mesh
         self.to_host = to_host
         flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-        self.leaves: dict[tuple[str, ...], tuple[Path, Any]] = {}
+        self.leaves: dict[tuple[str, ...], tuple[Path, object]] = {}
         for key_path, leaf in flat:
             path = path_of(key_path)
             self.leaves[_norm(path)] = (path, leaf)
@@ -131,7 +136,7 @@ class _Matcher:
         self.problems: dict[str, list[tuple[str, str]]] = {kind: [] for kind in _LABELS}
         self.missing_paths: list[tuple[str, ...]] = []
 
-    def restore(self, path: Path, want: Any) -> Any:
+    def restore(self, path: Path, want: object) -> object:
         """What the target leaf `want` at `path` becomes."""
         norm = _norm(path)
         where = keystr(path)
@@ -171,7 +176,7 @@ class _Matcher:
             return (*norm, "value")
         return None
 
-    def _subtree(self, path: Path, norm: tuple[str, ...], want: Any) -> Any:
+    def _subtree(self, path: Path, norm: tuple[str, ...], want: Layout | None) -> object:
         """The checkpoint's subtree at `norm`, its arrays placed as `want` says."""
         for other in self.leaves:
             if other[: len(norm)] == norm:
@@ -182,14 +187,14 @@ class _Matcher:
         where = keystr(path)
         return map_leaves(lambda leaf: self._place(where, leaf, want), node)
 
-    def _place(self, where: str, leaf: Any, layout: Layout | None) -> Any:
+    def _place(self, where: str, leaf: object, layout: Layout | None) -> object:
         if not isinstance(leaf, LazyArray):
             return leaf
         if self.to_host:
             return Placement(leaf, None)
         return Placement(leaf, resolve(leaf.key or where, layout, self.mesh))
 
-    def _array(self, where: str, leaf: Any, want: Any) -> Any:
+    def _array(self, where: str, leaf: object, want: TargetArray) -> object:
         shape, dtype = tuple(want.shape), want.dtype
         if isinstance(leaf, LazyArray):
             keys = _as_keys(leaf, dtype, shape)
@@ -211,7 +216,7 @@ class _Matcher:
             return jax.device_put(value, resolve(where, getattr(want, "sharding", None), self.mesh))
         return self._kind(where, want, leaf)
 
-    def _value(self, where: str, leaf: Any, want: Any) -> Any:
+    def _value(self, where: str, leaf: object, want: TargetValue) -> object:
         if isinstance(leaf, LazyArray) and leaf.shape == () and not leaf.key_impl:
             leaf = leaf.get().item()
         if isinstance(want, str) != isinstance(leaf, str) or isinstance(leaf, LazyArray):
@@ -221,7 +226,7 @@ class _Matcher:
         value = self._scalar(where, leaf, np.asarray(want).dtype)
         return None if value is None else type(want)(value.item())
 
-    def _cast(self, where: str, leaf: LazyArray, dtype: Any) -> Any:
+    def _cast(self, where: str, leaf: LazyArray, dtype: DTypeLike) -> Any:
         if leaf.dtype == dtype:
             return leaf
         keys = jnp.issubdtype(dtype, jax.dtypes.prng_key)
@@ -229,7 +234,7 @@ class _Matcher:
             return self._problem("dtype", where, f"target {dtype}, checkpoint {leaf.dtype}")
         return leaf.astype(dtype)
 
-    def _scalar(self, where: str, value: Any, dtype: Any) -> Any:
+    def _scalar(self, where: str, value: object, dtype: DTypeLike) -> Any:
         converted = np.asarray(value).astype(dtype)
         exact = bool(converted == np.asarray(value))
         source = np.asarray(value).dtype
@@ -237,7 +242,7 @@ class _Matcher:
             return self._problem("dtype", where, f"target {dtype}, checkpoint {value!r}")
         return converted
 
-    def _missing(self, where: str, norm: tuple[str, ...], want: Any) -> Any:
+    def _missing(self, where: str, norm: tuple[str, ...], want: object) -> object:
         if self.missing == "keep":
             return want
         if callable(self.missing):
@@ -245,7 +250,7 @@ class _Matcher:
         self.missing_paths.append(norm)
         return self._problem("missing", where or "(the root)", _describe(want))
 
-    def _kind(self, where: str, want: Any, leaf: Any) -> Any:
+    def _kind(self, where: str, want: object, leaf: object) -> Any:
         return self._problem(
             "kind", where, f"target {_describe(want)}, checkpoint {_describe(leaf)}"
         )
@@ -316,7 +321,7 @@ class _Matcher:
         )
 
 
-def _as_keys(leaf: LazyArray, dtype: Any, shape: tuple[int, ...]) -> LazyArray | None:
+def _as_keys(leaf: LazyArray, dtype: DTypeLike, shape: tuple[int, ...]) -> LazyArray | None:
     """Typed PRNG keys of `dtype` and `shape` read from the raw uint32 key data that
     `leaf` holds (checkpoints that do not record the key implementation); None when
     that is not what `leaf` is."""
@@ -359,7 +364,7 @@ def _int_set(values: list[int]) -> str:
     return f"{{{shown}}}"
 
 
-def lossless(source: Any, dest: Any) -> bool:
+def lossless(source: DTypeLike, dest: DTypeLike) -> bool:
     """Whether casting `source` to `dest` leaves values as they are, up to rounding of
     floating-point numbers (float32 to bfloat16 restores mixed-precision models)."""
     if jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(dest, jnp.floating):

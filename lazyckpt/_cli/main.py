@@ -11,7 +11,8 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from types import EllipsisType
+from typing import Any, TextIO
 
 import jax.numpy as jnp
 import numpy as np
@@ -168,13 +169,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _say(text: Any = "", file: Any = None) -> None:
+def _say(text: object = "", file: TextIO | None = None) -> None:
     """Print `text`, with control characters escaped: keys and strings come from the
     checkpoint, and must not drive the terminal."""
     print(printable(str(text), lines=True), file=file)
 
 
-def _show_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+def _show_warning(
+    message: Warning | str, category: type[Warning], *args: object, **kwargs: object
+) -> None:
     _say(f"lazyckpt: warning: {message}", file=sys.stderr)
 
 
@@ -197,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _open(args: argparse.Namespace) -> Any:
+def _open(args: argparse.Namespace) -> object:
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
     return lazyckpt.select(tree, args.select) if getattr(args, "select", None) else tree
 
@@ -252,7 +255,7 @@ def _show(args: argparse.Namespace) -> None:
         _say(view.get())
 
 
-def _subtree(tree: Any, key: str) -> Any:
+def _subtree(tree: object, key: str) -> object:
     wanted = key.strip("/")
     for path, leaf in lazyckpt.leaves(tree):  # keys may hold '/' themselves
         if path == wanted:
@@ -266,6 +269,10 @@ def _subtree(tree: Any, key: str) -> Any:
         ) from None
 
 
+_IndexPart = int | slice | EllipsisType | None
+"""One part of a NumPy basic index, as `parse_index` reads it."""
+
+
 def _split_index(text: str) -> tuple[str, str]:
     text = text.strip()
     if text.endswith("]") and "[" in text:
@@ -274,13 +281,13 @@ def _split_index(text: str) -> tuple[str, str]:
     return text, ""
 
 
-def parse_index(text: str) -> tuple[Any, ...]:
+def parse_index(text: str) -> tuple[_IndexPart, ...]:
     """A NumPy basic index from its text, without eval.
 
     >>> parse_index("0:3, :8"), parse_index("-1, ..., None, ::2")
     ((slice(0, 3, None), slice(None, 8, None)), (-1, Ellipsis, None, slice(None, None, 2)))
     """
-    out: list[Any] = []
+    out: list[_IndexPart] = []
     for part in (p.strip() for p in text.split(",")):
         if part == "...":
             out.append(Ellipsis)
@@ -343,18 +350,18 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if args.exit_code and result else 0
 
 
-def _script(path: str) -> Callable[[Any], Any]:
+def _script(path: str) -> Callable[[object], object]:
     """The `convert(tree)` function of a conversion script."""
     try:
         source = Path(path).read_text()
     except OSError as error:
         raise LazyckptError(f"--script {path}: cannot be read ({error.strerror})") from None
-    namespace: dict[str, Any] = {"__name__": "lazyckpt_script", "__file__": path}
+    namespace: dict[str, object] = {"__name__": "lazyckpt_script", "__file__": path}
     exec(compile(source, path, "exec"), namespace)  # the user's own script, as python would
     found = namespace.get("convert")
     if not callable(found):
         raise LazyckptError(f"--script {path}: defines no function convert(tree) -> tree")
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def _rename_rules(path: str) -> list[tuple[str, str]]:
@@ -377,7 +384,7 @@ def _rename_rules(path: str) -> list[tuple[str, str]]:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    steps: list[Callable[[Any], Any]] = []
+    steps: list[Callable[[object], object]] = []
     steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in args.unstack]
     steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in args.stack]
     if args.script:
@@ -386,7 +393,7 @@ def _convert(args: argparse.Namespace) -> None:
     if args.rename_file:
         rules += _rename_rules(args.rename_file)
 
-    def transform(tree: Any) -> Any:
+    def transform(tree: object) -> object:
         for step in steps:
             tree = step(tree)
         return tree
@@ -422,7 +429,7 @@ def _convert(args: argparse.Namespace) -> None:
     _say(f"wrote {out} ({human_bytes(size)})")
 
 
-def _dtype(name: str) -> Any:
+def _dtype(name: str) -> np.dtype[Any]:
     try:
         return jnp.dtype(name)
     except TypeError:
@@ -435,7 +442,7 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(keep=args.keep)
 
 
-_RUN: dict[str, Any] = {
+_RUN: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "inspect": _inspect,
     "show": _show,
     "stats": _stats,

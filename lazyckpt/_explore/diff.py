@@ -21,6 +21,8 @@ from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
+_Signature = tuple[str, tuple[int, ...], str] | tuple[str, str]
+"""What a moved leaf keeps: `('array', shape, dtype)`, or `('value', repr)`."""
 
 
 @attrs.frozen
@@ -88,20 +90,20 @@ class Diff:
         return [attrs.asdict(c) for c in self.changes]
 
 
-def _describe(leaf: Any) -> str:
+def _describe(leaf: object) -> str:
     if isinstance(leaf, LazyArray):
         return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
     text = repr(leaf)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _signature(leaf: Any) -> Any:
+def _signature(leaf: object) -> _Signature:
     if isinstance(leaf, LazyArray):
         return ("array", leaf.shape, str(leaf.dtype))
     return ("value", repr(leaf))
 
 
-def _selected_or_empty(tree: Any, select: Select | None) -> Any:
+def _selected_or_empty(tree: object, select: Select | None) -> object:
     """The selected part of one side; nothing where the pattern matches none of it,
     so that what the other side has shows as added or removed."""
     try:
@@ -111,8 +113,8 @@ def _selected_or_empty(tree: Any, select: Select | None) -> Any:
 
 
 def diff(
-    first: Any,
-    second: Any,
+    first: object,
+    second: object,
     *,
     select: Select | None = None,
     values: bool = False,
@@ -195,7 +197,7 @@ def diff(
     return Diff((*ordered, *(c for c in added if c.path not in moved)), values)
 
 
-def _same_value(old: Any, new: Any) -> bool:
+def _same_value(old: object, new: object) -> bool:
     return type(old) is type(new) and old == new
 
 
@@ -293,8 +295,8 @@ def _piece_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float
 
 
 def _moves(
-    a: dict[str, Any],
-    b: dict[str, Any],
+    a: dict[str, object],
+    b: dict[str, object],
     changes: dict[str, Change],
     added: list[Change],
     values: bool,
@@ -302,7 +304,7 @@ def _moves(
 ) -> set[str]:
     """Pair removed and added leaves with the same signature, one to one; returns the
     added paths that were matched."""
-    free: dict[Any, list[str]] = {}
+    free: dict[_Signature, list[str]] = {}
     for change in added:
         free.setdefault(_signature(b[change.path]), []).append(change.path)
     matched: set[str] = set()
@@ -326,9 +328,10 @@ def _equal_keys(old: LazyArray, new: LazyArray) -> bool:
     return old.key_impl == new.key_impl and np.array_equal(left, right)
 
 
-def _equal_values(old: Any, new: Any, memory_budget: int | None) -> bool:
+def _equal_values(old: object, new: object, memory_budget: int | None) -> bool:
     if not isinstance(old, LazyArray):
         return _same_value(old, new)
+    assert isinstance(new, LazyArray), "signatures match: both are arrays"
     if old.key_impl:
         return _equal_keys(old, new)
     return not any(

@@ -138,7 +138,7 @@ class StatsTable(dict[str, Stats]):
 
 @renamed(which="select")
 def stats(
-    tree: Any,
+    tree: object,
     select: Select | None = None,
     *,
     bins: int | None = None,

@@ -9,7 +9,7 @@ at once; the HTML form (what notebooks display) is a collapsible tree.
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import jax
@@ -23,6 +23,9 @@ from lazyckpt._text import human_bytes, printable
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
 
+ShownArray = LazyArray | np.ndarray | jax.Array | jax.ShapeDtypeStruct
+"""A leaf that shows as an array (see `is_array`)."""
+
 
 @attrs.frozen
 class Row:
@@ -33,7 +36,7 @@ class Row:
     group: bool
     arrays: int = 0  # arrays at or below this row
     nbytes: int = 0  # their size as views, in their dtypes
-    leaf: Any = None
+    leaf: object = None
     kind: str = ""
     """The container's type, where it is not a dict, list or tuple (`State`, `Param`)."""
     keys_shown: int = 1
@@ -88,7 +91,7 @@ def _sharding_dict(sharding: SavedSharding) -> dict[str, Any]:
     return out
 
 
-def _json_value(value: Any) -> Any:
+def _json_value(value: object) -> object:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, dict | list | tuple) and not value:
@@ -96,7 +99,7 @@ def _json_value(value: Any) -> Any:
     return repr(value)
 
 
-def rows(tree: Any) -> list[Row]:
+def rows(tree: object) -> list[Row]:
     """Every subtree and leaf of `tree`, in tree order, with totals per subtree."""
     out: list[Row] = []
     _collect(tree, (), 0, out)
@@ -106,7 +109,7 @@ def rows(tree: Any) -> list[Row]:
 _PLAIN = (dict, list, tuple)
 
 
-def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, int]:
+def _collect(node: object, path: Path, depth: int, out: list[Row]) -> tuple[int, int]:
     kids = children(node)
     if not kids:  # a leaf, None or an empty container
         if is_array(node):
@@ -135,7 +138,7 @@ def _collect(node: Any, path: Path, depth: int, out: list[Row]) -> tuple[int, in
     return arrays, nbytes
 
 
-def _display_order(kids: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
+def _display_order(kids: list[tuple[Key, object]]) -> list[tuple[Key, object]]:
     """Layers keyed '0', '1', ..., '10' (as checkpoints store int keys) in numeric
     order, not jax's string order."""
     if all(isinstance(key, str) and key.isascii() and key.isdigit() for key, _ in kids):
@@ -239,13 +242,13 @@ def _leaf_type(row: Row) -> str:
     return f"{row.kind} {array_type(row.leaf)}" if row.kind else array_type(row.leaf)
 
 
-def is_array(value: Any) -> bool:
+def is_array(value: object) -> TypeGuard[ShownArray]:
     """Whether a leaf shows as an array: a LazyArray, a jax or NumPy array, or an
     abstract one (`jax.ShapeDtypeStruct`)."""
-    return isinstance(value, LazyArray | np.ndarray | jax.Array | jax.ShapeDtypeStruct)
+    return isinstance(value, ShownArray)
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: object, limit: int = 60) -> str:
     if callable(value) and not isinstance(value, type):
         # Functions held in a model (an activation, an apply_fn): by name, not address.
         name = getattr(value, "__name__", None) or type(value).__name__
@@ -254,7 +257,7 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def summary(tree: Any, title: str = "", *, depth: int | None = None) -> Summary:
+def summary(tree: object, title: str = "", *, depth: int | None = None) -> Summary:
     """A summary of a lazy tree (or any pytree) from metadata alone.
 
     Shows as an aligned text table, and in notebooks as a collapsible HTML tree; each
