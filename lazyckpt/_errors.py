@@ -156,7 +156,7 @@ def warn(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def renamed(**new_names: str) -> Callable[[_F], _F]:
@@ -165,7 +165,7 @@ def renamed(**new_names: str) -> Callable[[_F], _F]:
 
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: object, **kwargs: object) -> object:
             for old, new in new_names.items():
                 if old not in kwargs:
                     continue

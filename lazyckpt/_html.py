@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from lazyckpt._array.sharding import SavedSharding, spec_str
+from lazyckpt._array.view import ArrayView
 from lazyckpt._text import human_bytes
+
+
+class Shaped(Protocol):
+    """An array as a row shows it: a LazyArray, a jax or NumPy array, or a
+    `jax.ShapeDtypeStruct`."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> object: ...
+
 
 STYLE = """<style>
 .lazyckpt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.5}
@@ -50,13 +63,13 @@ def spec_text(sharding: SavedSharding | None) -> tuple[str, str]:
     return sharding.kind, ""
 
 
-def spec_of(array: Any) -> tuple[str, str]:
+def spec_of(array: object) -> tuple[str, str]:
     """The saved partition spec and mesh of a LazyArray; ("", "") for other arrays."""
     sharding = getattr(array, "sharding", None)
     return spec_text(sharding) if isinstance(sharding, SavedSharding) else ("", "")
 
 
-def array_nbytes(array: Any) -> int:
+def array_nbytes(array: Shaped) -> int:
     """An array's size in its dtype; 0 where the dtype has no byte size."""
     itemsize = int(getattr(array.dtype, "itemsize", 0) or 0)
     return int(math.prod(array.shape)) * itemsize
@@ -71,7 +84,7 @@ def key_cell(name: str, depth: int) -> str:
 _KEY_EM = 18
 
 
-def array_row(key: str, name: str, array: Any, depth: int = 1, kind: str = "") -> str:
+def array_row(key: str, name: str, array: Shaped, depth: int = 1, kind: str = "") -> str:
     spec, mesh = spec_of(array)
     chunks = getattr(array, "chunks", None)
     chunks_text = "chunks " + "x".join(str(n) for n in chunks) if chunks else ""
@@ -85,7 +98,7 @@ def array_row(key: str, name: str, array: Any, depth: int = 1, kind: str = "") -
     )
 
 
-def array_html(array: Any) -> str:
+def array_html(array: ArrayView) -> str:
     """A LazyArray as one summary row, for notebooks."""
     name = html.escape(array.key or "(array)")
     return f'<div class="lazyckpt">{STYLE}{array_row(name, name, array)}</div>'

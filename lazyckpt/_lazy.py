@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import jax
@@ -24,7 +24,9 @@ from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
-from lazyckpt._storage.kvstore import ready, then
+from lazyckpt._storage.kvstore import Store, ready, then
+
+_T = TypeVar("_T")
 
 
 def _dtype(value: Any) -> Any:
@@ -45,7 +47,7 @@ def key_dtype(impl: str) -> tuple[Any, tuple[int, ...]]:
     return key.dtype, tuple(data.shape)
 
 
-def _unchanged(store: Any, values: Any) -> Any:
+def _unchanged(store: Store, values: _T) -> _T:
     """`values`, once the checkpoint they were read from is known not to have changed."""
     store.check_unchanged()
     return values
@@ -258,7 +260,7 @@ class LazyArray:
         node = Reshape(new, self.dtype, self, groups)
         return composed((f"reshape({self.key})",), node, self.dtype)
 
-    def _rebased(self, selection: Selection, dtype: Any = None) -> LazyArray:
+    def _rebased(self, selection: Selection, dtype: np.dtype[Any] | None = None) -> LazyArray:
         """The same stored array (or node) through `selection`, in `dtype` if given: how
         the engine widens a view to the whole of what it is a view of."""
         if dtype is None:
@@ -337,7 +339,7 @@ class LazyArray:
         """One summary row for notebooks; reads nothing."""
         return array_html(self)
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: object) -> Any:
         """How treescope shows a LazyArray: its repr, as one line; never its values.
 
         One text line rather than a rendered constructor: 10,000 arrays render in
@@ -368,7 +370,7 @@ def _own(part: ArrayView) -> LazyArray:
     return part
 
 
-def exact(source: Any, dest: Any) -> bool:
+def exact(source: DTypeLike, dest: DTypeLike) -> bool:
     """Whether casting `source` values to `dest` keeps every one exactly (so that a
     cast after it is the same as casting directly): NumPy's "safe" is not enough,
     int64 to float64 rounds."""
@@ -391,12 +393,12 @@ def exact(source: Any, dest: Any) -> bool:
     return False
 
 
-def _finfo(dtype: Any) -> Any:
+def _finfo(dtype: np.dtype[Any]) -> jnp.finfo:
     """`jnp.finfo`, which knows bfloat16 and the float8 types (untyped in jax)."""
     return jnp.finfo(dtype)  # type: ignore[no-untyped-call]
 
 
-def composed(path: tuple[str | int, ...], node: compose.Node, dtype: Any) -> LazyArray:
+def composed(path: tuple[str | int, ...], node: compose.Node, dtype: np.dtype[Any]) -> LazyArray:
     """The LazyArray of a view made of other views."""
     return LazyArray(path=path, stored=node, selection=Selection.full(node.shape), dtype=dtype)
 

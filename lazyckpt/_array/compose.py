@@ -24,7 +24,8 @@ import abc
 import bisect
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias
+from types import EllipsisType
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
@@ -38,6 +39,7 @@ Dest: TypeAlias = Callable[[np.ndarray], np.ndarray]
 Piece: TypeAlias = tuple[Part, Box, Dest]
 # How a block `(index, values)` of a part becomes a block of the node.
 Place: TypeAlias = Callable[[tuple[slice, ...], np.ndarray], tuple[tuple[slice, ...], np.ndarray]]
+_T = TypeVar("_T")
 
 
 @attrs.frozen(eq=False)
@@ -62,7 +64,9 @@ class Node(abc.ABC):
     def lower(self, box: Box) -> Iterator[Piece]:
         """`(part, box of the part, destination)` for every piece that `box` needs."""
 
-    def stream_parts(self, grid: tuple[int, ...] | None) -> list[tuple[Part, Any, Place]] | None:
+    def stream_parts(
+        self, grid: tuple[int, ...] | None
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         """`(part, grid of the part, place)` for streaming each part on its own, or
         None where blocks must be filled from several parts."""
         return None
@@ -169,7 +173,9 @@ class Stack(_Joined):
         for i in range(low, high):
             yield self.arrays[i], inner, taking((*(slice(None),) * self.axis, i - low))
 
-    def stream_parts(self, grid: tuple[int, ...] | None) -> list[tuple[Part, Any, Place]] | None:
+    def stream_parts(
+        self, grid: tuple[int, ...] | None
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         k = self.axis
         if grid is not None and grid[k] != 1:
             return None
@@ -248,7 +254,9 @@ class Concat(_Joined):
             part = (*box[:k], (a - start, b - start), *box[k + 1 :])
             yield self.arrays[c], part, taking((*(slice(None),) * k, slice(a - low, b - low)))
 
-    def stream_parts(self, grid: tuple[int, ...] | None) -> list[tuple[Part, Any, Place]] | None:
+    def stream_parts(
+        self, grid: tuple[int, ...] | None
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         k, starts = self.axis, self.offsets
         if grid is not None and any(s % grid[k] for s in starts[1:-1]):
             return None
@@ -305,7 +313,9 @@ class Transpose(Pushed):
         back = tuple(int(d) for d in np.argsort(self.perm))
         yield self.array, tuple(inner), lambda out: out.transpose(back)
 
-    def stream_parts(self, grid: tuple[int, ...] | None) -> list[tuple[Part, Any, Place]] | None:
+    def stream_parts(
+        self, grid: tuple[int, ...] | None
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         inner = None
         if grid is not None:
             cells = [1] * len(self.perm)
@@ -313,7 +323,9 @@ class Transpose(Pushed):
                 cells[p] = grid[d]
             inner = tuple(cells)
 
-        def place(index: tuple[slice, ...], values: np.ndarray) -> Any:
+        def place(
+            index: tuple[slice, ...], values: np.ndarray
+        ) -> tuple[tuple[slice, ...], np.ndarray]:
             return tuple(index[p] for p in self.perm), values.transpose(self.perm)
 
         return [(self.array, inner, place)]
@@ -346,7 +358,9 @@ class Cast(Pushed):
     def lower(self, box: Box) -> Iterator[Piece]:
         yield self.array, box, lambda out: out
 
-    def stream_parts(self, grid: tuple[int, ...] | None) -> list[tuple[Part, Any, Place]] | None:
+    def stream_parts(
+        self, grid: tuple[int, ...] | None
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         return [(self.array, grid, lambda index, values: (index, values))]
 
     def describe(self) -> str:
@@ -356,7 +370,7 @@ class Cast(Pushed):
 def taking(index: tuple[int | slice | None, ...]) -> Dest:
     """The view of a buffer at `index` (Ellipsis keeps it a view where every
     dimension is indexed by an int)."""
-    full: tuple[Any, ...] = (*index, Ellipsis)
+    full: tuple[int | slice | EllipsisType | None, ...] = (*index, Ellipsis)
     return lambda out: out[full]
 
 
@@ -368,7 +382,7 @@ def _inserted(shape: tuple[int, ...], at: int) -> tuple[int, ...]:
     return (*shape[:at], 1, *shape[at:])
 
 
-def _without(values: Sequence[Any], axis: int) -> tuple[Any, ...]:
+def _without(values: Sequence[_T], axis: int) -> tuple[_T, ...]:
     return (*values[:axis], *values[axis + 1 :])
 
 

@@ -12,12 +12,14 @@ import bisect
 import heapq
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lazyckpt._array.selection import NewAxis, Range, Selection
+from lazyckpt._array.view import ArrayView
 
 Box = tuple[tuple[int, int], ...]
 Index = tuple[int | slice, ...]
+_T = TypeVar("_T")
 
 
 def box_bytes(box: Box, itemsize: int) -> int:
@@ -43,7 +45,7 @@ def as_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(low, high) for low, high in box)
 
 
-def product(axes: Sequence[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+def product(axes: Sequence[Sequence[_T]]) -> Iterator[tuple[_T, ...]]:
     """`itertools.product` in C order for sequences too long to list (ranges over a
     huge grid: `itertools.product` would copy each into a tuple first)."""
     if any(len(axis) == 0 for axis in axes):
@@ -224,7 +226,7 @@ def bounds(selection: Selection) -> Box:
     return tuple(out)
 
 
-def stored_map(array: Any) -> list[tuple[int, int] | None] | None:
+def stored_map(array: ArrayView) -> list[tuple[int, int] | None] | None:
     """For each view dim, `(stored dim, offset)`, or None for a new axis; None overall
     if some kept stored dimension is strided (those views are read whole per target)."""
     mapping: list[tuple[int, int] | None] = []
@@ -240,7 +242,7 @@ def stored_map(array: Any) -> list[tuple[int, int] | None] | None:
     return mapping
 
 
-def to_stored(array: Any, mapping: Sequence[tuple[int, int] | None], region: Box) -> Box:
+def to_stored(array: ArrayView, mapping: Sequence[tuple[int, int] | None], region: Box) -> Box:
     """The stored box behind the view box `region` (unstrided views)."""
     box = [(s, s + 1) if isinstance(s, int) else (0, 0) for s in array.selection.stored]
     for (low, high), entry in zip(region, mapping, strict=True):

@@ -46,7 +46,9 @@ Stored: TypeAlias = int | Range
 # One entry per view dimension: the stored dimension it reads, or a new axis.
 ViewDim: TypeAlias = int | NewAxis
 
-Index: TypeAlias = Any  # int | slice | None | Ellipsis, or a tuple of them
+# What `x[index]` takes: an int, slice, None or Ellipsis, or a tuple of them. Anything
+# else is refused at run time (`expand`), with a message that says what to do.
+Index: TypeAlias = object
 
 
 @attrs.frozen

@@ -29,7 +29,7 @@ leaf matching any of them is kept) or a predicate `(path, leaf) -> bool`."""
 _tu = jax.tree_util
 
 
-def key_of(entry: Any) -> Key:
+def key_of(entry: object) -> Key:
     """One entry of a jax key path as Orbax names it: `DictKey('a')` -> `'a'`,
     `GetAttrKey('mu')` -> `'mu'`, `SequenceKey(0)` -> `0`."""
     if isinstance(entry, _tu.DictKey):
@@ -44,7 +44,7 @@ def key_of(entry: Any) -> Key:
     return str(entry)
 
 
-def path_of(key_path: Sequence[Any]) -> Path:
+def path_of(key_path: Sequence[object]) -> Path:
     """A jax key path as a tuple of keys (see `key_of`)."""
     return tuple(key_of(entry) for entry in key_path)
 
@@ -54,13 +54,13 @@ def keystr(path: Path) -> str:
     return "/".join(str(k) for k in path)
 
 
-def flatten(tree: Any) -> list[tuple[Path, Any]]:
+def flatten(tree: object) -> list[tuple[Path, Any]]:
     """`(key path, leaf)` for every leaf of `tree`, in `jax.tree_util` order."""
     flat, _ = _tu.tree_flatten_with_path(tree)
     return [(path_of(key_path), leaf) for key_path, leaf in flat]
 
 
-def children(node: Any) -> list[tuple[Key, Any]] | None:
+def children(node: object) -> list[tuple[Key, Any]] | None:
     """The children of a pytree node with their keys; None if `node` is a leaf.
 
     None and empty containers are nodes without children.
@@ -79,13 +79,13 @@ def children(node: Any) -> list[tuple[Key, Any]] | None:
     return [(key_of(key_path[0]), child) for key_path, child in flat]
 
 
-def rebuild(node: Any, new_children: Sequence[Any]) -> Any:
+def rebuild(node: object, new_children: Sequence[object]) -> Any:
     """A node of the same type and metadata as `node`, with `new_children`."""
     treedef = _tu.tree_structure(node, is_leaf=lambda child: child is not node)
     return _tu.tree_unflatten(treedef, new_children)
 
 
-def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
+def leaves(tree: object) -> Iterator[tuple[str, Any]]:
     """`(key path string, leaf)` for every leaf of `tree`, in `jax.tree_util` order.
 
     Any registered pytree node is a container; LazyArrays, arrays, strings and
@@ -98,12 +98,12 @@ def leaves(tree: Any) -> Iterator[tuple[str, Any]]:
     return ((keystr(path), leaf) for path, leaf in flatten(tree))
 
 
-def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+def map_leaves(fn: Callable[[Any], Any], tree: object) -> Any:
     """`tree` with `fn` applied to each leaf; every node rebuilt as its own type."""
     return _tu.tree_map(fn, tree)
 
 
-def subtree(tree: Any, keys: Sequence[str]) -> Any:
+def subtree(tree: object, keys: Sequence[str]) -> Any:
     """The node of `tree` at the key path `keys` (each key as a string, so `'0'`
     finds list index 0 and int dict key 0); KeyError if there is none."""
     node = tree
@@ -162,7 +162,7 @@ _DROPPED = object()
 
 
 @renamed(which="pattern")
-def select(tree: Any, pattern: Select) -> Any:
+def select(tree: object, pattern: Select) -> Any:
     """The part of `tree` whose leaves match `pattern`, without reading anything.
 
     Dicts keep only the selected keys; every other container (lists, tuples,
@@ -195,12 +195,12 @@ def select(tree: Any, pattern: Select) -> Any:
     return picked
 
 
-def selected(tree: Any, pattern: Select | None) -> Any:
+def selected(tree: object, pattern: Select | None) -> Any:
     """`select(tree, pattern)`, or the whole tree when `pattern` is None."""
     return tree if pattern is None else select(tree, pattern)
 
 
-def _select(node: Any, path: Path, predicate: Predicate) -> Any:
+def _select(node: object, path: Path, predicate: Predicate) -> object:
     # Plain dicts keep their own key order; other nodes go in jax's order.
     kids = list(node.items()) if type(node) is dict else children(node)
     if kids is None:
@@ -222,7 +222,7 @@ class PathClash(Exception):
         self.first, self.second, self.at = first, second, at
 
 
-def nested(items: Iterable[tuple[tuple[str, ...], Any, str]]) -> dict[str, Any]:
+def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, Any]:
     """Plain nested dicts holding each `(keys, leaf, source)` leaf at its key path.
 
     >>> nested([(("a", "b"), 1, "x"), (("a", "c"), 2, "y")])

@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Protocol, TypeGuard
 
 import numpy as np
+import tensorstore as ts
 import zstandard
 
 from lazyckpt._array.geometry import Box, chunk_box
@@ -60,17 +61,30 @@ def stream_bytes(read_bytes: int) -> int:
 _HEADER_BYTES = 64  # a zstd frame header is at most 18 bytes
 
 
+class _Decoding(Protocol):
+    """What a chunk stream uses of zstandard's stream reader (whose stubs leave
+    `close` untyped)."""
+
+    def read(self, size: int = -1) -> bytes: ...
+
+    def readinto(self, b: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class _Source:
     """The stored bytes `[start, stop)` of one key (to the value's end when `stop` is
     None), read in windows of `window` bytes, one window ahead."""
 
-    def __init__(self, kvstore: Any, key: str, start: int, stop: int | None, window: int) -> None:
+    def __init__(
+        self, kvstore: ts.KvStore, key: str, start: int, stop: int | None, window: int
+    ) -> None:
         self.kvstore, self.key, self.window, self.stop = kvstore, key, window, stop
         self.next_start = self._origin = start
         self.ahead = self._request()
         self.held = b""
 
-    def _request(self) -> tuple[Any, int] | None:
+    def _request(self) -> tuple[ts.Future[ts.KvStore.ReadResult], int] | None:
         start = self.next_start
         if self.stop is not None and start >= self.stop:
             return None
@@ -140,7 +154,7 @@ class ChunkStream:
         self.total = math.prod(stored.chunks) * stored.dtype.itemsize
         self.done = 0  # decoded bytes so far
         self.key = self.codec.chunk_key(stored.name, index, stored.chunks)
-        self._reader: Any = None
+        self._reader: _Decoding | None = None
         self._source: _Source | None = None
         self._missing = False
         self._opened = False

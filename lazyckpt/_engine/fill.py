@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from types import EllipsisType
+from typing import TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -34,6 +35,7 @@ import tensorstore as ts
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import (
     Box,
+    Index,
     Spans,
     as_slices,
     bounds,
@@ -61,6 +63,8 @@ from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, i
 from lazyckpt._engine.stored import StoredArray, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, then
 
+_T = TypeVar("_T")
+
 
 def stored_bytes(arrays: Iterable[ArrayView]) -> int:
     """The decoded size of LazyArrays' views in their stored dtype: what reading costs."""
@@ -83,7 +87,7 @@ def schedule_fill(
     remaining = [0]
     called = [False]  # a composed view's parts may all finish before this returns
 
-    def finished(_: Any = None) -> None:
+    def finished(_: object = None) -> None:
         remaining[0] -= 1
         if remaining[0] == 0 and not called[0]:
             called[0] = True
@@ -126,7 +130,7 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     state = {"left": len(indices), "failed": False}
     lock = threading.Lock()
 
-    def done(job: ts.Future[Any]) -> None:
+    def done(job: ts.Future[None]) -> None:
         try:
             job.result()
         except Exception as error:  # noqa: BLE001 - handed to whoever awaits
@@ -166,7 +170,7 @@ def _schedule_composed(
     array: ArrayView,
     destinations: Sequence[Destination],
     scheduler: Scheduler,
-    finished: Callable[[Any], None],
+    finished: Callable[[object], None],
     remaining: list[int],
 ) -> None:
     """Lower each destination into destinations of the stored arrays' views it is made of
@@ -202,7 +206,7 @@ def _schedule_decoded(
     array: ArrayView,
     destinations: Sequence[Destination],
     scheduler: Scheduler,
-    finished: Callable[[Any], None],
+    finished: Callable[[object], None],
     remaining: list[int],
 ) -> None:
     """One decoding job per stored chunk that some destination needs."""
@@ -226,7 +230,7 @@ def _schedule_decoded(
         remaining[0] += 1
         work = box_bytes(inside, stored.dtype.itemsize)
 
-        def start(index: tuple[int, ...] = index, users: list[Consumer] = users) -> Any:
+        def start(index: tuple[int, ...] = index, users: list[Consumer] = users) -> ts.Future[None]:
             return in_pool(lambda: decode_into(array, index, users, read_bytes, window))
 
         scheduler.submit(start, finished, held=held, work=work)
@@ -311,7 +315,9 @@ def decode_slabs(
         stream.close()
 
 
-def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | None:
+def _direct(
+    slab: Box, inside: Box | None, parts: list[tuple[Destination, tuple[Index, Index]]]
+) -> memoryview | None:
     """The memory to decode `slab` straight into: one destination's buffer region that holds
     exactly the slab's elements, contiguous and in the same order; else None."""
     if len(parts) != 1 or inside != slab:
@@ -322,7 +328,7 @@ def _direct(slab: Box, inside: Box | None, parts: list[Any]) -> memoryview | Non
     region = destination.buffer()[(*in_view_index, Ellipsis)]
     if region.size != math.prod(high - low for low, high in slab) or not region.flags.c_contiguous:
         return None
-    return memoryview(region.reshape(-1).view(np.uint8))
+    return region.reshape(-1).view(np.uint8).data
 
 
 # The tensorstore path.
@@ -332,7 +338,7 @@ def _schedule_whole(
     array: ArrayView,
     destinations: Sequence[Destination],
     scheduler: Scheduler,
-    finished: Callable[[Any], None],
+    finished: Callable[[object], None],
     remaining: list[int],
 ) -> None:
     """Strided or in-memory views: one read per destination, cast into it."""
@@ -340,7 +346,7 @@ def _schedule_whole(
         view = array[tuple(slice(low, high) for low, high in destination.region)]
         remaining[0] += 1
 
-        def copy(data: Any, destination: Destination = destination) -> None:
+        def copy(data: np.ndarray, destination: Destination = destination) -> None:
             np.copyto(destination.buffer(), np.asarray(data), casting="unsafe")
             finished(None)
 
@@ -352,7 +358,7 @@ def _schedule_blocks(
     mapping: Sequence[tuple[int, int] | None],
     destinations: Sequence[Destination],
     scheduler: Scheduler,
-    finished: Callable[[Any], None],
+    finished: Callable[[object], None],
     remaining: list[int],
 ) -> None:
     stored = stored_array(array)
@@ -385,8 +391,8 @@ def _schedule_blocks(
             for block in blocks:
                 remaining[0] += 1
                 nbytes = box_bytes(block, itemsize)
-                start = _direct_read(stored, opened, destination, block, box)
-                scheduler.submit(start, finished, held=nbytes * HELD, work=nbytes)
+                write = _direct_read(stored, opened, destination, block, box)
+                scheduler.submit(write, finished, held=nbytes * HELD, work=nbytes)
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
@@ -410,7 +416,8 @@ def _schedule_blocks(
             for destination, box, part in consumers:
                 values = data[slices(part, block)]
                 out_index, view_shape = in_view(mapping, part, [b[0] for b in box])
-                at: tuple[Any, ...] = (*out_index, Ellipsis)  # a view, even for 0-d
+                # Ellipsis: a view, even for 0-d.
+                at: tuple[slice | EllipsisType, ...] = (*out_index, Ellipsis)
                 out = destination.buffer()[at]
                 np.copyto(out, values.reshape(view_shape), casting="unsafe")
             finished(None)
@@ -424,28 +431,29 @@ def _direct_read(
     destination: Destination,
     block: Box,
     box: Box,
-) -> Callable[[], ts.Future[Any]]:
-    def start() -> ts.Future[Any]:
+) -> Callable[[], ts.Future[None]]:
+    def start() -> ts.Future[None]:
         out = destination.buffer()
 
-        def write(source: ts.TensorStore) -> ts.Future[Any]:
+        def write(source: ts.TensorStore) -> ts.Future[None]:
             dest = ts.array(out, copy=False, write=True)[slices(block, box)].translate_to[0]
             return dest.write(source[tuple(slice(*r) for r in block)].translate_to[0]).commit
 
-        return then(then(opened, write), _same, stored.read_error)
+        written: ts.Future[None] = then(opened, write)
+        return then(written, _same, stored.read_error)
 
     return start
 
 
 def read_box(
     stored: StoredArray, opened: ts.Future[ts.TensorStore], block: Box
-) -> Callable[[], ts.Future[Any]]:
-    def start() -> ts.Future[Any]:
+) -> Callable[[], ts.Future[np.ndarray]]:
+    def start() -> ts.Future[np.ndarray]:
         read = then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())
         return then(read, _same, stored.read_error)
 
     return start
 
 
-def _same(value: Any) -> Any:
+def _same(value: _T) -> _T:
     return value

@@ -16,6 +16,7 @@ along the strided dimension).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,9 @@ from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.stored import stored_array
 
-ByArray = dict[Any, tuple[ArrayView, list[Destination]]]
+# Keyed by the id of a view read on its own, or by a stored array's id and the dtype
+# that its shared regions are read in.
+ByArray = dict[int | tuple[int, np.dtype[Any]], tuple[ArrayView, list[Destination]]]
 
 
 def lower(
@@ -64,7 +67,8 @@ def lower(
         low = region[dim][0]
         for i in range(out.shape[dim]):
             at = (*region[:dim], (low + i, low + i + 1), *region[dim + 1 :])
-            one: tuple[Any, ...] = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
+            one: tuple[slice | EllipsisType, ...]
+            one = (*(slice(None),) * dim, slice(i, i + 1), Ellipsis)
             into = out[one]
             lower(array, at, into, by_array, after)
         return
@@ -101,7 +105,7 @@ def _through_box(
     return True
 
 
-def _strided(entry: Any) -> bool:
+def _strided(entry: int | Range) -> bool:
     return isinstance(entry, Range) and entry.step != 1 and entry.count > 1
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from lazyckpt._errors import TooLargeError
 from lazyckpt._text import human_bytes
@@ -28,7 +29,7 @@ from lazyckpt._text import human_bytes
 Box = tuple[tuple[int, int], ...]
 
 
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
@@ -168,7 +169,7 @@ class Destination:
     """
 
     region: Box
-    dtype: Any
+    dtype: np.dtype[Any]
     aligned: bool = False
     out: np.ndarray | None = None
     on_allocate: Callable[[int], None] | None = None
@@ -194,7 +195,7 @@ class Destination:
         return self.out
 
 
-def result_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+def result_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
     """An uninitialized array to read results into, starting on a 64-byte boundary
     so that `jax.device_put` on CPU adopts it without a copy.
 
@@ -211,7 +212,7 @@ def result_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     return out
 
 
-def aligned_empty(shape: Sequence[int], dtype: Any, alignment: int = 64) -> np.ndarray:
+def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike, alignment: int = 64) -> np.ndarray:
     """An uninitialized array whose data starts on an `alignment`-byte boundary, which
     lets `jax.device_put` on CPU adopt it without a copy."""
     dtype = np.dtype(dtype)

@@ -88,8 +88,8 @@ class Scheduler:
 
     def submit(
         self,
-        start: Callable[[], ts.Future[Any]],
-        done: Callable[[Any], None],
+        start: Callable[[], ts.Future[T]],
+        done: Callable[[T], None],
         *,
         held: int,
         work: int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import attrs
 import numpy as np
@@ -137,6 +136,6 @@ def _sharing(
     return Sharing(base, grid, tuple(members), tuple(lo for lo, _ in union))
 
 
-def by_position(found: Sequence[Sharing]) -> dict[int, Any]:
+def by_position(found: Sequence[Sharing]) -> dict[int, Sharing]:
     """Each position in a sharing, mapped to its sharing (the first member streams it)."""
     return {p: g for g in found for p in g.positions}

@@ -76,7 +76,7 @@ class Codec:
     index_at_end: bool = True
     index_byteorder: str = "<"
     index_checksum: bool = True
-    fill: Any = 0
+    fill: object = 0
     """The value of elements in a chunk that was never written."""
 
     @property
@@ -142,7 +142,7 @@ class StoredArray:
         another format replaces."""
         return ts.open(self._spec(), context=self.store.context, open=True)
 
-    def _spec(self) -> dict[str, Any]:
+    def _spec(self) -> dict[str, object]:
         kvstore = dict(self.store.kvstore_spec)
         if self.name:
             kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"

@@ -51,6 +51,8 @@ from lazyckpt._engine.stored import stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
+Block = tuple[tuple[slice, ...], np.ndarray, int]
+"""What a job's step produces: a block's index in the view, its values, and its size."""
 
 
 class _Job:
@@ -61,29 +63,30 @@ class _Job:
         self,
         position: int,
         held: int,
-        steps: Iterator[Callable[[], Any]],
+        steps: Iterator[Callable[[], ts.Future[object]]],
         sharing: Sharing | None = None,
     ) -> None:
         self.position, self.held, self._steps = position, held, steps
         self.sharing = sharing
         """Views of one stored array that this job's blocks are cut into."""
 
-    def step(self) -> ts.Future[Any]:
+    def step(self) -> ts.Future[object]:
         start = next(self._steps, None)
         if start is None:
             return ready(_END)
-        result: ts.Future[Any] = start()
+        result: ts.Future[object] = start()
         return result
 
-    def steps(self) -> Iterator[Callable[[], Any]]:
+    def steps(self) -> Iterator[Callable[[], ts.Future[object]]]:
         return self._steps
 
     def placed(self, place: compose.Place) -> _Job:
         """This job's blocks as blocks of a composed view that this array is part of."""
 
-        def move(result: Any) -> Any:
+        def move(result: object) -> object:
             if result is _END:
                 return _END
+            assert isinstance(result, tuple)
             index, values, work = result
             return (*place(index, values), work)
 
@@ -137,7 +140,7 @@ def iter_blocks(
                     yield _Job(i, job.held, job.steps(), sharing)
 
     jobs = every_job()
-    active: collections.deque[tuple[_Job, ts.Future[Any]]] = collections.deque()
+    active: collections.deque[tuple[_Job, ts.Future[object]]] = collections.deque()
     reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
 
@@ -157,6 +160,7 @@ def iter_blocks(
             reserved -= job.held
             start_more()
             continue
+        assert isinstance(result, tuple)  # a block
         index, values, work = result
         active[0] = (job, job.step())  # decode the next block while this one is used
         if job.sharing is None:
@@ -273,11 +277,14 @@ def _leaves(
 
 
 def _then(
-    inner: compose.Place, shape: tuple[int, ...], dtype: Any, outer: compose.Place | None
+    inner: compose.Place,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    outer: compose.Place | None,
 ) -> compose.Place:
     """Blocks of a part (of `shape`) moved by `inner`, cast, then moved by `outer`."""
 
-    def place(index: tuple[slice, ...], values: np.ndarray) -> Any:
+    def place(index: tuple[slice, ...], values: np.ndarray) -> tuple[tuple[slice, ...], np.ndarray]:
         # Explicit bounds: a new axis comes as slice(None), which moving cannot shift.
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         index, values = inner(index, values.astype(dtype, copy=False))
@@ -300,11 +307,11 @@ def _composed_jobs(
         yield _Job(position, block * 3, iter([_filled(array, region, block)]))
 
 
-def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Future[Any]]:
+def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Future[Block]]:
     """A step that fills `array[region]` through the engine, within `budget`, on the
     consumer's thread (the engine's own jobs run on the decoding threads)."""
 
-    def fill() -> ts.Future[Any]:
+    def fill() -> ts.Future[Block]:
         scheduler = Scheduler(budget)
         destination = Destination(region, array.dtype)
         schedule_fill(array, [destination], scheduler, lambda: None)
@@ -367,10 +374,10 @@ def _view_bands(array: ArrayView, elements: int, grid: tuple[int, ...] | None) -
 
 def _decoded_block(
     array: ArrayView, region: Box, read_bytes: int, window: int
-) -> Callable[[], ts.Future[Any]]:
+) -> Callable[[], ts.Future[Block]]:
     """A step that fills one block, `array[region]`, from every chunk it touches."""
 
-    def fill() -> tuple[tuple[slice, ...], np.ndarray, int]:
+    def fill() -> Block:
         destination = Destination(region, array.dtype)
         selection = array.selection[as_slices(region)]
         box = bounds(selection)
@@ -390,14 +397,14 @@ def _chunk_bands(
     origins: Sequence[int],
     read_bytes: int,
     window: int,
-) -> Iterator[Callable[[], ts.Future[Any]]]:
+) -> Iterator[Callable[[], ts.Future[object]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
     band (a slab of the chunk along its leading stored dimension), handing it over;
     the last step's result is `_END`. The chunk's stored bytes are checked against
     its declared size before its bands are planned: a damaged header may declare
     petabytes."""
 
-    def produce() -> Iterator[Any]:
+    def produce() -> Iterator[Block]:
         ChunkStream(stored_array(array), index, read_bytes).check()
         regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
         destinations = [Destination(region, array.dtype) for region in regions]
@@ -413,7 +420,7 @@ def _chunk_bands(
 
 def _ts_step(
     array: ArrayView, index: tuple[slice, ...], nbytes: int
-) -> Callable[[], ts.Future[Any]]:
+) -> Callable[[], ts.Future[Block]]:
     return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
 
 
@@ -433,7 +440,12 @@ def _ts_jobs(
             yield _Job(position, nbytes * HELD, iter([_ts_step(array, index, array[index].nbytes)]))
             continue
 
-        def start(part: Box = part, index: Any = index, shape: Any = shape, n: int = nbytes) -> Any:
+        def start(
+            part: Box = part,
+            index: tuple[slice, ...] = index,
+            shape: tuple[int, ...] = shape,
+            n: int = nbytes,
+        ) -> ts.Future[Block]:
             future = read_box(stored, opened, part)()
             return then(
                 future,
