@@ -144,8 +144,8 @@ def json_or_corrupt(where: str, text: str | bytes, remedy: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, depth
         raise CorruptCheckpointError(
-            f"{where} is not valid JSON ({str(error)[:100]}); {remedy}"
-        ) from None
+            f"{where} is not valid JSON ({str(error)[:200]}); {remedy}"
+        ) from error
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,13 +106,23 @@ def iter_blocks(
     True
     """
     found = arrays_of(selected(tree, select))
-    for path, keys in found:
-        if keys.key_impl:  # typed PRNG keys: small, and one block of keys
-            yield path, tuple(slice(0, n) for n in keys.shape), keys.get()
-    found = [(path, array) for path, array in found if not array.key_impl]
-    arrays = [array for _, array in found]
-    bar = Progress.maybe(progress, stored_bytes(arrays), "lazyckpt")
+    bar = Progress.maybe(progress, stored_bytes(a for _, a in found), "lazyckpt")
+    # Typed PRNG keys are small and read whole, outside the engine; each is yielded
+    # before any block of a later array, so that the order stays the tree's.
+    keys = collections.deque(i for i, (_, array) in enumerate(found) if array.key_impl)
+    plain = [i for i, (_, array) in enumerate(found) if not array.key_impl]
+
+    def keys_before(end: int) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
+        while keys and keys[0] < end:
+            path, array = found[keys.popleft()]
+            yield path, tuple(slice(0, n) for n in array.shape), array.get()
+            if bar is not None:
+                bar.advance(stored_bytes([array]))
+
+    arrays = [found[i][1] for i in plain]
     for position, index, values in stream.iter_blocks(arrays, memory_budget, bar):
-        yield found[position][0], index, values
+        yield from keys_before(plain[position])
+        yield found[plain[position]][0], index, values
+    yield from keys_before(len(found))
     if bar is not None:
         bar.close()

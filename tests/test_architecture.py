@@ -21,9 +21,8 @@ LAYERS: list[set[str]] = [
     {"_engine"},
     {"_lazy", "_html"},
     {"_orbax", "_safetensors"},
+    {"_open", "_save"},
     {
-        "_open",
-        "_save",
         "_read",
         "_device_put",
         "_target",
@@ -35,7 +34,7 @@ LAYERS: list[set[str]] = [
     },
     {"_explore"},
     {"_cli"},
-    {"__init__", "__main__"},
+    {"__init__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

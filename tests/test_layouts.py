@@ -96,6 +96,22 @@ def test_typed_prng_keys(written: tuple[dict[str, Any], dict[str, Path]], mesh: 
         split.astype(np.float32)
 
 
+def test_iter_blocks_keeps_tree_order_around_typed_keys(tmp_path: Path) -> None:
+    split = jax.random.split(jax.random.key(3), 2)
+    saved = {
+        "a": np.arange(6.0),
+        "k": split,
+        "m": np.ones((2, 3)),
+        "z": jax.random.key(4),
+    }
+    lazy = lazyckpt.open(lazyckpt.save(tmp_path / "c", saved))
+    blocks = list(lazyckpt.iter_blocks(lazy))
+    assert [key for key, _, _ in blocks] == ["a", "k", "m", "z"]
+    _, index, keys = blocks[1]
+    assert index == (slice(0, 2),)
+    np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(split))
+
+
 def test_keys_without_array_metadatas_are_uint32(
     written: tuple[dict[str, Any], dict[str, Path]], tmp_path: Path
 ) -> None:

@@ -2,7 +2,7 @@
 
 The dimensions of the part and of the view pair into groups holding the same
 elements (`groups`). A box of the view reads, per group, runs of consecutive
-elements; each run is a few boxes of the part, and lands in the target buffer
+elements; each run is a few boxes of the part, and lands in the destination buffer
 through a reshaped NumPy view of it (the buffer is C-contiguous: the engine gives
 a reshape a contiguous temporary otherwise), so a reshape costs no copy.
 """
@@ -21,7 +21,7 @@ from lazyckpt._array.geometry import Box, product
 
 
 class NotAView(ValueError):
-    """A destination that NumPy cannot express as a view of the target buffer."""
+    """A destination that NumPy cannot express as a view of the destination buffer."""
 
 
 @attrs.frozen(eq=False)
@@ -61,7 +61,7 @@ class Reshape(Node):
         self, g: int, box: Box
     ) -> Iterator[tuple[list[tuple[int, int]], Callable[[np.ndarray], np.ndarray]]]:
         """For group `g`, each box of the part's dimensions that some of `box` reads,
-        with how to turn the target buffer's dimensions of the group into that box."""
+        with how to turn the destination buffer's dimensions of the group into that box."""
         mine, theirs = self.groups[g]
         at = theirs[0] if theirs else sum(len(t) for _, t in self.groups[:g])
         part_sizes = [self.array.shape[d] for d in mine]

@@ -3,8 +3,10 @@ plain data that needs none of those devices, and its placement on the caller's."
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from typing import Any
 
 import attrs
 import jax
@@ -102,6 +104,17 @@ class SavedSharding:
             out.append(-(-n // ways))
         return tuple(out)
 
+    def to_json(self) -> str:
+        """The JSON that records this sharding in a checkpoint's `_sharding` file, as
+        Orbax writes it; "" (unknown) for kinds Orbax does not record."""
+        if self.kind == "NamedSharding":
+            return named_json(
+                self.mesh_shape, self.axis_names, self.partition_spec, self.device_ids
+            )
+        if self.kind == "SingleDeviceSharding":
+            return json.dumps({"sharding_type": self.kind, "device_str": self.device})
+        return ""
+
     def __repr__(self) -> str:
         if self.kind == "NamedSharding":
             return f"NamedSharding(mesh={self.mesh_axes}, spec={spec_str(self.partition_spec)})"
@@ -115,3 +128,23 @@ class SavedSharding:
 def spec_str(spec: tuple[SpecEntry, ...]) -> str:
     """A saved partition spec as JAX prints it: `P('x', None)`."""
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def named_json(
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    spec: tuple[SpecEntry, ...],
+    device_ids: tuple[int, ...],
+) -> str:
+    entry: dict[str, Any] = {
+        "sharding_type": "NamedSharding",
+        "shape": list(mesh_shape),
+        "axis_names": list(axis_names),
+        "partition_spec": [list(e) if isinstance(e, tuple) else e for e in spec],
+    }
+    if device_ids:
+        ids = [{"id": i} for i in device_ids]
+        for size in reversed(mesh_shape[1:]):
+            ids = [ids[i : i + size] for i in range(0, len(ids), size)]  # type: ignore[misc]
+        entry["device_mesh"] = {"mesh": ids}
+    return json.dumps(entry)

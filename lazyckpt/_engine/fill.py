@@ -60,7 +60,7 @@ from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_byt
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
-from lazyckpt._engine.stored import StoredArray, stored_array, stores
+from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, then
 
 _T = TypeVar("_T")
@@ -84,6 +84,7 @@ def schedule_fill(
     on_done: Callable[[], None],
 ) -> None:
     """Read `array` (a ArrayView) into every destination's `out`; call `on_done` after."""
+    check_plain(array)
     remaining = [0]
     called = [False]  # a composed view's parts may all finish before this returns
 

@@ -209,6 +209,15 @@ def stored_array(array: ArrayView) -> StoredArray:
     return stored
 
 
+def check_plain(array: ArrayView) -> None:
+    """Refuse a view whose shape is not its selection's: typed PRNG keys, whose reads go
+    through their uint32 data (`LazyArray._key_data`) and never reach the engine."""
+    assert array.shape == array.selection.shape, (
+        f"{array.key}: shape {array.shape} over a selection of shape "
+        f"{array.selection.shape} (typed PRNG keys?) reached the read engine"
+    )
+
+
 def stores(arrays: Iterable[ArrayView]) -> Iterator[Store]:
     """The stores of every stored array that `arrays` (composed views too) read."""
     for array in arrays:

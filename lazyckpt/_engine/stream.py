@@ -47,7 +47,7 @@ from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import Sharing, by_position, sharings
-from lazyckpt._engine.stored import stored_array, stores
+from lazyckpt._engine.stored import check_plain, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
@@ -120,6 +120,8 @@ def iter_blocks(
     limits.guard.slack = limits.budget // 16
     block = max(1, limits.budget // 8)
     cells = list(grids) if grids is not None else [None] * len(arrays)
+    for array in arrays:
+        check_plain(array)
     # Composed views streamed as their parts, so that parts can share with others.
     leaves = [
         leaf

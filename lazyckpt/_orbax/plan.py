@@ -32,7 +32,7 @@ from lazyckpt._orbax.metadata import (
     strings_json,
     valid_pointer,
 )
-from lazyckpt._orbax.sharding import saved_entry, sharding_entry
+from lazyckpt._orbax.sharding import sharding_entry
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Stored chunk size that `save` aims for: small enough that reading a few rows
@@ -179,9 +179,9 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
         value = value.get()  # typed PRNG keys: small; saved as jax.Array keys below
     if isinstance(value, LazyArray):
         sharding = value.sharding if value.selection.is_full(value.stored.shape) else None
-        if sharding is not None and saved_entry(sharding):
+        if sharding is not None and sharding.to_json():
             write_shape = sharding.shard_shape(value.shape)
-            value_type, entry = "jax.Array", saved_entry(sharding)
+            value_type, entry = "jax.Array", sharding.to_json()
         else:
             write_shape, value_type, entry = value.shape, "np.ndarray", None
         dtype = np.dtype(value.dtype)

@@ -11,20 +11,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from lazyckpt._array.sharding import SavedSharding, SpecEntry, spec_str
+from lazyckpt._array.sharding import SavedSharding, SpecEntry, named_json, spec_str
 from lazyckpt._errors import CorruptCheckpointError, json_or_corrupt
-
-
-def saved_entry(saved: SavedSharding) -> str:
-    """The `_sharding` entry that records a saved sharding (as Orbax writes it); ""
-    (unknown) for kinds Orbax skips."""
-    if saved.kind == "NamedSharding":
-        return _named_json(
-            saved.mesh_shape, saved.axis_names, saved.partition_spec, saved.device_ids
-        )
-    if saved.kind == "SingleDeviceSharding":
-        return json.dumps({"sharding_type": saved.kind, "device_str": saved.device})
-    return ""
 
 
 def sharding_entry(sharding: jax.sharding.Sharding) -> str:
@@ -36,31 +24,11 @@ def sharding_entry(sharding: jax.sharding.Sharding) -> str:
             for entry in sharding.spec
         )
         ids = tuple(int(d.id) for d in mesh.devices.flat)
-        return _named_json(tuple(mesh.devices.shape), tuple(mesh.axis_names), spec, ids)
+        return named_json(tuple(mesh.devices.shape), tuple(mesh.axis_names), spec, ids)
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         (device,) = sharding.device_set
         return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
     return ""
-
-
-def _named_json(
-    mesh_shape: tuple[int, ...],
-    axis_names: tuple[str, ...],
-    spec: tuple[SpecEntry, ...],
-    device_ids: tuple[int, ...],
-) -> str:
-    entry: dict[str, Any] = {
-        "sharding_type": "NamedSharding",
-        "shape": list(mesh_shape),
-        "axis_names": list(axis_names),
-        "partition_spec": [list(e) if isinstance(e, tuple) else e for e in spec],
-    }
-    if device_ids:
-        ids = [{"id": i} for i in device_ids]
-        for size in reversed(mesh_shape[1:]):
-            ids = [ids[i : i + size] for i in range(0, len(ids), size)]  # type: ignore[misc]
-        entry["device_mesh"] = {"mesh": ids}
-    return json.dumps(entry)
 
 
 def _entry(value: object) -> SpecEntry:

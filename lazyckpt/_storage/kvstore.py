@@ -1,4 +1,4 @@
-"""The one I/O core: a checkpoint item's kvstore, and reads of stored arrays.
+"""The one I/O core: a checkpoint item's kvstore, pinned to one generation of it.
 
 Everything here returns tensorstore futures, so callers either `.result()` them or
 `await` them; the sync and async faces of lazyckpt share this single implementation.
