@@ -213,12 +213,12 @@ class LazyArray:
         stored = self.stored
         if isinstance(stored, compose.Transpose):  # compose the two permutations
             inner = tuple(stored.perm[a] for a in perm)
+            # A cast between the two transposes applies to the part, before the rest.
+            part = _own(stored.array)
+            part = part if part.dtype == self.dtype else part.astype(self.dtype)
             if inner == tuple(range(ndim)):
-                part = _own(stored.array)
-                return part if part.dtype == self.dtype else part.astype(self.dtype)
-            return composed(
-                self.path, compose.Transpose(shape, self.dtype, stored.array, inner), self.dtype
-            )
+                return part
+            return composed(self.path, compose.Transpose(shape, self.dtype, part, inner), self.dtype)
         self._composable("transpose")
         return composed(
             (f"transpose({self.key})",),
