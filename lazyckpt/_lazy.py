@@ -218,7 +218,9 @@ class LazyArray:
             part = part if part.dtype == self.dtype else part.astype(self.dtype)
             if inner == tuple(range(ndim)):
                 return part
-            return composed(self.path, compose.Transpose(shape, self.dtype, part, inner), self.dtype)
+            return composed(
+                self.path, compose.Transpose(shape, self.dtype, part, inner), self.dtype
+            )
         self._composable("transpose")
         return composed(
             (f"transpose({self.key})",),

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+import lazyckpt
 from tests.helpers import expect, orbax_manager_save, orbax_save, run_cases
 
 ROOT = Path(__file__).parent.parent
@@ -315,3 +316,44 @@ def test_item_names_stay_inside_the_step(tmp_path: Path) -> None:
         ) as caught:
             lazyckpt.open(root, item=item)
         assert "passwd" not in str(caught.value)
+
+
+def test_every_write_loop_survives_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`os.pwrite` may write less than asked (Linux moves at most 0x7ffff000 bytes per
+    call): a file system that writes 5 bytes per call still gets every byte."""
+    from safetensors import safe_open
+
+    streamed = np.arange(600.0).reshape(6, 100)
+    lazy = lazyckpt.open(lazyckpt.save(tmp_path / "source", {"c": streamed}))["c"]
+    values = {
+        "a": np.arange(1000, dtype=np.float32).reshape(10, 100),
+        "b": np.arange(7, dtype=np.int8),
+    }
+    real, asked = os.pwrite, []
+
+    def short(fd: int, data: Any, offset: int) -> int:
+        asked.append(len(data))
+        return real(fd, memoryview(data).cast("B")[:5], offset)
+
+    monkeypatch.setattr(os, "pwrite", short)
+    out = lazyckpt.save(tmp_path / "m.safetensors", {**values, "c": lazy})
+    monkeypatch.undo()
+    assert max(asked) > 5  # the writes really were cut short
+    with safe_open(out, "np") as opened:
+        for name, want in {**values, "c": streamed}.items():
+            np.testing.assert_array_equal(opened.get_tensor(name), want)
+
+
+@pytest.mark.large
+def test_a_tensor_over_2_gib_round_trips_as_safetensors(tmp_path: Path) -> None:
+    if not os.environ.get("LAZYCKPT_LARGE"):
+        pytest.skip("writes 2 GiB: run with LAZYCKPT_LARGE=1 pytest -m large")
+    size = (1 << 31) + 4096
+    tail = (np.arange(4096) % 251 + 1).astype(np.uint8)
+    big = np.zeros(size, np.uint8)
+    big[-4096:] = tail
+    path = lazyckpt.save(tmp_path / "big.safetensors", {"x": big})
+    del big
+    np.testing.assert_array_equal(lazyckpt.open(path)["x"][-4096:].get(), tail)

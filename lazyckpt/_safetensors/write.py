@@ -42,6 +42,7 @@ from lazyckpt._safetensors.format import (
 )
 from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.kvstore import check_unchanged
+from lazyckpt._storage.local import pwrite_all
 from lazyckpt._storage.publish import publishing
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -196,7 +197,7 @@ def _write_file(
     bytes at its offset, block by block."""
     fd = out.fileno()
     os.ftruncate(fd, file.size)
-    os.pwrite(fd, file.header, 0)
+    pwrite_all(fd, file.header, 0)
     offsets = file.offsets
     lazy = [e for e in file.entries if isinstance(e.value, LazyArray)]
     for entry in file.entries:
@@ -243,7 +244,7 @@ def _put(fd: int, start: int, entry: _Entry, index: tuple[slice, ...], values: n
         first = sum((box[d][0] + position[d]) * strides[d] for d in range(run_dims))
         first += sum(box[d][0] * strides[d] for d in range(run_dims, len(shape)))
         run = rows[position]
-        os.pwrite(fd, run.view(np.uint8).data, start + first * itemsize)
+        pwrite_all(fd, run.view(np.uint8).data, start + first * itemsize)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,21 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from lazyckpt._errors import CorruptCheckpointError, StorageAccessError
+from lazyckpt._errors import CheckpointWriteError, CorruptCheckpointError, StorageAccessError
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """Write all of `data` at `offset`: `os.pwrite` may write less than asked (Linux
+    moves at most 0x7ffff000 bytes per call), so write the rest until none is left."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:  # (a full disk raises ENOSPC instead)
+            raise CheckpointWriteError(
+                f"writing at offset {offset} made no progress ({len(view)} bytes left); "
+                "check the file system"
+            )
+        view, offset = view[written:], offset + written
 
 
 class LocalFolders:
