@@ -29,7 +29,8 @@ class NotACheckpointError(LazyckptError, ValueError):
 
 
 class UnfinishedCheckpointError(LazyckptError, ValueError):
-    """A save that never committed (a `*.orbax-checkpoint-tmp*` folder)."""
+    """A save that never committed (a `*.orbax-checkpoint-tmp*` folder, or a sharded
+    safetensors model without its index)."""
 
     __module__ = "lazyckpt"
 

@@ -357,3 +357,19 @@ def test_a_tensor_over_2_gib_round_trips_as_safetensors(tmp_path: Path) -> None:
     path = lazyckpt.save(tmp_path / "big.safetensors", {"x": big})
     del big
     np.testing.assert_array_equal(lazyckpt.open(path)["x"][-4096:].get(), tail)
+
+
+def test_shards_without_their_index_are_unfinished(tmp_path: Path) -> None:
+    """A sharded save killed before its index (in a bucket, shard by shard) leaves
+    shard files alone: never opened as a smaller, complete-looking model."""
+    tensors = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    folder = Path(
+        lazyckpt.save(tmp_path / "model", tensors, format="safetensors", max_shard_size=20_000)
+    )
+    shards = sorted(p.name for p in folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1
+    (folder / "model.safetensors.index.json").unlink()
+    for name in shards[1:]:
+        (folder / name).unlink()  # the first shard alone, as a killed upload leaves it
+    with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"no model\.safetensors\.index"):
+        lazyckpt.open(folder)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -220,3 +221,13 @@ def index_json(weight_map: Mapping[str, str], total_size: int, metadata: Mapping
 def shard_name(number: int, count: int) -> str:
     """`model-00001-of-00003.safetensors`, as `transformers` names shards."""
     return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
+
+
+_SHARD = re.compile(r".+-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether `name` is one file of a sharded model, as `transformers` and `diffusers`
+    name them (`model-00001-of-00003.safetensors`): never a whole model without its
+    index."""
+    return _SHARD.fullmatch(name) is not None

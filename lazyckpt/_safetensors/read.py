@@ -24,7 +24,11 @@ from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import PathClash, nested
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
-from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnfinishedCheckpointError,
+)
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     INDEX,
@@ -32,6 +36,7 @@ from lazyckpt._safetensors.format import (
     SUFFIX,
     Header,
     header_length,
+    is_shard_name,
     parse_header,
     parse_index,
 )
@@ -112,6 +117,12 @@ def _files(
             )
         return path, (INDEX, *shards), index
     found = sorted(name for name in names if name.endswith(SUFFIX))
+    shards = [name for name in found if is_shard_name(name)]
+    if shards:
+        raise UnfinishedCheckpointError(
+            f"{path} holds shards of a sharded model ({shards[:3]}) but no {INDEX}: its "
+            "save or download did not finish; save or download it again"
+        )
     if SINGLE in found:
         return path, (SINGLE,), None
     if len(found) == 1:
