@@ -10,7 +10,7 @@ from typing import Any, Literal
 from lazyckpt._orbax.layout import is_pytree_dir
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import save_orbax
-from lazyckpt._safetensors.read import is_safetensors
+from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._storage import paths
 
@@ -63,8 +63,10 @@ def save(
             `{"format": "pt"}`, what `transformers` loads).
         memory_budget: As for `load`.
         progress: As for `load`.
-        overwrite: Replace an existing checkpoint at `path` (a folder that is not a
-            checkpoint is never replaced); otherwise `CheckpointExistsError`.
+        overwrite: Replace an existing checkpoint of the same format at `path`,
+            proven by content (anything else is never replaced); a safetensors model
+            folder keeps its other files (`config.json`, the tokenizer). Otherwise
+            `CheckpointExistsError`.
         storage_options: As for `open`.
 
     Returns:
@@ -89,7 +91,7 @@ def save(
                 metadata=metadata,
                 memory_budget=memory_budget,
                 overwrite=overwrite,
-                replaceable=is_checkpoint,
+                replaceable=is_safetensors_model,
                 progress=progress,
             )
     if max_shard_size is not None or metadata is not None:
@@ -101,16 +103,13 @@ def save(
             chunk_bytes=chunk_bytes,
             memory_budget=memory_budget,
             overwrite=overwrite,
-            replaceable=is_checkpoint,
+            replaceable=is_orbax_checkpoint,
             progress=progress,
         )
     return final
 
 
-def is_checkpoint(path: str) -> bool:
-    """What `save(..., overwrite=True)` may replace: a checkpoint of either format."""
-    return (
-        is_pytree_dir(path)
-        or paths.isfile(paths.join(path, "_CHECKPOINT_METADATA"))
-        or is_safetensors(path)
-    )
+def is_orbax_checkpoint(path: str) -> bool:
+    """What `save(..., overwrite=True)` may replace with an Orbax checkpoint: a PyTree
+    folder, or a step folder of one (`_CHECKPOINT_METADATA`), by content."""
+    return is_pytree_dir(path) or paths.isfile(paths.join(path, "_CHECKPOINT_METADATA"))

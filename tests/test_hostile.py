@@ -14,7 +14,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -373,3 +373,47 @@ def test_shards_without_their_index_are_unfinished(tmp_path: Path) -> None:
         (folder / name).unlink()  # the first shard alone, as a killed upload leaves it
     with pytest.raises(lazyckpt.UnfinishedCheckpointError, match=r"no model\.safetensors\.index"):
         lazyckpt.open(folder)
+
+
+def test_overwrite_replaces_only_a_model_it_can_prove(tmp_path: Path) -> None:
+    """By content, not by name: a stray `.safetensors` file does not make a folder a
+    model, a text file named `*.safetensors` is no model, and a model folder keeps
+    everything but its model files."""
+    from safetensors.numpy import save_file
+
+    new = {"w": np.arange(6, dtype=np.float32)}
+    stray = tmp_path / "stray"
+    (stray / "photos").mkdir(parents=True)
+    (stray / "notes.txt").write_text("mine")
+    (stray / "photos" / "1.jpg").write_bytes(b"\xff\xd8")
+    save_file({"x": np.ones(2, np.float32)}, str(stray / "x.safetensors"))
+    text = tmp_path / "notes.safetensors"
+    text.write_text("not a model")
+    cases: list[tuple[Path, Literal["orbax", "safetensors"]]] = [
+        (stray, "safetensors"),
+        (stray, "orbax"),
+        (text, "safetensors"),
+    ]
+    for target, kind in cases:
+        with pytest.raises(lazyckpt.CheckpointExistsError, match=r"does not look like|is not a"):
+            lazyckpt.save(target, new, format=kind, overwrite=True)
+    assert (stray / "notes.txt").read_text() == "mine" and (stray / "photos" / "1.jpg").exists()
+    assert text.read_text() == "not a model"
+
+    model = tmp_path / "model"  # as `save_pretrained` leaves it, sharded
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    lazyckpt.save(model, old, format="safetensors", max_shard_size=20_000)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer").mkdir()
+    (model / "tokenizer" / "tokenizer.json").write_text("{}")
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="does not look like"):
+        lazyckpt.save(model, new, overwrite=True)  # an Orbax save replaces no model
+    lazyckpt.save(model, new, format="safetensors", overwrite=True)
+    assert sorted(p.name for p in model.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer",
+    ]
+    assert (model / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (model / "tokenizer" / "tokenizer.json").read_text() == "{}"
+    np.testing.assert_array_equal(lazyckpt.load(lazyckpt.open(model))["w"], new["w"])

@@ -171,6 +171,25 @@ def test_save_and_convert_to_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]
     np.testing.assert_array_equal(lazyckpt.open(local)["params"]["dense"]["kernel"].get(), kernel)
 
 
+def test_a_model_overwritten_in_a_bucket_keeps_its_other_files(s3: Any) -> None:
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    url = lazyckpt.save("s3://ckpts/hf-model", old, format="safetensors", max_shard_size=20_000)
+    s3.put_object(Bucket="ckpts", Key="hf-model/config.json", Body=b'{"model_type": "llama"}')
+    s3.put_object(Bucket="ckpts", Key="notes.safetensors", Body=b"not a model")
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="is not a safetensors file"):
+        lazyckpt.save("s3://ckpts/notes.safetensors", {"w": np.ones(2)}, overwrite=True)
+    assert s3.get_object(Bucket="ckpts", Key="notes.safetensors")["Body"].read() == b"not a model"
+    lazyckpt.save(url, {"w": np.arange(3.0)}, format="safetensors", overwrite=True)
+    listed = s3.list_objects_v2(Bucket="ckpts", Prefix="hf-model/")["Contents"]
+    assert sorted(o["Key"] for o in listed) == [
+        "hf-model/config.json",
+        "hf-model/model.safetensors",
+    ]
+    config = s3.get_object(Bucket="ckpts", Key="hf-model/config.json")["Body"].read()
+    assert config == b'{"model_type": "llama"}'
+    np.testing.assert_array_equal(lazyckpt.open(url)["w"].get(), np.arange(3.0))
+
+
 def test_missing_bucket_and_path_say_which(s3: Any) -> None:
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="the bucket 'nope' does not exist"):
         lazyckpt.open("s3://nope/ckpt")

@@ -231,3 +231,12 @@ def is_shard_name(name: str) -> bool:
     name them (`model-00001-of-00003.safetensors`): never a whole model without its
     index."""
     return _SHARD.fullmatch(name) is not None
+
+
+_OWN_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_model_file(name: str) -> bool:
+    """Whether `name` is one of the files lazyckpt writes for a model folder (what a
+    save over the folder replaces; anything else there stays)."""
+    return name in (SINGLE, INDEX) or _OWN_SHARD.fullmatch(name) is not None

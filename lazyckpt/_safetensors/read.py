@@ -27,6 +27,7 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    LazyckptError,
     UnfinishedCheckpointError,
 )
 from lazyckpt._lazy import LazyArray
@@ -57,6 +58,27 @@ def is_safetensors(path: str) -> bool:
     return "_METADATA" not in names and (
         INDEX in names or any(name.endswith(SUFFIX) for name in names)
     )
+
+
+def is_safetensors_model(path: str) -> bool:
+    """Whether `path` provably holds a safetensors model, by content: a file whose
+    header parses, or a folder with an index that parses or a `model.safetensors`
+    whose header does. What `save(..., overwrite=True)` may replace."""
+    try:
+        if not paths.isdir(path):
+            return paths.isfile(path) and bool(
+                _headers(paths.dirname(path), [paths.basename(path)])
+            )
+        names = paths.listdir(path)
+        if INDEX in names:
+            return bool(_index(path))
+        return (
+            SINGLE in names
+            and paths.isfile(paths.join(path, SINGLE))
+            and bool(_headers(path, [SINGLE]))
+        )
+    except LazyckptError:
+        return False
 
 
 def open_safetensors(path: str, *, flat: bool = False) -> Mapping[str, object]:

@@ -38,6 +38,7 @@ from lazyckpt._safetensors.format import (
     dtype_name,
     encode_header,
     index_json,
+    is_model_file,
     shard_name,
 )
 from lazyckpt._storage import multihost, paths
@@ -256,12 +257,21 @@ def _destination(
     `publishing`). In a bucket each file is built in a local scratch file, then
     uploaded in one request."""
     remote = paths.is_remote(path)
-    if remote and single and paths.isfile(path) and not overwrite:
-        raise CheckpointExistsError(
-            f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
-            "choose a new path"
-        )
-    with publishing(path, overwrite=overwrite, replaceable=replaceable, file=single) as tmp:
+    if remote and single and paths.isfile(path):
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{path} already exists; pass overwrite=True (--overwrite) to replace it, "
+                "or choose a new path"
+            )
+        if not replaceable(path):
+            raise CheckpointExistsError(
+                f"{path} exists and is not a safetensors file; lazyckpt replaces only "
+                "checkpoints, delete it yourself if it should go"
+            )
+    keep = None if single else (lambda name: not is_model_file(name))
+    with publishing(
+        path, overwrite=overwrite, replaceable=replaceable, file=single, keep=keep
+    ) as tmp:
 
         def write(name: str, fill: Callable[..., object]) -> None:
             target = tmp if single else paths.join(tmp, name)

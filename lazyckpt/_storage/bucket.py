@@ -175,6 +175,14 @@ class BucketFolders:
             raise storage_error(path, error) from None
         self._forget()
 
+    def delete_file(self, path: str) -> None:
+        _, _, key = split(path)
+        try:
+            _bucket(path).write(key, None).result()  # one key: a delete
+        except Exception as error:  # noqa: BLE001 - turned into a clear error
+            raise storage_error(path, error) from None
+        self._forget()
+
     def probe_write(self, path: str) -> None:
         """One small object beside `path`, written and deleted."""
         probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -93,6 +94,10 @@ class LocalFolders:
     def delete_folder(self, path: str) -> None:
         if os.path.exists(path):
             shutil.rmtree(path)
+
+    def delete_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
     def probe_write(self, path: str) -> None:
         probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"

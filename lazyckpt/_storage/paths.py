@@ -70,6 +70,10 @@ class Storage(Protocol):
         """Delete the folder `path` and all it holds."""
         ...
 
+    def delete_file(self, path: str) -> None:
+        """Delete the file `path` if it exists."""
+        ...
+
     def probe_write(self, path: str) -> None:
         """Raise `StorageAccessError` unless files can be written beside `path`."""
         ...
@@ -196,6 +200,10 @@ def make_folder(path: str) -> None:
 
 def delete_folder(path: str) -> None:
     storage(path).delete_folder(path)
+
+
+def delete_file(path: str) -> None:
+    storage(path).delete_file(path)
 
 
 def probe_write(path: str) -> None:

@@ -50,7 +50,12 @@ def _tmp_prefix(final: str) -> str:
 
 @contextlib.contextmanager
 def publishing(
-    final: str, *, overwrite: bool, replaceable: Callable[[str], bool], file: bool = False
+    final: str,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    file: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[str]:
     """Yield a fresh temporary folder (with `file=True`, the path of a file to write);
     on a clean exit, make it `final`.
@@ -58,7 +63,10 @@ def publishing(
     Raises CheckpointExistsError if `final` exists and `overwrite` is false, or if it
     exists and `replaceable(final)` (the format's test of a checkpoint) is false. On an
     exception the temporary folder is removed and `final` is untouched. In a bucket
-    the files are written in place (see `_publishing_to_bucket`).
+    the files are written in place (see `_publishing_to_bucket`). With `keep`, an
+    overwrite replaces only the entries of `final` that the save owns: those whose
+    names `keep` accepts (a model folder's `config.json`, say) stay, hard-linked into
+    the new folder before it takes the old one's place.
     """
     if is_unfinished(paths.basename(final)):
         raise LazyckptError(
@@ -66,7 +74,7 @@ def publishing(
             "never read; choose another name"
         )
     if not paths.atomic_rename(final):
-        with _publishing_to_bucket(final, overwrite=overwrite, replaceable=replaceable):
+        with _publishing_to_bucket(final, overwrite=overwrite, replaceable=replaceable, keep=keep):
             yield final
         return
     _check_destination(final, overwrite, replaceable, file)
@@ -85,6 +93,8 @@ def publishing(
         raise write_error(final, error) from None
     try:
         yield tmp
+        if keep is not None and not file and os.path.isdir(final):
+            _carry_over(final, tmp, keep)
         _sync_tree(tmp)
         _publish(tmp, final, overwrite)
     except OSError as error:
@@ -99,14 +109,41 @@ def publishing(
     _remove_leftovers(final)
 
 
+def _carry_over(final: str, tmp: str, keep: Callable[[str], bool]) -> None:
+    """Hard-link into `tmp` what `final` holds that the new save keeps and did not
+    write itself (copied where a link is refused)."""
+    for name in os.listdir(final):
+        source, target = os.path.join(final, name), os.path.join(tmp, name)
+        if not keep(name) or os.path.lexists(target):
+            continue
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        elif os.path.isdir(source):
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(source, target)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 @contextlib.contextmanager
 def _publishing_to_bucket(
-    final: str, *, overwrite: bool, replaceable: Callable[[str], bool]
+    final: str,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[str], bool],
+    keep: Callable[[str], bool] | None,
 ) -> Iterator[None]:
     """Object stores have no rename: write in place, `commit_success.txt` last (the
     caller's last write), as Orbax does. Until that file exists, readers treat the
     folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
-    there is not atomic: the old one is deleted (its commit marker first) before the
+    there is not atomic: the old one is deleted (its commit marker first; with `keep`,
+    only the entries `keep` refuses, an index before the files it names) before the
     new one is written."""
     existing = paths.listdir(final) if paths.isdir(final) else []
     if existing:
@@ -122,13 +159,23 @@ def _publishing_to_bucket(
             )
         # Before deleting anything: can we write here at all?
         paths.probe_write(final)
-        paths.delete_folder(final)  # commit_success.txt goes first: never half old, half new
+        _delete_owned(final, existing, keep)
     try:
         yield
     except BaseException:
         with contextlib.suppress(Exception):
-            paths.delete_folder(final)
+            _delete_owned(final, paths.listdir(final), keep)
         raise
+
+
+def _delete_owned(final: str, names: list[str], keep: Callable[[str], bool] | None) -> None:
+    if keep is None:
+        paths.delete_folder(final)  # commit_success.txt goes first: never half old, half new
+        return
+    owned = [name for name in names if not keep(name)]
+    # An index (`*.json`) before the files it names.
+    for name in sorted(owned, key=lambda name: (not name.endswith(".json"), name)):
+        paths.delete_file(paths.join(final, name))
 
 
 def _check_destination(
@@ -156,9 +203,10 @@ def _check_destination(
         )
     if os.listdir(final) and not replaceable(final):
         raise CheckpointExistsError(
-            f"{final} exists and does not look like a checkpoint (no _METADATA, "
-            "_CHECKPOINT_METADATA or OCDBT database); lazyckpt replaces only "
-            "checkpoints, delete it yourself if it should go"
+            f"{final} exists and does not look like a checkpoint of the format being saved (an "
+            "Orbax checkpoint: _METADATA or _CHECKPOINT_METADATA; a safetensors model: "
+            "an index or model.safetensors that parse); lazyckpt replaces only those, "
+            "delete it yourself if it should go"
         )
     _check_removable(final)
 
