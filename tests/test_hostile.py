@@ -417,3 +417,50 @@ def test_overwrite_replaces_only_a_model_it_can_prove(tmp_path: Path) -> None:
     assert (model / "config.json").read_text() == '{"model_type": "llama"}'
     assert (model / "tokenizer" / "tokenizer.json").read_text() == "{}"
     np.testing.assert_array_equal(lazyckpt.load(lazyckpt.open(model))["w"], new["w"])
+
+
+def test_fifos_anywhere_are_refused_not_waited_on(sharded: Path, tmp_path: Path) -> None:
+    """Every file any path reads must be plain: a FIFO in place of an OCDBT data file, a
+    zarr chunk or a safetensors file once blocked `open` or `load` forever."""
+    from safetensors.numpy import save_file
+
+    cases: list[dict[str, Any]] = []
+    data = _copy(sharded, tmp_path / "ocdbt-data")
+    victim = max(
+        (p for p in data.rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
+    victim.unlink()
+    os.mkfifo(victim)
+    chunk = _folder_checkpoint(tmp_path / "chunk", {"w": np.arange(4.0)})
+    (chunk / "w" / "0").unlink()
+    os.mkfifo(chunk / "w" / "0")
+    single = tmp_path / "fifo.safetensors"
+    os.mkfifo(single)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors")
+    sharded_model = Path(
+        lazyckpt.save(
+            tmp_path / "sharded-model",
+            {f"w{i}": np.ones((64, 64), np.float32) for i in range(3)},
+            format="safetensors",
+            max_shard_size=20_000,
+        )
+    )
+    shard = sorted(sharded_model.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    os.mkfifo(shard)
+    save_file({"x": np.ones(2, np.float32)}, str(tmp_path / "real.safetensors"))
+    for name, path in (
+        ("ocdbt data file", data),
+        ("zarr chunk", chunk),
+        ("safetensors file", single),
+        ("model.safetensors", folder),
+        ("safetensors shard", sharded_model),
+    ):
+        for do in ("open", "load"):
+            cases.append({"name": f"{name}:{do}", "path": str(path), "do": do})
+    outcomes = run_cases(cases, tmp_path, timeout=120)
+    expect(outcomes, {case["name"]: "lazyckpt:CorruptCheckpointError" for case in cases})
+    assert "is not a regular file" in outcomes["ocdbt data file:open"]

@@ -52,22 +52,29 @@ def open_orbax(
     """The lazy tree of the PyTree checkpoint at `path` (a root, a step or an item;
     see `lazyckpt.open`), or the value of a JSON item."""
     found = locate(path, step=step, item=item)
-    if not allow_outside_links:
-        _refuse_outside_links(found)
+    _refuse_unsafe_entries(found, allow_outside_links)
     json_file = json_item_file(found)
     if json_file is not None:
         return _json_item(json_file)
     return from_one_generation(found, lambda generation: _open_once(found, generation))
 
 
-def _refuse_outside_links(folder: str) -> None:
-    links = paths.links_outside(folder)
-    if links:
-        link, target = links[0]
+def _refuse_unsafe_entries(folder: str, allow_outside_links: bool) -> None:
+    outside, special = paths.unsafe_entries(folder)
+    if outside and not allow_outside_links:
+        link, target = outside[0]
         raise NotACheckpointError(
             f"{folder}: {link} is a symlink to {target}, outside the checkpoint folder "
-            f"({len(links)} such link(s)); refusing to read through it. Pass "
+            f"({len(outside)} such link(s)); refusing to read through it. Pass "
             "allow_outside_links=True to lazyckpt.open if you trust these links"
+        )
+    if special:
+        name, kind = special[0]
+        raise CorruptCheckpointError(
+            f"{folder}/{name} is not a regular file ({kind})"
+            + (f", nor are {len(special) - 1} more entries" if len(special) > 1 else "")
+            + "; a checkpoint's files are plain files: the checkpoint is damaged or "
+            "hostile, refusing to read it"
         )
 
 

@@ -124,8 +124,7 @@ def _files(
     """The folder, the files that make up the model (the index first where there is
     one), and the index's weight map and metadata (None without an index)."""
     if path.endswith(SUFFIX) and not paths.isdir(path):
-        if not paths.isfile(path):
-            raise CheckpointNotFoundError(f"{path} does not exist; check the path")
+        _check_plain(path)
         return paths.dirname(path), (paths.basename(path),), None
     names = paths.listdir(path)
     if INDEX in names:
@@ -137,6 +136,8 @@ def _files(
                 f"{path}/{INDEX} names shards that are not in the folder: {missing[:5]}; "
                 "download or copy the model again"
             )
+        for shard in shards:
+            _check_plain(paths.join(path, shard))
         return path, (INDEX, *shards), index
     found = sorted(name for name in names if name.endswith(SUFFIX))
     shards = [name for name in found if is_shard_name(name)]
@@ -145,13 +146,26 @@ def _files(
             f"{path} holds shards of a sharded model ({shards[:3]}) but no {INDEX}: its "
             "save or download did not finish; save or download it again"
         )
-    if SINGLE in found:
-        return path, (SINGLE,), None
-    if len(found) == 1:
-        return path, (found[0],), None
+    if SINGLE in found or len(found) == 1:
+        name = SINGLE if SINGLE in found else found[0]
+        _check_plain(paths.join(path, name))
+        return path, (name,), None
     raise CorruptCheckpointError(
         f"{path} holds several safetensors files {found[:5]} but no {INDEX} saying which "
         "tensor is in which; open one file, or add the index"
+    )
+
+
+def _check_plain(file: str) -> None:
+    """A model's file must be a plain file (or a link to one, as the Hugging Face cache
+    makes): a FIFO would block the read forever, a device never end."""
+    if paths.isfile(file):
+        return
+    if not paths.exists(file):
+        raise CheckpointNotFoundError(f"{file} does not exist; check the path")
+    raise CorruptCheckpointError(
+        f"{file} is not a regular file; a model's files are plain files: the folder is "
+        "damaged or hostile, refusing to read it"
     )
 
 

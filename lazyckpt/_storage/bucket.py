@@ -210,8 +210,8 @@ class BucketFolders:
             out.append((result.state, result.stamp.generation))
         return tuple(out)
 
-    def links_outside(self, folder: str) -> list[tuple[str, str]]:
-        return []  # objects are not links
+    def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        return [], []  # objects are neither links nor devices
 
     def walk_files(self, path: str) -> Iterator[str]:
         yield from (k for k in self._keys(path) if k)

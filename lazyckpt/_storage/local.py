@@ -127,9 +127,9 @@ class LocalFolders:
                 found.append(None)
         return tuple(found)
 
-    def links_outside(self, folder: str) -> list[tuple[str, str]]:
+    def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         root = os.path.realpath(folder)
-        found = []
+        outside, special = [], []
         todo = [folder]
         while todo:
             current = todo.pop()
@@ -138,13 +138,21 @@ class LocalFolders:
             except OSError:
                 continue
             for entry in entries:
+                name = os.path.relpath(entry.path, folder)
                 if entry.is_symlink():
                     target = os.path.realpath(entry.path)
                     if target != root and not target.startswith(root + os.sep):
-                        found.append((os.path.relpath(entry.path, folder), target))
+                        outside.append((name, target))
                 elif entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
-        return sorted(found)
+                    continue
+                try:
+                    mode = os.stat(entry.path).st_mode  # what the entry, or its link, is
+                except OSError:
+                    continue  # a dangling link: reading it says so
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    special.append((name, _kind(mode)))
+        return sorted(outside), sorted(special)
 
     def walk_files(self, path: str) -> Iterator[str]:
         for folder, _, files in os.walk(path):

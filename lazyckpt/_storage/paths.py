@@ -83,8 +83,11 @@ class Storage(Protocol):
         replaced or `files` in it are rewritten."""
         ...
 
-    def links_outside(self, folder: str) -> list[tuple[str, str]]:
-        """Symbolic links under `folder` that resolve outside it, as (link, target)."""
+    def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """What under `folder` must not be read as it stands: `(path, target)` of each
+        symlink that leads out of it, and `(path, kind)` of each entry that is no plain
+        file or folder, itself or through a link (FIFOs block a read forever, devices
+        never end), paths relative to `folder`; one walk for both."""
         ...
 
     def walk_files(self, path: str) -> Iterator[str]:
@@ -217,8 +220,8 @@ def generation(folder: str, files: tuple[str, ...] = GENERATION_FILES) -> tuple[
     return storage(folder).generation(folder, files)
 
 
-def links_outside(folder: str) -> list[tuple[str, str]]:
-    return storage(folder).links_outside(folder)
+def unsafe_entries(folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    return storage(folder).unsafe_entries(folder)
 
 
 def walk_files(path: str) -> Iterator[str]:
