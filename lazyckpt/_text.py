@@ -23,8 +23,11 @@ def human_bytes(n: int) -> str:
 
 # Control characters (ESC starts terminal escape sequences), and the bidirectional
 # overrides that make text read differently from what it is.
-_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_UNSAFE_TEXT = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# Lone surrogates too (valid JSON escapes, `\ud800`), which no terminal encoding takes.
+_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSAFE_TEXT = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def printable(text: str, *, lines: bool = False) -> str:

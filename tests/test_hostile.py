@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -464,3 +466,70 @@ def test_fifos_anywhere_are_refused_not_waited_on(sharded: Path, tmp_path: Path)
     outcomes = run_cases(cases, tmp_path, timeout=120)
     expect(outcomes, {case["name"]: "lazyckpt:CorruptCheckpointError" for case in cases})
     assert "is not a regular file" in outcomes["ocdbt data file:open"]
+
+
+def _safetensors_file(path: Path, header: dict[str, Any], data: bytes = b"") -> Path:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("entry", "error", "message"),
+    [
+        ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, "Corrupt", "expected a name"),
+        ({"dtype": {"x": 1}, "shape": [1], "data_offsets": [0, 4]}, "Corrupt", "expected a name"),
+        ({"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}, "Corrupt", "more bytes"),
+        (
+            {"dtype": "F32", "shape": [10**15, 10**15, 0], "data_offsets": [0, 0]},
+            "Corrupt",
+            "more bytes",
+        ),
+        ({"dtype": "F32", "shape": [1] * 40, "data_offsets": [0, 4]}, "Unsupported", "at most 32"),
+    ],
+)
+def test_crafted_safetensors_declarations_are_clear_errors(
+    tmp_path: Path, entry: dict[str, Any], error: str, message: str
+) -> None:
+    path = _safetensors_file(tmp_path / "x.safetensors", {"a": entry}, bytes(8))
+    with pytest.raises(getattr(lazyckpt, f"{error}CheckpointError"), match=message):
+        lazyckpt.load(lazyckpt.open(path))
+
+
+def test_edge_safetensors_that_are_valid_or_refused_cleanly(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    # A zero-size tensor at offset 0 listed after one at [0, 8): valid, whatever the order.
+    empty_last = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
+    }
+    path = _safetensors_file(tmp_path / "e.safetensors", empty_last, bytes(8))
+    assert {k: v.shape for k, v in load_file(path).items()} == {"a": (2,), "b": (0,)}
+    assert {k: v.shape for k, v in lazyckpt.load(lazyckpt.open(path)).items()} == {
+        "a": (2,),
+        "b": (0,),
+    }
+    for metadata in (5, "abc"):
+        model = Path(
+            lazyckpt.save(tmp_path / f"m{metadata}", {"w": np.ones(2)}, format="safetensors")
+        )
+        index = {"metadata": metadata, "weight_map": {"w": "model.safetensors"}}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(lazyckpt.CorruptCheckpointError, match="expected an object"):
+            lazyckpt.open(model)
+    with pytest.raises(lazyckpt.UnsavableError, match="maps strings to strings"):
+        lazyckpt.save(tmp_path / "s.safetensors", {"w": np.ones(2)}, metadata={"step": 3})  # type: ignore[dict-item]
+    assert not (tmp_path / "s.safetensors").exists()
+    with pytest.raises(lazyckpt.UnsavableError, match="lone surrogate"):
+        lazyckpt.save(tmp_path / "o", {"w\ud800": np.ones(2)})
+    odd = lazyckpt.save(tmp_path / "odd.safetensors", {"w\ud800": np.ones(2)})
+    for command in ("inspect", "stats"):
+        done = subprocess.run(
+            [sys.executable, "-m", "lazyckpt._cli.main", command, odd],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0 and "w\\ud800" in done.stdout, done.stderr

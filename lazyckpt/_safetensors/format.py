@@ -31,6 +31,11 @@ SUFFIX = ".safetensors"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 METADATA_KEY = "__metadata__"
+MAX_RANK = 32
+"""The most dimensions tensorstore indexes."""
+MAX_BYTES = 1 << 62
+"""More bytes than any array holds (NumPy's bound is 2**63): also the bound on the
+other sizes of a zero-size shape."""
 HEADER_LIMIT = 100 << 20
 """The largest header read, as the safetensors library allows."""
 
@@ -123,6 +128,8 @@ def parse_header(file: str, text: bytes) -> Header:
     tensors = [_tensor(file, name, entry, data_start) for name, entry in raw.items()]
     end = data_start
     for tensor in sorted(tensors, key=lambda t: t.start):
+        if tensor.nbytes == 0:
+            continue  # occupies no bytes, wherever it says it starts
         if tensor.start < end:
             raise CorruptCheckpointError(
                 f"{file}: tensor {tensor.name!r} overlaps the tensor before it (its bytes "
@@ -138,6 +145,8 @@ def _tensor(file: str, name: str, entry: object, data_start: int) -> Tensor:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{where} is a {type(entry).__name__}, expected an object")
     kind = entry.get("dtype")
+    if not isinstance(kind, str):
+        raise CorruptCheckpointError(f"{where} has dtype {str(kind)[:40]}, expected a name")
     if kind not in DTYPES:
         raise UnsupportedCheckpointError(
             f"{where} has dtype {kind!r}, which lazyckpt does not read (it reads "
@@ -145,8 +154,16 @@ def _tensor(file: str, name: str, entry: object, data_start: int) -> Tensor:
         )
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
-    if not isinstance(shape, list) or not all(_natural(n) for n in shape) or len(shape) > 64:
-        raise CorruptCheckpointError(f"{where} has shape {shape!r}, expected a list of sizes")
+    if not isinstance(shape, list) or not all(_natural(n) for n in shape):
+        raise CorruptCheckpointError(
+            f"{where} has shape {str(shape)[:80]}, expected a list of sizes"
+        )
+    if len(shape) > MAX_RANK:
+        raise UnsupportedCheckpointError(
+            f"{where} has {len(shape)} dimensions; lazyckpt (and tensorstore) read at most "
+            f"{MAX_RANK}"
+        )
+
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -157,6 +174,11 @@ def _tensor(file: str, name: str, entry: object, data_start: int) -> Tensor:
             f"{where} has data_offsets {offsets!r}, expected [begin, end] with begin <= end"
         )
     dtype = DTYPES[kind]
+    if math.prod(n for n in shape if n) * dtype.itemsize > MAX_BYTES:
+        raise CorruptCheckpointError(
+            f"{where} has shape {str(shape)[:80]} of {kind}, more bytes than any array can "
+            "hold (even counting only its non-zero dimensions); the header is damaged"
+        )
     declared = math.prod(shape) * dtype.itemsize
     if declared != offsets[1] - offsets[0]:
         raise CorruptCheckpointError(
@@ -186,7 +208,11 @@ def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
                 f"{file} names the shard {shard!r}; shards are files beside the index"
             )
     metadata = raw.get("metadata") or {}
-    return dict(weight_map), {str(k): str(v) for k, v in dict(metadata).items()}
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(
+            f"{file} has metadata {str(metadata)[:40]}, expected an object; the file is damaged"
+        )
+    return dict(weight_map), {str(k): str(v) for k, v in metadata.items()}
 
 
 def encode_header(

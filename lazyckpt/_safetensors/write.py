@@ -105,6 +105,12 @@ def save_safetensors(
         )
     entries = _entries(tree)
     meta = dict(DEFAULT_METADATA if metadata is None else metadata)
+    odd = {k: v for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if odd:
+        raise UnsavableError(
+            f"{path}: safetensors metadata maps strings to strings, but it holds "
+            f"{str(odd)[:80]}; pass strings (str(value)), as readers expect"
+        )
     single = path.endswith(SUFFIX)
     limit = DEFAULT_SHARD_BYTES if max_shard_size is None else max_shard_size
     per_file = [list(entries)] if single else _shards(entries, limit)
