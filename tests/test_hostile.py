@@ -533,3 +533,30 @@ def test_edge_safetensors_that_are_valid_or_refused_cleanly(tmp_path: Path) -> N
             cwd=ROOT,
         )
         assert done.returncode == 0 and "w\\ud800" in done.stdout, done.stderr
+
+
+def test_safetensors_names_of_many_parts_cost_linear_work(tmp_path: Path) -> None:
+    """Nesting by `.` once took time quadratic in a name's parts (42 s for one name of
+    100,000) and, past about 1,000 parts, a tree jax and `summary` cannot walk."""
+    from safetensors.numpy import save_file
+
+    cases: list[dict[str, Any]] = []
+    expected = {}
+    for parts in (512, 990, 100_000):
+        path = tmp_path / f"{parts}.safetensors"
+        save_file({".".join(["a"] * parts): np.ones(2, np.float32)}, str(path))
+        for do in ("open", "summary", "load", "stats"):
+            cases.append({"name": f"{parts}:{do}", "path": str(path), "do": do})
+            expected[f"{parts}:{do}"] = "ok" if parts <= 512 else "lazyckpt:CorruptCheckpointError"
+        cases.append(
+            {"name": f"{parts}:flat", "path": str(path), "do": "load", "kwargs": {"flat": True}}
+        )
+        expected[f"{parts}:flat"] = "ok"
+    many = tmp_path / "many.safetensors"
+    names = {".".join([f"n{i}", *["b"] * 400]): np.ones(1, np.float32) for i in range(2000)}
+    save_file(names, str(many))
+    cases.append({"name": "2000 names of 401 parts", "path": str(many), "do": "open"})
+    expected["2000 names of 401 parts"] = "ok"
+    outcomes = run_cases(cases, tmp_path, timeout=120)
+    expect(outcomes, expected)
+    assert "open it with flat=True" in outcomes["100000:open"]

@@ -21,6 +21,10 @@ from lazyckpt._errors import NoMatchError, renamed
 
 Key = str | int
 Path = tuple[Key, ...]
+
+MAX_DEPTH = 512
+"""The deepest tree lazyckpt builds from a checkpoint: jax's tree functions and
+Python's recursion fail past about 1,000 levels."""
 Predicate = Callable[[str, Any], bool]
 Select = str | Sequence[str] | Predicate
 """What every verb's `select` argument takes: a path pattern, a list of patterns (a
@@ -230,16 +234,21 @@ def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, An
     """
     root: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
+    subtrees = {id(root)}  # the dicts this builds, told apart from leaves that are dicts
     for keys, leaf, source in items:
         node = root
         for depth, key in enumerate(keys[:-1]):
-            if keys[: depth + 1] in sources:  # a leaf where this path needs a subtree
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+                subtrees.add(id(child))
+            elif id(child) not in subtrees:  # a leaf where this path needs a subtree
                 prefix = keys[: depth + 1]
                 raise PathClash(sources[prefix], source, prefix)
-            node = node.setdefault(key, {})
-        if keys in sources:
-            raise PathClash(sources[keys], source, keys)
-        if keys[-1] in node:  # a subtree where this leaf goes: name a leaf inside it
+            node = child
+        if keys[-1] in node:  # a leaf, or a subtree where this leaf goes
+            if keys in sources:
+                raise PathClash(sources[keys], source, keys)
             inside = next(k for k in sources if k[: len(keys)] == keys)
             raise PathClash(sources[inside], source, inside)
         node[keys[-1]] = leaf

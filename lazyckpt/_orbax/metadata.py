@@ -17,9 +17,8 @@ from typing import Any
 
 import attrs
 
-from lazyckpt._array.tree import Key, Path
+from lazyckpt._array.tree import MAX_DEPTH, Key, Path
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError, json_or_corrupt
-from lazyckpt._orbax.msgpack import MAX_DEPTH
 
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 STRING = "string"

@@ -21,12 +21,12 @@ from typing import Any, TypeGuard
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._array.tree import MAX_DEPTH
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._orbax.zarr import readable
 
 __all__ = ["MAX_DEPTH", "decode"]
 
-MAX_DEPTH = 512
 _MAX_RANK = 64  # numpy's own limit on dimensions
 _MAX_ELEMENTS = sys.maxsize // 32  # numpy needs elements * itemsize (up to 32) to fit an intp
 _DAMAGED = "the file is damaged, copy the checkpoint again"

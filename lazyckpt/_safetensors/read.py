@@ -21,7 +21,7 @@ import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds
 from lazyckpt._array.selection import Selection
-from lazyckpt._array.tree import PathClash, nested
+from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
@@ -43,6 +43,7 @@ from lazyckpt._safetensors.format import (
 )
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
+from lazyckpt._text import printable
 
 CHUNK_BYTES = 1 << 20
 """About how many bytes of a tensor one chunk of its grid covers."""
@@ -394,6 +395,13 @@ def _indices(selection: Selection) -> list[np.ndarray]:
 def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
     """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`.
     A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
+    deep = next((name for name in tensors if name.count(".") >= MAX_DEPTH), None)
+    if deep is not None:
+        raise CorruptCheckpointError(
+            f"{path}: tensor name {printable(deep[:60])}... has {deep.count('.') + 1} "
+            f"'.'-separated parts, more than the {MAX_DEPTH} levels a tree can nest; open "
+            "it with flat=True"
+        )
     try:
         return nested(
             (tuple(name.split(".")), attrs.evolve(leaf, path=tuple(name.split("."))), name)
