@@ -45,10 +45,10 @@ def msgpack_value(location: str, tree: Any, path: Path) -> object:
     return node
 
 
-def msgpack_leaves(tree: object) -> list[Leaf]:
+def msgpack_leaves(tree: object, location: str) -> list[Leaf]:
     """The leaves of a msgpack tree: placeholders point into the store, the rest is inline."""
     leaves = []
-    for path, value in _walk(tree, ()):
+    for path, value in _walk(tree, (), location):
         if isinstance(value, str) and value.startswith(_PLACEHOLDER):
             leaves.append(Leaf(path, value[len(_PLACEHOLDER) :], STORED))
         else:
@@ -56,12 +56,26 @@ def msgpack_leaves(tree: object) -> list[Leaf]:
     return leaves
 
 
-def _walk(tree: object, root: Path) -> Iterator[tuple[Path, object]]:
+KEY_WORK = 20_000_000
+"""The most keys, summed over the key paths of a msgpack tree's nodes, that opening
+builds (160 MB of key paths): a small file of deep maps over many leaves would
+otherwise cost leaves times depth (300,000 leaves under 490 maps: 78 s, 2.9 GB)."""
+
+
+def _walk(tree: object, root: Path, location: str) -> Iterator[tuple[Path, object]]:
     """`(path, leaf)` in jax's order, with a stack of its own rather than recursion (the
     msgpack tree may be 512 levels deep)."""
     todo: list[tuple[object, Path]] = [(tree, root)]
+    work = 0
     while todo:
         node, path = todo.pop()
+        work += len(path)
+        if work > KEY_WORK:
+            raise CorruptCheckpointError(
+                f"{location}/{MSGPACK_FILE}: its tree's key paths add up to more than "
+                f"{KEY_WORK:,} keys (nodes times depth; {len(path)} deep here), more than "
+                "any checkpoint's tree needs; the file is damaged or hostile"
+            )
         if isinstance(node, dict) and node:
             # Sorted as jax flattens dicts, so every layout gives the same key order.
             items = sorted(node.items(), key=lambda item: str(item[0]))

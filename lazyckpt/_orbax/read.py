@@ -93,7 +93,7 @@ def _open_once(location: str, generation: tuple[object, ...]) -> object:
     store = _open_store(location, metadata, generation, required=needs_store)
     legacy = read_msgpack(location)
     if text is None:
-        leaves = msgpack_leaves(legacy) if legacy is not None else listed_leaves(store)
+        leaves = msgpack_leaves(legacy, location) if legacy is not None else listed_leaves(store)
     elif any(leaf.value_type == INLINE for leaf in leaves):
         if legacy is None:
             raise CorruptCheckpointError(
