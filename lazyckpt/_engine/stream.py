@@ -40,6 +40,7 @@ from lazyckpt._array.geometry import (
     to_stored,
     view_origins,
 )
+from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
@@ -51,6 +52,7 @@ from lazyckpt._engine.stored import check_plain, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
+_SKIP = object()  # a step whose block holds none of the view's elements
 Block = tuple[tuple[slice, ...], np.ndarray, int]
 """What a job's step produces: a block's index in the view, its values, and its size."""
 
@@ -162,6 +164,9 @@ def iter_blocks(
             reserved -= job.held
             start_more()
             continue
+        if result is _SKIP:
+            active[0] = (job, job.step())
+            continue
         assert isinstance(result, tuple)  # a block
         index, values, work = result
         active[0] = (job, job.step())  # decode the next block while this one is used
@@ -213,7 +218,15 @@ def _jobs(
     read_bytes, window = windows(budget)
     window = min(window, block)
     held = stream_bytes(read_bytes) + window + block
-    if mapping is None:  # strided: bands of the view, each decoded from its chunks
+    if mapping is None and grid is None:
+        # Strided: the box around the view, streamed as a unit-stride view (each stored
+        # chunk decoded once), each of its blocks cut down to the view's elements.
+        box = bounds(array.selection)
+        base = array._rebased(Selection.full(stored.shape)[as_slices(box)])
+        for inner in _jobs(position, base, limits, None):
+            yield _picked(inner, array.selection, box)
+        return
+    if mapping is None:  # strided, in whole cells of `grid`: each band decoded on its own
         for region in _view_bands(array, block // itemsize, grid):
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
@@ -366,6 +379,65 @@ def widened(array: ArrayView, grid: tuple[int, ...], itemsize: int, block: int) 
 
 def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
+    """`job`, which streams the stored `box` around a strided view, with each block cut
+    down to the view's elements in it (`_SKIP` where there are none)."""
+
+    def pick(result: object) -> object:
+        if result is _END:
+            return _END
+        assert isinstance(result, tuple)
+        index, values, _ = result
+        found = strided_block(selection, box, index, values)
+        if found is None:
+            return _SKIP
+        return (*found, found[1].nbytes)
+
+    steps = (lambda start=start: then(start(), pick) for start in job.steps())
+    return _Job(job.position, job.held, steps)
+
+
+def strided_block(
+    selection: Selection, box: Box, index: tuple[slice, ...], values: np.ndarray
+) -> tuple[tuple[slice, ...], np.ndarray] | None:
+    """The view's elements in `values`, the block `index` of the stored `box` around
+    the view `selection`: their index in the view, and them; None if there are none."""
+    picks: list[int | slice] = []
+    covered: dict[int, tuple[int, int]] = {}
+    for dim, (entry, part, (low, _)) in enumerate(zip(selection.stored, index, box, strict=True)):
+        start, stop = low + part.start, low + part.stop  # the block's stored extent
+        if isinstance(entry, int):
+            picks.append(entry - start)
+            continue
+        first, last = _covered(entry, start, stop)
+        if first >= last:
+            return None
+        at = entry.start + entry.step * first - start
+        end = at + entry.step * (last - first)
+        picks.append(slice(at, end if end >= 0 else None, entry.step))
+        covered[dim] = (first, last)
+    picked = values[tuple(picks)]
+    out_index, shape = [], []
+    for view_dim in selection.view:
+        low, high = (0, view_dim.count) if isinstance(view_dim, NewAxis) else covered[view_dim]
+        out_index.append(slice(low, high))
+        shape.append(high - low)
+    return tuple(out_index), picked.reshape(shape)
+
+
+def _covered(entry: Range, start: int, stop: int) -> tuple[int, int]:
+    """The `i` whose stored index `entry.start + entry.step * i` lies in `[start, stop)`,
+    as a range `[first, last)` clipped to the entry's count."""
+    if entry.step > 0:
+        first = -((entry.start - start) // entry.step)
+        last = -((entry.start - stop) // entry.step)
+    else:
+        step = -entry.step
+        first = (entry.start - stop) // step + 1
+        last = (entry.start - start) // step + 1
+    return max(0, first), min(entry.count, last)
 
 
 def _view_bands(array: ArrayView, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
