@@ -89,7 +89,8 @@ def iter_blocks(
     chunks, grouped up to the budget), and `array[index]` equals `values`. Reads run
     ahead of the consumer, but the blocks in flight plus the one being consumed stay
     within the budget, so a checkpoint larger than memory can be reduced chunk by
-    chunk.
+    chunk. Blocks hold at least 64 KiB, whatever the budget: a decoding job reads
+    256 KiB at a time anyway.
 
     Args:
         tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.

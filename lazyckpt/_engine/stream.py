@@ -96,6 +96,19 @@ class _Job:
         return _Job(self.position, self.held, steps)
 
 
+MIN_BLOCK = 64 << 10
+"""The smallest block a stream cuts: a decoding job holds a read window of 256 KiB
+whatever the budget, and a block of a few bytes would cost a job, a destination and
+a plan each (an 8 MiB chunk at `memory_budget=64` once planned a million bands, 1.3 GiB,
+before its first block)."""
+
+
+def block_bytes(budget: int) -> int:
+    """The bytes of one block of a stream within `budget`: an eighth of it, at least
+    `MIN_BLOCK`."""
+    return max(MIN_BLOCK, budget // 8)
+
+
 def iter_blocks(
     arrays: Sequence[ArrayView],
     budget: int | None,
@@ -120,7 +133,7 @@ def iter_blocks(
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
     limits.guard.slack = limits.budget // 16
-    block = max(1, limits.budget // 8)
+    block = block_bytes(limits.budget)
     cells = list(grids) if grids is not None else [None] * len(arrays)
     for array in arrays:
         check_plain(array)
@@ -197,7 +210,7 @@ def _jobs(
     stored = stored_array(array)
     mapping = stored_map(array)
     budget = limits.budget
-    block = max(1, budget // 8)
+    block = block_bytes(budget)
     itemsize = stored.dtype.itemsize
     whole = tuple((0, n) for n in array.shape)
     if 0 in array.shape or (mapping is None and not decodes(stored)):
@@ -313,7 +326,7 @@ def _composed_jobs(
 ) -> Iterator[_Job]:
     """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
     grid that cuts across parts), each filled from its parts through the engine."""
-    block = max(1, limits.budget // 8)
+    block = block_bytes(limits.budget)
     itemsize = array.dtype.itemsize
     cells = grid if grid is not None else compose.view_chunks(array)
     if grid is None and math.prod(cells) * itemsize > block:
