@@ -596,3 +596,40 @@ def test_a_tiny_budget_streams_a_big_chunk_in_few_plans(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out, values)
     assert blocks <= values.nbytes // (64 << 10)  # blocks of at least 64 KiB
     assert grown < 64 << 20
+
+
+@pytest.mark.slow
+def test_millions_of_tiny_chunks_are_read_in_bounded_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A header declaring 2 million one-element chunks (all missing: fill values) once
+    ended in std::bad_alloc and SIGABRT: tensorstore keeps state per chunk of a read, and
+    one block spanned them all. Blocks now span at most 65,536 chunks, and reads in
+    flight count their chunks against the budget."""
+    import shutil
+
+    cases = []
+    for zarr3 in (False, True):
+        item = orbax_save(
+            tmp_path / f"zarr{2 + zarr3}", {"w": np.arange(8.0)}, use_ocdbt=False, zarr3=zarr3
+        )
+        header = item / "w" / ("zarr.json" if zarr3 else ".zarray")
+        meta = json.loads(header.read_text())
+        meta["shape"] = [2_000_000]
+        if zarr3:
+            meta["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+            for codec in meta.get("codecs", []):
+                if codec.get("name") == "sharding_indexed":
+                    codec["configuration"]["chunk_shape"] = [1]
+        else:
+            meta["chunks"] = [1]
+        header.write_text(json.dumps(meta))
+        for entry in (item / "w").iterdir():
+            if entry.name not in (".zarray", "zarr.json"):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        _edit_json(
+            item / "_METADATA", lambda m: m.update(store_array_data_equal_to_fill_value=False)
+        )
+        cases.append({"name": f"zarr{2 + zarr3}", "path": str(item), "do": "load"})
+    monkeypatch.setenv("HOSTILE_MEMORY", str(1 << 30))
+    expect(run_cases(cases, tmp_path, timeout=300), {"zarr2": "ok", "zarr3": "ok"})

@@ -77,10 +77,17 @@ class _Edges(Sequence[tuple[int, int]]):
         return max(self.low, first * self.c), min(self.high, (first + self.k) * self.c)
 
 
+MAX_CHUNKS_PER_BLOCK = 1 << 16
+"""The most stored chunks one block spans: tensorstore keeps state per chunk of a read,
+so a block of millions of tiny chunks (a shape of 10**7 in chunks of 1) would grow
+memory with the chunk count, to an abort, whatever its bytes."""
+
+
 def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) -> Iterator[Box]:
     """`box` cut along the chunk grid into blocks of at most `budget` bytes (or one
-    chunk, if a chunk is larger), growing blocks along trailing dimensions first so
-    that they stay contiguous. Lazily: a huge grid is never listed."""
+    chunk, if a chunk is larger) and `MAX_CHUNKS_PER_BLOCK` chunks, growing blocks
+    along trailing dimensions first so that they stay contiguous. Lazily: a huge grid
+    is never listed."""
     if any(low >= high for low, high in box):
         return
     spans = [((low // c), (high - 1) // c) for (low, high), c in zip(box, chunks, strict=True)]
@@ -88,7 +95,8 @@ def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) ->
     limit = max(1, budget // itemsize)
     for dim in reversed(range(len(box))):
         others = math.prod(c * k for c, k in zip(chunks, per_block, strict=True)) // chunks[dim]
-        fit = max(1, limit // (others * chunks[dim]))
+        count = math.prod(per_block)  # chunks per block so far (this dimension's is 1)
+        fit = max(1, min(limit // (others * chunks[dim]), MAX_CHUNKS_PER_BLOCK // count))
         first, last = spans[dim]
         per_block[dim] = min(last - first + 1, fit)
         if per_block[dim] <= last - first:
@@ -97,6 +105,15 @@ def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) ->
         _Edges(low, high, c, k) for (low, high), c, k in zip(box, chunks, per_block, strict=True)
     ]
     yield from product(edges)
+
+
+def chunk_count(box: Box, chunks: Sequence[int]) -> int:
+    """How many chunks of the grid `box` touches."""
+    if any(low >= high for low, high in box):
+        return 0
+    return math.prod(
+        (high - 1) // c - low // c + 1 for (low, high), c in zip(box, chunks, strict=True)
+    )
 
 
 def chunks_in(box: Box, chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:

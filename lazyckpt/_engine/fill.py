@@ -60,7 +60,7 @@ from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_byt
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
-from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores
+from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, then
 
 _T = TypeVar("_T")
@@ -387,13 +387,13 @@ def _schedule_blocks(
 
                 nbytes = destination.out_nbytes()
                 start = read_box(stored, opened, blocks[0])
-                scheduler.submit(start, adopt, held=nbytes * HELD, work=nbytes)
+                scheduler.submit(start, adopt, held=ts_held(stored, blocks[0]), work=nbytes)
                 continue
             for block in blocks:
                 remaining[0] += 1
                 nbytes = box_bytes(block, itemsize)
                 write = _direct_read(stored, opened, destination, block, box)
-                scheduler.submit(write, finished, held=nbytes * HELD, work=nbytes)
+                scheduler.submit(write, finished, held=ts_held(stored, block), work=nbytes)
         return
     union = tuple(
         (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
@@ -423,7 +423,8 @@ def _schedule_blocks(
                 np.copyto(out, values.reshape(view_shape), casting="unsafe")
             finished(None)
 
-        scheduler.submit(read_box(stored, opened, block), route, held=nbytes * HELD, work=nbytes)
+        start = read_box(stored, opened, block)
+        scheduler.submit(start, route, held=ts_held(stored, block), work=nbytes)
 
 
 def _direct_read(

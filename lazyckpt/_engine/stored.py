@@ -15,9 +15,11 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt._array.compose import sources
+from lazyckpt._array.geometry import Box, box_bytes, chunk_count
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import check_fits
+from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
 
@@ -207,6 +209,18 @@ def stored_array(array: ArrayView) -> StoredArray:
     stored = array.stored
     assert isinstance(stored, StoredArray), f"{array.key}: a composed view, not lowered"
     return stored
+
+
+CHUNK_STATE = 2 << 10
+"""What tensorstore holds per chunk of a read in flight beyond the chunk's bytes, as
+counted against the budget: a read of a million tiny chunks holds gigabytes."""
+
+
+def ts_held(stored: StoredArray, box: Box) -> int:
+    """What a tensorstore read of `box` of `stored` holds while in flight: its values
+    (`HELD` times) and its chunks' state."""
+    nbytes = box_bytes(box, stored.dtype.itemsize)
+    return nbytes * HELD + chunk_count(box, stored.chunks) * CHUNK_STATE
 
 
 def check_plain(array: ArrayView) -> None:

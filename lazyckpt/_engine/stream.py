@@ -48,7 +48,7 @@ from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import Sharing, by_position, sharings
-from lazyckpt._engine.stored import check_plain, stored_array, stores
+from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
 
 _END = object()
@@ -523,8 +523,9 @@ def _ts_jobs(
     for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
         index, shape = in_view(mapping, part, origins)
         nbytes = box_bytes(part, itemsize)
+        held = ts_held(stored, part)
         if opened is None:
-            yield _Job(position, nbytes * HELD, iter([_ts_step(array, index, array[index].nbytes)]))
+            yield _Job(position, held, iter([_ts_step(array, index, array[index].nbytes)]))
             continue
 
         def start(
@@ -539,4 +540,4 @@ def _ts_jobs(
                 lambda data: (index, data.reshape(shape).astype(array.dtype, copy=False), n),
             )
 
-        yield _Job(position, nbytes * HELD, iter([start]))
+        yield _Job(position, held, iter([start]))
