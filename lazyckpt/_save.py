@@ -7,9 +7,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from lazyckpt._orbax.layout import is_pytree_dir
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
-from lazyckpt._orbax.save import save_orbax
+from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._storage import paths
@@ -107,9 +106,3 @@ def save(
             progress=progress,
         )
     return final
-
-
-def is_orbax_checkpoint(path: str) -> bool:
-    """What `save(..., overwrite=True)` may replace with an Orbax checkpoint: a PyTree
-    folder, or a step folder of one (`_CHECKPOINT_METADATA`), by content."""
-    return is_pytree_dir(path) or paths.isfile(paths.join(path, "_CHECKPOINT_METADATA"))

@@ -523,10 +523,14 @@ def test_edge_safetensors_that_are_valid_or_refused_cleanly(tmp_path: Path) -> N
     assert not (tmp_path / "s.safetensors").exists()
     with pytest.raises(lazyckpt.UnsavableError, match="lone surrogate"):
         lazyckpt.save(tmp_path / "o", {"w\ud800": np.ones(2)})
-    odd = lazyckpt.save(tmp_path / "odd.safetensors", {"w\ud800": np.ones(2)})
+    odd = _safetensors_file(  # the valid JSON escape \ud800: a name no UTF-8 holds
+        tmp_path / "odd.safetensors",
+        {"w\ud800": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}},
+        np.ones(2).tobytes(),
+    )
     for command in ("inspect", "stats"):
         done = subprocess.run(
-            [sys.executable, "-m", "lazyckpt._cli.main", command, odd],
+            [sys.executable, "-m", "lazyckpt._cli.main", command, str(odd)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -633,3 +637,42 @@ def test_millions_of_tiny_chunks_are_read_in_bounded_batches(
         cases.append({"name": f"zarr{2 + zarr3}", "path": str(item), "do": "load"})
     monkeypatch.setenv("HOSTILE_MEMORY", str(1 << 30))
     expect(run_cases(cases, tmp_path, timeout=300), {"zarr2": "ok", "zarr3": "ok"})
+
+
+def test_overwrite_proves_orbax_checkpoints_by_content_too(tmp_path: Path) -> None:
+    """A TensorFlow-style folder (a text file named `checkpoint`) or an empty
+    `_CHECKPOINT_METADATA` is no Orbax checkpoint: an Orbax overwrite refuses it."""
+    from safetensors.numpy import save_file
+
+    new = {"w": np.arange(3.0)}
+    for name, content in (
+        ("checkpoint", "model_checkpoint_path: ckpt-1\n"),
+        ("_CHECKPOINT_METADATA", ""),
+    ):
+        folder = tmp_path / name.strip("_").lower()
+        folder.mkdir()
+        (folder / name).write_text(content)
+        (folder / "notes.txt").write_text("mine")
+        with pytest.raises(lazyckpt.CheckpointExistsError, match="does not look like"):
+            lazyckpt.save(folder, new, overwrite=True)
+        assert (folder / "notes.txt").read_text() == "mine"
+    real = lazyckpt.save(tmp_path / "real", {"v": np.ones(2)})
+    lazyckpt.save(real, new, overwrite=True)
+    assert list(lazyckpt.open(real)) == ["w"]
+    # A model folder's own shards, whatever their names, go with it; a stray shard-named
+    # adapter beside model.safetensors does not stop it from opening.
+    model = tmp_path / "model"
+    model.mkdir()
+    weight_map = {}
+    for i in (1, 2):
+        shard = f"weights-0000{i}-of-00002.safetensors"
+        save_file({f"t{i}": np.ones(2, np.float32)}, str(model / shard))
+        weight_map[f"t{i}"] = shard
+    index = {"metadata": {}, "weight_map": weight_map}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    lazyckpt.save(model, new, format="safetensors", overwrite=True)
+    assert sorted(p.name for p in model.iterdir()) == ["model.safetensors"]
+    save_file({"a": np.ones(1, np.float32)}, str(model / "adapter-00001-of-00001.safetensors"))
+    assert list(lazyckpt.open(model)) == ["w"]
+    with pytest.raises(lazyckpt.UnsavableError, match="lone surrogate"):
+        lazyckpt.save(tmp_path / "s.safetensors", {"w\ud800": np.ones(2)})

@@ -238,11 +238,13 @@ def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, An
     for keys, leaf, source in items:
         node = root
         for depth, key in enumerate(keys[:-1]):
-            child = node.get(key)
-            if child is None:
+            if key not in node:
                 child = node[key] = {}
                 subtrees.add(id(child))
-            elif id(child) not in subtrees:  # a leaf where this path needs a subtree
+                node = child
+                continue
+            child = node[key]
+            if id(child) not in subtrees:  # a leaf where this path needs a subtree
                 prefix = keys[: depth + 1]
                 raise PathClash(sources[prefix], source, prefix)
             node = child

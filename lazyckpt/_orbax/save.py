@@ -11,13 +11,16 @@ published atomically (`lazyckpt._storage.publish`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.stored import stores
-from lazyckpt._errors import CheckpointExistsError
+from lazyckpt._errors import CheckpointExistsError, LazyckptError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._orbax.legacy import read_msgpack
+from lazyckpt._orbax.metadata import parse_metadata
 from lazyckpt._orbax.plan import Planned, cost, description, plan
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
@@ -56,6 +59,26 @@ def save_orbax(
             write_metadata(tmp, final, leaves)
     if bar is not None:
         bar.close()
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+    """What `save(..., overwrite=True)` may replace with an Orbax checkpoint, proven by
+    content, not names: a folder whose `_METADATA` parses as a tree, whose
+    `_CHECKPOINT_METADATA` parses as a JSON object (a step of items), or whose legacy
+    msgpack `checkpoint` decodes to a tree (a TensorFlow `checkpoint` text file does
+    not)."""
+    if not paths.isdir(path):
+        return False
+    try:
+        text = paths.read_text(paths.join(path, "_METADATA"))
+        if text is not None:
+            return bool(parse_metadata(path, text))
+        text = paths.read_text(paths.join(path, "_CHECKPOINT_METADATA"))
+        if text is not None:
+            return isinstance(json.loads(text), dict)
+        return isinstance(read_msgpack(path), dict)
+    except (LazyckptError, ValueError, RecursionError):
+        return False
 
 
 def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:

@@ -142,7 +142,7 @@ def _files(
         return path, (INDEX, *shards), index
     found = sorted(name for name in names if name.endswith(SUFFIX))
     shards = [name for name in found if is_shard_name(name)]
-    if shards:
+    if shards and SINGLE not in found:
         raise UnfinishedCheckpointError(
             f"{path} holds shards of a sharded model ({shards[:3]}) but no {INDEX}: its "
             "save or download did not finish; save or download it again"

@@ -28,7 +28,7 @@ from lazyckpt._array.tree import leaves
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.stored import stores
 from lazyckpt._engine.stream import iter_blocks
-from lazyckpt._errors import CheckpointExistsError, UnsavableError
+from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     DTYPES,
@@ -39,12 +39,14 @@ from lazyckpt._safetensors.format import (
     encode_header,
     index_json,
     is_model_file,
+    parse_index,
     shard_name,
 )
 from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.local import pwrite_all
 from lazyckpt._storage.publish import publishing
+from lazyckpt._text import printable
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
@@ -105,7 +107,11 @@ def save_safetensors(
         )
     entries = _entries(tree)
     meta = dict(DEFAULT_METADATA if metadata is None else metadata)
-    odd = {k: v for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)}
+    odd = {
+        k: v
+        for k, v in meta.items()
+        if not isinstance(k, str) or not isinstance(v, str) or not _utf8(k + v)
+    }
     if odd:
         raise UnsavableError(
             f"{path}: safetensors metadata maps strings to strings, but it holds "
@@ -148,7 +154,12 @@ def _entries(tree: object) -> list[_Entry]:
     by_name: dict[str, str] = {}
     for key, leaf in leaves(tree):
         name = key.replace("/", ".")
-        where = key or "(the root)"
+        where = printable(key) or "(the root)"
+        if not _utf8(name):
+            raise UnsavableError(
+                f"{where}: the name is no valid text (a lone surrogate); safetensors names "
+                "are UTF-8, rename the key"
+            )
         if (isinstance(leaf, LazyArray) and leaf.key_impl) or (
             isinstance(leaf, jax.Array) and (jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
         ):
@@ -274,7 +285,8 @@ def _destination(
                 f"{path} exists and is not a safetensors file; lazyckpt replaces only "
                 "checkpoints, delete it yourself if it should go"
             )
-    keep = None if single else (lambda name: not is_model_file(name))
+    old_shards = set() if single else _indexed_shards(path)
+    keep = None if single else (lambda name: not is_model_file(name) and name not in old_shards)
     with publishing(
         path, overwrite=overwrite, replaceable=replaceable, file=single, keep=keep
     ) as tmp:
@@ -291,3 +303,24 @@ def _destination(
                 paths.write_bytes(target, scratch.read())
 
         yield write
+
+
+def _indexed_shards(folder: str) -> set[str]:
+    """The shards the index of an existing model folder names (owned by the model, so
+    replaced with it, whatever their names); none without a readable index."""
+    text = paths.read_text(paths.join(folder, INDEX)) if paths.isdir(folder) else None
+    if text is None:
+        return set()
+    try:
+        weight_map, _ = parse_index(paths.join(folder, INDEX), text)
+    except LazyckptError:
+        return set()
+    return set(weight_map.values())
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

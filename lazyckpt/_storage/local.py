@@ -146,6 +146,8 @@ class LocalFolders:
                 elif entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
                     continue
+                elif entry.is_file(follow_symlinks=False):
+                    continue  # (from the listing itself: no system call per file)
                 try:
                     mode = os.stat(entry.path).st_mode  # what the entry, or its link, is
                 except OSError:

@@ -162,9 +162,11 @@ def _publishing_to_bucket(
         _delete_owned(final, existing, keep)
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(Exception):
             _delete_owned(final, paths.listdir(final), keep)
+        if isinstance(error, OSError) and not isinstance(error, LazyckptError):
+            raise write_error(final, error) from None  # (a local scratch file, say)
         raise
 
 
