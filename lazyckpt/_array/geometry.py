@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
 
@@ -315,3 +317,44 @@ class Spans:
         first = bisect.bisect_right(self.highs, low)
         stop = bisect.bisect_left(self.lows, high)
         return self.order[first:stop]
+
+
+def strided_block(
+    selection: Selection, box: Box, index: tuple[slice, ...], values: np.ndarray
+) -> tuple[tuple[slice, ...], np.ndarray] | None:
+    """The view's elements in `values`, the block `index` of the stored `box` around
+    the view `selection`: their index in the view, and them; None if there are none."""
+    picks: list[int | slice] = []
+    covered: dict[int, tuple[int, int]] = {}
+    for dim, (entry, part, (low, _)) in enumerate(zip(selection.stored, index, box, strict=True)):
+        start, stop = low + part.start, low + part.stop  # the block's stored extent
+        if isinstance(entry, int):
+            picks.append(entry - start)
+            continue
+        first, last = covered_range(entry, start, stop)
+        if first >= last:
+            return None
+        at = entry.start + entry.step * first - start
+        end = at + entry.step * (last - first)
+        picks.append(slice(at, end if end >= 0 else None, entry.step))
+        covered[dim] = (first, last)
+    picked = values[tuple(picks)]
+    out_index, shape = [], []
+    for view_dim in selection.view:
+        low, high = (0, view_dim.count) if isinstance(view_dim, NewAxis) else covered[view_dim]
+        out_index.append(slice(low, high))
+        shape.append(high - low)
+    return tuple(out_index), picked.reshape(shape)
+
+
+def covered_range(entry: Range, start: int, stop: int) -> tuple[int, int]:
+    """The `i` whose stored index `entry.start + entry.step * i` lies in `[start, stop)`,
+    as a range `[first, last)` clipped to the entry's count."""
+    if entry.step > 0:
+        first = -((entry.start - start) // entry.step)
+        last = -((entry.start - stop) // entry.step)
+    else:
+        step = -entry.step
+        first = (entry.start - stop) // step + 1
+        last = (entry.start - start) // step + 1
+    return max(0, first), min(entry.count, last)

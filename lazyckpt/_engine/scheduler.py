@@ -36,6 +36,19 @@ decoding, and little more."""
 HELD = 2
 _BLOCKS_IN_FLIGHT = 4
 
+MIN_BLOCK = 64 << 10
+"""The smallest block a stream cuts: a decoding job holds a read window of 256 KiB
+whatever the budget, and a block of a few bytes would cost a job, a destination and
+a plan each (an 8 MiB chunk at `memory_budget=64` once planned a million bands, 1.3 GiB,
+before its first block)."""
+
+
+def stream_block(budget: int) -> int:
+    """The bytes of one block of a stream within `budget`: an eighth of it, at least
+    `MIN_BLOCK`."""
+    return max(MIN_BLOCK, budget // 8)
+
+
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

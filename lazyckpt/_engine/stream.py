@@ -37,16 +37,17 @@ from lazyckpt._array.geometry import (
     slabs,
     split_dim,
     stored_map,
+    strided_block,
     to_stored,
     view_origins,
 )
-from lazyckpt._array.selection import NewAxis, Range, Selection
+from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
+from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool, stream_block
 from lazyckpt._engine.share import Sharing, by_position, sharings
 from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
@@ -96,19 +97,6 @@ class _Job:
         return _Job(self.position, self.held, steps)
 
 
-MIN_BLOCK = 64 << 10
-"""The smallest block a stream cuts: a decoding job holds a read window of 256 KiB
-whatever the budget, and a block of a few bytes would cost a job, a destination and
-a plan each (an 8 MiB chunk at `memory_budget=64` once planned a million bands, 1.3 GiB,
-before its first block)."""
-
-
-def block_bytes(budget: int) -> int:
-    """The bytes of one block of a stream within `budget`: an eighth of it, at least
-    `MIN_BLOCK`."""
-    return max(MIN_BLOCK, budget // 8)
-
-
 def iter_blocks(
     arrays: Sequence[ArrayView],
     budget: int | None,
@@ -133,7 +121,7 @@ def iter_blocks(
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
     limits.guard.slack = limits.budget // 16
-    block = block_bytes(limits.budget)
+    block = stream_block(limits.budget)
     cells = list(grids) if grids is not None else [None] * len(arrays)
     for array in arrays:
         check_plain(array)
@@ -210,7 +198,7 @@ def _jobs(
     stored = stored_array(array)
     mapping = stored_map(array)
     budget = limits.budget
-    block = block_bytes(budget)
+    block = stream_block(budget)
     itemsize = stored.dtype.itemsize
     whole = tuple((0, n) for n in array.shape)
     if 0 in array.shape or (mapping is None and not decodes(stored)):
@@ -326,7 +314,7 @@ def _composed_jobs(
 ) -> Iterator[_Job]:
     """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
     grid that cuts across parts), each filled from its parts through the engine."""
-    block = block_bytes(limits.budget)
+    block = stream_block(limits.budget)
     itemsize = array.dtype.itemsize
     cells = grid if grid is not None else compose.view_chunks(array)
     if grid is None and math.prod(cells) * itemsize > block:
@@ -410,47 +398,6 @@ def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
 
     steps = (lambda start=start: then(start(), pick) for start in job.steps())
     return _Job(job.position, job.held, steps)
-
-
-def strided_block(
-    selection: Selection, box: Box, index: tuple[slice, ...], values: np.ndarray
-) -> tuple[tuple[slice, ...], np.ndarray] | None:
-    """The view's elements in `values`, the block `index` of the stored `box` around
-    the view `selection`: their index in the view, and them; None if there are none."""
-    picks: list[int | slice] = []
-    covered: dict[int, tuple[int, int]] = {}
-    for dim, (entry, part, (low, _)) in enumerate(zip(selection.stored, index, box, strict=True)):
-        start, stop = low + part.start, low + part.stop  # the block's stored extent
-        if isinstance(entry, int):
-            picks.append(entry - start)
-            continue
-        first, last = _covered(entry, start, stop)
-        if first >= last:
-            return None
-        at = entry.start + entry.step * first - start
-        end = at + entry.step * (last - first)
-        picks.append(slice(at, end if end >= 0 else None, entry.step))
-        covered[dim] = (first, last)
-    picked = values[tuple(picks)]
-    out_index, shape = [], []
-    for view_dim in selection.view:
-        low, high = (0, view_dim.count) if isinstance(view_dim, NewAxis) else covered[view_dim]
-        out_index.append(slice(low, high))
-        shape.append(high - low)
-    return tuple(out_index), picked.reshape(shape)
-
-
-def _covered(entry: Range, start: int, stop: int) -> tuple[int, int]:
-    """The `i` whose stored index `entry.start + entry.step * i` lies in `[start, stop)`,
-    as a range `[first, last)` clipped to the entry's count."""
-    if entry.step > 0:
-        first = -((entry.start - start) // entry.step)
-        last = -((entry.start - stop) // entry.step)
-    else:
-        step = -entry.step
-        first = (entry.start - stop) // step + 1
-        last = (entry.start - start) // step + 1
-    return max(0, first), min(entry.count, last)
 
 
 def _view_bands(array: ArrayView, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
