@@ -40,3 +40,17 @@ def printable(text: str, *, lines: bool = False) -> str:
     """
     unsafe = _UNSAFE_TEXT if lines else _UNSAFE_LINE
     return unsafe.sub(lambda m: repr(m[0])[1:-1], text)
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: not when it holds a lone surrogate (`\\ud800`,
+    a valid JSON escape), which no file name, JSON or tensorstore key can hold.
+
+    >>> is_utf8("w"), is_utf8("w\\ud800")
+    (True, False)
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

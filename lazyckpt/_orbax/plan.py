@@ -33,7 +33,7 @@ from lazyckpt._orbax.metadata import (
     valid_pointer,
 )
 from lazyckpt._orbax.sharding import sharding_entry
-from lazyckpt._text import printable
+from lazyckpt._text import is_utf8, printable
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Stored chunk size that `save` aims for: small enough that reading a few rows
@@ -127,20 +127,12 @@ def _flatten(tree: object) -> Iterator[tuple[tuple[tuple[str, int], ...], object
                 keys.append((str(key_of(entry)), SEQUENCE_KEY))
             else:
                 raise UnsavableError(f"{_path_str(keys)}: unknown pytree key {entry!r}")
-            if not keys[-1][0].isascii() and not _utf8(keys[-1][0]):
+            if not keys[-1][0].isascii() and not is_utf8(keys[-1][0]):
                 raise UnsavableError(
                     f"{printable(_path_str(keys))}: the key is no valid text (a lone "
                     "surrogate); checkpoint names are UTF-8, rename the key"
                 )
         yield tuple(keys), leaf
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _mixed_keys(tree: object) -> tuple[str, list[object]] | None:

@@ -46,7 +46,7 @@ from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.local import pwrite_all
 from lazyckpt._storage.publish import publishing
-from lazyckpt._text import printable
+from lazyckpt._text import is_utf8, printable
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
@@ -110,7 +110,7 @@ def save_safetensors(
     odd = {
         k: v
         for k, v in meta.items()
-        if not isinstance(k, str) or not isinstance(v, str) or not _utf8(k + v)
+        if not isinstance(k, str) or not isinstance(v, str) or not is_utf8(k + v)
     }
     if odd:
         raise UnsavableError(
@@ -155,7 +155,7 @@ def _entries(tree: object) -> list[_Entry]:
     for key, leaf in leaves(tree):
         name = key.replace("/", ".")
         where = printable(key) or "(the root)"
-        if not _utf8(name):
+        if not is_utf8(name):
             raise UnsavableError(
                 f"{where}: the name is no valid text (a lone surrogate); safetensors names "
                 "are UTF-8, rename the key"
@@ -316,11 +316,3 @@ def _indexed_shards(folder: str) -> set[str]:
     except LazyckptError:
         return set()
     return set(weight_map.values())
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
