@@ -39,7 +39,8 @@ def save(
     `jax.Array`s are written from their shards (each distinct shard once; typed PRNG
     keys as their key data). The checkpoint appears at `path` only once complete: on
     a local disk by a rename; in a bucket, with no rename to commit with,
-    `commit_success.txt` is written last and marks it complete. In a
+    `commit_success.txt` is written last and marks it complete, and an overwrite
+    is written whole beside the old checkpoint before it replaces it. In a
     `jax.distributed` run every process calls `save` with the same tree, and each
     writes the shards it holds.
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -341,11 +341,70 @@ def test_open_and_slice_on_gcs(gcs: str, tmp_path: Path, mesh: Any) -> None:
     np.testing.assert_array_equal(lazyckpt.load(opened)["w"], value)
 
 
-def test_overwriting_a_bucket_checkpoint_that_the_tree_reads_is_refused(s3: Any) -> None:
+def test_a_bucket_checkpoint_converted_onto_itself(s3: Any) -> None:
+    """An overwrite in a bucket is staged, so the tree may read from what it replaces."""
     url = lazyckpt.save("s3://ckpts/inplace", {"w": np.arange(6.0)})
-    with pytest.raises(lazyckpt.CheckpointExistsError, match="no atomic replace"):
-        lazyckpt.convert(url, url, dtype="float16", overwrite=True)
-    np.testing.assert_array_equal(lazyckpt.open(url)["w"].get(), np.arange(6.0))
+    lazyckpt.convert(url, url, dtype="float16", overwrite=True)
+    back = lazyckpt.open(url)["w"]
+    assert back.dtype == np.float16
+    np.testing.assert_array_equal(back.get(), np.arange(6.0, dtype=np.float16))
+    model = lazyckpt.save("s3://ckpts/inplace-st", {"w": np.arange(6.0)}, format="safetensors")
+    lazyckpt.convert(model, model, dtype="bfloat16", to="safetensors", overwrite=True)
+    assert str(lazyckpt.open(model)["w"].dtype) == "bfloat16"
+    listed = s3.list_objects_v2(Bucket="ckpts", Prefix="inplace")["Contents"]
+    assert not [o["Key"] for o in listed if ".orbax-checkpoint-tmp" in o["Key"]]
+
+
+_KILL_AT_WRITE = """
+import os, sys
+import numpy as np
+import lazyckpt
+from lazyckpt._storage.bucket import BucketFolders
+
+url, form, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+write, count = BucketFolders.write_bytes, [0]
+
+def killed_at(self, path, data):
+    count[0] += 1
+    if count[0] == at:
+        os._exit(9)  # as a SIGKILL: no clean-up runs
+    write(self, path, data)
+
+BucketFolders.write_bytes = killed_at
+new = {f"w{i}": np.full((64, 64), 100 + i, np.float32) for i in range(4)}
+shards = {"max_shard_size": 20_000} if form == "safetensors" else {}
+lazyckpt.save(url, new, format=form, overwrite=True, **shards)
+"""
+
+
+@pytest.mark.parametrize(("form", "at"), [("safetensors", 3), ("safetensors", 6), ("orbax", 2)])
+def test_an_overwrite_killed_in_a_bucket_keeps_the_old_checkpoint(
+    s3: Any, form: Literal["orbax", "safetensors"], at: int
+) -> None:
+    """Killed at its `at`-th upload (the first is a write probe): after its first
+    shard, before its index, after its data. The old model still opens whole, and the
+    next overwrite succeeds."""
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    url = f"s3://ckpts/killed-{form}-{at}"
+    shards: dict[str, Any] = {"max_shard_size": 20_000} if form == "safetensors" else {}
+    lazyckpt.save(url, old, format=form, **shards)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILL_AT_WRITE, url, form, str(at)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 9, done.stderr[-2000:]
+    assert_tree_equal(lazyckpt.load(lazyckpt.open(url)), old)
+    staged = s3.list_objects_v2(Bucket="ckpts", Prefix=f"killed-{form}-{at}.orbax-checkpoint-tmp")
+    assert staged["KeyCount"] > 0  # what the killed save wrote, never read
+    new = {"w0": np.ones((8, 8), np.float32)}
+    lazyckpt.save(url, new, format=form, overwrite=True)
+    assert_tree_equal(lazyckpt.load(lazyckpt.open(url)), new)
+    # The next save removed the killed one's staging: its process is gone.
+    staged = s3.list_objects_v2(Bucket="ckpts", Prefix=f"killed-{form}-{at}.orbax-checkpoint-tmp")
+    assert staged["KeyCount"] == 0
 
 
 def test_urls_that_leave_the_bucket_are_refused(s3: Any) -> None:

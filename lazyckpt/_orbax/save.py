@@ -12,16 +12,14 @@ published atomically (`lazyckpt._storage.publish`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
-from lazyckpt._engine.stored import stores
-from lazyckpt._errors import CheckpointExistsError, LazyckptError
-from lazyckpt._lazy import LazyArray
+from lazyckpt._errors import LazyckptError
 from lazyckpt._orbax.legacy import read_msgpack
 from lazyckpt._orbax.metadata import parse_metadata
-from lazyckpt._orbax.plan import Planned, cost, description, plan
+from lazyckpt._orbax.plan import cost, description, plan
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
 from lazyckpt._storage import multihost, paths
@@ -41,8 +39,6 @@ def save_orbax(
     """Write `tree` at `final` (see `lazyckpt.save`); `replaceable` says what an
     overwrite may replace."""
     leaves = plan(tree, chunk_bytes)
-    if overwrite and not paths.atomic_rename(final):
-        _refuse_reading_from(final, leaves)
     multihost.agree(
         "the tree to save",
         description(leaves),
@@ -79,18 +75,3 @@ def is_orbax_checkpoint(path: str) -> bool:
         return isinstance(read_msgpack(path), dict)
     except (LazyckptError, ValueError, RecursionError):
         return False
-
-
-def _refuse_reading_from(final: str, leaves: Sequence[Planned]) -> None:
-    """On object storage an overwrite deletes the old checkpoint before writing: refuse
-    when the tree still reads from it."""
-    for leaf in leaves:
-        for source in (
-            s.location for s in stores([leaf.value] if isinstance(leaf.value, LazyArray) else [])
-        ):
-            if source == final or source.startswith(final + "/"):
-                raise CheckpointExistsError(
-                    f"{leaf.path} is read from {source}, which overwriting {final} would "
-                    "delete before it is read (object storage has no atomic replace); save "
-                    "to a new path, then delete the old one"
-                )

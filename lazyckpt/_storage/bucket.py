@@ -123,6 +123,17 @@ class BucketFolders:
     def listdir(self, path: str) -> list[str]:
         return sorted({k.split("/", 1)[0] for k in self._keys(path) if k})
 
+    def starting_with(self, prefix: str) -> list[str]:
+        """One LIST of the keys that start with `prefix` (not of its whole folder)."""
+        _, _, key = split(prefix)
+        start = key.rsplit("/", 1)[-1]
+        try:
+            listed = _bucket(prefix).list(prefix_range(key)).result()
+        except Exception as error:  # noqa: BLE001 - turned into a clear error
+            raise storage_error(prefix, error) from None
+        names = {k.decode()[len(key) - len(start) :].split("/", 1)[0] for k in listed}
+        return sorted(n for n in names if n.startswith(start))
+
     def isdir(self, path: str) -> bool:
         return bool(self._keys(path))
 
@@ -182,6 +193,18 @@ class BucketFolders:
         except Exception as error:  # noqa: BLE001 - turned into a clear error
             raise storage_error(path, error) from None
         self._forget()
+
+    def copy_file(self, source: str, target: str) -> None:
+        """Through this process (tensorstore has no server-side copy): one object in
+        memory at a time, as an upload of it holds it."""
+        _, _, key = split(source)
+        try:
+            result = _bucket(source).read(key).result()
+        except Exception as error:  # noqa: BLE001 - turned into a clear error
+            raise storage_error(source, error) from None
+        if result.state != "value":
+            raise storage_error(source, FileNotFoundError(f"{source} vanished before its copy"))
+        self.write_bytes(target, result.value)
 
     def probe_write(self, path: str) -> None:
         """One small object beside `path`, written and deleted."""

@@ -49,6 +49,10 @@ class LocalFolders:
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 
+    def starting_with(self, prefix: str) -> list[str]:
+        start = os.path.basename(prefix)
+        return sorted(n for n in os.listdir(os.path.dirname(prefix)) if n.startswith(start))
+
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
 
@@ -98,6 +102,9 @@ class LocalFolders:
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    def copy_file(self, source: str, target: str) -> None:
+        shutil.copyfile(source, target)
 
     def probe_write(self, path: str) -> None:
         probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"

@@ -51,6 +51,10 @@ class Storage(Protocol):
         """Names directly inside the folder `path`, sorted."""
         ...
 
+    def starting_with(self, prefix: str) -> list[str]:
+        """Names in the folder that holds `prefix` which start with its last part."""
+        ...
+
     def isdir(self, path: str) -> bool: ...
     def isfile(self, path: str) -> bool: ...
     def exists(self, path: str) -> bool: ...
@@ -72,6 +76,10 @@ class Storage(Protocol):
 
     def delete_file(self, path: str) -> None:
         """Delete the file `path` if it exists."""
+        ...
+
+    def copy_file(self, source: str, target: str) -> None:
+        """Copy the file `source` to `target` (replacing it)."""
         ...
 
     def probe_write(self, path: str) -> None:
@@ -163,6 +171,10 @@ def listdir(path: str) -> list[str]:
     return storage(path).listdir(path)
 
 
+def starting_with(prefix: str) -> list[str]:
+    return storage(prefix).starting_with(prefix)
+
+
 def isdir(path: str) -> bool:
     return storage(path).isdir(path)
 
@@ -207,6 +219,10 @@ def delete_folder(path: str) -> None:
 
 def delete_file(path: str) -> None:
     storage(path).delete_file(path)
+
+
+def copy_file(source: str, target: str) -> None:
+    storage(target).copy_file(source, target)
 
 
 def probe_write(path: str) -> None:

@@ -63,7 +63,8 @@ def publishing(
     Raises CheckpointExistsError if `final` exists and `overwrite` is false, or if it
     exists and `replaceable(final)` (the format's test of a checkpoint) is false. On an
     exception the temporary folder is removed and `final` is untouched. In a bucket
-    the files are written in place (see `_publishing_to_bucket`). With `keep`, an
+    a new checkpoint is written in place and an overwrite is staged (see
+    `_publishing_to_bucket`). With `keep`, an
     overwrite replaces only the entries of `final` that the save owns: those whose
     names `keep` accepts (a model folder's `config.json`, say) stay, hard-linked into
     the new folder before it takes the old one's place.
@@ -74,8 +75,11 @@ def publishing(
             "never read; choose another name"
         )
     if not paths.atomic_rename(final):
-        with _publishing_to_bucket(final, overwrite=overwrite, replaceable=replaceable, keep=keep):
-            yield final
+        with _publishing_to_bucket(
+            final, overwrite=overwrite, replaceable=replaceable, keep=keep
+        ) as target:
+            yield target
+        _remove_leftovers(final)
         return
     _check_destination(final, overwrite, replaceable, file)
     try:
@@ -138,36 +142,65 @@ def _publishing_to_bucket(
     overwrite: bool,
     replaceable: Callable[[str], bool],
     keep: Callable[[str], bool] | None,
-) -> Iterator[None]:
-    """Object stores have no rename: write in place, `commit_success.txt` last (the
-    caller's last write), as Orbax does. Until that file exists, readers treat the
-    folder as unfinished; a failed save removes what it wrote. Replacing a checkpoint
-    there is not atomic: the old one is deleted (its commit marker first; with `keep`,
-    only the entries `keep` refuses, an index before the files it names) before the
-    new one is written."""
+) -> Iterator[str]:
+    """Object stores have no rename. A new checkpoint is written in place, its commit
+    object last (`commit_success.txt`, or a model's index: the caller's last write),
+    as Orbax does; until it exists, readers treat the folder as unfinished, and a
+    failed save removes what it wrote.
+
+    An overwrite stages: the new checkpoint is written whole beside the old one, in a
+    folder named as unfinished, and only then is the old one deleted (its commit
+    object first; with `keep`, only the entries `keep` refuses) and the new one copied
+    into its place, commit object last. A failure before that leaves the old
+    checkpoint untouched; the copy costs a second transfer of the new bytes."""
     existing = paths.listdir(final) if paths.isdir(final) else []
-    if existing:
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{final} already exists ({len(existing)} entries); pass overwrite=True "
-                "(--overwrite) to replace it, or choose a new path"
-            )
-        if not replaceable(final):
-            raise CheckpointExistsError(
-                f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
-                "only checkpoints, delete it yourself if it should go"
-            )
-        # Before deleting anything: can we write here at all?
-        paths.probe_write(final)
-        _delete_owned(final, existing, keep)
+    if not existing:
+        try:
+            yield final
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                _delete_owned(final, paths.listdir(final), keep)
+            if isinstance(error, OSError) and not isinstance(error, LazyckptError):
+                raise write_error(final, error) from None  # (a local scratch file, say)
+            raise
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{final} already exists ({len(existing)} entries); pass overwrite=True "
+            "(--overwrite) to replace it, or choose a new path"
+        )
+    if not replaceable(final):
+        raise CheckpointExistsError(
+            f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
+            "only checkpoints, delete it yourself if it should go"
+        )
+    paths.probe_write(final)  # before anything is written: can we write here at all?
+    staging = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        yield
+        yield staging
     except BaseException as error:
         with contextlib.suppress(Exception):
-            _delete_owned(final, paths.listdir(final), keep)
+            paths.delete_folder(staging)
         if isinstance(error, OSError) and not isinstance(error, LazyckptError):
-            raise write_error(final, error) from None  # (a local scratch file, say)
+            raise write_error(final, error) from None
         raise
+    _delete_owned(final, paths.listdir(final), keep)
+    try:
+        for name in sorted(paths.walk_files(staging), key=_commit_last):
+            paths.copy_file(paths.join(staging, name), paths.join(final, name))
+    except LazyckptError as error:
+        raise CheckpointWriteError(
+            0,
+            f"{final}: the new checkpoint is complete at {staging}, but copying it into "
+            f"place failed ({error}); the old one is already deleted. Copy that folder's "
+            "files into place (commit_success.txt or the index last), or save again",
+        ) from None
+    paths.delete_folder(staging)
+
+
+def _commit_last(name: str) -> tuple[int, str]:
+    """Copy order: data, then an index (`*.json`), then `commit_success.txt`."""
+    return (2 if name == "commit_success.txt" else name.endswith(".json"), name)
 
 
 def _delete_owned(final: str, names: list[str], keep: Callable[[str], bool] | None) -> None:
@@ -362,7 +395,8 @@ def _sync_dir(folder: str) -> None:
 
 
 def _remove_leftovers(final: str) -> None:
-    """Delete this host's temporary folders for `final` whose saving process is gone.
+    """Delete this host's temporary folders for `final` whose saving process is gone
+    (in a bucket, the staged overwrites of killed saves).
 
     Names are matched exactly (host, pid, 8 hex digits), so that another host whose
     name merely starts with this one's keeps its saves in progress. A `-replaced-`
@@ -370,12 +404,17 @@ def _remove_leftovers(final: str) -> None:
     `final` has succeeded since, it is obsolete too.
     """
     prefix = _tmp_prefix(final)
-    parent = os.path.dirname(prefix)
-    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
-    for name in os.listdir(parent):
+    pattern = re.compile(re.escape(paths.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
+    for name in paths.starting_with(prefix):
         match = pattern.fullmatch(name)
-        if match and not _alive(int(match[1])):
-            _delete_quietly(os.path.join(parent, name))
+        if not match or _alive(int(match[1])):
+            continue
+        leftover = paths.join(paths.dirname(final), name)
+        if paths.atomic_rename(final):
+            _delete_quietly(leftover)
+        else:
+            with contextlib.suppress(LazyckptError):
+                paths.delete_folder(leftover)  # (a bucket's leftovers are folders)
 
 
 def _alive(pid: int) -> bool:
