@@ -351,7 +351,7 @@ def test_jax_shards_that_cut_through_chunks_are_assembled_per_block(
 def test_streaming_blocks_stay_whole_new_chunks_when_the_grids_disagree(
     tmp_path: Path,
 ) -> None:
-    from lazyckpt._engine.stream import widened
+    from lazyckpt._engine.bands import widened
 
     value = np.zeros((400, 4096), np.float32)
     path = lazyckpt.save(tmp_path / "src", {"w": value}, chunk_bytes=4 * 4096 * 4)

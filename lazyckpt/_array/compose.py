@@ -8,7 +8,7 @@ read; the readers lower them:
   box of it, and where in the destination buffer it lands (a NumPy view of it, so
   that a transposed or stacked target is filled in place, each part's stored chunks
   read once by the engine);
-- `stream_parts(grid)` says how blocks streamed from each part become blocks of the
+- `stream_parts(grid, block)` says how blocks streamed from each part become blocks of the
   node, for `iter_blocks`, `stats` and `save`.
 
 `Reshape` lives in `lazyckpt._array.reshape`.
@@ -65,10 +65,11 @@ class Node(abc.ABC):
         """`(part, box of the part, destination)` for every piece that `box` needs."""
 
     def stream_parts(
-        self, grid: tuple[int, ...] | None
+        self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         """`(part, grid of the part, place)` for streaming each part on its own, or
-        None where blocks must be filled from several parts."""
+        None where blocks must be filled from several parts (or cells of the part's
+        grid would be larger than `block` bytes)."""
         return None
 
     @abc.abstractmethod
@@ -174,7 +175,7 @@ class Stack(_Joined):
             yield self.arrays[i], inner, taking((*(slice(None),) * self.axis, i - low))
 
     def stream_parts(
-        self, grid: tuple[int, ...] | None
+        self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         k = self.axis
         if grid is not None and grid[k] != 1:
@@ -255,7 +256,7 @@ class Concat(_Joined):
             yield self.arrays[c], part, taking((*(slice(None),) * k, slice(a - low, b - low)))
 
     def stream_parts(
-        self, grid: tuple[int, ...] | None
+        self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         k, starts = self.axis, self.offsets
         if grid is not None and any(s % grid[k] for s in starts[1:-1]):
@@ -314,7 +315,7 @@ class Transpose(Pushed):
         yield self.array, tuple(inner), lambda out: out.transpose(back)
 
     def stream_parts(
-        self, grid: tuple[int, ...] | None
+        self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         inner = None
         if grid is not None:
@@ -359,7 +360,7 @@ class Cast(Pushed):
         yield self.array, box, lambda out: out
 
     def stream_parts(
-        self, grid: tuple[int, ...] | None
+        self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
         return [(self.array, grid, lambda index, values: (index, values))]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from lazyckpt._array.compose import Node, Part, Piece, taking, view_chunks
+from lazyckpt._array.compose import Node, Part, Piece, Place, taking, view_chunks
 from lazyckpt._array.geometry import Box, product
 
 
@@ -94,6 +94,34 @@ class Reshape(Node):
                 n = math.prod(high - low for low, high in inner)
                 yield list(inner), _run_move(at, chosen, len(theirs), offset, n, inner)
                 offset += n
+
+    def stream_parts(
+        self, grid: tuple[int, ...] | None, block: int
+    ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
+        """The part in slabs of whole leading rows: a slab of the part is a run of
+        consecutive elements, and so a slab of the view, when both start on a row of
+        each (and on a row of `grid`'s cells). None where the thinnest such slab is
+        larger than both `block` bytes and a cell of `grid`."""
+        source, shape = self.array.shape, self.shape
+        if not source or not shape or 0 in source:
+            return None
+        row, view_row = math.prod(source[1:]), math.prod(shape[1:])
+        step = math.lcm(row, view_row * (grid[0] if grid is not None else 1))
+        cell = math.prod(grid) if grid is not None else 0
+        if step * self.dtype.itemsize > max(block, cell * self.dtype.itemsize):
+            return None
+
+        def place(
+            index: tuple[slice, ...], values: np.ndarray
+        ) -> tuple[tuple[slice, ...], np.ndarray]:
+            low, high, _ = index[0].indices(source[0])
+            rest = zip(index[1:], source[1:], strict=True)
+            assert all(s.indices(n)[:2] == (0, n) for s, n in rest), "whole rows only"
+            start, stop = low * row // view_row, high * row // view_row
+            out = (slice(start, stop), *(slice(0, n) for n in shape[1:]))
+            return out, values.reshape((stop - start, *shape[1:]))
+
+        return [(self.array, (step // row, *source[1:]), place)]
 
     def describe(self) -> str:
         return f"reshape of {self.array.shape}"

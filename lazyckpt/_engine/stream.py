@@ -43,6 +43,14 @@ from lazyckpt._array.geometry import (
 )
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.bands import (
+    slabs_in_view,
+    stored_cells,
+    strided_bands,
+    view_bands,
+    view_region,
+    widened,
+)
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
 from lazyckpt._engine.memory import Destination
@@ -129,7 +137,7 @@ def iter_blocks(
     leaves = [
         leaf
         for position, (array, grid) in enumerate(zip(arrays, cells, strict=True))
-        for leaf in _leaves(position, array, grid, None)
+        for leaf in _leaves(position, array, grid, None, block)
     ]
     found = [leaf.array for leaf in leaves], [leaf.grid for leaf in leaves]
     owner = by_position(sharings(*found, block)) if share else {}
@@ -227,23 +235,30 @@ def _jobs(
         for inner in _jobs(position, base, limits, None):
             yield _picked(inner, array.selection, box)
         return
-    if mapping is None:  # strided, in whole cells of `grid`: each band decoded on its own
-        for region in _view_bands(array, block // itemsize, grid):
+    if mapping is None:  # strided, in whole cells of `grid`
+        assert grid is not None
+        found = strided_bands(array, grid, block)
+        if found is not None:  # inside one stored chunk: decoded once, band by band
+            chunk, cut_bands, band_bytes = found
+            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window)
+            yield _Job(position, held - block + band_bytes, steps)
+            return
+        for region in view_bands(array, block // itemsize, grid):  # each decoded on its own
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
     origins = view_origins(mapping, len(stored.shape))
     box = to_stored(array, mapping, whole)
-    stored_cells = _stored_cells(array, mapping, grid)
-    if math.prod(stored.chunks) * itemsize <= block or stored_cells is None:
-        regions: Iterable[Box] = (
+    units = stored_cells(array, mapping, grid)
+    if math.prod(stored.chunks) * itemsize <= block or units is None:
+        blocks: Iterable[Box] = (
             (
-                _region(in_view(mapping, part, origins)[0], array.shape)
+                view_region(in_view(mapping, part, origins)[0], array.shape)
                 for part in chunk_blocks(box, stored.chunks, itemsize, block)
             )
             if grid is None
             else chunk_blocks(whole, widened(array, grid, itemsize, block), itemsize, block)
         )
-        for region in regions:
+        for region in blocks:
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
         return
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
@@ -252,16 +267,16 @@ def _jobs(
         overlap = intersect(chunk_box(chunk, stored.chunks), box)
         assert overlap is not None
         split = split_dim(overlap, order, itemsize, block)
-        if any(stored_cells[d] > 1 for d in order[: order.index(split)]):
+        if any(units[d] > 1 for d in order[: order.index(split)]):
             # Bands would cut cells of the grid: whole cells instead, decoded per block.
-            view_part = _region(in_view(mapping, overlap, origins)[0], array.shape)
+            view_part = view_region(in_view(mapping, overlap, origins)[0], array.shape)
             for region in chunk_blocks(view_part, grid or (), itemsize, block):
                 job = _decoded_block(array, region, read_bytes, window)
                 yield _Job(position, held, iter([job]))
             continue
-        bands = functools.partial(slabs, overlap, order, itemsize, block, unit=stored_cells[split])
-        steps = _chunk_bands(array, chunk, bands, mapping, origins, read_bytes, window)
-        yield _Job(position, held, steps)
+        cut = functools.partial(slabs, overlap, order, itemsize, block, unit=units[split])
+        bands = functools.partial(slabs_in_view, array, cut)
+        yield _Job(position, held, _chunk_bands(array, chunk, bands, read_bytes, window))
 
 
 @attrs.frozen
@@ -275,12 +290,17 @@ class _Leaf:
 
 
 def _leaves(
-    position: int, array: ArrayView, grid: tuple[int, ...] | None, place: compose.Place | None
+    position: int,
+    array: ArrayView,
+    grid: tuple[int, ...] | None,
+    place: compose.Place | None,
+    block: int,
 ) -> Iterator[_Leaf]:
-    """`array`, or the parts of a composed view that can be streamed apart."""
+    """`array`, or the parts of a composed view that can be streamed apart (in blocks
+    of `block` bytes)."""
     node = array.stored
     parts = (
-        node.stream_parts(grid)
+        node.stream_parts(grid, block)
         if isinstance(node, compose.Node) and array.selection.is_full(node.shape)
         else None
     )
@@ -289,7 +309,7 @@ def _leaves(
         return
     for part, part_grid, part_place in parts:
         moved = _then(part_place, part.shape, array.dtype, place)
-        yield from _leaves(position, part, part_grid, moved)
+        yield from _leaves(position, part, part_grid, moved, block)
 
 
 def _then(
@@ -337,51 +357,6 @@ def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Futur
     return fill
 
 
-def _stored_cells(
-    array: ArrayView, mapping: Sequence[tuple[int, int] | None], grid: tuple[int, ...] | None
-) -> tuple[int, ...] | None:
-    """`grid`'s cell size along each stored dimension (1 without a grid, and for
-    dimensions the view drops), or None when its cells straddle stored chunks, so
-    that slabs of a stored chunk cannot be unions of whole cells."""
-    stored = stored_array(array)
-    cells = [1] * len(stored.shape)
-    if grid is None:
-        return tuple(cells)
-    for cell, entry in zip(grid, mapping, strict=True):
-        if entry is None:
-            continue
-        dim, offset = entry
-        if stored.chunks[dim] % cell or offset % cell:
-            return None
-        cells[dim] = cell
-    return tuple(cells)
-
-
-def widened(array: ArrayView, grid: tuple[int, ...], itemsize: int, block: int) -> tuple[int, ...]:
-    """Blocks of whole cells of `grid`, widened to whole stored chunks too where the two
-    grids line up (so that no stored chunk is read twice), as long as such a block is
-    no larger than a stored chunk or a block of the budget."""
-    mapping = stored_map(array)
-    if mapping is None:
-        return grid
-    cells = []
-    for cell, entry in zip(grid, mapping, strict=True):
-        if entry is None:
-            cells.append(cell)
-            continue
-        dim, offset = entry
-        stored = stored_array(array).chunks[dim]
-        cells.append(math.lcm(cell, stored) if offset % stored == 0 else cell)
-    widest = max(block, math.prod(stored_array(array).chunks) * itemsize)
-    if math.prod(cells) * itemsize > widest:
-        return grid
-    return tuple(cells)
-
-
-def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-
-
 def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
     """`job`, which streams the stored `box` around a strided view, with each block cut
     down to the view's elements in it (`_SKIP` where there are none)."""
@@ -398,12 +373,6 @@ def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
 
     steps = (lambda start=start: then(start(), pick) for start in job.steps())
     return _Job(job.position, job.held, steps)
-
-
-def _view_bands(array: ArrayView, elements: int, grid: tuple[int, ...] | None) -> Iterator[Box]:
-    """The view cut into blocks of at most `elements` (whole cells of `grid`)."""
-    cells = grid if grid is not None else (1,) * len(array.shape)
-    yield from chunk_blocks(tuple((0, n) for n in array.shape), cells, 1, elements)
 
 
 def _decoded_block(
@@ -427,20 +396,19 @@ def _chunk_bands(
     array: ArrayView,
     index: tuple[int, ...],
     bands: Callable[[], Iterable[Box]],
-    mapping: Sequence[tuple[int, int] | None],
-    origins: Sequence[int],
     read_bytes: int,
     window: int,
 ) -> Iterator[Callable[[], ts.Future[object]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
-    band (a slab of the chunk along its leading stored dimension), handing it over;
-    the last step's result is `_END`. The chunk's stored bytes are checked against
-    its declared size before its bands are planned: a damaged header may declare
+    band (a box of the view that the chunk's decode completes, in decode order; for an
+    unstrided view a slab along its leading stored dimension), handing it over; the
+    last step's result is `_END`. The chunk's stored bytes are checked against its
+    declared size before its bands are planned: a damaged header may declare
     petabytes."""
 
     def produce() -> Iterator[Block]:
         ChunkStream(stored_array(array), index, read_bytes).check()
-        regions = [_region(in_view(mapping, band, origins)[0], array.shape) for band in bands()]
+        regions = list(bands())
         destinations = [Destination(region, array.dtype) for region in regions]
         users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
         for completed in decode_slabs(array, index, users, read_bytes, window):
