@@ -5,7 +5,8 @@ The temporary folder sits next to the destination and its name contains Orbax's
 it as unfinished and never open or list it. A save killed at any moment leaves
 either no checkpoint at the destination or a complete one. Temporary names are
 unique per save, so a leftover never blocks a later save; the next successful
-save to the same destination deletes leftovers whose process is gone.
+save to the same destination deletes leftovers whose save is over (their process
+is gone, or it is this one and they are not in use).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import secrets
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 from lazyckpt._errors import (
@@ -42,6 +44,14 @@ lazyckpt's temporary folders carry too, so that Orbax and lazyckpt skip each oth
 def is_unfinished(name: str) -> bool:
     """Whether a folder named `name` is a save that never committed."""
     return TMP_MARKER in name
+
+
+_ACTIVE: set[str] = set()
+"""The temporary folders of the saves in progress in this process."""
+
+SETTLE_SECONDS = 0.2
+"""How long the temporary folder of a failed save must stay deleted before the
+failure is raised (at most ten times as long in all; see `_delete_settled`)."""
 
 
 def _tmp_prefix(final: str) -> str:
@@ -95,6 +105,7 @@ def publishing(
             os.mkdir(tmp)
     except OSError as error:
         raise write_error(final, error) from None
+    _ACTIVE.add(tmp)
     try:
         yield tmp
         if keep is not None and not file and os.path.isdir(final):
@@ -102,13 +113,15 @@ def publishing(
         _sync_tree(tmp)
         _publish(tmp, final, overwrite)
     except OSError as error:
-        _delete_quietly(tmp)
+        _delete_settled(tmp)
         if isinstance(error, LazyckptError):
             raise
         raise write_error(final, error) from None
     except BaseException:
-        _delete_quietly(tmp)
+        _delete_settled(tmp)
         raise
+    finally:
+        _ACTIVE.discard(tmp)
     _sync_dir(os.path.dirname(final))
     _remove_leftovers(final)
 
@@ -176,6 +189,7 @@ def _publishing_to_bucket(
         )
     paths.probe_write(final)  # before anything is written: can we write here at all?
     staging = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+    _ACTIVE.add(staging)
     try:
         yield staging
     except BaseException as error:
@@ -184,6 +198,8 @@ def _publishing_to_bucket(
         if isinstance(error, OSError) and not isinstance(error, LazyckptError):
             raise write_error(final, error) from None
         raise
+    finally:
+        _ACTIVE.discard(staging)
     _delete_owned(final, paths.listdir(final), keep)
     try:
         for name in sorted(paths.walk_files(staging), key=_commit_last):
@@ -361,6 +377,24 @@ def _delete(path: str) -> None:
         os.unlink(path)
 
 
+def _delete_settled(tmp: str) -> None:
+    """Delete the temporary folder of a failed save, again each time it reappears,
+    until it has stayed away for `SETTLE_SECONDS`. Tensorstore reports a save's first
+    failed write while writes it started alongside run on, and those re-create the
+    folder (1 failed save in 6 to 10 on a full disk here). What reappears later still
+    is deleted by the next save to the same destination (`_remove_leftovers`)."""
+    deadline = time.monotonic() + 10 * SETTLE_SECONDS
+    gone_since = time.monotonic()
+    while True:
+        if os.path.lexists(tmp):
+            _delete_quietly(tmp)
+            gone_since = time.monotonic()
+        now = time.monotonic()
+        if now - gone_since >= SETTLE_SECONDS or now >= deadline:
+            return
+        time.sleep(SETTLE_SECONDS / 10)
+
+
 def _delete_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
         _delete(path)
@@ -395,8 +429,10 @@ def _sync_dir(folder: str) -> None:
 
 
 def _remove_leftovers(final: str) -> None:
-    """Delete this host's temporary folders for `final` whose saving process is gone
-    (in a bucket, the staged overwrites of killed saves).
+    """Delete this host's temporary folders for `final` whose save is over: their
+    process is gone, or it is this process and the save is not in progress (a failed
+    save's folder re-created by writes still in flight; in a bucket, the staged
+    overwrites of killed saves).
 
     Names are matched exactly (host, pid, 8 hex digits), so that another host whose
     name merely starts with this one's keeps its saves in progress. A `-replaced-`
@@ -407,9 +443,12 @@ def _remove_leftovers(final: str) -> None:
     pattern = re.compile(re.escape(paths.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
     for name in paths.starting_with(prefix):
         match = pattern.fullmatch(name)
-        if not match or _alive(int(match[1])):
-            continue
         leftover = paths.join(paths.dirname(final), name)
+        if not match or leftover in _ACTIVE:
+            continue
+        pid = int(match[1])
+        if pid != os.getpid() and _alive(pid):
+            continue
         if paths.atomic_rename(final):
             _delete_quietly(leftover)
         else:
