@@ -355,6 +355,21 @@ def test_a_bucket_checkpoint_converted_onto_itself(s3: Any) -> None:
     assert not [o["Key"] for o in listed if ".orbax-checkpoint-tmp" in o["Key"]]
 
 
+def test_shards_left_without_their_index_can_be_saved_over(s3: Any) -> None:
+    """What a copy step that failed before the index leaves: shards, no index. It
+    does not open, and a save over it replaces it (the shards all parse)."""
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    url = lazyckpt.save("s3://ckpts/no-index", old, format="safetensors", max_shard_size=20_000)
+    s3.delete_object(Bucket="ckpts", Key="no-index/model.safetensors.index.json")
+    with pytest.raises(lazyckpt.UnfinishedCheckpointError):
+        lazyckpt.open(url)
+    lazyckpt.save(url, {"w": np.arange(3.0)}, format="safetensors", overwrite=True)
+    np.testing.assert_array_equal(lazyckpt.open(url)["w"].get(), np.arange(3.0))
+    s3.put_object(Bucket="ckpts", Key="fake/model-00001-of-00002.safetensors", Body=b"text")
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="does not look like"):
+        lazyckpt.save("s3://ckpts/fake", {"w": np.ones(2)}, format="safetensors", overwrite=True)
+
+
 _KILL_AT_WRITE = """
 import os, sys
 import numpy as np

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lazyckpt
+from lazyckpt._storage import publish
 
 ROOT = Path(__file__).parent.parent
 
@@ -82,16 +83,27 @@ def test_writes_in_flight_after_a_full_disk_leave_nothing(tmp_path: Path) -> Non
     assert len(lines) == 16 and all(line.endswith(" []") for line in lines), lines
 
 
-def test_a_leftover_of_this_process_goes_with_the_next_save(tmp_path: Path) -> None:
-    """A folder that a failed save's late writes re-created, named for this process
-    but no save's in progress, is removed by the next save to the same destination."""
-    final = tmp_path / "out"
+def test_a_leftover_of_this_process_goes_with_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed save's folder that writes still in flight re-created after it was
+    deleted goes with the next save to the same destination; a folder named for this
+    process whose save has not ended (another thread's, in progress) stays."""
+    left: list[str] = []
+    monkeypatch.setattr(publish, "_delete_settled", left.append)  # as if re-created later
+    source = lazyckpt.save(tmp_path / "src.safetensors", {"w": np.ones(4096, np.float32)})
+    lazy = lazyckpt.open(source)["w"]
+    os.truncate(source, 1024)  # its data is gone once the save reads it
+    with pytest.raises((lazyckpt.CorruptCheckpointError, lazyckpt.CheckpointChangedError)):
+        lazyckpt.save(tmp_path / "out", {"w": lazy})
+    monkeypatch.undo()
+    os.unlink(source)
+    assert len(left) == 1 and os.path.isdir(left[0])
     host = socket.gethostname()
-    late = tmp_path / f"out.orbax-checkpoint-tmp-lazyckpt-{host}-{os.getpid()}-0a1b2c3d"
-    (late / "d").mkdir(parents=True)
-    (late / "d" / "late").write_bytes(b"x" * 100)
-    lazyckpt.save(final, {"w": np.zeros(3)})
-    assert _entries(tmp_path) == ["out"]
+    running = tmp_path / f"out.orbax-checkpoint-tmp-lazyckpt-{host}-{os.getpid()}-0a1b2c3d"
+    running.mkdir()
+    lazyckpt.save(tmp_path / "out", {"w": np.zeros(3)})
+    assert _entries(tmp_path) == ["out", running.name]
 
 
 @pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])

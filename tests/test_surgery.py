@@ -230,9 +230,16 @@ def test_strided_and_reshaped_saves_decode_each_chunk_once(
     of a reshape at a 64 KiB budget."""
     lazy, want = parts["lazy"]["big"], parts["numpy"]["big"]
     if data.draw(st.booleans(), label="reshape"):
-        rows = data.draw(st.sampled_from([96, 768, 1536, 3072, 6144]))
-        index: Any = None
-        view, value = lazy.reshape(rows, -1), want.reshape(rows, -1)
+        shape = data.draw(
+            st.sampled_from(
+                [
+                    *[(96, -1), (768, -1), (6144, -1), (1, 384, 1024), (1, -1)],
+                    *[(384, 1, 1024), (1, 1, 6144, 64), (-1,)],
+                ]
+            )
+        )
+        index: Any = shape
+        view, value = lazy.reshape(shape), want.reshape(shape)
     else:
         index = data.draw(hnp.basic_indices(want.shape, allow_newaxis=True, allow_ellipsis=True))
         view, value = lazy[index], want[index]

@@ -98,15 +98,18 @@ class Reshape(Node):
     def stream_parts(
         self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
-        """The part in slabs of whole leading rows: a slab of the part is a run of
-        consecutive elements, and so a slab of the view, when both start on a row of
-        each (and on a row of `grid`'s cells). None where the thinnest such slab is
-        larger than both `block` bytes and a cell of `grid`."""
+        """The part in slabs of whole rows along its first dimension longer than 1: a
+        slab of the part is a run of consecutive elements, and so a slab of the view
+        along its first such dimension, when both start on a row of each (and on a row
+        of `grid`'s cells). None where the thinnest such slab is larger than both
+        `block` bytes and a cell of `grid`."""
         source, shape = self.array.shape, self.shape
-        if not source or not shape or 0 in source:
+        if 0 in source or not any(n > 1 for n in source) or not any(n > 1 for n in shape):
             return None
-        row, view_row = math.prod(source[1:]), math.prod(shape[1:])
-        step = math.lcm(row, view_row * (grid[0] if grid is not None else 1))
+        at = next(d for d, n in enumerate(source) if n > 1)  # leading 1s are fixed at 0
+        view_at = next(d for d, n in enumerate(shape) if n > 1)
+        row, view_row = math.prod(source[at + 1 :]), math.prod(shape[view_at + 1 :])
+        step = math.lcm(row, view_row * (grid[view_at] if grid is not None else 1))
         cell = math.prod(grid) if grid is not None else 0
         if step * self.dtype.itemsize > max(block, cell * self.dtype.itemsize):
             return None
@@ -114,14 +117,18 @@ class Reshape(Node):
         def place(
             index: tuple[slice, ...], values: np.ndarray
         ) -> tuple[tuple[slice, ...], np.ndarray]:
-            low, high, _ = index[0].indices(source[0])
-            rest = zip(index[1:], source[1:], strict=True)
+            low, high, _ = index[at].indices(source[at])
+            rest = zip(index[at + 1 :], source[at + 1 :], strict=True)
             assert all(s.indices(n)[:2] == (0, n) for s, n in rest), "whole rows only"
             start, stop = low * row // view_row, high * row // view_row
-            out = (slice(start, stop), *(slice(0, n) for n in shape[1:]))
-            return out, values.reshape((stop - start, *shape[1:]))
+            out = tuple(
+                slice(start, stop) if d == view_at else slice(0, n) for d, n in enumerate(shape)
+            )
+            return out, values.reshape(
+                tuple(stop - start if d == view_at else n for d, n in enumerate(shape))
+            )
 
-        return [(self.array, (step // row, *source[1:]), place)]
+        return [(self.array, (*source[:at], step // row, *source[at + 1 :]), place)]
 
     def describe(self) -> str:
         return f"reshape of {self.array.shape}"

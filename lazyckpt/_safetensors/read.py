@@ -37,6 +37,7 @@ from lazyckpt._safetensors.format import (
     SUFFIX,
     Header,
     header_length,
+    is_model_file,
     is_shard_name,
     parse_header,
     parse_index,
@@ -63,8 +64,9 @@ def is_safetensors(path: str) -> bool:
 
 def is_safetensors_model(path: str) -> bool:
     """Whether `path` provably holds a safetensors model, by content: a file whose
-    header parses, or a folder with an index that parses or a `model.safetensors`
-    whose header does. What `save(..., overwrite=True)` may replace."""
+    header parses, or a folder with an index that parses, a `model.safetensors` whose
+    header does, or lazyckpt's shards (`model-0000i-of-0000N.safetensors`) that all
+    parse without their index. What `save(..., overwrite=True)` may replace."""
     try:
         if not paths.isdir(path):
             return paths.isfile(path) and bool(
@@ -73,11 +75,12 @@ def is_safetensors_model(path: str) -> bool:
         names = paths.listdir(path)
         if INDEX in names:
             return bool(_index(path))
-        return (
-            SINGLE in names
-            and paths.isfile(paths.join(path, SINGLE))
-            and bool(_headers(path, [SINGLE]))
-        )
+        if SINGLE in names:
+            return paths.isfile(paths.join(path, SINGLE)) and bool(_headers(path, [SINGLE]))
+        # Shards with no index: a save that never finished (say, killed while copying
+        # a staged model into a bucket), replaceable when every shard parses.
+        shards = [name for name in names if is_model_file(name)]
+        return bool(shards) and len(_headers(path, shards)) == len(shards)
     except LazyckptError:
         return False
 

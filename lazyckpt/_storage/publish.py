@@ -46,8 +46,9 @@ def is_unfinished(name: str) -> bool:
     return TMP_MARKER in name
 
 
-_ACTIVE: set[str] = set()
-"""The temporary folders of the saves in progress in this process."""
+_ENDED: set[str] = set()
+"""Names of the temporary folders of this process's saves that are over (failed, or
+published but for late writes): the only ones of this process a save may delete."""
 
 SETTLE_SECONDS = 0.2
 """How long the temporary folder of a failed save must stay deleted before the
@@ -105,7 +106,6 @@ def publishing(
             os.mkdir(tmp)
     except OSError as error:
         raise write_error(final, error) from None
-    _ACTIVE.add(tmp)
     try:
         yield tmp
         if keep is not None and not file and os.path.isdir(final):
@@ -121,7 +121,7 @@ def publishing(
         _delete_settled(tmp)
         raise
     finally:
-        _ACTIVE.discard(tmp)
+        _ENDED.add(os.path.basename(tmp))
     _sync_dir(os.path.dirname(final))
     _remove_leftovers(final)
 
@@ -189,7 +189,6 @@ def _publishing_to_bucket(
         )
     paths.probe_write(final)  # before anything is written: can we write here at all?
     staging = f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
-    _ACTIVE.add(staging)
     try:
         yield staging
     except BaseException as error:
@@ -199,17 +198,18 @@ def _publishing_to_bucket(
             raise write_error(final, error) from None
         raise
     finally:
-        _ACTIVE.discard(staging)
+        _ENDED.add(paths.basename(staging))
     _delete_owned(final, paths.listdir(final), keep)
     try:
         for name in sorted(paths.walk_files(staging), key=_commit_last):
             paths.copy_file(paths.join(staging, name), paths.join(final, name))
     except LazyckptError as error:
         raise CheckpointWriteError(
-            0,
+            errno.EIO,
             f"{final}: the new checkpoint is complete at {staging}, but copying it into "
             f"place failed ({error}); the old one is already deleted. Copy that folder's "
-            "files into place (commit_success.txt or the index last), or save again",
+            "files into place (commit_success.txt or the index last), or save again "
+            "with overwrite=True",
         ) from None
     paths.delete_folder(staging)
 
@@ -335,6 +335,7 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
     aside = f"{_tmp_prefix(final)}{os.getpid()}-replaced-{secrets.token_hex(4)}"
     os.rename(final, aside)
     os.rename(tmp, final)
+    _ENDED.add(os.path.basename(aside))
     _discard(aside, final)
 
 
@@ -430,9 +431,10 @@ def _sync_dir(folder: str) -> None:
 
 def _remove_leftovers(final: str) -> None:
     """Delete this host's temporary folders for `final` whose save is over: their
-    process is gone, or it is this process and the save is not in progress (a failed
-    save's folder re-created by writes still in flight; in a bucket, the staged
-    overwrites of killed saves).
+    process is gone (in a bucket, the staged overwrites of killed saves), or it is
+    this process and the save ended (a failed save's folder that writes still in
+    flight re-created). Another thread's save in progress, or another machine's with
+    the same host name and pid, is never one of this process's ended saves.
 
     Names are matched exactly (host, pid, 8 hex digits), so that another host whose
     name merely starts with this one's keeps its saves in progress. A `-replaced-`
@@ -443,12 +445,12 @@ def _remove_leftovers(final: str) -> None:
     pattern = re.compile(re.escape(paths.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
     for name in paths.starting_with(prefix):
         match = pattern.fullmatch(name)
-        leftover = paths.join(paths.dirname(final), name)
-        if not match or leftover in _ACTIVE:
+        if not match:
             continue
         pid = int(match[1])
-        if pid != os.getpid() and _alive(pid):
+        if name not in _ENDED if pid == os.getpid() else _alive(pid):
             continue
+        leftover = paths.join(paths.dirname(final), name)
         if paths.atomic_rename(final):
             _delete_quietly(leftover)
         else:
