@@ -10,10 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from lazyckpt._array.tree import leaves
-from lazyckpt._errors import NotACheckpointError
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    UnfinishedCheckpointError,
+)
 from lazyckpt._orbax.read import open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths
+from lazyckpt._storage.publish import SWAP_SUFFIX, interrupted_overwrite
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
@@ -63,14 +68,25 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     """
     with _gc_paused(), paths.session(storage_options):
         where = paths.normalize(path)
-        if is_safetensors(where):
-            if step is not None or item is not None:
-                raise NotACheckpointError(
-                    f"{where} holds safetensors, which have no steps or items; open it "
-                    "without step= and item="
-                )
-            return open_safetensors(where, flat=flat)
-        tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
+        try:
+            if is_safetensors(where):
+                if step is not None or item is not None:
+                    raise NotACheckpointError(
+                        f"{where} holds safetensors, which have no steps or items; open it "
+                        "without step= and item="
+                    )
+                return open_safetensors(where, flat=flat)
+            tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
+        except (CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError):
+            staged = interrupted_overwrite(where)
+            if staged is None:
+                raise
+            raise UnfinishedCheckpointError(
+                f"{where}: an overwrite was interrupted while it copied the new checkpoint "
+                f"in; the complete new checkpoint is at {staged}. Save to {where} again "
+                f"(overwrite=True), or copy the objects under {staged}/ into {where}/ "
+                f"(commit_success.txt or the index last) and delete {where}{SWAP_SUFFIX}"
+            ) from None
     return dict(leaves(tree)) if flat else tree
 
 

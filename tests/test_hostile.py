@@ -566,9 +566,14 @@ def test_safetensors_names_of_many_parts_cost_linear_work(tmp_path: Path) -> Non
     assert "open it with flat=True" in outcomes["100000:open"]
 
 
-def test_legacy_msgpack_work_is_bounded_by_its_key_paths(tmp_path: Path) -> None:
+def test_legacy_msgpack_work_is_bounded_by_its_key_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 300 KB `checkpoint` file of 490 nested maps over 300,000 leaves once took 78 s
-    and 2.9 GB to open: the leaves times the key-path length is bounded."""
+    and 2.9 GB to open: the leaves times the key-path length is bounded, and counted
+    before the key paths are built (once 1.2 GB before the refusal: a raw MemoryError
+    within 1 GiB)."""
+    monkeypatch.setenv("HOSTILE_MEMORY", str(512 << 20))
     cases = []
     for name, leaves in (("amplified", 300_000), ("fine", 1_000)):
         folder = tmp_path / name

@@ -422,6 +422,63 @@ def test_an_overwrite_killed_in_a_bucket_keeps_the_old_checkpoint(
     assert staged["KeyCount"] == 0
 
 
+_KILL_WHILE_COPYING = """
+import os, sys
+import numpy as np
+import lazyckpt
+from lazyckpt._storage.bucket import BucketFolders
+
+url, form, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+write, after = BucketFolders.write_bytes, []
+
+def killed_while_copying(self, path, data):
+    if after and len(after) == at:
+        os._exit(9)  # as a SIGKILL: no clean-up runs
+    if after or path.endswith(".lazyckpt-overwrite"):
+        after.append(path)
+    write(self, path, data)
+
+BucketFolders.write_bytes = killed_while_copying
+new = {f"w{i}": np.full((64, 64), 100 + i, np.float32) for i in range(4)}
+shards = {"max_shard_size": 20_000} if form == "safetensors" else {}
+lazyckpt.save(url, new, format=form, overwrite=True, **shards)
+"""
+
+
+@pytest.mark.parametrize(("form", "at"), [("safetensors", 1), ("safetensors", 5), ("orbax", 2)])
+def test_an_overwrite_killed_while_copying_in_says_where_the_new_one_is(
+    s3: Any, form: Literal["orbax", "safetensors"], at: int
+) -> None:
+    """Killed after the old checkpoint was deleted, while the staged new one was being
+    copied in: open says where the complete new one is, and a save over it works."""
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    url = f"s3://ckpts/swap-{form}-{at}"
+    shards: dict[str, Any] = {"max_shard_size": 20_000} if form == "safetensors" else {}
+    lazyckpt.save(url, old, format=form, **shards)
+    s3.put_object(Bucket="ckpts", Key=f"swap-{form}-{at}/config.json", Body=b"{}")
+    done = subprocess.run(
+        [sys.executable, "-c", _KILL_WHILE_COPYING, url, form, str(at)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 9, done.stderr[-2000:]
+    with pytest.raises(
+        lazyckpt.UnfinishedCheckpointError,
+        match=r"interrupted while it copied the new checkpoint in; the complete new "
+        r"checkpoint is at s3://ckpts/swap-.*\.orbax-checkpoint-tmp-lazyckpt-",
+    ):
+        lazyckpt.open(url)
+    new = {"w0": np.ones((8, 8), np.float32)}
+    lazyckpt.save(url, new, format=form, overwrite=True)
+    assert_tree_equal(lazyckpt.load(lazyckpt.open(url)), new)
+    keys = [
+        o["Key"] for o in s3.list_objects_v2(Bucket="ckpts", Prefix=f"swap-{form}-{at}")["Contents"]
+    ]
+    assert not [k for k in keys if "lazyckpt-overwrite" in k or "orbax-checkpoint-tmp" in k], keys
+
+
 def test_urls_that_leave_the_bucket_are_refused(s3: Any) -> None:
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="would leave the bucket"):
         lazyckpt.save("s3://ckpts/../other/x", {"w": np.zeros(2)})

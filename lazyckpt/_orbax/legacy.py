@@ -66,16 +66,18 @@ def _walk(tree: object, root: Path, location: str) -> Iterator[tuple[Path, objec
     """`(path, leaf)` in jax's order, with a stack of its own rather than recursion (the
     msgpack tree may be 512 levels deep)."""
     todo: list[tuple[object, Path]] = [(tree, root)]
-    work = 0
+    work = len(root)
     while todo:
         node, path = todo.pop()
-        work += len(path)
-        if work > KEY_WORK:
-            raise CorruptCheckpointError(
-                f"{location}/{MSGPACK_FILE}: its tree's key paths add up to more than "
-                f"{KEY_WORK:,} keys (nodes times depth; {len(path)} deep here), more than "
-                "any checkpoint's tree needs; the file is damaged or hostile"
-            )
+        if isinstance(node, dict | list | tuple) and node:
+            # Counted before the children's key paths are built: they are the cost.
+            work += len(node) * (len(path) + 1)
+            if work > KEY_WORK:
+                raise CorruptCheckpointError(
+                    f"{location}/{MSGPACK_FILE}: its tree's key paths add up to more than "
+                    f"{KEY_WORK:,} keys (nodes times depth; {len(path) + 1} deep here), more "
+                    "than any checkpoint's tree needs; the file is damaged or hostile"
+                )
         if isinstance(node, dict) and node:
             # Sorted as jax flattens dicts, so every layout gives the same key order.
             items = sorted(node.items(), key=lambda item: str(item[0]))

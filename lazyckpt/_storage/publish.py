@@ -167,6 +167,7 @@ def _publishing_to_bucket(
     into its place, commit object last. A failure before that leaves the old
     checkpoint untouched; the copy costs a second transfer of the new bytes."""
     existing = paths.listdir(final) if paths.isdir(final) else []
+    interrupted = interrupted_overwrite(final)
     if not existing:
         try:
             yield final
@@ -176,13 +177,15 @@ def _publishing_to_bucket(
             if isinstance(error, OSError) and not isinstance(error, LazyckptError):
                 raise write_error(final, error) from None  # (a local scratch file, say)
             raise
+        if interrupted is not None:
+            paths.delete_file(final + SWAP_SUFFIX)
         return
     if not overwrite:
         raise CheckpointExistsError(
             f"{final} already exists ({len(existing)} entries); pass overwrite=True "
             "(--overwrite) to replace it, or choose a new path"
         )
-    if not replaceable(final):
+    if interrupted is None and not replaceable(final):
         raise CheckpointExistsError(
             f"{final} exists and does not look like a checkpoint; lazyckpt replaces "
             "only checkpoints, delete it yourself if it should go"
@@ -199,6 +202,9 @@ def _publishing_to_bucket(
         raise
     finally:
         _ENDED.add(paths.basename(staging))
+    # From here until the copy is complete `final` holds no whole checkpoint: the
+    # marker beside it says where the new one is (see `interrupted_overwrite`).
+    paths.write_bytes(final + SWAP_SUFFIX, staging.encode())
     _delete_owned(final, paths.listdir(final), keep)
     try:
         for name in sorted(paths.walk_files(staging), key=_commit_last):
@@ -211,7 +217,23 @@ def _publishing_to_bucket(
             "files into place (commit_success.txt or the index last), or save again "
             "with overwrite=True",
         ) from None
+    paths.delete_file(final + SWAP_SUFFIX)
     paths.delete_folder(staging)
+
+
+SWAP_SUFFIX = ".lazyckpt-overwrite"
+"""Beside a bucket checkpoint being replaced (`<final>.lazyckpt-overwrite`), from the
+deletion of the old one until the new one is copied in whole: the staged folder that
+holds the new one."""
+
+
+def interrupted_overwrite(final: str) -> str | None:
+    """Where the complete new checkpoint of an overwrite of `final` in a bucket is, if
+    that overwrite was interrupted while copying it in (else None)."""
+    if not paths.is_remote(final):
+        return None
+    found = paths.read_text(final + SWAP_SUFFIX)
+    return found.strip() if found else None
 
 
 def _commit_last(name: str) -> tuple[int, str]:
