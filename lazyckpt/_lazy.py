@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -199,8 +200,14 @@ class LazyArray:
         (True, (8, 2))
         """
         ndim = self.ndim
-        given = tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else axes
-        perm = tuple(range(ndim))[::-1] if not given else tuple(int(a) for a in given)  # type: ignore[arg-type]
+        one = len(axes) == 1 and not isinstance(axes[0], int | np.integer)
+        given: Sequence[Any] = tuple(axes[0]) if one else axes  # type: ignore[arg-type]
+        try:
+            perm = tuple(operator.index(a) for a in given) if given else tuple(range(ndim))[::-1]
+        except TypeError:
+            raise LazyIndexError(
+                f"{self.key} (shape {self.shape}): transpose takes integer axes, not {axes}"
+            ) from None
         if sorted(a % ndim if -ndim <= a < ndim else a for a in perm) != list(range(ndim)):
             raise LazyIndexError(
                 f"{self.key} (shape {self.shape}): axes {perm} are not a permutation of "

@@ -212,3 +212,18 @@ def test_cli_warning_is_one_line_and_python_warnings_name_the_caller(
         lazyckpt.open(path)
     assert [w.category for w in caught] == [lazyckpt.InferredStructureWarning]
     assert caught[0].filename == __file__
+
+
+def test_edge_inputs_of_the_second_red_team_rerun(tmp_path: Path) -> None:
+    """A string holding a lone surrogate was saved where Orbax cannot read it back;
+    safetensors metadata that is no dict, and a transpose axis that is no int, raised
+    raw errors; a NumPy integer axis was refused."""
+    lazy = lazyckpt.open(lazyckpt.save(tmp_path / "a", {"w": np.arange(4.0)}))["w"]
+    assert lazy.transpose(np.int64(0)).shape == (4,)
+    with pytest.raises(lazyckpt.LazyIndexError, match=r"transpose takes integer axes"):
+        lazy.transpose("a")
+    with pytest.raises(lazyckpt.UnsavableError, match=r"w: the string .* lone surrogate"):
+        lazyckpt.save(tmp_path / "s", {"w": "a\ud800b"})
+    with pytest.raises(lazyckpt.UnsavableError, match=r"metadata is a dict .* not str"):
+        lazyckpt.save(tmp_path / "m.safetensors", {"w": np.ones(2)}, metadata="x")  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

@@ -180,6 +180,12 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
     if value is None or _empty_node(value):
         return Planned(path, keys, _empty_type(value))
     if isinstance(value, str):
+        if not is_utf8(value):
+            raise UnsavableError(
+                f"{path}: the string {printable(value[:40])} is not valid Unicode text (a "
+                "lone surrogate), which Orbax cannot read back from _strings.json; "
+                "save valid text, or its bytes as an array"
+            )
         return Planned(path, keys, "string", value=value)
     if isinstance(value, LazyArray) and value.key_impl:
         value = value.get()  # typed PRNG keys: small; saved as jax.Array keys below

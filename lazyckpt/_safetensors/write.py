@@ -106,6 +106,11 @@ def save_safetensors(
             "one afterwards from a single process"
         )
     entries = _entries(tree)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise UnsavableError(
+            f"{path}: safetensors metadata is a dict of strings to strings, not "
+            f"{type(metadata).__name__}; pass metadata={{'format': 'pt', ...}}"
+        )
     meta = dict(DEFAULT_METADATA if metadata is None else metadata)
     odd = {
         k: v
