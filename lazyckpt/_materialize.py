@@ -14,6 +14,7 @@ from lazyckpt._array.tree import map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.raw import is_small_raw, read_small
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.stored import stores
 from lazyckpt._errors import ShardingError
@@ -41,10 +42,19 @@ def materialize(plan: object, memory_budget: int | None, progress: bool | None, 
         )
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, ReadResult] = {}
+    small = [
+        p
+        for p in placements
+        if p.sharding is None and not p.array.key_impl and is_small_raw(p.array)
+    ]
+    for placement, values in zip(
+        small, read_small([p.array for p in small], scheduler), strict=True
+    ):
+        results[id(placement)] = values
     for placement in placements:
-        if placement.sharding is None:
+        if placement.sharding is None and id(placement) not in results:
             _schedule_load(placement, scheduler, results)
-        else:
+        elif placement.sharding is not None:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
     if bar is not None:

@@ -475,3 +475,54 @@ def test_export_stays_within_the_memory_budget(wide: Path, tmp_path: Path) -> No
     back = load_file(str(out))
     source = lazyckpt.open(wide)["layer_3"]
     np.testing.assert_array_equal(back["layer_3"][-5:], source[-5:].get())
+
+
+def test_a_load_reads_raw_bytes_straight_into_its_results(tmp_path: Path) -> None:
+    """A full load of a sharded model reads each byte once, with positioned reads into
+    the results themselves: its peak is the results and little more (through
+    tensorstore's chunks, every byte was copied three times)."""
+    rng = np.random.default_rng(5)
+    tensors = {f"layer{i}.w": rng.standard_normal((1024, 4096), np.float32) for i in range(4)}
+    folder = _sharded(tmp_path / "hf", tensors, 2)
+    probe = rss_probe(folder, "load", 1 << 30)
+    data = sum(t.nbytes for t in tensors.values())
+    assert probe["kept"] == data, probe
+    assert probe["peak"] <= data + (4 << 20), probe  # no second copy of any tensor
+
+
+def test_many_small_tensors_are_read_in_a_few_large_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_bytes: Callable[[], Any]
+) -> None:
+    """2,000 tensors of 1 KiB in one file: one read for all of them, each byte once,
+    every value right (one tensorstore read per tensor before)."""
+    rng = np.random.default_rng(6)
+    tensors = {f"e{i}": rng.standard_normal(256, np.float32) for i in range(2000)}
+    path = tmp_path / "experts.safetensors"
+    save_file(tensors, str(path))
+    lazy = lazyckpt.open(path)
+    reads: list[int] = []
+    real = os.preadv
+
+    def counted(fd: int, buffers: Any, offset: int) -> int:
+        reads.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    with count_bytes() as read:
+        loaded = lazyckpt.load(lazy)
+    assert len(reads) == 1 and read[0] == 2000 * 1024
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(loaded[name], value)
+
+
+def test_a_file_truncated_after_open_is_an_error_on_the_raw_path(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    save_file({"w": np.ones((512, 1024), np.float32), "b": np.ones(8, np.float32)}, str(path))
+    lazy = lazyckpt.open(path)
+    os.truncate(path, os.path.getsize(path) // 2)
+    for read in (lambda: lazyckpt.load(lazy["w"]), lambda: lazyckpt.load(lazy)):
+        with pytest.raises(
+            (lazyckpt.CheckpointChangedError, lazyckpt.CorruptCheckpointError),
+            match=re.escape(str(tmp_path)),
+        ):
+            read()

@@ -69,7 +69,7 @@ def _walkthrough(path: str) -> None:
     before = bytes_read()
     tree = lazyckpt.open(path)
     print("2. Open: only metadata is read (the b-tree, the zarr headers, _METADATA).")
-    print(f"   {bytes_read() - before} bytes read through tensorstore, none of them array chunks")
+    print(f"   {bytes_read() - before} bytes read, none of them array chunks")
     print("   lazyckpt.summary(tree) (in a notebook: a collapsible tree):")
     for line in str(lazyckpt.summary(tree)).splitlines():
         print(f"   {line}")

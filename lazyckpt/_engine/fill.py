@@ -59,6 +59,7 @@ from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
+from lazyckpt._engine.raw import schedule_raw
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, then
@@ -105,6 +106,8 @@ def schedule_fill(
         _schedule_decoded(array, destinations, scheduler, finished, remaining)
     elif mapping is None or stored_array(array).inline is not None:
         _schedule_whole(array, destinations, scheduler, finished, remaining)
+    elif schedule_raw(array, mapping, destinations, scheduler, finished, remaining):
+        pass  # raw bytes read straight into place
     else:
         _schedule_blocks(array, mapping, destinations, scheduler, finished, remaining)
     if remaining[0] == 0 and not called[0]:

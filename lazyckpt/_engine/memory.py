@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import functools
 import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -85,9 +87,16 @@ def physical_memory() -> int:
     return int(total)
 
 
+@functools.cache
+def _ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_fits(what: str, nbytes: int) -> None:
     """Refuse, with a clear error, to allocate more than this machine has: a damaged
     header can declare any size, and allocating it would abort the process."""
+    if nbytes <= _ram():
+        return  # (without reading /proc: this runs for every array read)
     if nbytes > physical_memory():
         raise TooLargeError(
             f"{what} needs {human_bytes(nbytes)}, more than this machine's memory and swap "
@@ -131,6 +140,10 @@ def _rss() -> int | None:
         return None
 
 
+CHECK_SECONDS = 0.005
+"""The least time between two looks at the process's size (`MemoryGuard.check`)."""
+
+
 class MemoryGuard:
     """Trims freed memory when the process has grown by more than it should.
 
@@ -144,6 +157,7 @@ class MemoryGuard:
         self.start = _rss()
         self.results = 0
         self._lock = threading.Lock()
+        self._checked = -math.inf
 
     def keep(self, nbytes: int) -> None:
         """Count `nbytes` of results: memory the read is meant to leave behind."""
@@ -153,6 +167,10 @@ class MemoryGuard:
     def check(self, in_flight: int) -> None:
         if self.start is None:
             return
+        moment = time.monotonic()
+        if moment - self._checked < CHECK_SECONDS:
+            return  # (reading the RSS costs a file read: not for each of many small jobs)
+        self._checked = moment
         now = _rss()
         if now is not None and now - self.start > self.results + in_flight + self.slack:
             release_free_memory()

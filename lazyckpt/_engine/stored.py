@@ -190,6 +190,12 @@ class StoredArray:
 
         return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
 
+    def raw_file(self) -> tuple[str, int] | None:
+        """`(local file, byte offset)` where the whole array lies as plain C-order bytes
+        in native byte order, for reads straight into place (`lazyckpt._engine.raw`);
+        None where it is encoded, chunked or remote."""
+        return None
+
     def read_error(self, error: Exception) -> Exception:
         """The error to show for a failed read of this array's data: that the checkpoint
         was replaced, where it was, else that its files are damaged."""

@@ -311,6 +311,11 @@ class RangeArray(StoredArray):
     start: int = 0
     file: str = ""
 
+    def raw_file(self) -> tuple[str, int] | None:
+        if paths.is_remote(self.file) or not self.dtype.isnative:
+            return None
+        return self.file, self.start
+
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
         return ready(
             ts.virtual_chunked(

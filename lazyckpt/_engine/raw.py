@@ -1,0 +1,221 @@
+"""Raw bytes straight into place: an array stored as plain C-order bytes in a local
+file (a safetensors tensor) is read with positioned reads (`os.preadv`) into the
+destination buffer itself, with no tensorstore chunk, no intermediate `bytes` and no
+second copy.
+
+A destination's box is cut into runs of consecutive stored bytes (a row-sharded
+tensor is one run per shard, a whole tensor one run), and the runs into pieces of
+about `PIECE` bytes, read at once on the decoding threads. Boxes whose runs are short
+(a column shard is one short run per row) keep tensorstore's chunked path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.geometry import Box, product, to_stored
+from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.scheduler import Scheduler, in_pool
+from lazyckpt._engine.stored import stored_array
+from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage.metrics import count_direct
+
+PIECE = 8 << 20
+"""Bytes per job: enough for one positioned read to run at page-cache speed (about
+3-4 GB/s on one core here), few enough that a large tensor keeps every thread busy."""
+
+MIN_RUN = 64 << 10
+"""The shortest run read on its own: below it, one system call per run costs more
+than tensorstore's chunked read of the rows around it."""
+
+Part = tuple[int, int, int]
+"""A read: its offset in the file, its offset in the destination buffer, its length."""
+
+
+def schedule_raw(
+    array: ArrayView,
+    mapping: Sequence[tuple[int, int] | None],
+    destinations: Sequence[Destination],
+    scheduler: Scheduler,
+    finished: Callable[[object], None],
+    remaining: list[int],
+) -> bool:
+    """Read `array` into `destinations` straight from its file, if it lies there as
+    raw bytes in the view's order and dtype with long enough runs; False (and nothing
+    scheduled) otherwise."""
+    stored = stored_array(array)
+    source = stored.raw_file()
+    dims = [entry[0] for entry in mapping if entry is not None]
+    if source is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
+        return False
+    file, start = source
+    itemsize = stored.dtype.itemsize
+    boxes = [to_stored(array, mapping, d.region) for d in destinations]
+    if any(not _long_runs(stored.shape, box, itemsize) for box in boxes):
+        return False
+    # Bytes land in the buffer in C order: it must be C-contiguous (a composed view's
+    # part may be given a transposed view of its parent's buffer) and of this dtype.
+    if any(
+        np.dtype(d.dtype) != stored.dtype or (d.out is not None and not d.out.flags.c_contiguous)
+        for d in destinations
+    ):
+        return False
+    for destination, box in zip(destinations, boxes, strict=True):
+        if destination.out_nbytes() == 0:
+            continue
+        buffer = destination.buffer().reshape(-1).view(np.uint8).data
+        for parts in _jobs(_runs(stored.shape, box, itemsize, start)):
+            remaining[0] += 1
+            work = sum(length for _, _, length in parts)
+
+            def start_job(
+                parts: list[Part] = parts, buffer: memoryview = buffer
+            ) -> ts.Future[None]:
+                return in_pool(lambda: _read(file, array, parts, buffer))
+
+            scheduler.submit(start_job, finished, held=0, work=work)
+    return True
+
+
+def _long_runs(shape: Sequence[int], box: Box, itemsize: int) -> bool:
+    inner, count = _split(shape, box)
+    return count <= 1 or inner * itemsize >= MIN_RUN
+
+
+def _split(shape: Sequence[int], box: Box) -> tuple[int, int]:
+    """Elements per run of `box` (C order), and how many runs."""
+    last = max((d for d, (low, high) in enumerate(box) if (low, high) != (0, shape[d])), default=0)
+    extents = [high - low for low, high in box]
+    return math.prod(extents[last:]), math.prod(extents[:last])
+
+
+def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator[Part]:
+    """The runs of `box`, in the destination's order (which is C order: the view keeps
+    the stored dimensions' order)."""
+    if not shape:
+        yield start, 0, itemsize
+        return
+    last = max((d for d, (low, high) in enumerate(box) if (low, high) != (0, shape[d])), default=0)
+    inner, _ = _split(shape, box)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    lead = [range(low, high) for low, high in box[:last]]
+    at = 0
+    for index in product(lead) if lead else [()]:
+        first = sum(i * s for i, s in zip(index, strides, strict=False))
+        first += box[last][0] * strides[last]
+        yield start + first * itemsize, at, inner * itemsize
+        at += inner * itemsize
+
+
+def _jobs(runs: Iterator[Part]) -> Iterator[list[Part]]:
+    """Runs grouped, and long ones cut, into jobs of about `PIECE` bytes."""
+    job: list[Part] = []
+    size = 0
+    for file_at, buffer_at, length in runs:
+        done = 0
+        while done < length:
+            take = min(length - done, PIECE - size)
+            job.append((file_at + done, buffer_at + done, take))
+            size += take
+            done += take
+            if size >= PIECE:
+                yield job
+                job, size = [], 0
+    if job:
+        yield job
+
+
+def _read(file: str, array: ArrayView, parts: list[Part], buffer: memoryview) -> None:
+    stored = stored_array(array)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise stored.read_error(error) from None
+    try:
+        for file_at, buffer_at, length in parts:
+            done = 0
+            while done < length:
+                got = os.preadv(fd, [buffer[buffer_at + done : buffer_at + length]], file_at + done)
+                if got == 0:
+                    raise CorruptCheckpointError(
+                        f"{file}: tensor {stored.key!r} needs bytes {file_at} to "
+                        f"{file_at + length}, but the file ends at byte {file_at + done}; it "
+                        "was truncated since it was opened, open it again"
+                    )
+                done += got
+            count_direct(length)
+    except OSError as error:
+        raise stored.read_error(error) from None
+    finally:
+        os.close(fd)
+
+
+SMALL = 1 << 20
+"""Arrays up to this size that `load` reads whole are read in batches (`read_small`)."""
+
+GAP = 4 << 10
+"""Bytes between two small arrays in one file that one read spans rather than split."""
+
+
+def is_small_raw(array: ArrayView) -> bool:
+    """Whether `read_small` can read `array`: the whole of a small stored array that
+    lies as raw bytes in a local file, in its own dtype."""
+    stored = array.stored
+    if not hasattr(stored, "raw_file") or array.nbytes > SMALL:
+        return False
+    return (
+        stored_array(array).raw_file() is not None
+        and array.dtype == stored.dtype
+        and array.selection.is_full(stored.shape)
+    )
+
+
+def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.ndarray]:
+    """The values of many small raw arrays (`is_small_raw`), read as a few large reads
+    per file: neighbouring arrays' bytes in one read of up to `PIECE` bytes, into one
+    scratch buffer, then copied out into a result array each (each its own memory, as
+    every other read's result). The per-array cost is a NumPy copy, not a read."""
+    out: list[np.ndarray] = []
+    by_file: dict[str, list[tuple[int, int, int]]] = {}
+    for i, array in enumerate(arrays):
+        values = np.empty(array.shape, array.dtype)
+        out.append(values)
+        file, start = stored_array(array).raw_file() or ("", 0)
+        by_file.setdefault(file, []).append((start, start + values.nbytes, i))
+    for file, found in by_file.items():
+        found.sort()
+        batch: list[tuple[int, int, int]] = []
+        for entry in found:
+            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > PIECE):
+                _submit_batch(file, arrays[batch[0][2]], batch, out, scheduler)
+                batch = []
+            batch.append(entry)
+        if batch:
+            _submit_batch(file, arrays[batch[0][2]], batch, out, scheduler)
+    return out
+
+
+def _submit_batch(
+    file: str,
+    first_array: ArrayView,
+    batch: list[tuple[int, int, int]],
+    out: list[np.ndarray],
+    scheduler: Scheduler,
+) -> None:
+    first = batch[0][0]
+    size = max(stop for _, stop, _ in batch) - first
+
+    def job() -> None:
+        scratch = np.empty(size, np.uint8)
+        _read(file, first_array, [(first, 0, size)], scratch.data)
+        for start, stop, i in batch:
+            if stop > start:
+                out[i].reshape(-1).view(np.uint8)[...] = scratch[start - first : stop - first]
+
+    scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
