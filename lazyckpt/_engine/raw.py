@@ -11,18 +11,21 @@ about `PIECE` bytes, read at once on the decoding threads. Boxes whose runs are 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.geometry import Box, product, to_stored
+from lazyckpt._array.geometry import Box, bounds, product, to_stored
+from lazyckpt._array.selection import Range, Selection
 from lazyckpt._array.view import ArrayView
-from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.scheduler import Scheduler, in_pool
-from lazyckpt._engine.stored import stored_array
+from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.metrics import count_direct
 
@@ -77,10 +80,57 @@ def schedule_raw(
             def start_job(
                 parts: list[Part] = parts, buffer: memoryview = buffer
             ) -> ts.Future[None]:
-                return in_pool(lambda: _read(file, array, parts, buffer))
+                return in_pool(lambda: _read(file, stored, parts, buffer))
 
             scheduler.submit(start_job, finished, held=0, work=work)
     return True
+
+
+def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray] | None:
+    """The view `selection` of an array stored as raw bytes in a local file, read
+    straight into a new array (pieces at once on the decoding threads); None where
+    that does not apply (strided, empty, out of the stored order, or short runs)."""
+    source = stored.raw_file()
+    if source is None or 0 in selection.shape:
+        return None
+    if any(isinstance(e, Range) and e.step != 1 and e.count > 1 for e in selection.stored):
+        return None
+    dims = [d for d in selection.view if isinstance(d, int)]
+    box = bounds(selection)
+    itemsize = stored.dtype.itemsize
+    if dims != sorted(dims) or not _long_runs(stored.shape, box, itemsize):
+        return None
+    file, start = source
+    out = result_empty(tuple(high - low for low, high in box), stored.dtype)
+    buffer = out.reshape(-1).view(np.uint8).data
+    jobs = list(_jobs(_runs(stored.shape, box, itemsize, start)))
+    promise: ts.Promise[np.ndarray]
+    future: ts.Future[np.ndarray]
+    promise, future = ts.Promise.new()
+    state = {"left": len(jobs), "settled": False}
+    lock = threading.Lock()
+
+    def done(job: ts.Future[None]) -> None:
+        error: Exception | None = None
+        try:
+            job.result()
+        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
+            error = failed
+        with lock:
+            if state["settled"]:
+                return
+            state["left"] -= 1
+            if error is None and state["left"]:
+                return
+            state["settled"] = True  # the last job, or the first failure
+        if error is not None:
+            promise.set_exception(error)
+        else:
+            promise.set_result(out.reshape(selection.shape))
+
+    for parts in jobs:
+        in_pool(functools.partial(_read, file, stored, parts, buffer)).add_done_callback(done)
+    return future
 
 
 def _long_runs(shape: Sequence[int], box: Box, itemsize: int) -> bool:
@@ -131,8 +181,7 @@ def _jobs(runs: Iterator[Part]) -> Iterator[list[Part]]:
         yield job
 
 
-def _read(file: str, array: ArrayView, parts: list[Part], buffer: memoryview) -> None:
-    stored = stored_array(array)
+def _read(file: str, stored: StoredArray, parts: list[Part], buffer: memoryview) -> None:
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
@@ -213,7 +262,7 @@ def _submit_batch(
 
     def job() -> None:
         scratch = np.empty(size, np.uint8)
-        _read(file, first_array, [(first, 0, size)], scratch.data)
+        _read(file, stored_array(first_array), [(first, 0, size)], scratch.data)
         for start, stop, i in batch:
             if stop > start:
                 out[i].reshape(-1).view(np.uint8)[...] = scratch[start - first : stop - first]

@@ -22,6 +22,7 @@ import tensorstore as ts
 from lazyckpt._array.geometry import bounds
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
+from lazyckpt._engine.raw import read_raw
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
@@ -357,6 +358,9 @@ class RangeArray(StoredArray):
         """The view's elements. Where the whole leading-dimension rows it touches are
         little more than the view (a few embedding rows), they are read as one byte
         range; otherwise by chunks."""
+        raw = read_raw(self, selection)
+        if raw is not None:  # a local file: straight into the result
+            return raw
         shape = selection.shape
         box = bounds(selection)
         if not self.shape or 0 in shape or any(high <= low for low, high in box):
