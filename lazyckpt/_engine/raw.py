@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.geometry import Box, bounds, product, to_stored
+from lazyckpt._array.geometry import Box, bounds, intersect, product, to_stored
 from lazyckpt._array.selection import Range, Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Destination, result_empty
@@ -62,6 +62,8 @@ def schedule_raw(
     boxes = [to_stored(array, mapping, d.region) for d in destinations]
     if any(not _long_runs(stored.shape, box, itemsize) for box in boxes):
         return False
+    if any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
+        return False  # overlapping boxes: the chunked path reads what they share once
     # Bytes land in the buffer in C order: it must be C-contiguous (a composed view's
     # part may be given a transposed view of its parent's buffer) and of this dtype.
     if any(
@@ -73,7 +75,7 @@ def schedule_raw(
         if destination.out_nbytes() == 0:
             continue
         buffer = destination.buffer().reshape(-1).view(np.uint8).data
-        for parts in _jobs(_runs(stored.shape, box, itemsize, start)):
+        for parts in _jobs(_runs(stored.shape, box, itemsize, start), _piece(scheduler)):
             remaining[0] += 1
             work = sum(length for _, _, length in parts)
 
@@ -82,7 +84,9 @@ def schedule_raw(
             ) -> ts.Future[None]:
                 return in_pool(lambda: _read(file, stored, parts, buffer))
 
-            scheduler.submit(start_job, finished, held=0, work=work)
+            # Held while in flight: where the buffer is a temporary (a cast, a shard on
+            # its way to a device), reads must not run ahead of what frees it.
+            scheduler.submit(start_job, finished, held=work, work=work)
     return True
 
 
@@ -103,7 +107,7 @@ def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray]
     file, start = source
     out = result_empty(tuple(high - low for low, high in box), stored.dtype)
     buffer = out.reshape(-1).view(np.uint8).data
-    jobs = list(_jobs(_runs(stored.shape, box, itemsize, start)))
+    jobs = list(_jobs(_runs(stored.shape, box, itemsize, start), PIECE))
     promise: ts.Promise[np.ndarray]
     future: ts.Future[np.ndarray]
     promise, future = ts.Promise.new()
@@ -163,25 +167,32 @@ def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator
         at += inner * itemsize
 
 
-def _jobs(runs: Iterator[Part]) -> Iterator[list[Part]]:
-    """Runs grouped, and long ones cut, into jobs of about `PIECE` bytes."""
+def _piece(scheduler: Scheduler) -> int:
+    """Bytes per job within `scheduler`'s budget: `PIECE`, or a block of a small one."""
+    return min(PIECE, max(MIN_RUN, scheduler.block_bytes))
+
+
+def _jobs(runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
+    """Runs grouped, and long ones cut, into jobs of about `piece` bytes."""
     job: list[Part] = []
     size = 0
     for file_at, buffer_at, length in runs:
         done = 0
         while done < length:
-            take = min(length - done, PIECE - size)
+            take = min(length - done, piece - size)
             job.append((file_at + done, buffer_at + done, take))
             size += take
             done += take
-            if size >= PIECE:
+            if size >= piece:
                 yield job
                 job, size = [], 0
     if job:
         yield job
 
 
-def _read(file: str, stored: StoredArray, parts: list[Part], buffer: memoryview) -> None:
+def _read(
+    file: str, stored: StoredArray, parts: list[Part], buffer: memoryview, what: str = ""
+) -> None:
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
@@ -191,11 +202,14 @@ def _read(file: str, stored: StoredArray, parts: list[Part], buffer: memoryview)
             done = 0
             while done < length:
                 got = os.preadv(fd, [buffer[buffer_at + done : buffer_at + length]], file_at + done)
-                if got == 0:
-                    raise CorruptCheckpointError(
-                        f"{file}: tensor {stored.key!r} needs bytes {file_at} to "
-                        f"{file_at + length}, but the file ends at byte {file_at + done}; it "
-                        "was truncated since it was opened, open it again"
+                if got == 0:  # (a changed file is said so by `read_error`)
+                    raise stored.read_error(
+                        CorruptCheckpointError(
+                            f"{file}: {what or repr(stored.key)} needs bytes {file_at} to "
+                            f"{file_at + length}, but the file ends at byte "
+                            f"{file_at + done}; it was truncated since it was opened, open "
+                            "it again"
+                        )
                     )
                 done += got
             count_direct(length)
@@ -235,36 +249,42 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
     for i, array in enumerate(arrays):
         values = np.empty(array.shape, array.dtype)
         out.append(values)
+        scheduler.guard.keep(values.nbytes)
         file, start = stored_array(array).raw_file() or ("", 0)
-        by_file.setdefault(file, []).append((start, start + values.nbytes, i))
+        if values.nbytes:  # (an empty tensor's offset means nothing: never read)
+            by_file.setdefault(file, []).append((start, start + values.nbytes, i))
+    piece = _piece(scheduler)
     for file, found in by_file.items():
         found.sort()
         batch: list[tuple[int, int, int]] = []
         for entry in found:
-            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > PIECE):
-                _submit_batch(file, arrays[batch[0][2]], batch, out, scheduler)
+            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
+                _submit_batch(
+                    file, arrays[batch[0][2]], arrays[batch[-1][2]], batch, out, scheduler
+                )
                 batch = []
             batch.append(entry)
         if batch:
-            _submit_batch(file, arrays[batch[0][2]], batch, out, scheduler)
+            _submit_batch(file, arrays[batch[0][2]], arrays[batch[-1][2]], batch, out, scheduler)
     return out
 
 
 def _submit_batch(
     file: str,
     first_array: ArrayView,
+    last_array: ArrayView,
     batch: list[tuple[int, int, int]],
     out: list[np.ndarray],
     scheduler: Scheduler,
 ) -> None:
     first = batch[0][0]
     size = max(stop for _, stop, _ in batch) - first
+    names = f"tensors {first_array.key!r} to {last_array.key!r}" if len(batch) > 1 else ""
 
     def job() -> None:
         scratch = np.empty(size, np.uint8)
-        _read(file, stored_array(first_array), [(first, 0, size)], scratch.data)
+        _read(file, stored_array(first_array), [(first, 0, size)], scratch.data, names)
         for start, stop, i in batch:
-            if stop > start:
-                out[i].reshape(-1).view(np.uint8)[...] = scratch[start - first : stop - first]
+            out[i].reshape(-1).view(np.uint8)[...] = scratch[start - first : stop - first]
 
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
