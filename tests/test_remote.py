@@ -370,26 +370,50 @@ def test_shards_left_without_their_index_can_be_saved_over(s3: Any) -> None:
         lazyckpt.save("s3://ckpts/fake", {"w": np.ones(2)}, format="safetensors", overwrite=True)
 
 
-_KILL_AT_WRITE = """
+_KILLED_OVERWRITE = """
 import os, sys
 import numpy as np
 import lazyckpt
 from lazyckpt._storage.bucket import BucketFolders
 
-url, form, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-write, count = BucketFolders.write_bytes, [0]
+url, form, at, copying = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "copying"
+write, counted = BucketFolders.write_bytes, []
 
-def killed_at(self, path, data):
-    count[0] += 1
-    if count[0] == at:
+def killed(self, path, data):
+    if not copying or counted or path.endswith(".lazyckpt-overwrite"):
+        counted.append(path)
+    # The `at`-th upload, or with `copying` the `at`-th after the overwrite marker's.
+    if len(counted) == at + copying:
         os._exit(9)  # as a SIGKILL: no clean-up runs
     write(self, path, data)
 
-BucketFolders.write_bytes = killed_at
+BucketFolders.write_bytes = killed
 new = {f"w{i}": np.full((64, 64), 100 + i, np.float32) for i in range(4)}
 shards = {"max_shard_size": 20_000} if form == "safetensors" else {}
 lazyckpt.save(url, new, format=form, overwrite=True, **shards)
 """
+
+
+def _killed_overwrite(
+    s3: Any, url: str, form: Literal["orbax", "safetensors"], at: int, *, copying: bool
+) -> dict[str, np.ndarray]:
+    """Save an old checkpoint at `url`, then run an overwrite of it in a child process
+    that kills itself at its `at`-th upload (see `_KILLED_OVERWRITE`); the old tree."""
+    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
+    shards: dict[str, Any] = {"max_shard_size": 20_000} if form == "safetensors" else {}
+    lazyckpt.save(url, old, format=form, **shards)
+    if copying:  # a file of the model folder that the overwrite keeps
+        s3.put_object(Bucket="ckpts", Key=f"{url.split('/', 3)[3]}/config.json", Body=b"{}")
+    where = "copying" if copying else "uploading"
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_OVERWRITE, url, form, str(at), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 9, done.stderr[-2000:]
+    return old
 
 
 @pytest.mark.parametrize(("form", "at"), [("safetensors", 3), ("safetensors", 6), ("orbax", 2)])
@@ -399,18 +423,8 @@ def test_an_overwrite_killed_in_a_bucket_keeps_the_old_checkpoint(
     """Killed at its `at`-th upload (the first is a write probe): after its first
     shard, before its index, after its data. The old model still opens whole, and the
     next overwrite succeeds."""
-    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
     url = f"s3://ckpts/killed-{form}-{at}"
-    shards: dict[str, Any] = {"max_shard_size": 20_000} if form == "safetensors" else {}
-    lazyckpt.save(url, old, format=form, **shards)
-    done = subprocess.run(
-        [sys.executable, "-c", _KILL_AT_WRITE, url, form, str(at)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 9, done.stderr[-2000:]
+    old = _killed_overwrite(s3, url, form, at, copying=False)
     assert_tree_equal(lazyckpt.load(lazyckpt.open(url)), old)
     staged = s3.list_objects_v2(Bucket="ckpts", Prefix=f"killed-{form}-{at}.orbax-checkpoint-tmp")
     assert staged["KeyCount"] > 0  # what the killed save wrote, never read
@@ -422,48 +436,14 @@ def test_an_overwrite_killed_in_a_bucket_keeps_the_old_checkpoint(
     assert staged["KeyCount"] == 0
 
 
-_KILL_WHILE_COPYING = """
-import os, sys
-import numpy as np
-import lazyckpt
-from lazyckpt._storage.bucket import BucketFolders
-
-url, form, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-write, after = BucketFolders.write_bytes, []
-
-def killed_while_copying(self, path, data):
-    if after and len(after) == at:
-        os._exit(9)  # as a SIGKILL: no clean-up runs
-    if after or path.endswith(".lazyckpt-overwrite"):
-        after.append(path)
-    write(self, path, data)
-
-BucketFolders.write_bytes = killed_while_copying
-new = {f"w{i}": np.full((64, 64), 100 + i, np.float32) for i in range(4)}
-shards = {"max_shard_size": 20_000} if form == "safetensors" else {}
-lazyckpt.save(url, new, format=form, overwrite=True, **shards)
-"""
-
-
 @pytest.mark.parametrize(("form", "at"), [("safetensors", 1), ("safetensors", 5), ("orbax", 2)])
 def test_an_overwrite_killed_while_copying_in_says_where_the_new_one_is(
     s3: Any, form: Literal["orbax", "safetensors"], at: int
 ) -> None:
     """Killed after the old checkpoint was deleted, while the staged new one was being
     copied in: open says where the complete new one is, and a save over it works."""
-    old = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(4)}
     url = f"s3://ckpts/swap-{form}-{at}"
-    shards: dict[str, Any] = {"max_shard_size": 20_000} if form == "safetensors" else {}
-    lazyckpt.save(url, old, format=form, **shards)
-    s3.put_object(Bucket="ckpts", Key=f"swap-{form}-{at}/config.json", Body=b"{}")
-    done = subprocess.run(
-        [sys.executable, "-c", _KILL_WHILE_COPYING, url, form, str(at)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 9, done.stderr[-2000:]
+    _killed_overwrite(s3, url, form, at, copying=True)
     with pytest.raises(
         lazyckpt.UnfinishedCheckpointError,
         match=r"interrupted while it copied the new checkpoint in; the complete new "

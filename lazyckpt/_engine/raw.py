@@ -138,15 +138,15 @@ def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray]
 
 
 def _long_runs(shape: Sequence[int], box: Box, itemsize: int) -> bool:
-    inner, count = _split(shape, box)
-    return count <= 1 or inner * itemsize >= MIN_RUN
-
-
-def _split(shape: Sequence[int], box: Box) -> tuple[int, int]:
-    """Elements per run of `box` (C order), and how many runs."""
-    last = max((d for d, (low, high) in enumerate(box) if (low, high) != (0, shape[d])), default=0)
+    last = _last_cut(shape, box)
     extents = [high - low for low, high in box]
-    return math.prod(extents[last:]), math.prod(extents[:last])
+    return math.prod(extents[:last]) <= 1 or math.prod(extents[last:]) * itemsize >= MIN_RUN
+
+
+def _last_cut(shape: Sequence[int], box: Box) -> int:
+    """The last dimension that `box` does not span whole: a run of consecutive bytes
+    is its extent there times the whole dimensions after it (C order)."""
+    return max((d for d, (low, high) in enumerate(box) if (low, high) != (0, shape[d])), default=0)
 
 
 def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator[Part]:
@@ -155,16 +155,16 @@ def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator
     if not shape:
         yield start, 0, itemsize
         return
-    last = max((d for d, (low, high) in enumerate(box) if (low, high) != (0, shape[d])), default=0)
-    inner, _ = _split(shape, box)
+    last = _last_cut(shape, box)
+    length = math.prod(high - low for low, high in box[last:]) * itemsize
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     lead = [range(low, high) for low, high in box[:last]]
     at = 0
     for index in product(lead) if lead else [()]:
         first = sum(i * s for i, s in zip(index, strides, strict=False))
         first += box[last][0] * strides[last]
-        yield start + first * itemsize, at, inner * itemsize
-        at += inner * itemsize
+        yield start + first * itemsize, at, length
+        at += length
 
 
 def _piece(scheduler: Scheduler) -> int:

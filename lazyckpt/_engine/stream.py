@@ -432,9 +432,10 @@ def _ts_jobs(
     """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
     stored = stored_array(array)
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    # Raw bytes in a local file are read by the view itself, straight into place.
-    raw = stored.inline is not None or stored.raw_file() is not None
-    opened = None if raw else stored.open()
+    # In-memory values, and raw bytes in a local file (straight into place), are read
+    # by the view itself.
+    by_view = stored.inline is not None or stored.raw_file() is not None
+    opened = None if by_view else stored.open()
     origins = view_origins(mapping, len(stored.shape))
     itemsize = stored.dtype.itemsize
     for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
