@@ -47,16 +47,16 @@ def materialize(plan: object, memory_budget: int | None, progress: bool | None, 
         for p in placements
         if p.sharding is None and not p.array.key_impl and is_small_raw(p.array)
     ]
-    for placement, values in zip(
-        small, read_small([p.array for p in small], scheduler), strict=True
-    ):
-        results[id(placement)] = values
+    small_values = read_small([p.array for p in small], scheduler)
+    read_whole = {id(p) for p in small}
     for placement in placements:
-        if placement.sharding is None and id(placement) not in results:
+        if placement.sharding is None and id(placement) not in read_whole:
             _schedule_load(placement, scheduler, results)
         elif placement.sharding is not None:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
+    for placement, values in zip(small, small_values, strict=True):
+        results[id(placement)] = values  # filled as their reads finished
     if bar is not None:
         bar.close()
     # Everything was read from the checkpoints as they were opened, or it is refused.

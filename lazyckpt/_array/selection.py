@@ -57,6 +57,11 @@ class Selection:
 
     stored: tuple[Stored, ...]
     view: tuple[ViewDim, ...]
+    shape: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+    """The view's shape, computed once: every verb asks it of every array, often."""
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self._dim_size(v) for v in self.view))
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)
@@ -66,10 +71,6 @@ class Selection:
             stored=tuple(Range(0, 1, int(n)) for n in shape),
             view=tuple(range(len(shape))),
         )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._dim_size(v) for v in self.view)
 
     def is_full(self, stored_shape: tuple[int, ...]) -> bool:
         """Whether this selects every element of a stored array of `stored_shape`, in

@@ -241,50 +241,66 @@ def is_small_raw(array: ArrayView) -> bool:
 
 def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.ndarray]:
     """The values of many small raw arrays (`is_small_raw`), read as a few large reads
-    per file: neighbouring arrays' bytes in one read of up to `PIECE` bytes, into one
-    scratch buffer, then copied out into a result array each (each its own memory, as
-    every other read's result). The per-array cost is a NumPy copy, not a read."""
-    out: list[np.ndarray] = []
+    per file: neighbouring arrays' bytes in one read of up to a piece, straight into
+    one buffer whose parts become the results, with no copy and no allocation per
+    array (each is a view of its batch's buffer, so one result kept alive keeps its
+    batch's few MiB). An array whose offset in the file does not suit its dtype's
+    alignment is copied out into its own memory. The list is filled as the reads
+    finish: read it after `scheduler.drain()`."""
+    out: list[np.ndarray] = [_EMPTY] * len(arrays)
     by_file: dict[str, list[tuple[int, int, int]]] = {}
     for i, array in enumerate(arrays):
-        values = np.empty(array.shape, array.dtype)
-        out.append(values)
-        scheduler.guard.keep(values.nbytes)
+        nbytes = array.nbytes
+        if not nbytes:  # (an empty tensor's offset means nothing: never read)
+            out[i] = np.empty(array.shape, array.dtype)
+            continue
         file, start = stored_array(array).raw_file() or ("", 0)
-        if values.nbytes:  # (an empty tensor's offset means nothing: never read)
-            by_file.setdefault(file, []).append((start, start + values.nbytes, i))
+        by_file.setdefault(file, []).append((start, start + nbytes, i))
     piece = _piece(scheduler)
     for file, found in by_file.items():
         found.sort()
         batch: list[tuple[int, int, int]] = []
         for entry in found:
             if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
-                _submit_batch(
-                    file, arrays[batch[0][2]], arrays[batch[-1][2]], batch, out, scheduler
-                )
+                _submit_batch(file, arrays, batch, out, scheduler)
                 batch = []
             batch.append(entry)
         if batch:
-            _submit_batch(file, arrays[batch[0][2]], arrays[batch[-1][2]], batch, out, scheduler)
+            _submit_batch(file, arrays, batch, out, scheduler)
     return out
+
+
+_EMPTY = np.empty(0)
+_ALIGN = 64
+"""A batch's buffer lies at the same offset modulo this as its bytes in the file, so
+that every array in it is as aligned in memory as it is in the file."""
 
 
 def _submit_batch(
     file: str,
-    first_array: ArrayView,
-    last_array: ArrayView,
+    arrays: Sequence[ArrayView],
     batch: list[tuple[int, int, int]],
     out: list[np.ndarray],
     scheduler: Scheduler,
 ) -> None:
     first = batch[0][0]
     size = max(stop for _, stop, _ in batch) - first
-    names = f"tensors {first_array.key!r} to {last_array.key!r}" if len(batch) > 1 else ""
+    names = (
+        f"tensors {arrays[batch[0][2]].key!r} to {arrays[batch[-1][2]].key!r}"
+        if len(batch) > 1
+        else ""
+    )
+    stored = stored_array(arrays[batch[0][2]])
+    scheduler.guard.keep(size)
 
     def job() -> None:
-        scratch = np.empty(size, np.uint8)
-        _read(file, stored_array(first_array), [(first, 0, size)], scratch.data, names)
+        memory = np.empty(size + _ALIGN, np.uint8)
+        pad = (first - memory.ctypes.data) % _ALIGN
+        buffer = memory[pad : pad + size]
+        _read(file, stored, [(first, 0, size)], buffer.data, names)
         for start, stop, i in batch:
-            out[i].reshape(-1).view(np.uint8)[...] = scratch[start - first : stop - first]
+            array = arrays[i]
+            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
+            out[i] = values if values.flags.aligned else values.copy()
 
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)

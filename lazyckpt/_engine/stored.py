@@ -241,5 +241,9 @@ def check_plain(array: ArrayView) -> None:
 def stores(arrays: Iterable[ArrayView]) -> Iterator[Store]:
     """The stores of every stored array that `arrays` (composed views too) read."""
     for array in arrays:
+        stored = array.stored
+        if isinstance(stored, StoredArray):  # (most arrays: no composed parts to walk)
+            yield stored.store
+            continue
         for part in sources(array):
             yield stored_array(part).store

@@ -92,7 +92,9 @@ def open_safetensors(path: str, *, flat: bool = False) -> Mapping[str, object]:
     folder, files, index = _files(path)
     weight_map = index[0] if index is not None else None
     tensors = from_one_generation(
-        folder, lambda generation: _tensors(folder, files, weight_map, generation), files
+        folder,
+        lambda generation: _tensors(folder, files, weight_map, generation, split=not flat),
+        files,
     )
     return tensors if flat else nest(tensors, path)
 
@@ -187,7 +189,11 @@ def _tensors(
     files: tuple[str, ...],
     weight_map: dict[str, str] | None,
     generation: tuple[object, ...],
+    *,
+    split: bool,
 ) -> dict[str, LazyArray]:
+    """The tensors by name, each a LazyArray whose key path is its name split on `.`
+    (`split`) or the name whole."""
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name != INDEX]
     headers = _headers(folder, shards, store)
@@ -210,7 +216,7 @@ def _tensors(
                 file=file,
             )
             by_name[tensor.name] = LazyArray(
-                path=(tensor.name,),
+                path=tuple(tensor.name.split(".")) if split else (tensor.name,),
                 stored=stored,
                 selection=Selection.full(tensor.shape),
                 dtype=tensor.dtype.newbyteorder("="),
@@ -292,6 +298,8 @@ def contiguous_chunks(
     >>> contiguous_chunks((50257, 768), 4), contiguous_chunks((4, 8, 1 << 20), 2)
     ((341, 768), (1, 1, 524288))
     """
+    if math.prod(shape) * itemsize <= target:  # (most tensors of a large MoE file)
+        return tuple(max(n, 1) for n in shape)
     chunks = list(shape)
     inner = itemsize
     for dim in range(len(shape) - 1, -1, -1):
@@ -405,7 +413,8 @@ def _indices(selection: Selection) -> list[np.ndarray]:
 
 
 def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
-    """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`.
+    """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`
+    (each LazyArray's path already is its name split on `.`).
     A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
     deep = next((name for name in tensors if name.count(".") >= MAX_DEPTH), None)
     if deep is not None:
@@ -415,10 +424,7 @@ def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
             "it with flat=True"
         )
     try:
-        return nested(
-            (tuple(name.split(".")), attrs.evolve(leaf, path=tuple(name.split("."))), name)
-            for name, leaf in tensors.items()
-        )
+        return nested((tuple(name.split(".")), leaf, name) for name, leaf in tensors.items())
     except PathClash as clash:
         raise CorruptCheckpointError(
             f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
