@@ -1,6 +1,7 @@
-"""Open / metadata of a 10,000-array checkpoint: lazyckpt.open against Orbax's metadata().
+"""Open / metadata of a 10,000-array checkpoint: lazyckpt.open against Orbax's metadata(),
+and the full restore of the same 10,000 small arrays to NumPy against Orbax's restore.
 
-    python benchmarks/bench_open.py [--root DIR] [--repeat N]
+    python benchmarks/bench_open.py [--root DIR] [--repeat N] [--restore-repeat N]
 
 The checkpoint: {layer_000..099: {p000..p099: f32[8]}}, 10,000 jax.Arrays saved by
 orbax-checkpoint (OCDBT, zarr v2). Each figure is the fastest of `--repeat` fresh processes (imports excluded), files in the page cache.
@@ -53,6 +54,34 @@ def lazy_open(path: str) -> dict[str, Any]:
     return measure(run, keep=True)
 
 
+def orbax_restore(path: str) -> dict[str, Any]:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+
+    def run() -> float:
+        tree = checkpointer.restore(path, restore_args=args)
+        return float(sum(float(leaf.sum()) for leaf in jax.tree.leaves(tree)))
+
+    return measure(run, keep=True)
+
+
+def lazy_load(path: str) -> dict[str, Any]:
+    import jax
+
+    import lazyckpt
+
+    def run() -> float:
+        tree = lazyckpt.load(lazyckpt.open(path))
+        return float(sum(float(leaf.sum()) for leaf in jax.tree.leaves(tree)))
+
+    return measure(run, keep=True)
+
+
 def lazy_display(path: str) -> dict[str, Any]:
     """Drawing the opened tree: lazyckpt's summary (text and HTML), and treescope."""
     import treescope
@@ -75,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="/tmp/lazyckpt-bench", type=Path)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--restore-repeat", type=int, default=2)
     args = parser.parse_args()
     path = args.root / "open_10k"
     print(f"machine: {machine()}\n{versions()}")
@@ -98,6 +128,22 @@ def main() -> None:
     print(
         f"lazyckpt.open is {ratio(best['orbax metadata()'], best['lazyckpt.open'])} faster "
         f"than orbax metadata() on {LAYERS * PARAMS:,} arrays"
+    )
+    restores: dict[str, list[dict[str, Any]]] = {"orbax restore": [], "lazyckpt open+load": []}
+    for _ in range(args.restore_repeat):
+        restores["orbax restore"].append(in_fresh_process(orbax_restore, str(path)))
+        restores["lazyckpt open+load"].append(in_fresh_process(lazy_load, str(path)))
+    total = {name: {r["result"] for r in rs} for name, rs in restores.items()}
+    assert total["orbax restore"] == total["lazyckpt open+load"], total
+    fast = {name: min(r["seconds"] for r in rs) for name, rs in restores.items()}
+    print(
+        f"\nfull restore of the {LAYERS * PARAMS:,} arrays to NumPy (best of {args.restore_repeat})"
+    )
+    for name, rs in restores.items():
+        print(f"{name:18} best {fast[name]:6.3f} s   {rs[0]['bytes_read']:,} bytes read")
+    print(
+        "lazyckpt open+load is "
+        f"{ratio(fast['orbax restore'], fast['lazyckpt open+load'])} faster than orbax restore"
     )
     print(f"\ndrawing the opened tree of {LAYERS * PARAMS:,} arrays (bytes read: array data)")
     for name, (seconds, size, reads) in in_fresh_process(lazy_display, str(path)).items():

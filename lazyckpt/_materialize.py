@@ -14,8 +14,8 @@ from lazyckpt._array.tree import map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import is_small_raw, read_small
 from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._engine.small import is_small, read_small
 from lazyckpt._engine.stored import stores
 from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
@@ -43,9 +43,7 @@ def materialize(plan: object, memory_budget: int | None, progress: bool | None, 
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, ReadResult] = {}
     small = [
-        p
-        for p in placements
-        if p.sharding is None and not p.array.key_impl and is_small_raw(p.array)
+        p for p in placements if p.sharding is None and not p.array.key_impl and is_small(p.array)
     ]
     small_values = read_small([p.array for p in small], scheduler)
     read_whole = {id(p) for p in small}

@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray
+from lazyckpt._engine import raw, small
+from lazyckpt._engine.decode import ChunkStream
 from lazyckpt._engine.stored import StoredArray, stored_array
 
 ROOT = Path(__file__).parent.parent
@@ -94,16 +96,58 @@ def reference_tree(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     }
 
 
-def refuse_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reader double: opening any stored array for reading fails the test.
+def data_reads(monkeypatch: pytest.MonkeyPatch, *, refuse: bool = False) -> list[str]:
+    """The keys of the stored arrays whose data is read from now on, by any path
+    (repeated where a path reads an array in parts); with `refuse`, any such read
+    fails the test instead.
 
-    Every read of array data, by any path, first opens the array.
+    Every read of array data goes through one of these: tensorstore's (which opens the
+    array first), lazyckpt's chunk decoder, positioned reads of raw bytes, or the
+    batched reads of small arrays.
     """
+    reads: list[str] = []
 
-    def refuse(self: StoredArray, *args: Any) -> Any:
-        raise AssertionError(f"array data of {self.key!r} was read")
+    def record(stored: StoredArray) -> None:
+        if refuse:
+            raise AssertionError(f"array data of {stored.key!r} was read")
+        reads.append(stored.key)
 
-    monkeypatch.setattr(StoredArray, "open", refuse)
+    real_open, real_parts = StoredArray.open, raw.read_parts
+    real_stream, real_coded, real_raw = ChunkStream.__init__, small._coded_batch, small._raw_batch
+
+    def opening(self: StoredArray) -> Any:
+        record(self)
+        return real_open(self)
+
+    def parts(file: str, stored: StoredArray, *args: Any) -> None:
+        record(stored)
+        real_parts(file, stored, *args)
+
+    def stream(self: ChunkStream, stored: StoredArray, *args: Any) -> None:
+        record(stored)
+        real_stream(self, stored, *args)
+
+    def coded(arrays: Any, batch: list[int], *args: Any) -> None:
+        for i in batch:
+            record(stored_array(arrays[i]))
+        real_coded(arrays, batch, *args)
+
+    def raw_batch(file: str, arrays: Any, batch: list[tuple[int, int, int]], *args: Any) -> None:
+        for _, _, i in batch:
+            record(stored_array(arrays[i]))
+        real_raw(file, arrays, batch, *args)
+
+    monkeypatch.setattr(StoredArray, "open", opening)
+    monkeypatch.setattr(raw, "read_parts", parts)
+    monkeypatch.setattr(ChunkStream, "__init__", stream)
+    monkeypatch.setattr(small, "_coded_batch", coded)
+    monkeypatch.setattr(small, "_raw_batch", raw_batch)
+    return reads
+
+
+def refuse_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader double: any read of array data fails the test (`data_reads`)."""
+    data_reads(monkeypatch, refuse=True)
 
 
 def host_value(value: Any) -> Any:

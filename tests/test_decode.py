@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt._engine import decode as _decode
+from lazyckpt._engine import small as _small
 from lazyckpt._engine.decode import ChunkStream
 from tests.helpers import LAYOUTS, assert_loaded, expected, orbax_save, rich_tree, rss_probe
 
@@ -43,6 +44,7 @@ def decoder(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         real(self, stored, *args)
 
     monkeypatch.setattr(_decode, "MIN_CHUNK_BYTES", 0)
+    monkeypatch.setattr(_small, "SMALL", -1)  # (no batches of small arrays either)
     monkeypatch.setattr(ChunkStream, "__init__", recording)
     yield decoded
 
@@ -72,6 +74,28 @@ def test_every_orbax_layout_decodes_to_the_saved_values(
         tree = lazyckpt.select(tree, lambda _, v: isinstance(v, jax.Array | np.ndarray))
     assert_loaded(lazyckpt.load(lazyckpt.open(paths[layout])), expected(tree))
     assert "sharded" in decoder and "dtypes/bf16" in decoder  # not tensorstore's path
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_orbax_layout_reads_small_arrays_in_batches(
+    layouts: tuple[dict[str, Any], dict[str, Path]], layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched reads of small arrays (`_engine.small`) decode every layout to the
+    saved values: zarr2 and zarr3, shards, subchunks, compressed or not."""
+    tree, paths = layouts
+    if layout in ("standard_checkpointer", "v1_api"):
+        tree = lazyckpt.select(tree, lambda _, v: isinstance(v, jax.Array | np.ndarray))
+    batched: list[str] = []
+    real = _small._coded_batch
+
+    def recording(arrays: Any, batch: list[int], *args: Any) -> None:
+        batched.extend(arrays[i].key for i in batch)
+        real(arrays, batch, *args)
+
+    monkeypatch.setattr(_small, "_coded_batch", recording)
+    assert_loaded(lazyckpt.load(lazyckpt.open(paths[layout])), expected(tree))
+    assert "sharded" in batched and "dtypes/bf16" in batched, batched
 
 
 def _views(array: lazyckpt.LazyArray) -> dict[str, lazyckpt.LazyArray]:

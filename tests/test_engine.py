@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt._array.geometry import chunk_blocks
-from tests.helpers import rss_probe, stored_chunk_bytes
+from lazyckpt._engine.stored import StoredArray
+from tests.helpers import LAYOUTS, rss_probe, stored_chunk_bytes
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,44 @@ def test_process_memory_stays_within_the_budget(wide: Path) -> None:
     placed = rss_probe(wide, "device_put", budget)
     assert placed["kept"] == 256 << 20
     assert placed["peak"] - placed["kept"] <= budget, placed
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["ocdbt_zarr2", "ocdbt_zarr3", "folders_zarr2", "uncompressed_folders", "subchunked_zarr2"],
+)
+def test_many_small_arrays_are_read_in_batches(
+    tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch, count_bytes: Any
+) -> None:
+    """A load of hundreds of small arrays opens no tensorstore array: their chunks are
+    read in batches and decoded by lazyckpt, each stored byte once, every value right
+    (dtypes, a scalar, an array of several chunks)."""
+    rng = np.random.default_rng(11)
+    tree: dict[str, Any] = {
+        f"p{i:03d}": rng.standard_normal((i % 7 + 1, 3)).astype(np.float32) for i in range(300)
+    }
+    tree["bf16"] = np.linspace(-2, 2, 10).astype(jnp.bfloat16)
+    tree["mask"] = np.arange(12).reshape(3, 4) % 3 == 0
+    tree["count"] = np.array(-7, np.int64)
+    tree["wide"] = np.arange(4096, dtype=np.int32).reshape(64, 64)  # several chunks
+    path = LAYOUTS[layout](tmp_path / "ckpt", tree)
+    lazy = lazyckpt.open(path)
+    opened: list[str] = []
+    real = StoredArray.open
+
+    def counted(self: StoredArray) -> Any:
+        opened.append(self.key)
+        return real(self)
+
+    monkeypatch.setattr(StoredArray, "open", counted)  # (tensorstore's path opens first)
+    with count_bytes() as read:
+        loaded = lazyckpt.load(lazy)
+    assert opened == [], opened[:5]
+    for key, value in tree.items():
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+        assert loaded[key].dtype == np.asarray(value).dtype and loaded[key].flags.writeable, key
+    if layout.startswith("ocdbt"):
+        stored = sum(
+            stored_chunk_bytes(path, leaf) for _, leaf in lazyckpt.leaves(lazy) if leaf.size
+        )
+        assert read[0] <= stored * 1.05 + (64 << 10), (read[0], stored)

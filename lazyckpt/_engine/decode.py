@@ -28,7 +28,7 @@ import zstandard
 from lazyckpt._array.geometry import Box, chunk_box
 from lazyckpt._array.view import Stored
 from lazyckpt._engine.memory import populate
-from lazyckpt._engine.stored import StoredArray
+from lazyckpt._engine.stored import Codec, StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import changed_error
 
@@ -225,26 +225,16 @@ class ChunkStream:
     def _locate(self) -> tuple[int, int | None] | None:
         """The byte range of the chunk's stored bytes in its key's value; None when it
         was never written."""
-        codec = self.codec
-        if codec.shard is None:
+        if self.codec.shard is None:
             return 0, None
-        position, count = codec.position_in_shard(self.index, self.stored.chunks)
-        size = 16 * count + (4 if codec.index_checksum else 0)
-        where = slice(-size, None) if codec.index_at_end else slice(0, size)
+        where = shard_index_range(self.codec, self.index, self.stored.chunks)
         result = self.stored.store.kvstore.read(self.key, byte_range=where).result()
         if result.state != "value":
             return None
-        raw = bytes(result.value)
-        if len(raw) != size:
-            raise self._fail(f"has a shard index of {len(raw)} bytes, expected {size}")
-        if codec.index_checksum:
-            (stored_crc,) = struct.unpack("<I", raw[-4:])
-            if crc32c(raw[:-4]) != stored_crc:
-                raise self._fail("has a shard index whose crc32c does not match")
-        offset, nbytes = struct.unpack_from(f"{codec.index_byteorder}QQ", raw, 16 * position)
-        if offset == _MISSING and nbytes == _MISSING:
-            return None
-        return offset, offset + nbytes
+        located = in_shard(self.codec, self.index, self.stored.chunks, bytes(result.value))
+        if isinstance(located, str):
+            raise self._fail(located)
+        return located
 
     def next(self, slab: Box, into: memoryview | None = None) -> np.ndarray | None:
         if not self._opened:
@@ -322,6 +312,32 @@ class ChunkStream:
             self._reader = None
         self._source = None
         self._scratch = None
+
+
+def shard_index_range(codec: Codec, index: tuple[int, ...], chunks: tuple[int, ...]) -> slice:
+    """The byte range of the index of the shard holding chunk `index`, in its key."""
+    _, count = codec.position_in_shard(index, chunks)
+    size = 16 * count + (4 if codec.index_checksum else 0)
+    return slice(-size, None) if codec.index_at_end else slice(0, size)
+
+
+def in_shard(
+    codec: Codec, index: tuple[int, ...], chunks: tuple[int, ...], raw: bytes
+) -> tuple[int, int] | str | None:
+    """Where chunk `index` lies in its shard, from the shard's index `raw`: its byte
+    range, None when it was never written, or what is wrong with the index."""
+    position, count = codec.position_in_shard(index, chunks)
+    size = 16 * count + (4 if codec.index_checksum else 0)
+    if len(raw) != size:
+        return f"has a shard index of {len(raw)} bytes, expected {size}"
+    if codec.index_checksum:
+        (stored_crc,) = struct.unpack("<I", raw[-4:])
+        if crc32c(raw[:-4]) != stored_crc:
+            return "has a shard index whose crc32c does not match"
+    offset, nbytes = struct.unpack_from(f"{codec.index_byteorder}QQ", raw, 16 * position)
+    if offset == _MISSING and nbytes == _MISSING:
+        return None
+    return offset, offset + nbytes
 
 
 def _crc32c_table() -> list[int]:

@@ -75,14 +75,14 @@ def schedule_raw(
         if destination.out_nbytes() == 0:
             continue
         buffer = destination.buffer().reshape(-1).view(np.uint8).data
-        for parts in _jobs(_runs(stored.shape, box, itemsize, start), _piece(scheduler)):
+        for parts in _jobs(_runs(stored.shape, box, itemsize, start), piece_bytes(scheduler)):
             remaining[0] += 1
             work = sum(length for _, _, length in parts)
 
             def start_job(
                 parts: list[Part] = parts, buffer: memoryview = buffer
             ) -> ts.Future[None]:
-                return in_pool(lambda: _read(file, stored, parts, buffer))
+                return in_pool(lambda: read_parts(file, stored, parts, buffer))
 
             # Held while in flight: where the buffer is a temporary (a cast, a shard on
             # its way to a device), reads must not run ahead of what frees it.
@@ -133,7 +133,7 @@ def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray]
             promise.set_result(out.reshape(selection.shape))
 
     for parts in jobs:
-        in_pool(functools.partial(_read, file, stored, parts, buffer)).add_done_callback(done)
+        in_pool(functools.partial(read_parts, file, stored, parts, buffer)).add_done_callback(done)
     return future
 
 
@@ -167,7 +167,7 @@ def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator
         at += length
 
 
-def _piece(scheduler: Scheduler) -> int:
+def piece_bytes(scheduler: Scheduler) -> int:
     """Bytes per job within `scheduler`'s budget: `PIECE`, or a block of a small one."""
     return min(PIECE, max(MIN_RUN, scheduler.block_bytes))
 
@@ -190,9 +190,12 @@ def _jobs(runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
         yield job
 
 
-def _read(
+def read_parts(
     file: str, stored: StoredArray, parts: list[Part], buffer: memoryview, what: str = ""
 ) -> None:
+    """Read each `(file offset, buffer offset, length)` of `parts` from `file` into
+    `buffer`; a file that ends too soon is an error naming `what` (default: the
+    array)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
@@ -217,90 +220,3 @@ def _read(
         raise stored.read_error(error) from None
     finally:
         os.close(fd)
-
-
-SMALL = 1 << 20
-"""Arrays up to this size that `load` reads whole are read in batches (`read_small`)."""
-
-GAP = 4 << 10
-"""Bytes between two small arrays in one file that one read spans rather than split."""
-
-
-def is_small_raw(array: ArrayView) -> bool:
-    """Whether `read_small` can read `array`: the whole of a small stored array that
-    lies as raw bytes in a local file, in its own dtype."""
-    stored = array.stored
-    if not hasattr(stored, "raw_file") or array.nbytes > SMALL:
-        return False
-    return (
-        stored_array(array).raw_file() is not None
-        and array.dtype == stored.dtype
-        and array.selection.is_full(stored.shape)
-    )
-
-
-def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.ndarray]:
-    """The values of many small raw arrays (`is_small_raw`), read as a few large reads
-    per file: neighbouring arrays' bytes in one read of up to a piece, straight into
-    one buffer whose parts become the results, with no copy and no allocation per
-    array (each is a view of its batch's buffer, so one result kept alive keeps its
-    batch's few MiB). An array whose offset in the file does not suit its dtype's
-    alignment is copied out into its own memory. The list is filled as the reads
-    finish: read it after `scheduler.drain()`."""
-    out: list[np.ndarray] = [_EMPTY] * len(arrays)
-    by_file: dict[str, list[tuple[int, int, int]]] = {}
-    for i, array in enumerate(arrays):
-        nbytes = array.nbytes
-        if not nbytes:  # (an empty tensor's offset means nothing: never read)
-            out[i] = np.empty(array.shape, array.dtype)
-            continue
-        file, start = stored_array(array).raw_file() or ("", 0)
-        by_file.setdefault(file, []).append((start, start + nbytes, i))
-    piece = _piece(scheduler)
-    for file, found in by_file.items():
-        found.sort()
-        batch: list[tuple[int, int, int]] = []
-        for entry in found:
-            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
-                _submit_batch(file, arrays, batch, out, scheduler)
-                batch = []
-            batch.append(entry)
-        if batch:
-            _submit_batch(file, arrays, batch, out, scheduler)
-    return out
-
-
-_EMPTY = np.empty(0)
-_ALIGN = 64
-"""A batch's buffer lies at the same offset modulo this as its bytes in the file, so
-that every array in it is as aligned in memory as it is in the file."""
-
-
-def _submit_batch(
-    file: str,
-    arrays: Sequence[ArrayView],
-    batch: list[tuple[int, int, int]],
-    out: list[np.ndarray],
-    scheduler: Scheduler,
-) -> None:
-    first = batch[0][0]
-    size = max(stop for _, stop, _ in batch) - first
-    names = (
-        f"tensors {arrays[batch[0][2]].key!r} to {arrays[batch[-1][2]].key!r}"
-        if len(batch) > 1
-        else ""
-    )
-    stored = stored_array(arrays[batch[0][2]])
-    scheduler.guard.keep(size)
-
-    def job() -> None:
-        memory = np.empty(size + _ALIGN, np.uint8)
-        pad = (first - memory.ctypes.data) % _ALIGN
-        buffer = memory[pad : pad + size]
-        _read(file, stored, [(first, 0, size)], buffer.data, names)
-        for start, stop, i in batch:
-            array = arrays[i]
-            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
-            out[i] = values if values.flags.aligned else values.copy()
-
-    scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)

@@ -1,0 +1,293 @@
+"""Many small whole arrays read as batches: a `load` of thousands of small arrays
+costs a few reads and a copy or a decode per array, not a tensorstore open, a future
+chain and a plan per array.
+
+- Raw arrays in a local file (safetensors tensors): neighbouring arrays' bytes are
+  one positioned read of up to a piece, straight into a buffer whose parts become the
+  results, with no copy and no allocation per array (`_raw_batch`).
+- Arrays whose chunks lazyckpt decodes (Orbax's zarr arrays, zstd or raw bytes, in
+  zarr3 shards or not): a batch's chunk keys are read in one tensorstore batch (OCDBT
+  serves the keys of one data file together; a shard's index first, then its chunks,
+  in a second batch), then decoded on the decoding threads into the results
+  (`_coded_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import tensorstore as ts
+import zstandard
+
+from lazyckpt._array.geometry import chunk_box, product
+from lazyckpt._array.view import ArrayView
+from lazyckpt._engine import raw
+from lazyckpt._engine.decode import in_shard, shard_index_range
+from lazyckpt._engine.scheduler import Scheduler, in_pool
+from lazyckpt._engine.stored import StoredArray, stored_array
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._storage.kvstore import changed_error
+
+SMALL = 1 << 20
+"""Arrays (and their chunks) up to this size that `load` reads whole are read in
+batches."""
+
+GAP = 4 << 10
+"""Bytes between two small raw arrays in one file that one read spans rather than
+split."""
+
+_ALIGN = 64
+"""A raw batch's buffer lies at the same offset modulo this as its bytes in the file,
+so that every array in it is as aligned in memory as it is in the file."""
+
+_EMPTY = np.empty(0)
+
+BATCH = 1024
+"""The most arrays in one batch: later batches' reads are issued while earlier ones
+decode."""
+
+
+def is_small(array: ArrayView) -> bool:
+    """Whether `read_small` reads `array`: the whole of a small stored array, in its
+    stored dtype, whose bytes lie raw in a local file or in chunks lazyckpt decodes."""
+    stored = array.stored
+    if (
+        not isinstance(stored, StoredArray)
+        or array.nbytes > SMALL
+        or array.dtype != stored.dtype
+        or not array.selection.is_full(stored.shape)
+    ):
+        return False
+    if stored.raw_file() is not None:
+        return True
+    codec = stored.codec
+    return (
+        codec is not None
+        and stored.inline is None
+        and math.prod(stored.chunks) * stored.dtype.itemsize <= SMALL
+    )
+
+
+def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.ndarray]:
+    """The values of many small arrays (`is_small`), read in batches of up to a piece
+    each. A raw result is a view of its batch's buffer, so one result kept alive keeps
+    its batch's few MiB; one whose offset in the file does not suit its dtype's
+    alignment is copied into its own memory. The list is filled as the reads finish:
+    read it after `scheduler.drain()`."""
+    out: list[np.ndarray] = [_EMPTY] * len(arrays)
+    by_file: dict[str, list[tuple[int, int, int]]] = {}
+    coded: list[int] = []
+    for i, array in enumerate(arrays):
+        stored = stored_array(array)
+        if not array.nbytes:  # (an empty array's offset or chunk means nothing)
+            out[i] = np.empty(array.shape, array.dtype)
+            continue
+        source = stored.raw_file()
+        if source is None:
+            coded.append(i)
+            continue
+        file, start = source
+        by_file.setdefault(file, []).append((start, start + array.nbytes, i))
+    piece = raw.piece_bytes(scheduler)
+    for file, found in by_file.items():
+        found.sort()
+        batch: list[tuple[int, int, int]] = []
+        for entry in found:
+            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
+                _raw_batch(file, arrays, batch, out, scheduler)
+                batch = []
+            batch.append(entry)
+        if batch:
+            _raw_batch(file, arrays, batch, out, scheduler)
+    chosen: list[int] = []
+    size = 0
+    for i in coded:
+        nbytes = _decoded_bytes(stored_array(arrays[i]))
+        if chosen and (size + nbytes > piece or len(chosen) == BATCH):
+            _coded_batch(arrays, chosen, out, scheduler)
+            chosen, size = [], 0
+        chosen.append(i)
+        size += nbytes
+    if chosen:
+        _coded_batch(arrays, chosen, out, scheduler)
+    return out
+
+
+def _raw_batch(
+    file: str,
+    arrays: Sequence[ArrayView],
+    batch: list[tuple[int, int, int]],
+    out: list[np.ndarray],
+    scheduler: Scheduler,
+) -> None:
+    first = batch[0][0]
+    size = max(stop for _, stop, _ in batch) - first
+    names = (
+        f"tensors {arrays[batch[0][2]].key!r} to {arrays[batch[-1][2]].key!r}"
+        if len(batch) > 1
+        else ""
+    )
+    stored = stored_array(arrays[batch[0][2]])
+    scheduler.guard.keep(size)
+
+    def job() -> None:
+        memory = np.empty(size + _ALIGN, np.uint8)
+        pad = (first - memory.ctypes.data) % _ALIGN
+        buffer = memory[pad : pad + size]
+        raw.read_parts(file, stored, [(first, 0, size)], buffer.data, names)
+        for start, stop, i in batch:
+            array = arrays[i]
+            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
+            out[i] = values if values.flags.aligned else values.copy()
+
+    scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
+
+
+def _decoded_bytes(stored: StoredArray) -> int:
+    """The bytes of all of an array's chunks, decoded (edge chunks whole)."""
+    count = math.prod(-(-n // c) for n, c in zip(stored.shape, stored.chunks, strict=True))
+    return count * math.prod(stored.chunks) * stored.dtype.itemsize
+
+
+_Read = tuple[int, tuple[int, ...], str, "ts.Future[ts.KvStore.ReadResult]"]
+"""A chunk's read: its array's position in the batch, its grid index, its store key,
+and the read of its stored bytes (for a chunk in a zarr3 shard, of the shard's index)."""
+
+
+def _coded_batch(
+    arrays: Sequence[ArrayView], batch: list[int], out: list[np.ndarray], scheduler: Scheduler
+) -> None:
+    results = sum(arrays[i].nbytes for i in batch)
+    scheduler.guard.keep(results)
+
+    def start() -> ts.Future[None]:
+        reads: list[_Read] = []
+        indexes: dict[tuple[int, str], ts.Future[ts.KvStore.ReadResult]] = {}
+        with ts.Batch() as together:
+            for i in batch:
+                stored = stored_array(arrays[i])
+                codec, kvstore = stored.codec, stored.store.kvstore
+                assert codec is not None
+                for index, key in _chunk_keys(stored):
+                    if codec.shard is None:
+                        read = kvstore.read(key, batch=together)
+                    else:  # (the chunks of one shard share one read of its index)
+                        where = shard_index_range(codec, index, stored.chunks)
+                        read = indexes.get((id(stored.store), key)) or kvstore.read(
+                            key, byte_range=where, batch=together
+                        )
+                        indexes[(id(stored.store), key)] = read
+                    reads.append((i, index, key, read))
+        return in_pool(lambda: _decode_batch(arrays, reads, out))
+
+    held = sum(_decoded_bytes(stored_array(arrays[i])) for i in batch)
+    scheduler.submit(start, lambda _: None, held=held, work=results)
+
+
+def _chunk_keys(stored: StoredArray) -> list[tuple[tuple[int, ...], str]]:
+    """Each chunk's grid index and store key (most small arrays are one chunk)."""
+    codec = stored.codec
+    assert codec is not None
+    grid = [range(-(-n // c)) for n, c in zip(stored.shape, stored.chunks, strict=True)]
+    if all(len(axis) == 1 for axis in grid):
+        index = (0,) * len(grid)
+        return [(index, codec.chunk_key(stored.name, index, stored.chunks))]
+    return [(index, codec.chunk_key(stored.name, index, stored.chunks)) for index in product(grid)]
+
+
+def _decode_batch(arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.ndarray]) -> None:
+    values = _values(arrays, reads)
+    decompressor = zstandard.ZstdDecompressor()
+    for (i, index, key, _), data in zip(reads, values, strict=True):
+        array = arrays[i]
+        stored = stored_array(array)
+        chunk = _chunk(stored, index, key, data, decompressor)
+        if stored.chunks == stored.shape:  # the chunk is the array
+            out[i] = chunk.astype(array.dtype)
+            continue
+        if out[i] is _EMPTY:
+            out[i] = np.empty(array.shape, array.dtype)
+        box = chunk_box(index, stored.chunks)
+        region = tuple(
+            slice(low, min(high, n)) for (low, high), n in zip(box, stored.shape, strict=True)
+        )
+        out[i][region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+
+
+def _values(arrays: Sequence[ArrayView], reads: list[_Read]) -> list[bytes | None]:
+    """Each chunk's stored bytes (None where it was never written): for chunks in
+    shards, read now from where their shards' indexes place them, in one batch."""
+    found: list[bytes | ts.Future[ts.KvStore.ReadResult] | None] = []
+    with ts.Batch() as together:
+        for i, index, key, read in reads:
+            stored = stored_array(arrays[i])
+            value = _wait(stored, read)
+            codec = stored.codec
+            assert codec is not None
+            if codec.shard is None or value is None:
+                found.append(value)
+                continue
+            located = in_shard(codec, index, stored.chunks, value)
+            if isinstance(located, str):
+                raise _fail(stored, index, key, located)
+            found.append(
+                None
+                if located is None
+                else stored.store.kvstore.read(key, byte_range=slice(*located), batch=together)
+            )
+    return [
+        _wait(stored_array(arrays[i]), value) if isinstance(value, ts.Future) else value
+        for (i, _, _, _), value in zip(reads, found, strict=True)
+    ]
+
+
+def _wait(stored: StoredArray, read: ts.Future[ts.KvStore.ReadResult]) -> bytes | None:
+    try:
+        result = read.result()
+    except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+        raise stored.read_error(error) from None
+    return bytes(result.value) if result.state == "value" else None
+
+
+def _chunk(
+    stored: StoredArray,
+    index: tuple[int, ...],
+    key: str,
+    data: bytes | None,
+    decompressor: zstandard.ZstdDecompressor,
+) -> np.ndarray:
+    """One whole chunk's values, in stored dimension order, from its stored bytes
+    (None: never written)."""
+    codec = stored.codec
+    assert codec is not None
+    if data is None:
+        if not stored.fill_missing:
+            raise _fail(
+                stored,
+                index,
+                key,
+                "is missing from the store, and this checkpoint writes every chunk",
+            )
+        return np.full(stored.chunks, codec.fill, stored.dtype)
+    total = math.prod(stored.chunks) * stored.dtype.itemsize
+    if codec.zstd:
+        try:
+            data = decompressor.decompress(data, max_output_size=total, allow_extra_data=False)
+        except zstandard.ZstdError as error:
+            raise _fail(stored, index, key, f"does not decode ({error})") from None
+    if len(data) != total:
+        raise _fail(stored, index, key, f"holds {len(data)} decoded bytes, expected {total}")
+    values = np.frombuffer(data, stored.dtype.newbyteorder(codec.byteorder))  # type: ignore[arg-type]
+    values = values.reshape([stored.chunks[d] for d in codec.order])
+    return values.transpose(np.argsort(codec.order))
+
+
+def _fail(stored: StoredArray, index: tuple[int, ...], key: str, what: str) -> LazyckptError:
+    if stored.store.changed():
+        return changed_error(stored.store.location)
+    return CorruptCheckpointError(
+        f"{stored.store.location}: array {stored.key!r} chunk {list(index)} (stored as "
+        f"{key!r}) {what}; the checkpoint's data is damaged, copy it again"
+    )
