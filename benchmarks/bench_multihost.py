@@ -1,6 +1,6 @@
 """Bytes each process reads in a 4-process restore: lazyckpt against Orbax.
 
-    python benchmarks/bench_multihost.py [--root DIR] [--processes N]
+    python benchmarks/bench_multihost.py [--root DIR] [--processes N] [--case columns|replicated]
 
 One process saves a (4096, 2048) float32 array (32 MiB) with orbax, sharded by rows
 over 8 devices (one 4 MiB chunk per shard). Then N processes with 4 CPU devices each
@@ -8,6 +8,12 @@ over 8 devices (one 4 MiB chunk per shard). Then N processes with 4 CPU devices 
 sharded by columns, so every shard needs every stored chunk: each process needs the
 rows of every chunk. Each restore is timed and its tensorstore byte counters read
 per process. Each tool restores twice, interleaved, and the second run is reported.
+
+`--case replicated` restores onto a ("data", "model") mesh of N x 4 devices, sharded
+by columns over "model" and so replicated across the processes ("data"), as data
+parallel training replicates parameters: Orbax, lazyckpt, and lazyckpt with
+`broadcast=True` (each chunk read by one process, carried to the others by an XLA
+all-reduce over gloo).
 """
 
 from __future__ import annotations
@@ -55,16 +61,23 @@ def _worker(config: dict[str, Any]) -> None:
         process_id=config["process"],
         coordinator_bind_address=address,
     )
-    from jax.sharding import NamedSharding
+    from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import lazyckpt
     from lazyckpt._storage.metrics import bytes_read
 
-    sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("d",)), P(None, "d"))
+    tools = ["orbax", "lazyckpt"]
+    if config["case"] == "replicated":
+        grid = (config["processes"], len(jax.devices()) // config["processes"])
+        mesh = jax.make_mesh(grid, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        sharding = NamedSharding(mesh, P(None, "model"))
+        tools.append("lazyckpt broadcast")
+    else:
+        sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("d",)), P(None, "d"))
     out: dict[str, Any] = {"process": config["process"]}
     # Each tool twice, interleaved; the second (warm) run of each is reported.
-    for tool in ("orbax", "lazyckpt", "orbax", "lazyckpt"):
+    for tool in tools + tools:
         before, start = bytes_read(), time.perf_counter()
         if tool == "orbax":
             import orbax.checkpoint as ocp
@@ -74,7 +87,9 @@ def _worker(config: dict[str, Any]) -> None:
                 config["path"], args=ocp.args.PyTreeRestore(restore_args=args)
             )["w"]
         else:
-            result = lazyckpt.device_put(lazyckpt.open(config["path"])["w"], sharding)
+            result = lazyckpt.device_put(
+                lazyckpt.open(config["path"])["w"], sharding, broadcast=tool.endswith("broadcast")
+            )
         jax.block_until_ready(result)
         out[tool] = {"read": bytes_read() - before, "seconds": time.perf_counter() - start}
     print(json.dumps(out), flush=True)
@@ -85,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="/tmp/lazyckpt-bench", type=Path)
     parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--case", choices=["columns", "replicated"], default="columns")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -106,7 +122,15 @@ def main() -> None:
                 sys.executable,
                 __file__,
                 "--worker",
-                json.dumps({"process": i, "processes": args.processes, "port": port, "path": path}),
+                json.dumps(
+                    {
+                        "process": i,
+                        "processes": args.processes,
+                        "port": port,
+                        "path": path,
+                        "case": args.case,
+                    }
+                ),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -122,20 +146,23 @@ def main() -> None:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
+    tools = [t for t in results[0] if t != "process"]
     print(f"checkpoint: {path}, {fmt_bytes(stored)} stored in 8 row chunks")
-    print(f"{args.processes} processes x 4 devices, restored sharded by columns")
-    print(
-        f"{'process':>8} {'orbax read':>14} {'x stored':>9} {'lazyckpt read':>14} {'x stored':>9}"
-    )
+    layout = "replicated across processes" if args.case == "replicated" else "sharded by columns"
+    print(f"{args.processes} processes x 4 devices, restored {layout}")
+    print(f"{'process':>8}" + "".join(f" {t + ' read':>24} {'x stored':>9}" for t in tools))
     for r in sorted(results, key=lambda r: r["process"]):
         print(
-            f"{r['process']:>8} {fmt_bytes(r['orbax']['read']):>14} "
-            f"{r['orbax']['read'] / stored:9.2f} {fmt_bytes(r['lazyckpt']['read']):>14} "
-            f"{r['lazyckpt']['read'] / stored:9.2f}"
+            f"{r['process']:>8}"
+            + "".join(f" {fmt_bytes(r[t]['read']):>24} {r[t]['read'] / stored:9.2f}" for t in tools)
         )
-    for tool in ("orbax", "lazyckpt"):
+    for tool in tools:
+        total = sum(r[tool]["read"] for r in results)
         slowest = max(r[tool]["seconds"] for r in results)
-        print(f"{tool}: slowest process {slowest:.2f} s")
+        print(
+            f"{tool}: all processes read {total / stored:.2f}x the stored bytes; slowest "
+            f"process {slowest:.2f} s"
+        )
 
 
 def _saved(path: str) -> dict[str, Any]:

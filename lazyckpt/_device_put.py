@@ -25,6 +25,7 @@ def device_put(
     mesh: Mesh | None = None,
     memory_budget: int | None = None,
     progress: bool | None = None,
+    broadcast: bool = False,
 ) -> Any:
     """Place the LazyArrays of `tree` on devices as `jax.Array`s, shard by shard.
 
@@ -68,6 +69,16 @@ def device_put(
             PartitionSpecs; default: the mesh of `jax.set_mesh`.
         memory_budget: As for `load`.
         progress: As for `load`.
+        broadcast: In a multi-process job (`jax.distributed`), read each stored
+            chunk that arrays replicated across processes need once in the whole
+            job, spread evenly over the processes, and carry it to every device that
+            needs it through JAX's collectives (an all-reduce in XLA) instead of
+            every process reading it. Every process must call it together. It pays
+            where the devices' interconnect is faster than storage (TPU and GPU
+            fleets reading from buckets); off by default, since on CPU hosts the
+            collectives can cost more than a second read. Complex, packed 4-bit and
+            (without x64) 8-byte dtypes, and arrays no process shares, are read as
+            without it.
 
     Returns:
         `jax.Array`s in the structure of `tree`, or of a target pytree.
@@ -106,4 +117,4 @@ def device_put(
         plan = match(
             tree, target, partial=partial, missing=missing, lossy_casts=lossy_casts, mesh=mesh
         )
-    return materialize(plan, memory_budget, progress, "lazyckpt device_put")
+    return materialize(plan, memory_budget, progress, "lazyckpt device_put", broadcast=broadcast)

@@ -11,6 +11,8 @@ from jax.sharding import Sharding
 
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import map_leaves
+from lazyckpt._broadcast import broadcastable
+from lazyckpt._broadcast import put as broadcast_put
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
@@ -28,8 +30,17 @@ ReadResult = Destination | np.ndarray | jax.Array
 shards placed on devices)."""
 
 
-def materialize(plan: object, memory_budget: int | None, progress: bool | None, label: str) -> Any:
-    """`plan` with every `Placement` read: onto its sharding, or into a NumPy array."""
+def materialize(
+    plan: object,
+    memory_budget: int | None,
+    progress: bool | None,
+    label: str,
+    *,
+    broadcast: bool = False,
+) -> Any:
+    """`plan` with every `Placement` read: onto its sharding, or into a NumPy array;
+    with `broadcast`, arrays replicated across processes are each read once by the
+    job and spread by JAX (`_broadcast`)."""
     placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
     bar = Progress.maybe(progress, total, label)
@@ -47,12 +58,16 @@ def materialize(plan: object, memory_budget: int | None, progress: bool | None, 
     ]
     small_values = read_small([p.array for p in small], scheduler)
     read_whole = {id(p) for p in small}
+    spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
+    by_broadcast = {id(p) for p in spread}
     for placement in placements:
         if placement.sharding is None and id(placement) not in read_whole:
             _schedule_load(placement, scheduler, results)
-        elif placement.sharding is not None:
+        elif placement.sharding is not None and id(placement) not in by_broadcast:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
+    if spread:
+        results.update(broadcast_put(spread, memory_budget, bar))
     for placement, values in zip(small, small_values, strict=True):
         results[id(placement)] = values  # filled as their reads finished
     if bar is not None:

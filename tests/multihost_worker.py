@@ -5,8 +5,14 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "restore", "path": P, "spec": [...], "seed": s}
   {"do": "save_disagree", "path": P}          (process 1 passes another tree)
   {"do": "put_disagree", "path": P}           (process 1 asks for another sharding)
+  {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
+   "broadcast": bool, "fail": i or None, "budget": bytes or None}
+                                              (device_put onto a ("data", "model")
+                                               mesh; process `fail` fails its reads)
+SPEC may also say "devices": the CPU devices of each process (default 4).
 Prints one JSON line per step: what it did, bytes read, the stored bytes of the
-chunks its devices need, and whether every local shard holds the right values.
+chunks its devices need, and whether every local shard holds the right values (for
+`broadcast`, bit for bit against a plain read of the same region).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ def _needed(kv: Any, lazy_and_indices: Any, itertools: Any) -> int:
 
 
 def main(config: dict[str, Any]) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    devices = config.get("devices", 4)
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -99,6 +106,8 @@ def main(config: dict[str, Any]) -> None:
                 sharding = NamedSharding(mesh(), spec(["d"] if me != 1 else [None, "d"]))
                 array = jax.make_array_from_callback(SHAPE, sharding, lambda i: values(0)[i])
                 lazyckpt.save(step["path"], {"w": array})
+            elif step["do"] == "broadcast":
+                out.update(_broadcast(step, me))
             elif step["do"] == "put_disagree":
                 lazy = lazyckpt.open(step["path"])["w"]
                 chosen = spec(["d"] if me != 1 else [None, "d"])
@@ -108,6 +117,45 @@ def main(config: dict[str, Any]) -> None:
             out["error"] = f"{type(error).__name__}: {error}"
         print(json.dumps(out), flush=True)
     jax.distributed.shutdown()
+
+
+def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+
+    import lazyckpt
+    from lazyckpt._engine.stored import StoredArray
+    from lazyckpt._storage.metrics import bytes_read
+
+    grid = jax.make_mesh(tuple(step["mesh"]), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    lazy = lazyckpt.open(step["path"])
+    chosen = {key: lazy[key] for key in step["specs"]}
+    shardings = {key: NamedSharding(grid, spec(s)) for key, s in step["specs"].items()}
+    if step.get("fail") == me:
+
+        def failing(self: Any) -> Any:
+            raise lazyckpt.CorruptCheckpointError(f"injected failure reading {self.key!r}")
+
+        StoredArray.open = failing  # type: ignore[method-assign]
+    before = bytes_read()
+    placed = lazyckpt.device_put(
+        chosen, shardings, broadcast=step["broadcast"], memory_budget=step.get("budget")
+    )
+    read = bytes_read() - before
+
+    def same_bits(a: Any, b: Any) -> bool:
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+    ok = all(
+        placed[key].sharding == shardings[key]
+        and all(
+            same_bits(s.data, chosen[key][s.index].get()) for s in placed[key].addressable_shards
+        )
+        for key in chosen
+    )
+    return {"read": read, "ok": ok}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
-from tests.helpers import stored_chunk_bytes
+from lazyckpt._broadcast import _parts
+from tests.helpers import chunked_save, stored_chunk_bytes
 
 
 def _assert_placed(array: jax.Array, sharding: jax.sharding.Sharding, want: np.ndarray) -> None:
@@ -228,3 +229,39 @@ def test_saved_shardings_needs_matching_axis_names(saved: tuple[Path, Any]) -> N
         r"P\('x', 'y'\) uses mesh axes \['x', 'y'\] that the given mesh",
     ):
         lazyckpt.device_put(lazy["params"]["dense"], lazyckpt.saved_shardings(mesh))
+
+
+def test_broadcast_parts_follow_the_stored_chunks(tmp_path: Path) -> None:
+    """`device_put(..., broadcast=True)` cuts each region into one part per replica
+    along stored chunk boundaries: the parts are disjoint, cover the region, and share
+    no chunk, so that each chunk is read by one process."""
+    value = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    w = lazyckpt.open(chunked_save(zarr3=False)(tmp_path / "ckpt", {"w": value}))["w"]
+    rows = w.chunks[0]
+    assert 1 < rows < 64, w.chunks
+    for region in (((0, 64), (0, 16)), ((8, 40), (4, 12)), ((3, 61), (0, 16))):
+        for count in (1, 2, 3, 4, 8, 16):
+            parts = _parts(w, region, count)
+            assert len(parts) == count
+            spans = [p for p in parts if p is not None]
+            assert all(p[1] == region[1] for p in spans)  # cut along the rows only
+            edges = [edge for p in spans for edge in p[0]]
+            assert edges[0] == region[0][0] and edges[-1] == region[0][1]
+            assert all(a == b for a, b in zip(edges[1:-1:2], edges[2::2], strict=True))
+            assert all(edge % rows == 0 for edge in edges[1:-1])  # on chunk boundaries
+    stacked = lazyckpt.stack([w, w])  # a composed view: cut evenly
+    assert [p[1] for p in _parts(stacked, ((0, 2), (0, 64), (0, 16)), 2) if p] == [
+        (0, 32),
+        (32, 64),
+    ]
+
+
+def test_broadcast_in_one_process_reads_as_without(saved: tuple[Path, Any]) -> None:
+    """With one process nothing is shared between processes: broadcast=True places
+    every array as device_put does without it."""
+    lazy = lazyckpt.open(saved[0])["params"]
+    sharding = NamedSharding(jax.make_mesh((4, 2), ("data", "model")), P(None, "model"))
+    kernel = lazy["dense"]["kernel"]
+    placed = lazyckpt.device_put(kernel, sharding, broadcast=True)
+    assert placed.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(placed), kernel.get())

@@ -42,12 +42,21 @@ def _results(out: str) -> list[dict[str, Any]]:
     return results
 
 
-def run_processes(count: int, steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Run `steps` in `count` worker processes; each worker's printed results."""
+def run_processes(
+    count: int, steps: list[dict[str, Any]], devices: int = 4
+) -> list[list[dict[str, Any]]]:
+    """Run `steps` in `count` worker processes of `devices` CPU devices each; each
+    worker's printed results."""
     port = _free_port()
     workers = []
     for process in range(count):
-        config = {"process": process, "processes": count, "port": port, "steps": steps}
+        config = {
+            "process": process,
+            "processes": count,
+            "port": port,
+            "steps": steps,
+            "devices": devices,
+        }
         workers.append(
             subprocess.Popen(
                 [sys.executable, "-m", "tests.multihost_worker", json.dumps(config)],
@@ -140,3 +149,60 @@ def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
         assert "device_put with the same tree and the same shardings" in put["error"]
         assert "disagree on the tree to save" in save["error"]
     assert not (tmp_path / "other").exists()
+
+
+def _replicated_checkpoint(path: Path) -> int:
+    """Arrays that a restore replicates across processes, saved by Orbax in chunks of
+    at most 32 KiB (special floats included, to check every bit); the stored bytes of
+    all their chunks."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((1024, 256), dtype=np.float32)
+    w[0, :5] = np.array([-0.0, np.nan, np.inf, -np.inf, 1e-45], np.float32)
+    tree = {
+        "w": w,
+        "h": rng.standard_normal((512, 512)).astype(jnp.bfloat16),
+        "m": rng.random((256, 256)) > 0.5,
+        "n": np.arange(8192, dtype=np.int32),
+    }
+    save_args = {key: ocp.SaveArgs(chunk_byte_size=32 << 10) for key in tree}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    keys = [k.decode() for k in kv.list().result()]
+    chunks = [k for k in keys if k.split("/")[-1] not in (".zarray", "zarr.json")]
+    assert len(chunks) > 40, chunks  # (each array in many chunks)
+    return sum(len(kv.read(k).result().value) for k in chunks)
+
+
+def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> None:
+    """4 processes x 2 devices on a ("data", "model") mesh, arrays replicated across
+    the processes' "data" axis: with broadcast=True the processes together read the
+    stored bytes once (each read by one process) and every device holds its shard bit
+    for bit; without it every process reads everything it needs (4x). A process that
+    fails its reads gives every process an error, not a hang."""
+    path = tmp_path / "ckpt"
+    stored = _replicated_checkpoint(path)
+    specs = {"w": [None, "model"], "h": [], "m": ["model", None], "n": []}
+    step = {"do": "broadcast", "path": str(path), "mesh": [4, 2], "specs": specs, "fail": None}
+    results = run_processes(
+        4,
+        [
+            {**step, "broadcast": True, "budget": 256 << 10},  # (an array per batch)
+            {**step, "broadcast": False},
+            {**step, "broadcast": True, "fail": 2},
+        ],
+        devices=2,
+    )
+    spread, each, failed = ([r[i] for r in results] for i in range(3))
+    assert all(r["error"] is None and r["ok"] for r in spread + each), spread + each
+    together = sum(r["read"] for r in spread)
+    assert together <= 1.05 * stored, (together, stored, [r["read"] for r in spread])
+    assert all(r["read"] > 0.1 * stored for r in spread), spread  # spread over all four
+    assert sum(r["read"] for r in each) >= 3.5 * stored, (each, stored)
+    assert "injected failure" in failed[2]["error"], failed[2]
+    for process in (0, 1, 3):
+        assert "process(es) [2] failed to read" in (failed[process]["error"] or ""), failed

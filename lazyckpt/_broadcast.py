@@ -1,0 +1,269 @@
+"""`device_put(..., broadcast=True)`: each stored chunk read by one process, then
+carried to every device that needs it by JAX's own collectives.
+
+An array whose target sharding replicates it across processes (a `NamedSharding`
+whose spec leaves out mesh axes that span several processes) is placed so:
+
+1. The devices holding one region of it form a group along the left-out axes (the
+   replica axes). The region is cut along its stored chunks into one part per
+   member, and each device's process reads only that device's part (`_plan`).
+2. Every device holds its region with its own part filled in and zeros elsewhere:
+   together, a global array with one leading dimension more, sharded over the
+   replica axes.
+3. A jitted maximum over that dimension, taken of the values' bits as unsigned
+   integers so that every bit pattern survives (-0.0, NaN payloads), with the target
+   as its output sharding, gives every device its whole region. XLA makes it one
+   all-reduce within each group, over the devices' interconnect.
+
+Before any data moves, the processes agree that every process read its parts (a
+small collective); a failure anywhere is an error on every process, never a hang in
+the all-reduce. Arrays are placed in batches that fit the memory budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lazyckpt._array.geometry import Box
+from lazyckpt._engine.fill import schedule_fill
+from lazyckpt._engine.memory import Destination, result_empty
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.scheduler import Scheduler
+from lazyckpt._errors import LazyckptError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._storage import multihost
+from lazyckpt._target import Placement
+
+
+@attrs.frozen(eq=False)
+class _Share:
+    """What one device holds before the all-reduce: its region of the array, and
+    the part of it that its process reads (None: nothing)."""
+
+    device: jax.Device
+    replica: int
+    region: Box
+    part: Box | None
+
+
+@attrs.frozen(eq=False)
+class _Plan:
+    placement: Placement
+    sharding: NamedSharding
+    spread: NamedSharding
+    """The sharding of the array of shares: the target's, after a leading dimension
+    sharded over the replica axes."""
+    replicas: int
+    shares: list[_Share]
+
+    def host_bytes(self) -> int:
+        itemsize = int(self.placement.array.dtype.itemsize)
+        regions = {(s.region, s.replica) for s in self.shares}
+        return sum(math.prod(high - low for low, high in r) for r, _ in regions) * itemsize
+
+
+def broadcastable(placement: Placement) -> bool:
+    """Whether `placement` is placed by broadcast: a NamedSharding that replicates the
+    array across processes, of a dtype whose bits a jitted maximum can carry."""
+    sharding = placement.sharding
+    if not isinstance(sharding, NamedSharding) or placement.array.key_impl:
+        return False
+    return _bits(placement.array.dtype) is not None and len(_replica_processes(sharding)) > 1
+
+
+def _replica_axes(sharding: NamedSharding) -> tuple[str, ...]:
+    used: set[str] = set()
+    for entry in sharding.spec:
+        if entry is None:
+            continue
+        used.update(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(a for a in sharding.mesh.axis_names if a not in used)
+
+
+def _replica_processes(sharding: NamedSharding) -> set[int]:
+    """The processes that the first replica group spans."""
+    axes = _replica_axes(sharding)
+    if not axes:
+        return set()
+    mesh = sharding.mesh
+    names = list(mesh.axis_names)
+    index = tuple(slice(None) if name in axes else 0 for name in names)
+    return {d.process_index for d in np.asarray(mesh.devices)[index].flat}
+
+
+_PACKED = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+"""Dtypes of less than a byte per value, which jax cannot reinterpret as integers."""
+
+
+def _bits(dtype: Any) -> Any:
+    """The unsigned integer type of `dtype`'s width, if jax can reinterpret it so;
+    None for complex numbers, packed types and (without x64) 8-byte ones."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return jnp.uint8
+    if dtype.kind not in "fiuV" or dtype.name in _PACKED:
+        return None
+    if dtype.itemsize == 8 and jax.dtypes.canonicalize_dtype(np.int64) != np.int64:
+        return None
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}.get(dtype.itemsize)
+
+
+def put(
+    placements: Sequence[Placement], memory_budget: int | None, bar: Progress | None
+) -> dict[int, jax.Array]:
+    """Place each of `placements` (all `broadcastable`) by broadcast; by `id`."""
+    plans = [_plan(p) for p in placements]
+    budget = Scheduler(memory_budget).budget
+    results: dict[int, jax.Array] = {}
+    batch: list[_Plan] = []
+    held = 0
+    for plan in plans:
+        if batch and held + plan.host_bytes() > budget:
+            results.update(_place(batch, memory_budget, bar))
+            batch, held = [], 0
+        batch.append(plan)
+        held += plan.host_bytes()
+    if batch:
+        results.update(_place(batch, memory_budget, bar))
+    return results
+
+
+def _plan(placement: Placement) -> _Plan:
+    array, sharding = placement.array, placement.sharding
+    assert isinstance(sharding, NamedSharding)
+    axes = _replica_axes(sharding)
+    replicas = math.prod(sharding.mesh.shape[a] for a in axes)
+    spec = (*sharding.spec, *(None,) * (array.ndim - len(sharding.spec)))
+    spread = NamedSharding(sharding.mesh, P(axes, *spec))
+    regions = sharding.addressable_devices_indices_map(array.shape)
+    positions = spread.addressable_devices_indices_map((replicas, *array.shape))
+    shares = []
+    for device, index in regions.items():
+        index = index if index is not None else (slice(None),) * array.ndim
+        region = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
+        position = positions[device]
+        replica = position[0].indices(replicas)[0] if position is not None else 0
+        part = _parts(array, region, replicas)[replica]
+        shares.append(_Share(device, replica, region, part))
+    return _Plan(placement, sharding, spread, replicas, shares)
+
+
+def _parts(array: LazyArray, region: Box, count: int) -> list[Box | None]:
+    """`region` cut into `count` parts (None: empty) along the dimension in which it
+    spans most stored chunks, on chunk boundaries where the view is a whole stored
+    array, so that no two parts share a chunk."""
+    if not region or any(low >= high for low, high in region):
+        return [None] * count
+    whole = array.sources == (array,) and array.selection.is_full(array.stored.shape)
+    chunks = array.chunks if whole else (1,) * array.ndim
+    cuts = [
+        sorted({low, high, *range((low // c + 1) * c, high, c)})
+        for (low, high), c in zip(region, chunks, strict=True)
+    ]
+    dim = max(range(len(region)), key=lambda d: (len(cuts[d]), -d))
+    cells = len(cuts[dim]) - 1
+    parts: list[Box | None] = []
+    for i in range(count):
+        first, last = i * cells // count, (i + 1) * cells // count
+        if first == last:
+            parts.append(None)
+            continue
+        box = list(region)
+        box[dim] = (cuts[dim][first], cuts[dim][last])
+        parts.append(tuple(box))
+    return parts
+
+
+def _place(
+    plans: list[_Plan], memory_budget: int | None, bar: Progress | None
+) -> dict[int, jax.Array]:
+    """Read this process's parts of `plans`, agree with every process that all
+    reads succeeded, then all-reduce each array into place."""
+    buffers: list[dict[tuple[Box, int], np.ndarray]] = []
+    failure: BaseException | None = None
+    try:
+        scheduler = Scheduler(memory_budget, bar)
+        for plan in plans:
+            buffers.append(_schedule(plan, scheduler))
+        scheduler.drain()
+    except Exception as error:  # noqa: BLE001 - agreed on below, then raised
+        failure = error
+    failed = multihost.any_failed(failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise LazyckptError(
+            f"device_put(broadcast=True): process(es) {failed} failed to read their part of "
+            f"{', '.join(repr(p.placement.array.key) for p in plans[:3])}"
+            f"{' and others' if len(plans) > 3 else ''}; nothing was placed. Their own "
+            "errors say why"
+        )
+    return {
+        id(plan.placement): _combine(plan, found)
+        for plan, found in zip(plans, buffers, strict=True)
+    }
+
+
+def _schedule(plan: _Plan, scheduler: Scheduler) -> dict[tuple[Box, int], np.ndarray]:
+    """Zeroed region buffers for `plan`'s shares, with reads of their parts into
+    them scheduled; by region and replica."""
+    array = plan.placement.array
+    buffers: dict[tuple[Box, int], np.ndarray] = {}
+    destinations = []
+    for share in plan.shares:
+        key = (share.region, share.replica)
+        if key in buffers:
+            continue
+        buffer = result_empty(tuple(high - low for low, high in share.region), array.dtype)
+        buffer[...] = 0
+        buffers[key] = buffer
+        scheduler.guard.keep(buffer.nbytes)
+        if share.part is None:
+            continue
+        inside = tuple(
+            slice(p0 - r0, p1 - r0)
+            for (p0, p1), (r0, _) in zip(share.part, share.region, strict=True)
+        )
+        destinations.append(Destination(share.part, array.dtype, out=buffer[inside]))
+    if destinations:
+        schedule_fill(array, destinations, scheduler, lambda: None)
+    return buffers
+
+
+def _combine(plan: _Plan, buffers: dict[tuple[Box, int], np.ndarray]) -> jax.Array:
+    array = plan.placement.array
+    shape = (plan.replicas, *array.shape)
+    used: set[tuple[Box, int]] = set()
+    shards = []
+    for share in plan.shares:
+        key = (share.region, share.replica)
+        shards.append(jax.device_put(buffers[key][None], share.device, may_alias=key not in used))
+        used.add(key)
+    spread = jax.make_array_from_single_device_arrays(shape, plan.spread, shards)
+    placed: jax.Array = _maximum(np.dtype(array.dtype).name, plan.sharding)(spread)
+    return placed
+
+
+@functools.cache
+def _maximum(dtype_name: str, sharding: NamedSharding) -> Any:
+    """A jitted maximum over the leading dimension, of the bits, onto `sharding`."""
+    dtype = jnp.dtype(dtype_name)
+    bits = _bits(dtype)
+
+    def combine(spread: jax.Array) -> jax.Array:
+        if dtype == jnp.bool_:
+            return jnp.max(spread.astype(bits), axis=0).astype(jnp.bool_)
+        unsigned = jax.lax.bitcast_convert_type(spread, bits)
+        return jax.lax.bitcast_convert_type(jnp.max(unsigned, axis=0), dtype)
+
+    return jax.jit(combine, out_shardings=sharding)
