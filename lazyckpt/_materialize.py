@@ -53,28 +53,58 @@ def materialize(
         )
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, ReadResult] = {}
-    small = [
-        p for p in placements if p.sharding is None and not p.array.key_impl and is_small(p.array)
-    ]
-    small_values = read_small([p.array for p in small], scheduler)
-    read_whole = {id(p) for p in small}
     spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
     by_broadcast = {id(p) for p in spread}
+    # Small whole arrays, to host or onto this process's devices alone, in batches.
+    small = [
+        p
+        for p in placements
+        if (p.sharding is None or p.sharding.is_fully_addressable)
+        and not p.array.key_impl
+        and is_small(p.array)
+    ]
+    to_host = [p for p in small if p.sharding is None]
+    host_values = read_small([p.array for p in to_host], scheduler)
+    read_whole = {id(p) for p in small}
     for placement in placements:
-        if placement.sharding is None and id(placement) not in read_whole:
+        if id(placement) in read_whole or id(placement) in by_broadcast:
+            continue
+        if placement.sharding is None:
             _schedule_load(placement, scheduler, results)
-        elif placement.sharding is not None and id(placement) not in by_broadcast:
+        else:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
+    for placement, values in zip(to_host, host_values, strict=True):
+        results[id(placement)] = values  # (filled as their reads finished)
+    _put_small([p for p in small if p.sharding is not None], scheduler, results)
     if spread:
         results.update(broadcast_put(spread, memory_budget, bar))
-    for placement, values in zip(small, small_values, strict=True):
-        results[id(placement)] = values  # filled as their reads finished
     if bar is not None:
         bar.close()
     # Everything was read from the checkpoints as they were opened, or it is refused.
     check_unchanged(stores(p.array for p in placements))
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
+
+
+def _put_small(
+    placements: list[Placement], scheduler: Scheduler, results: dict[int, ReadResult]
+) -> None:
+    """Read small arrays bound for devices in batches, each batch's host values
+    within the budget, then put each batch on its devices in one call."""
+    while placements:
+        size, count = 0, 0
+        while count < len(placements) and (
+            not count or size + placements[count].array.nbytes <= scheduler.budget
+        ):
+            size += placements[count].array.nbytes
+            count += 1
+        batch, placements = placements[:count], placements[count:]
+        values = read_small([p.array for p in batch], scheduler)
+        scheduler.drain()
+        placed = jax.device_put(values, [p.sharding for p in batch])
+        for placement, array in zip(batch, placed, strict=True):
+            results[id(placement)] = array
+        del values, placed
 
 
 def _result(results: dict[int, ReadResult], placement: Placement) -> np.ndarray | jax.Array:

@@ -200,9 +200,10 @@ def test_process_memory_stays_within_the_budget(wide: Path) -> None:
 def test_many_small_arrays_are_read_in_batches(
     tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch, count_bytes: Any
 ) -> None:
-    """A load of hundreds of small arrays opens no tensorstore array: their chunks are
-    read in batches and decoded by lazyckpt, each stored byte once, every value right
-    (dtypes, a scalar, an array of several chunks)."""
+    """A load (or a device_put onto this process's devices) of hundreds of small arrays
+    opens no tensorstore array: their chunks are read in batches and decoded by
+    lazyckpt, each stored byte once, every value right (dtypes, a scalar, an array of
+    several chunks)."""
     rng = np.random.default_rng(11)
     tree: dict[str, Any] = {
         f"p{i:03d}": rng.standard_normal((i % 7 + 1, 3)).astype(np.float32) for i in range(300)
@@ -232,3 +233,10 @@ def test_many_small_arrays_are_read_in_batches(
             stored_chunk_bytes(path, leaf) for _, leaf in lazyckpt.leaves(lazy) if leaf.size
         )
         assert read[0] <= stored * 1.05 + (64 << 10), (read[0], stored)
+    # Onto devices too, in batches within a small budget.
+    sharding = NamedSharding(jax.make_mesh((4, 2), ("a", "b")), P())
+    placed = lazyckpt.device_put(lazy, sharding, memory_budget=16 << 10)
+    assert opened == [], opened[:5]
+    for key, value in tree.items():
+        assert placed[key].sharding == sharding, key
+        np.testing.assert_array_equal(np.asarray(placed[key]), value, err_msg=key)
