@@ -46,14 +46,15 @@ from lazyckpt._target import Placement
 
 
 @attrs.frozen(eq=False)
-class _Share:
-    """What one device holds before the all-reduce: its region of the array, and
-    the part of it that its process reads (None: nothing)."""
+class _Region:
+    """One region of the array that this process's devices hold, and what it reads
+    of it: the parts of its local replicas (disjoint), read into one buffer that the
+    first of its devices adopts; its other devices start from zeros."""
 
-    device: jax.Device
-    replica: int
     region: Box
-    part: Box | None
+    devices: list[tuple[jax.Device, int]]
+    """Each device holding the region here, with its replica index."""
+    parts: list[Box]
 
 
 @attrs.frozen(eq=False)
@@ -64,12 +65,11 @@ class _Plan:
     """The sharding of the array of shares: the target's, after a leading dimension
     sharded over the replica axes."""
     replicas: int
-    shares: list[_Share]
+    regions: list[_Region]
 
     def host_bytes(self) -> int:
         itemsize = int(self.placement.array.dtype.itemsize)
-        regions = {(s.region, s.replica) for s in self.shares}
-        return sum(math.prod(high - low for low, high in r) for r, _ in regions) * itemsize
+        return sum(math.prod(high - low for low, high in r.region) for r in self.regions) * itemsize
 
 
 def broadcastable(placement: Placement) -> bool:
@@ -123,19 +123,28 @@ def put(
 ) -> dict[int, jax.Array]:
     """Place each of `placements` (all `broadcastable`) by broadcast; by `id`."""
     plans = [_plan(p) for p in placements]
+    # Each batch ends in collectives, so every process must cut the same batches: by
+    # the largest host bytes any process needs, within the smallest budget (in KiB).
     budget = Scheduler(memory_budget).budget
+    rows = multihost.gather([_kib(budget), *(_kib(plan.host_bytes()) for plan in plans)])
+    limit = min(row[0] for row in rows)
+    needs = [max(row[i + 1] for row in rows) for i in range(len(plans))]
     results: dict[int, jax.Array] = {}
     batch: list[_Plan] = []
     held = 0
-    for plan in plans:
-        if batch and held + plan.host_bytes() > budget:
+    for plan, need in zip(plans, needs, strict=True):
+        if batch and held + need > limit:
             results.update(_place(batch, memory_budget, bar))
             batch, held = [], 0
         batch.append(plan)
-        held += plan.host_bytes()
+        held += need
     if batch:
         results.update(_place(batch, memory_budget, bar))
     return results
+
+
+def _kib(nbytes: int) -> int:
+    return min(-(-nbytes // 1024), (1 << 31) - 1)  # (an int32 for the collective)
 
 
 def _plan(placement: Placement) -> _Plan:
@@ -145,43 +154,55 @@ def _plan(placement: Placement) -> _Plan:
     replicas = math.prod(sharding.mesh.shape[a] for a in axes)
     spec = (*sharding.spec, *(None,) * (array.ndim - len(sharding.spec)))
     spread = NamedSharding(sharding.mesh, P(axes, *spec))
-    regions = sharding.addressable_devices_indices_map(array.shape)
     positions = spread.addressable_devices_indices_map((replicas, *array.shape))
-    shares = []
-    for device, index in regions.items():
+    regions: dict[Box, _Region] = {}
+    for device, index in sharding.addressable_devices_indices_map(array.shape).items():
         index = index if index is not None else (slice(None),) * array.ndim
         region = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
         position = positions[device]
         replica = position[0].indices(replicas)[0] if position is not None else 0
+        if region not in regions:
+            regions[region] = _Region(region, [], [])
+        found = regions[region]
+        found.devices.append((device, replica))
         part = _parts(array, region, replicas)[replica]
-        shares.append(_Share(device, replica, region, part))
-    return _Plan(placement, sharding, spread, replicas, shares)
+        if part is not None and part not in found.parts:
+            found.parts.append(part)
+    return _Plan(placement, sharding, spread, replicas, list(regions.values()))
 
 
 def _parts(array: LazyArray, region: Box, count: int) -> list[Box | None]:
     """`region` cut into `count` parts (None: empty) along the dimension in which it
     spans most stored chunks, on chunk boundaries where the view is a whole stored
-    array, so that no two parts share a chunk."""
-    if not region or any(low >= high for low, high in region):
+    array, so that no two parts share a chunk; elsewhere evenly. A 0-d array is one
+    part, read by the first replica."""
+    if any(low >= high for low, high in region):
         return [None] * count
+    if not region:
+        return [(), *[None] * (count - 1)]
     whole = array.sources == (array,) and array.selection.is_full(array.stored.shape)
     chunks = array.chunks if whole else (1,) * array.ndim
-    cuts = [
-        sorted({low, high, *range((low // c + 1) * c, high, c)})
-        for (low, high), c in zip(region, chunks, strict=True)
-    ]
-    dim = max(range(len(region)), key=lambda d: (len(cuts[d]), -d))
-    cells = len(cuts[dim]) - 1
+    cells = [_cells(low, high, c) for (low, high), c in zip(region, chunks, strict=True)]
+    dim = max(range(len(region)), key=lambda d: (cells[d], -d))
+    (low, high), size, total = region[dim], chunks[dim], cells[dim]
+
+    def edge(k: int) -> int:  # the k-th edge between the dimension's cells
+        return low if k == 0 else high if k == total else (low // size + k) * size
+
     parts: list[Box | None] = []
     for i in range(count):
-        first, last = i * cells // count, (i + 1) * cells // count
-        if first == last:
-            parts.append(None)
-            continue
-        box = list(region)
-        box[dim] = (cuts[dim][first], cuts[dim][last])
-        parts.append(tuple(box))
+        first, last = i * total // count, (i + 1) * total // count
+        parts.append(
+            None
+            if first == last
+            else (*region[:dim], (edge(first), edge(last)), *region[dim + 1 :])
+        )
     return parts
+
+
+def _cells(low: int, high: int, chunk: int) -> int:
+    """How many cells of a grid of `chunk` the range `[low, high)` touches."""
+    return (high - 1) // chunk - low // chunk + 1
 
 
 def _place(
@@ -189,7 +210,7 @@ def _place(
 ) -> dict[int, jax.Array]:
     """Read this process's parts of `plans`, agree with every process that all
     reads succeeded, then all-reduce each array into place."""
-    buffers: list[dict[tuple[Box, int], np.ndarray]] = []
+    buffers: list[list[np.ndarray]] = []
     failure: BaseException | None = None
     try:
         scheduler = Scheduler(memory_budget, bar)
@@ -198,57 +219,60 @@ def _place(
         scheduler.drain()
     except Exception as error:  # noqa: BLE001 - agreed on below, then raised
         failure = error
-    failed = multihost.any_failed(failure is not None)
-    if failure is not None:
-        raise failure
-    if failed:
-        raise LazyckptError(
-            f"device_put(broadcast=True): process(es) {failed} failed to read their part of "
-            f"{', '.join(repr(p.placement.array.key) for p in plans[:3])}"
-            f"{' and others' if len(plans) > 3 else ''}; nothing was placed. Their own "
-            "errors say why"
-        )
+    agree_read(failure, [p.placement.array.key for p in plans])
     return {
         id(plan.placement): _combine(plan, found)
         for plan, found in zip(plans, buffers, strict=True)
     }
 
 
-def _schedule(plan: _Plan, scheduler: Scheduler) -> dict[tuple[Box, int], np.ndarray]:
-    """Zeroed region buffers for `plan`'s shares, with reads of their parts into
-    them scheduled; by region and replica."""
-    array = plan.placement.array
-    buffers: dict[tuple[Box, int], np.ndarray] = {}
-    destinations = []
-    for share in plan.shares:
-        key = (share.region, share.replica)
-        if key in buffers:
-            continue
-        buffer = result_empty(tuple(high - low for low, high in share.region), array.dtype)
-        buffer[...] = 0
-        buffers[key] = buffer
-        scheduler.guard.keep(buffer.nbytes)
-        if share.part is None:
-            continue
-        inside = tuple(
-            slice(p0 - r0, p1 - r0)
-            for (p0, p1), (r0, _) in zip(share.part, share.region, strict=True)
+def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
+    """Raise on every process if the reads of `keys` failed on any (a collective):
+    the failing process's own error there, a `LazyckptError` naming it elsewhere."""
+    failed = multihost.any_failed(failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise LazyckptError(
+            f"device_put(broadcast=True): process(es) {failed} failed to read their part of "
+            f"{', '.join(repr(k) for k in keys[:3])}{' and others' if len(keys) > 3 else ''}; "
+            "nothing was placed. Their own errors say why"
         )
-        destinations.append(Destination(share.part, array.dtype, out=buffer[inside]))
+
+
+def _schedule(plan: _Plan, scheduler: Scheduler) -> list[np.ndarray]:
+    """A zeroed buffer per region of `plan`, with reads of its parts into it
+    scheduled."""
+    array = plan.placement.array
+    buffers = []
+    destinations = []
+    for found in plan.regions:
+        region = found.region
+        buffer = result_empty(tuple(high - low for low, high in region), array.dtype)
+        buffer[...] = 0
+        buffers.append(buffer)
+        scheduler.guard.keep(buffer.nbytes)
+        for part in found.parts:
+            inside = tuple(
+                slice(p0 - r0, p1 - r0) for (p0, p1), (r0, _) in zip(part, region, strict=True)
+            )
+            view: tuple[Any, ...] = (*inside, ...)  # (a view, 0-d too: `buffer[()]` is a scalar)
+            destinations.append(Destination(part, array.dtype, out=buffer[view]))
     if destinations:
         schedule_fill(array, destinations, scheduler, lambda: None)
     return buffers
 
 
-def _combine(plan: _Plan, buffers: dict[tuple[Box, int], np.ndarray]) -> jax.Array:
+def _combine(plan: _Plan, buffers: list[np.ndarray]) -> jax.Array:
+    """The all-reduce: each region's buffer on its first device (adopted on CPU),
+    zeros on its other devices here."""
     array = plan.placement.array
-    shape = (plan.replicas, *array.shape)
-    used: set[tuple[Box, int]] = set()
     shards = []
-    for share in plan.shares:
-        key = (share.region, share.replica)
-        shards.append(jax.device_put(buffers[key][None], share.device, may_alias=key not in used))
-        used.add(key)
+    for found, buffer in zip(plan.regions, buffers, strict=True):
+        zeros = np.zeros((1, *buffer.shape), buffer.dtype)  # (pages untouched until copied)
+        for i, (device, _) in enumerate(found.devices):
+            shards.append(jax.device_put(buffer[None] if i == 0 else zeros, device, may_alias=True))
+    shape = (plan.replicas, *array.shape)
     spread = jax.make_array_from_single_device_arrays(shape, plan.spread, shards)
     placed: jax.Array = _maximum(np.dtype(array.dtype).name, plan.sharding)(spread)
     return placed

@@ -11,7 +11,7 @@ from jax.sharding import Sharding
 
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import map_leaves
-from lazyckpt._broadcast import broadcastable
+from lazyckpt._broadcast import agree_read, broadcastable
 from lazyckpt._broadcast import put as broadcast_put
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
@@ -48,14 +48,41 @@ def materialize(
     if on_devices:
         multihost.agree(
             "the arrays and shardings to place",
-            "\n".join(_describe(p) for p in on_devices),
-            "every process must call device_put with the same tree and the same shardings",
+            "\n".join([f"broadcast={broadcast}", *(_describe(p) for p in on_devices)]),
+            "every process must call device_put with the same tree, the same shardings "
+            "and the same broadcast=",
         )
+    spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
+    for placement in spread:  # (a sharding that cannot lay it out fails on every process)
+        assert placement.sharding is not None
+        _regions(placement.array, placement.sharding)
     scheduler = Scheduler(memory_budget, bar)
     results: dict[int, ReadResult] = {}
-    spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
-    by_broadcast = {id(p) for p in spread}
-    # Small whole arrays, to host or onto this process's devices alone, in batches.
+    failure: Exception | None = None
+    try:
+        _read_here(placements, {id(p) for p in spread}, scheduler, results)
+    except Exception as error:
+        if not spread:
+            raise
+        failure = error  # (raised once every process knows, before any collective)
+    if spread:
+        agree_read(failure, [p.array.key for p in spread])
+        results.update(broadcast_put(spread, memory_budget, bar))
+    if bar is not None:
+        bar.close()
+    # Everything was read from the checkpoints as they were opened, or it is refused.
+    check_unchanged(stores(p.array for p in placements))
+    return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
+
+
+def _read_here(
+    placements: list[Placement],
+    skip: set[int],
+    scheduler: Scheduler,
+    results: dict[int, ReadResult],
+) -> None:
+    """Read every placement but those in `skip` (by `id`) by this process alone:
+    small whole arrays in batches, the others each on its own."""
     small = [
         p
         for p in placements
@@ -67,7 +94,7 @@ def materialize(
     host_values = read_small([p.array for p in to_host], scheduler)
     read_whole = {id(p) for p in small}
     for placement in placements:
-        if id(placement) in read_whole or id(placement) in by_broadcast:
+        if id(placement) in read_whole or id(placement) in skip:
             continue
         if placement.sharding is None:
             _schedule_load(placement, scheduler, results)
@@ -77,13 +104,6 @@ def materialize(
     for placement, values in zip(to_host, host_values, strict=True):
         results[id(placement)] = values  # (filled as their reads finished)
     _put_small([p for p in small if p.sharding is not None], scheduler, results)
-    if spread:
-        results.update(broadcast_put(spread, memory_budget, bar))
-    if bar is not None:
-        bar.close()
-    # Everything was read from the checkpoints as they were opened, or it is refused.
-    check_unchanged(stores(p.array for p in placements))
-    return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 
 def _put_small(

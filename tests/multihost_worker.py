@@ -6,7 +6,8 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "save_disagree", "path": P}          (process 1 passes another tree)
   {"do": "put_disagree", "path": P}           (process 1 asks for another sharding)
   {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
-   "broadcast": bool, "fail": i or None, "budget": bytes or None}
+   "broadcast": bool, "fail": i or None, "budget": bytes or None,
+   "broadcast_of": {i: bool}, "budget_of": {i: bytes}}   (per-process overrides)
                                               (device_put onto a ("data", "model")
                                                mesh; process `fail` fails its reads)
 SPEC may also say "devices": the CPU devices of each process (default 4).
@@ -139,9 +140,9 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
 
         StoredArray.open = failing  # type: ignore[method-assign]
     before = bytes_read()
-    placed = lazyckpt.device_put(
-        chosen, shardings, broadcast=step["broadcast"], memory_budget=step.get("budget")
-    )
+    flag = step.get("broadcast_of", {}).get(str(me), step["broadcast"])
+    budget = step.get("budget_of", {}).get(str(me), step.get("budget"))
+    placed = lazyckpt.device_put(chosen, shardings, broadcast=flag, memory_budget=budget)
     read = bytes_read() - before
 
     def same_bits(a: Any, b: Any) -> bool:

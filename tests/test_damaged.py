@@ -296,6 +296,22 @@ def test_unsupported_value_type(small: Path) -> None:
         lazyckpt.open(small)
 
 
+def test_a_zstd_frame_declaring_another_size_is_refused_before_decoding(
+    folders_copy: Path,
+) -> None:
+    """A small array's chunk replaced by a zstd frame that declares 64 MiB: refused by
+    its header, before anything is decoded (the batched path decoded it all first)."""
+    import zstandard
+
+    lazy = lazyckpt.open(folders_copy)
+    chunk = folders_copy / "w" / "0.0"
+    chunk.write_bytes(zstandard.ZstdCompressor().compress(bytes(64 << 20)))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"array 'w' chunk \[0, 0\].*zstd frame of 67108864 bytes"
+    ):
+        lazyckpt.load(lazy["w"])
+
+
 def test_damaged_chunks_fail_load_device_put_and_streaming_alike(folders_copy: Path) -> None:
     lazy = lazyckpt.open(folders_copy)
     chunk = folders_copy / "w" / "0.0"

@@ -146,15 +146,16 @@ def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
         assert "cannot create the folder it goes in" in unwritable["error"], unwritable
         assert put["error"].startswith("TreeMismatchError: the 2 processes disagree on the")
         assert "process(es) [1] differ from process 0" in put["error"]
-        assert "device_put with the same tree and the same shardings" in put["error"]
+        assert "device_put with the same tree, the same shardings" in put["error"]
         assert "disagree on the tree to save" in save["error"]
     assert not (tmp_path / "other").exists()
 
 
-def _replicated_checkpoint(path: Path) -> int:
-    """Arrays that a restore replicates across processes, saved by Orbax in chunks of
-    at most 32 KiB (special floats included, to check every bit); the stored bytes of
-    all their chunks."""
+def _replicated_checkpoint(path: Path) -> dict[str, int]:
+    """Arrays that a restore replicates across processes (and one it shards over
+    every device, and one no mesh axis here divides), saved by Orbax in chunks of at
+    most 32 KiB, special floats included to check every bit; the stored bytes of each
+    array's chunks."""
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     import tensorstore as ts
@@ -167,42 +168,62 @@ def _replicated_checkpoint(path: Path) -> int:
         "h": rng.standard_normal((512, 512)).astype(jnp.bfloat16),
         "m": rng.random((256, 256)) > 0.5,
         "n": np.arange(8192, dtype=np.int32),
+        "s": np.array(-3.5, np.float32),
+        "c": rng.standard_normal((4096, 8), dtype=np.float32),
+        "u": np.arange(15, dtype=np.float32).reshape(5, 3),
     }
     save_args = {key: ocp.SaveArgs(chunk_byte_size=32 << 10) for key in tree}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
-    keys = [k.decode() for k in kv.list().result()]
-    chunks = [k for k in keys if k.split("/")[-1] not in (".zarray", "zarr.json")]
-    assert len(chunks) > 40, chunks  # (each array in many chunks)
-    return sum(len(kv.read(k).result().value) for k in chunks)
+    stored = dict.fromkeys(tree, 0)
+    for key in (k.decode() for k in kv.list().result()):
+        name, leaf = key.split("/", 1)
+        if leaf not in (".zarray", "zarr.json"):
+            stored[name] += len(kv.read(key).result().value)
+    return stored
 
 
 def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> None:
     """4 processes x 2 devices on a ("data", "model") mesh, arrays replicated across
-    the processes' "data" axis: with broadcast=True the processes together read the
-    stored bytes once (each read by one process) and every device holds its shard bit
-    for bit; without it every process reads everything it needs (4x). A process that
-    fails its reads gives every process an error, not a hang."""
+    the processes' "data" axis (a scalar too): with broadcast=True the processes
+    together read the stored bytes once (each chunk by one process) and every device
+    holds its shard bit for bit, even when the processes' budgets differ; without it
+    every process reads everything it needs (4x). A process failing its reads (on
+    the path without broadcast, or on its part), a process asking for another
+    broadcast=, and a sharding no mesh axis divides each give every process an
+    error, not a hang."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
-    specs = {"w": [None, "model"], "h": [], "m": ["model", None], "n": []}
+    specs = {
+        "w": [None, "model"],
+        "h": [],
+        "m": ["model", None],
+        "n": [],
+        "s": [],
+        "c": ["data", "model"],  # (no replicas: read as without broadcast)
+    }
     step = {"do": "broadcast", "path": str(path), "mesh": [4, 2], "specs": specs, "fail": None}
     results = run_processes(
         4,
         [
-            {**step, "broadcast": True, "budget": 256 << 10},  # (an array per batch)
+            {**step, "broadcast": True, "budget": 256 << 10, "budget_of": {"0": 64 << 10}},
             {**step, "broadcast": False},
             {**step, "broadcast": True, "fail": 2},
+            {**step, "broadcast": True, "broadcast_of": {"1": False}},
+            {**step, "broadcast": True, "specs": {"u": ["model"]}},
         ],
         devices=2,
     )
-    spread, each, failed = ([r[i] for r in results] for i in range(3))
+    spread, each, failed, differ, uneven = ([r[i] for r in results] for i in range(5))
     assert all(r["error"] is None and r["ok"] for r in spread + each), spread + each
+    total = sum(stored[key] for key in specs)
     together = sum(r["read"] for r in spread)
-    assert together <= 1.05 * stored, (together, stored, [r["read"] for r in spread])
-    assert all(r["read"] > 0.1 * stored for r in spread), spread  # spread over all four
-    assert sum(r["read"] for r in each) >= 3.5 * stored, (each, stored)
+    assert together <= 1.05 * total, (together, total, [r["read"] for r in spread])
+    assert all(r["read"] > 0.1 * total for r in spread), spread  # spread over all four
+    assert sum(r["read"] for r in each) >= 3.5 * (total - stored["c"]), (each, stored)
     assert "injected failure" in failed[2]["error"], failed[2]
     for process in (0, 1, 3):
         assert "process(es) [2] failed to read" in (failed[process]["error"] or ""), failed
+    assert all("TreeMismatchError" in (r["error"] or "") for r in differ), differ
+    assert all("ShardingError" in (r["error"] or "") for r in uneven), uneven

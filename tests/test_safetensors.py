@@ -531,6 +531,18 @@ def test_small_tensors_are_read_into_their_results_without_a_copy(tmp_path: Path
     assert probe["peak"] <= data + 20_000 * 800, probe
 
 
+def test_a_small_tensor_loaded_twice_is_two_arrays(tmp_path: Path) -> None:
+    """Tied weights: one tensor at two places of a tree loads as two arrays that do
+    not share memory, as any other read's results."""
+    path = tmp_path / "tied.safetensors"
+    save_file({"embed": np.arange(12, dtype=np.float32), "b": np.ones(3, np.float32)}, str(path))
+    lazy = lazyckpt.open(path)
+    loaded = lazyckpt.load({"embed": lazy["embed"], "head": lazy["embed"], "b": lazy["b"]})
+    assert not np.shares_memory(loaded["embed"], loaded["head"])
+    loaded["embed"][0] = 99
+    np.testing.assert_array_equal(loaded["head"], np.arange(12, dtype=np.float32))
+
+
 def test_small_tensors_at_unaligned_offsets_are_aligned_results(tmp_path: Path) -> None:
     """A file whose tensors are packed without padding (a u8 tensor of 3 bytes, then
     float32 and float64 tensors at odd offsets), as the format allows: each result is

@@ -137,10 +137,14 @@ def _raw_batch(
         pad = (first - memory.ctypes.data) % _ALIGN
         buffer = memory[pad : pad + size]
         raw.read_parts(file, stored, [(first, 0, size)], buffer.data, names)
+        seen: set[tuple[int, int]] = set()
         for start, stop, i in batch:
             array = arrays[i]
             values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
-            out[i] = values if values.flags.aligned else values.copy()
+            # (one tensor asked for twice, tied weights: the second its own copy)
+            alone = values.flags.aligned and (start, stop) not in seen
+            out[i] = values if alone else values.copy()
+            seen.add((start, stop))
 
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
 
@@ -182,7 +186,9 @@ def _coded_batch(
                     reads.append((i, index, key, read))
         return in_pool(lambda: _decode_batch(arrays, reads, out))
 
-    held = sum(_decoded_bytes(stored_array(arrays[i])) for i in batch)
+    # Held while in flight: tensorstore's copy of the stored bytes and the decoded
+    # ones, beside the results (counted above).
+    held = 2 * sum(_decoded_bytes(stored_array(arrays[i])) for i in batch)
     scheduler.submit(start, lambda _: None, held=held, work=results)
 
 
@@ -204,8 +210,8 @@ def _decode_batch(arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.
         array = arrays[i]
         stored = stored_array(array)
         chunk = _chunk(stored, index, key, data, decompressor)
-        if stored.chunks == stored.shape:  # the chunk is the array
-            out[i] = chunk.astype(array.dtype)
+        if stored.chunks == stored.shape:  # the chunk is the array: a C-order copy
+            out[i] = np.array(chunk, array.dtype, order="C")
             continue
         if out[i] is _EMPTY:
             out[i] = np.empty(array.shape, array.dtype)
@@ -274,6 +280,11 @@ def _chunk(
     total = math.prod(stored.chunks) * stored.dtype.itemsize
     if codec.zstd:
         try:
+            declared = zstandard.frame_content_size(data)
+            if declared not in (-1, total):  # (checked before decoding: a damaged header)
+                raise _fail(
+                    stored, index, key, f"holds a zstd frame of {declared} bytes, expected {total}"
+                )
             data = decompressor.decompress(data, max_output_size=total, allow_extra_data=False)
         except zstandard.ZstdError as error:
             raise _fail(stored, index, key, f"does not decode ({error})") from None

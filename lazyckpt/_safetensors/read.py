@@ -298,7 +298,7 @@ def contiguous_chunks(
     >>> contiguous_chunks((50257, 768), 4), contiguous_chunks((4, 8, 1 << 20), 2)
     ((341, 768), (1, 1, 524288))
     """
-    if math.prod(shape) * itemsize <= target:  # (most tensors of a large MoE file)
+    if math.prod(max(n, 1) for n in shape) * itemsize <= target:  # (most of a MoE file)
         return tuple(max(n, 1) for n in shape)
     chunks = list(shape)
     inner = itemsize
