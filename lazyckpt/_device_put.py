@@ -7,13 +7,14 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from lazyckpt._array.tree import Select, children, map_leaves, selected
+from lazyckpt._array.tree import Select, children, gc_paused, map_leaves, selected
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
 from lazyckpt._placement import Layout, resolve
 from lazyckpt._target import Missing, Placement, match
 
 
+@gc_paused()  # (reading allocates a few objects per array, none in cycles)
 def device_put(
     tree: object,
     target: object,

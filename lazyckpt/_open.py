@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-from collections.abc import Iterator
 from typing import Any
 
-from lazyckpt._array.tree import leaves
+from lazyckpt._array.tree import gc_paused, leaves
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -66,7 +63,7 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     >>> tree["step"], tree["params"]["b"]
     (3, LazyArray('params/b', shape=(8,), dtype=float32, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P())))
     """
-    with _gc_paused(), paths.session(storage_options):
+    with gc_paused(), paths.session(storage_options):
         where = paths.normalize(path)
         try:
             if is_safetensors(where):
@@ -88,20 +85,3 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                 f"(commit_success.txt or the index last) and delete {where}{SWAP_SUFFIX}"
             ) from None
     return dict(leaves(tree)) if flat else tree
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building a large tree.
-
-    Opening allocates a few objects per array, none in cycles, over which the
-    collector's repeated passes cost a third of the time at 10,000 arrays
-    (docs/benchmarks.md, Design measurements).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt._array.tree import Select, leaves, selected
+from lazyckpt._array.tree import Select, gc_paused, leaves, selected
 from lazyckpt._engine import stream
 from lazyckpt._engine.fill import stored_bytes
 from lazyckpt._engine.progress import Progress
@@ -24,6 +24,7 @@ def arrays_of(tree: object) -> list[tuple[str, LazyArray]]:
 
 
 @renamed(which="select")
+@gc_paused()  # (reading allocates a few objects per array, none in cycles)
 def load(
     tree: object,
     select: Select | None = None,

@@ -11,7 +11,9 @@ it on disk (a dict key, an attribute or field name, an index), joined by `/`, as
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import gc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -256,3 +258,20 @@ def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, An
         node[keys[-1]] = leaf
         sources[keys] = source
     return root
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building or reading a large tree.
+
+    Opening and reading allocate a few objects per array, none in cycles, over which
+    the collector's repeated passes cost a third of the time at 10,000 arrays
+    (docs/benchmarks.md, Design measurements).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
