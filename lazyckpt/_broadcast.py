@@ -234,9 +234,10 @@ def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
         raise failure
     if failed:
         raise LazyckptError(
-            f"device_put(broadcast=True): process(es) {failed} failed to read their part of "
-            f"{', '.join(repr(k) for k in keys[:3])}{' and others' if len(keys) > 3 else ''}; "
-            "nothing was placed. Their own errors say why"
+            f"device_put(broadcast=True): process(es) {failed} failed to read their share "
+            "of the checkpoint; every process stops here, before placing "
+            f"{', '.join(repr(k) for k in keys[:3])}{' and others' if len(keys) > 3 else ''}. "
+            "The failing process's own error says why"
         )
 
 

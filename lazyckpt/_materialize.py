@@ -63,10 +63,10 @@ def _materialize(
     for placement in spread:  # (a sharding that cannot lay it out fails on every process)
         assert placement.sharding is not None
         _regions(placement.array, placement.sharding)
-    scheduler = Scheduler(memory_budget, bar)
     results: dict[int, ReadResult] = {}
     failure: Exception | None = None
     try:
+        scheduler = Scheduler(memory_budget, bar)  # (a bad budget too, agreed on below)
         _read_here(placements, {id(p) for p in spread}, scheduler, results)
     except Exception as error:
         if not spread:
@@ -97,6 +97,9 @@ def _read_here(
         and not p.array.key_impl
         and is_small(p.array)
     ]
+    for placement in small:  # (a sharding that cannot lay it out, before any read)
+        if placement.sharding is not None:
+            _regions(placement.array, placement.sharding)
     to_host = [p for p in small if p.sharding is None]
     host_values = read_small([p.array for p in to_host], scheduler)
     read_whole = {id(p) for p in small}

@@ -178,6 +178,18 @@ def test_sharding_that_does_not_divide_the_shape(saved: tuple[Path, Any]) -> Non
     assert issubclass(ShardingError, ValueError)
 
 
+def test_small_whole_array_on_a_sharding_that_does_not_divide_it(
+    saved: tuple[Path, Any],
+) -> None:
+    """A small whole array (read in a batch with others) on a sharding that cannot lay
+    it out: a ShardingError naming it, before anything is read."""
+    lazy = lazyckpt.open(saved[0])["params"]["dense"]["kernel"]
+    assert lazy.shape[0] % 3 and lazy.nbytes <= 1 << 20
+    sharding = NamedSharding(jax.make_mesh((3,), ("d",), devices=jax.devices()[:3]), P("d"))
+    with pytest.raises(ShardingError, match="params/dense/kernel: the sharding cannot lay out"):
+        lazyckpt.device_put(lazy, sharding)
+
+
 def test_shardings_tree_that_does_not_match(saved: tuple[Path, Any]) -> None:
     lazy = lazyckpt.open(saved[0])
     mesh = jax.make_mesh((8,), ("d",))

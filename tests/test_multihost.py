@@ -224,6 +224,6 @@ def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> Non
     assert sum(r["read"] for r in each) >= 3.5 * (total - stored["c"]), (each, stored)
     assert "injected failure" in failed[2]["error"], failed[2]
     for process in (0, 1, 3):
-        assert "process(es) [2] failed to read" in (failed[process]["error"] or ""), failed
+        assert "process(es) [2] failed to read their share" in (failed[process]["error"] or "")
     assert all("TreeMismatchError" in (r["error"] or "") for r in differ), differ
     assert all("ShardingError" in (r["error"] or "") for r in uneven), uneven
