@@ -206,7 +206,8 @@ def _schedule_put(
         for destination, devices in zip(destinations, regions.values(), strict=True):
             scheduler.guard.keep(destination.out_nbytes() * (len(devices) - 1))  # replica copies
             # On CPU the first device adopts the aligned buffer without a copy; replicas
-            # get their own copies, so that donating one cannot overwrite another.
+            # ask for their own copies (jax 0.10 on CPU may still share the aligned
+            # buffer; donating one replica leaves the others intact all the same).
             shards.extend(
                 jax.device_put(destination.buffer(), device, may_alias=i == 0)
                 for i, device in enumerate(devices)
