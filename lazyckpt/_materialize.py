@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from lazyckpt._array.geometry import Box
-from lazyckpt._array.tree import gc_paused, map_leaves
+from lazyckpt._array.tree import map_leaves
 from lazyckpt._broadcast import agree_read, broadcastable
 from lazyckpt._broadcast import put as broadcast_put
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
@@ -40,14 +40,8 @@ def materialize(
 ) -> Any:
     """`plan` with every `Placement` read: onto its sharding, or into a NumPy array;
     with `broadcast`, arrays replicated across processes are each read once by the
-    job and spread by JAX (`_broadcast`)."""
-    with gc_paused():
-        return _materialize(plan, memory_budget, progress, label, broadcast)
-
-
-def _materialize(
-    plan: object, memory_budget: int | None, progress: bool | None, label: str, broadcast: bool
-) -> Any:
+    job and spread by JAX (`_broadcast`). Its callers, `load` and `device_put`, pause
+    the garbage collector around it (`gc_paused`)."""
     placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
     bar = Progress.maybe(progress, total, label)

@@ -49,6 +49,21 @@ def decoder(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield decoded
 
 
+@pytest.fixture
+def batched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of the arrays read by the batched reads of small arrays
+    (`_engine.small`), one per array in each batch."""
+    keys: list[str] = []
+    real = _small._coded_batch
+
+    def recording(arrays: Any, batch: list[int], *args: Any) -> None:
+        keys.extend(arrays[i].key for i in batch)
+        real(arrays, batch, *args)
+
+    monkeypatch.setattr(_small, "_coded_batch", recording)
+    return keys
+
+
 @pytest.fixture(scope="module")
 def layouts(
     mesh: jax.sharding.Mesh, tmp_path_factory: pytest.TempPathFactory
@@ -79,21 +94,13 @@ def test_every_orbax_layout_decodes_to_the_saved_values(
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_orbax_layout_reads_small_arrays_in_batches(
-    layouts: tuple[dict[str, Any], dict[str, Path]], layout: str, monkeypatch: pytest.MonkeyPatch
+    layouts: tuple[dict[str, Any], dict[str, Path]], layout: str, batched: list[str]
 ) -> None:
     """The batched reads of small arrays (`_engine.small`) decode every layout to the
     saved values: zarr2 and zarr3, shards, subchunks, compressed or not."""
     tree, paths = layouts
     if layout in ("standard_checkpointer", "v1_api"):
         tree = lazyckpt.select(tree, lambda _, v: isinstance(v, jax.Array | np.ndarray))
-    batched: list[str] = []
-    real = _small._coded_batch
-
-    def recording(arrays: Any, batch: list[int], *args: Any) -> None:
-        batched.extend(arrays[i].key for i in batch)
-        real(arrays, batch, *args)
-
-    monkeypatch.setattr(_small, "_coded_batch", recording)
     assert_loaded(lazyckpt.load(lazyckpt.open(paths[layout])), expected(tree))
     assert "sharded" in batched and "dtypes/bf16" in batched, batched
 
@@ -262,23 +269,13 @@ def test_codec_variants_decode(tmp_path: Path, variant: str, decoder: list[str])
 
 
 @pytest.mark.parametrize("variant", list(CODECS))
-def test_codec_variants_read_in_batches(
-    tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_codec_variants_read_in_batches(tmp_path: Path, variant: str, batched: list[str]) -> None:
     """The batched reads of small arrays take every codec variant: values equal, each
     result C-ordered and its own (an F-order chunk too), read by that path."""
     zarr3, spec = CODECS[variant]
     item = orbax_save(tmp_path / "ckpt", {"w": _VALUE}, zarr3=zarr3, use_ocdbt=False)
     _replace_array(item, "w", spec, _VALUE)
     lazy = lazyckpt.open(item)["w"]
-    batched: list[str] = []
-    real = _small._coded_batch
-
-    def recording(arrays: Any, batch: list[int], *args: Any) -> None:
-        batched.extend(arrays[i].key for i in batch)
-        real(arrays, batch, *args)
-
-    monkeypatch.setattr(_small, "_coded_batch", recording)
     loaded = lazyckpt.load({"a": lazy, "b": lazy})
     assert batched == ["w", "w"], batched
     for values in loaded.values():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -424,7 +424,10 @@ def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
             "it with flat=True"
         )
     try:
-        return nested((tuple(name.split(".")), leaf, name) for name, leaf in tensors.items())
+        # (each path is its name's str parts, split once by `_tensors`)
+        return nested(
+            (cast(tuple[str, ...], leaf.path), leaf, name) for name, leaf in tensors.items()
+        )
     except PathClash as clash:
         raise CorruptCheckpointError(
             f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
