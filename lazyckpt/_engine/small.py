@@ -28,7 +28,7 @@ from lazyckpt._engine.decode import in_shard, shard_index_range
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
-from lazyckpt._storage.kvstore import changed_error
+from lazyckpt._storage.kvstore import Store, changed_error
 
 SMALL = 1 << 20
 """Arrays (and their chunks) up to this size that `load` reads whole are read in
@@ -101,17 +101,23 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
             batch.append(entry)
         if batch:
             _raw_batch(file, arrays, batch, out, scheduler)
+    wanted: dict[int, int] = {}  # (chunk keys to read, per store)
+    decoded: dict[int, int] = {}  # (bytes of each array's chunks, decoded)
+    for i in coded:
+        stored = stored_array(arrays[i])
+        count = _chunk_count(stored)
+        wanted[id(stored.store)] = wanted.get(id(stored.store), 0) + count
+        decoded[i] = count * math.prod(stored.chunks) * stored.dtype.itemsize
     chosen: list[int] = []
     size = 0
     for i in coded:
-        nbytes = _decoded_bytes(stored_array(arrays[i]))
-        if chosen and (size + nbytes > piece or len(chosen) == BATCH):
-            _coded_batch(arrays, chosen, out, scheduler)
+        if chosen and (size + decoded[i] > piece or len(chosen) == BATCH):
+            _coded_batch(arrays, chosen, size, out, scheduler, wanted)
             chosen, size = [], 0
         chosen.append(i)
-        size += nbytes
+        size += decoded[i]
     if chosen:
-        _coded_batch(arrays, chosen, out, scheduler)
+        _coded_batch(arrays, chosen, size, out, scheduler, wanted)
     return out
 
 
@@ -149,47 +155,79 @@ def _raw_batch(
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
 
 
-def _decoded_bytes(stored: StoredArray) -> int:
-    """The bytes of all of an array's chunks, decoded (edge chunks whole)."""
-    count = math.prod(-(-n // c) for n, c in zip(stored.shape, stored.chunks, strict=True))
-    return count * math.prod(stored.chunks) * stored.dtype.itemsize
+def _chunk_count(stored: StoredArray) -> int:
+    return math.prod(-(-n // c) for n, c in zip(stored.shape, stored.chunks, strict=True))
 
 
-_Read = tuple[int, tuple[int, ...], str, "ts.Future[ts.KvStore.ReadResult]"]
+_Value = bytes | None | ts.Future[ts.KvStore.ReadResult]
+"""Stored bytes read or on their way (None: never written)."""
+
+_Read = tuple[int, tuple[int, ...], str, _Value]
 """A chunk's read: its array's position in the batch, its grid index, its store key,
-and the read of its stored bytes (for a chunk in a zarr3 shard, of the shard's index)."""
+and its stored bytes (for a chunk in a zarr3 shard, the shard's index)."""
+
+_Request = tuple[Store, str, slice | None]
+"""A key to read from a store, whole or a byte range of it."""
 
 
 def _coded_batch(
-    arrays: Sequence[ArrayView], batch: list[int], out: list[np.ndarray], scheduler: Scheduler
+    arrays: Sequence[ArrayView],
+    batch: list[int],
+    decoded: int,
+    out: list[np.ndarray],
+    scheduler: Scheduler,
+    wanted: dict[int, int],
 ) -> None:
     results = sum(arrays[i].nbytes for i in batch)
     scheduler.guard.keep(results)
 
     def start() -> ts.Future[None]:
-        reads: list[_Read] = []
-        indexes: dict[tuple[int, str], ts.Future[ts.KvStore.ReadResult]] = {}
-        with ts.Batch() as together:
-            for i in batch:
-                stored = stored_array(arrays[i])
-                codec, kvstore = stored.codec, stored.store.kvstore
-                assert codec is not None
-                for index, key in _chunk_keys(stored):
-                    if codec.shard is None:
-                        read = kvstore.read(key, batch=together)
-                    else:  # (the chunks of one shard share one read of its index)
-                        where = shard_index_range(codec, index, stored.chunks)
-                        read = indexes.get((id(stored.store), key)) or kvstore.read(
-                            key, byte_range=where, batch=together
-                        )
-                        indexes[(id(stored.store), key)] = read
-                    reads.append((i, index, key, read))
-        return in_pool(lambda: _decode_batch(arrays, reads, out))
+        chunks: list[tuple[int, tuple[int, ...], str, int]] = []
+        requests: dict[tuple[int, str], int] = {}
+        asked: list[_Request] = []
+        for i in batch:
+            stored = stored_array(arrays[i])
+            codec = stored.codec
+            assert codec is not None
+            for index, key in _chunk_keys(stored):
+                # (the chunks of one shard share one read of its index)
+                at = requests.setdefault((id(stored.store), key), len(asked))
+                if at == len(asked):
+                    where = (
+                        None
+                        if codec.shard is None
+                        else shard_index_range(codec, index, stored.chunks)
+                    )
+                    asked.append((stored.store, key, where))
+                chunks.append((i, index, key, at))
+        values = _read(asked, wanted)
+        reads = [(i, index, key, values[at]) for i, index, key, at in chunks]
+        return in_pool(lambda: _decode_batch(arrays, reads, out, wanted))
 
-    # Held while in flight: tensorstore's copy of the stored bytes and the decoded
-    # ones, beside the results (counted above).
-    held = 2 * sum(_decoded_bytes(stored_array(arrays[i])) for i in batch)
-    scheduler.submit(start, lambda _: None, held=held, work=results)
+    # Held while in flight: the stored bytes and the `decoded` ones (edge chunks
+    # whole), beside the results (counted above).
+    scheduler.submit(start, lambda _: None, held=2 * decoded, work=results)
+
+
+def _read(asked: Sequence[_Request], wanted: dict[int, int]) -> list[_Value]:
+    """The values of `asked`, read together in one batch, store by store (through an
+    OCDBT database's b-tree index where enough of its keys are `wanted`)."""
+    values: list[_Value] = [None] * len(asked)
+    by_store: dict[int, list[int]] = {}
+    for at, (store, _, _) in enumerate(asked):
+        by_store.setdefault(id(store), []).append(at)
+    with ts.Batch() as together:
+        for positions in by_store.values():
+            store = asked[positions[0]][0]
+            found = store.read_many(
+                [asked[at][1] for at in positions],
+                [asked[at][2] for at in positions],
+                together,
+                wanted.get(id(store), len(positions)),
+            )
+            for at, value in zip(positions, found, strict=True):
+                values[at] = value
+    return values
 
 
 def _chunk_keys(stored: StoredArray) -> list[tuple[tuple[int, ...], str]]:
@@ -203,8 +241,10 @@ def _chunk_keys(stored: StoredArray) -> list[tuple[tuple[int, ...], str]]:
     return [(index, codec.chunk_key(stored.name, index, stored.chunks)) for index in product(grid)]
 
 
-def _decode_batch(arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.ndarray]) -> None:
-    values = _values(arrays, reads)
+def _decode_batch(
+    arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.ndarray], wanted: dict[int, int]
+) -> None:
+    values = _values(arrays, reads, wanted)
     decompressor = zstandard.ZstdDecompressor()
     for (i, index, key, _), data in zip(reads, values, strict=True):
         array = arrays[i]
@@ -222,34 +262,41 @@ def _decode_batch(arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.
         out[i][region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
 
 
-def _values(arrays: Sequence[ArrayView], reads: list[_Read]) -> list[bytes | None]:
+def _values(
+    arrays: Sequence[ArrayView], reads: list[_Read], wanted: dict[int, int]
+) -> list[bytes | None]:
     """Each chunk's stored bytes (None where it was never written): for chunks in
     shards, read now from where their shards' indexes place them, in one batch."""
-    found: list[bytes | ts.Future[ts.KvStore.ReadResult] | None] = []
-    with ts.Batch() as together:
-        for i, index, key, read in reads:
-            stored = stored_array(arrays[i])
-            value = _wait(stored, read)
-            codec = stored.codec
-            assert codec is not None
-            if codec.shard is None or value is None:
-                found.append(value)
-                continue
-            located = in_shard(codec, index, stored.chunks, value)
-            if isinstance(located, str):
-                raise _fail(stored, index, key, located)
-            found.append(
-                None
-                if located is None
-                else stored.store.kvstore.read(key, byte_range=slice(*located), batch=together)
-            )
+    found: list[bytes | int | None] = []
+    asked: list[_Request] = []
+    for i, index, key, read in reads:
+        stored = stored_array(arrays[i])
+        value = _wait(stored, read)
+        codec = stored.codec
+        assert codec is not None
+        if codec.shard is None or value is None:
+            found.append(value)
+            continue
+        located = in_shard(codec, index, stored.chunks, value)
+        if isinstance(located, str):
+            raise _fail(stored, index, key, located)
+        if located is None:
+            found.append(None)
+        else:
+            found.append(len(asked))
+            asked.append((stored.store, key, slice(*located)))
+    if not asked:
+        return found  # type: ignore[return-value]  # (no ints: nothing was asked)
+    chunks = _read(asked, wanted)
     return [
-        _wait(stored_array(arrays[i]), value) if isinstance(value, ts.Future) else value
+        _wait(stored_array(arrays[i]), chunks[value]) if isinstance(value, int) else value
         for (i, _, _, _), value in zip(reads, found, strict=True)
     ]
 
 
-def _wait(stored: StoredArray, read: ts.Future[ts.KvStore.ReadResult]) -> bytes | None:
+def _wait(stored: StoredArray, read: _Value) -> bytes | None:
+    if not isinstance(read, ts.Future):
+        return read
     try:
         result = read.result()
     except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours

@@ -15,6 +15,7 @@ import tensorstore as ts
 
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
+from lazyckpt._storage.ocdbt import Index
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -121,6 +122,8 @@ class Store:
     """The checkpoint's `paths.generation` when it was opened."""
     files: tuple[str, ...] = attrs.field(default=paths.GENERATION_FILES, repr=False)
     """The files whose identity makes up the generation."""
+    index: Index | None = attrs.field(default=None, repr=False)
+    """An OCDBT database's b-tree, walked once for reads of many keys."""
 
     def changed(self) -> bool:
         """Whether the checkpoint was replaced or rewritten since it was opened."""
@@ -163,7 +166,8 @@ class Store:
             if not paths.is_remote(location):
                 raise
             raise paths.storage_error(location, error) from None
-        return cls(location, ocdbt, context, spec, kvstore, generation, files)
+        index = Index(kvstore.base) if ocdbt and kvstore.base is not None else None
+        return cls(location, ocdbt, context, spec, kvstore, generation, files, index)
 
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""
@@ -184,9 +188,12 @@ class Store:
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""
         with ts.Batch() as batch:
-            futures = [self.kvstore.read(key, batch=batch) for key in keys]
-        results = []
+            futures = self.read_many(keys, [None] * len(keys), batch, len(keys))
+        results: list[bytes | None] = []
         for key, future in zip(keys, futures, strict=True):
+            if not isinstance(future, ts.Future):
+                results.append(future)
+                continue
             try:
                 result = future.result()
             except ValueError as error:
@@ -199,3 +206,20 @@ class Store:
                 ) from error
             results.append(result.value if result.state == "value" else None)
         return results
+
+    def read_many(
+        self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch, wanted: int
+    ) -> list[bytes | ts.Future[ts.KvStore.ReadResult] | None]:
+        """The values of `keys`, each cut to its byte range if it has one, in `batch`:
+        through an OCDBT database's b-tree index where a read of `wanted` keys in all
+        makes it worth it (values already known, or futures of the data files' bytes),
+        else a future of each key's read through the driver."""
+        found = self.index.read(keys, byte_ranges, batch, wanted) if self.index else None
+        if found is not None:
+            return found
+        return [
+            self.kvstore.read(key, batch=batch)
+            if byte_range is None
+            else self.kvstore.read(key, byte_range=byte_range, batch=batch)
+            for key, byte_range in zip(keys, byte_ranges, strict=True)
+        ]
