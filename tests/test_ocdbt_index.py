@@ -15,11 +15,12 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt import CorruptCheckpointError
+from lazyckpt._storage import ocdbt
 from lazyckpt._storage.ocdbt import Index
 from tests.helpers import orbax_save
 
 
-def _database(path: Path) -> dict[str, bytes]:
+def _database(path: Path, **spec: Any) -> dict[str, bytes]:
     """A database written by tensorstore with nodes small enough for a b-tree of three
     levels, values inline and in data files, keys sharing long prefixes."""
     values = {f"layer_{i // 10}/w/{i % 10}": bytes([i]) * (8 if i % 3 else 40) for i in range(200)}
@@ -28,6 +29,7 @@ def _database(path: Path) -> dict[str, bytes]:
             "driver": "ocdbt",
             "base": f"file://{path}/",
             "config": {"max_decoded_node_bytes": 256, "max_inline_value_bytes": 16},
+            **spec,
         }
     ).result()
     with ts.Transaction() as txn:
@@ -69,12 +71,46 @@ def test_the_index_reads_what_the_driver_reads_on_a_tree_of_several_levels(
     assert _index_read(tmp_path, some, cuts * 10) == expected
 
 
+def test_data_files_named_with_characters_a_dump_escapes(tmp_path: Path) -> None:
+    values = _database(tmp_path, value_data_prefix="v a:b%c+é/")
+    assert _index_read(tmp_path, list(values), [None] * len(values)) == list(values.values())
+
+
+def test_a_byte_range_past_the_value_fails_as_through_the_driver(tmp_path: Path) -> None:
+    values = _database(tmp_path)
+    inline, indirect = "layer_0/w/1", "layer_0/w/0"  # 8 bytes in the b-tree, 40 in a file
+    assert (len(values[inline]), len(values[indirect])) == (8, 40)
+    index = Index(ts.KvStore.open(f"file://{tmp_path}/").result())
+    with ts.Batch() as batch:
+        found = index.read(
+            [inline, indirect, indirect],
+            [slice(-9, None), slice(30, 41), slice(-40, None)],
+            batch,
+            200,
+        )
+    assert found is not None
+    for failing in found[:2]:
+        assert isinstance(failing, ts.Future)
+        with pytest.raises(ValueError, match="too few for"):
+            failing.result()
+    last = found[2]
+    assert isinstance(last, ts.Future) and last.result().value == values[indirect]
+
+
 def test_the_index_walks_the_tree_only_for_reads_of_enough_of_its_keys(tmp_path: Path) -> None:
     _database(tmp_path)
     index = Index(ts.KvStore.open(f"file://{tmp_path}/").result())
     assert index.places(wanted=2) is None  # 2 of 200 keys: the driver reads those
     places = index.places(wanted=100)
     assert places is not None and len(places) == 200
+
+
+def test_a_large_tree_is_left_to_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _database(tmp_path)
+    monkeypatch.setattr(ocdbt, "MAX_TREE_BYTES", 1000)  # (this tree: 3 KiB)
+    assert Index(ts.KvStore.open(f"file://{tmp_path}/").result()).places(wanted=200) is None
 
 
 def test_a_damaged_node_leaves_reads_to_the_driver(tmp_path: Path) -> None:

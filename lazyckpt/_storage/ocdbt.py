@@ -18,7 +18,9 @@ what is wrong.
 
 from __future__ import annotations
 
+import re
 import threading
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +31,16 @@ WORTH = 8
 """The index is built for reads of at least 1/WORTH of the database's keys: walking
 the b-tree costs a few microseconds per key, a key read through the driver about
 25."""
+
+MAX_TREE_BYTES = 16 << 20
+"""The index is built for b-trees up to this size as stored: it holds their keys and
+inline values for as long as the checkpoint is open, as the driver's cache of nodes
+would. (An Orbax checkpoint of 10,000 small arrays has a tree of 18 KiB; one of
+200,000 values of 1 KiB inline, 200 MB, is read faster through the driver.)"""
+
+_LOCATION = re.compile(r"value:([^:]*):([^:]*):(\d+):(\d+)")
+"""An indirect value's place in a dump: base path and path relative to it (each
+percent-encoded), offset, length."""
 
 Place = bytes | tuple[str, int, int]
 """A key's value: inline bytes, or (data file, offset, length) in the base store."""
@@ -43,7 +55,7 @@ class Index:
 
     base: ts.KvStore = attrs.field(repr=False)
     """The store that holds the database's files."""
-    _root: tuple[str, int] | None = attrs.field(default=None, init=False)
+    _root: tuple[str, int, int] | None = attrs.field(default=None, init=False)
     _places: dict[bytes, Place] | None = attrs.field(default=None, init=False)
     _failed: bool = attrs.field(default=False, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
@@ -58,6 +70,9 @@ class Index:
                 self._root = _newest_root(_dump(self.base, None))
                 self._failed = self._root is None
             if self._root is None or wanted * WORTH < self._root[1]:
+                return None
+            if self._root[2] > MAX_TREE_BYTES:
+                self._failed = True
                 return None
             if self._places is None:
                 self._places = _walk(self.base, self._root[0])
@@ -80,16 +95,46 @@ class Index:
         values: list[Value] = []
         for key, byte_range in zip(keys, byte_ranges, strict=True):
             place = places.get(key.encode())
-            if place is None or isinstance(place, bytes):
-                values.append(place if place is None or byte_range is None else place[byte_range])
+            if place is None or (isinstance(place, bytes) and byte_range is None):
+                values.append(place)
                 continue
-            file, offset, length = place
-            start, stop, _ = (byte_range or slice(None)).indices(length)
-            read = self.base.read(
-                file, byte_range=slice(offset + start, offset + stop), batch=batch
-            )
-            values.append(_checked(read, file, offset + start, stop - start))
+            length = len(place) if isinstance(place, bytes) else place[2]
+            cut = _cut(byte_range, length)
+            if cut is None:
+                values.append(
+                    _failed(f"key {key!r} holds {length} bytes, too few for {byte_range}")
+                )
+            elif isinstance(place, bytes):
+                values.append(place[cut[0] : cut[1]])
+            else:
+                file, offset, _ = place
+                at = slice(offset + cut[0], offset + cut[1])
+                read = self.base.read(file, byte_range=at, batch=batch)
+                values.append(_checked(read, file, at.start, at.stop - at.start))
         return values
+
+
+def _cut(byte_range: slice | None, length: int) -> tuple[int, int] | None:
+    """The bytes `byte_range` takes of a value of `length` bytes (a negative start
+    counts from the end, as tensorstore's ranges do); None where the value is too
+    short, which tensorstore's driver calls out of range."""
+    if byte_range is None:
+        return 0, length
+    start = byte_range.start or 0
+    if start < 0:
+        start += length
+    stop = length if byte_range.stop is None else byte_range.stop
+    if not 0 <= start <= stop <= length:
+        return None
+    return start, stop
+
+
+def _failed(message: str) -> ts.Future[ts.KvStore.ReadResult]:
+    promise: ts.Promise[ts.KvStore.ReadResult]
+    future: ts.Future[ts.KvStore.ReadResult]
+    promise, future = ts.Promise.new()
+    promise.set_exception(ValueError(message))
+    return future
 
 
 def _checked(
@@ -130,13 +175,14 @@ def _dump(base: ts.KvStore, node: str | None) -> Any:
         return None
 
 
-def _newest_root(manifest: Any) -> tuple[str, int] | None:
-    """The newest version's root node and number of keys; None for an empty database
-    or a manifest this does not read."""
+def _newest_root(manifest: Any) -> tuple[str, int, int] | None:
+    """The newest version's root node, number of keys and bytes of tree; None for an
+    empty database or a manifest this does not read."""
     try:
         version = max(manifest["versions"], key=lambda v: v["generation_number"])
         root = version["root"]
-        return root["location"], int(root["statistics"]["num_keys"])
+        statistics = root["statistics"]
+        return root["location"], int(statistics["num_keys"]), int(statistics["num_tree_bytes"])
     except (TypeError, KeyError, ValueError):
         return None
 
@@ -171,10 +217,11 @@ def _walk(base: ts.KvStore, root: str) -> dict[bytes, Place] | None:
 
 
 def _indirect(location: str) -> tuple[str, int, int]:
-    """`value:<base path>:<relative path>:<offset>:<length>` as (path, offset, length)."""
-    kind, rest = location.split(":", 1)
-    where, offset, length = rest.rsplit(":", 2)
-    base_path, relative = where.split(":", 1)
-    if kind != "value":
+    """An indirect value's (data file, offset, length), from its place in a dump."""
+    match = _LOCATION.fullmatch(location)
+    if match is None:
         raise ValueError(location)
-    return base_path + relative, int(offset), int(length)
+    base_path, relative = (
+        urllib.parse.unquote(part, errors="strict") for part in match.group(1, 2)
+    )
+    return base_path + relative, int(match[3]), int(match[4])
