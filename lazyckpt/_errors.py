@@ -126,6 +126,13 @@ class RenameError(LazyckptError, ValueError):
     __module__ = "lazyckpt"
 
 
+class MissingExtraError(LazyckptError, ImportError):
+    """A feature needs an optional dependency that is not installed (the message says
+    which extra to install: `lazyckpt[progress]`, `lazyckpt[notebook]`...)."""
+
+    __module__ = "lazyckpt"
+
+
 class LeftoverWarning(UserWarning):
     """A save succeeded but left the checkpoint it replaced behind."""
 

@@ -57,8 +57,9 @@ def load(
         memory_budget: Bytes held by blocks in flight (default 32 MiB per core, at
             least 64 MiB and at most 1 GiB); a stored chunk larger than the budget is
             still read whole.
-        progress: A one-line bar on stderr: True always, False never, None (the
-            default) for reads of 256 MiB or more when stderr is a terminal.
+        progress: A tqdm bar (a widget in Jupyter, a line on a terminal): True
+            always, False never, None (the default) for reads of 256 MiB or more in a
+            notebook or on a terminal, when tqdm is installed, never in CI.
 
     >>> params = lazyckpt.load(lazyckpt.open(path), "params/b")
     >>> params

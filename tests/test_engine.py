@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -166,10 +168,56 @@ def test_device_put_adopts_aligned_buffers_on_cpu(big: tuple[Path, np.ndarray]) 
 def test_progress_bar(saved: tuple[Path, Any], capsys: Any) -> None:
     lazy = lazyckpt.open(saved[0])
     lazyckpt.load(lazy, progress=True)
-    err = capsys.readouterr().err
-    assert err.startswith("\rlazyckpt load: ") and "(100%)" in err and err.endswith("\n")
+    err = capsys.readouterr().err  # (tqdm's line: not a terminal, so no widget)
+    assert err.startswith("\rlazyckpt load: ") and "lazyckpt load: 100%|" in err
+    assert err.endswith("\n")
     lazyckpt.load(lazy, progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_progress_auto_is_off_in_ci_and_for_small_reads(
+    saved: tuple[Path, Any], capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lazyckpt._engine import progress
+
+    lazy = lazyckpt.open(saved[0])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(progress, "AUTO_MIN_BYTES", 0)
+    lazyckpt.load(lazy)  # a terminal, but a CI log: no bar
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("CI")
+    lazyckpt.load(lazy)
+    assert "lazyckpt load: 100%|" in capsys.readouterr().err
+    monkeypatch.setattr(progress, "AUTO_MIN_BYTES", 1 << 40)
+    lazyckpt.load(lazy)  # a quick read: no bar
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_without_tqdm(saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    lazy = lazyckpt.open(saved[0])
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # (an import of it fails)
+    with pytest.raises(lazyckpt.MissingExtraError, match=r"pip install 'lazyckpt\[progress\]'"):
+        lazyckpt.load(lazy, progress=True)
+    assert isinstance(lazyckpt.load(lazy), dict)  # auto: no bar, no error
+
+
+def test_progress_counts_from_many_threads() -> None:
+    from lazyckpt._engine.progress import Progress
+
+    bar = Progress(8 * 1000, "count")
+
+    def count() -> None:
+        for _ in range(1000):
+            bar.advance(1)
+
+    threads = [threading.Thread(target=count) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert bar._bar.n == 8000
+    bar.close()
 
 
 def test_budget_must_be_positive(saved: tuple[Path, Any]) -> None:

@@ -266,7 +266,7 @@ def test_stats_reads_within_budget_and_reports_progress(
     path = lazyckpt.save(tmp_path / "ckpt", {"w": value}, chunk_bytes=16 << 10)
     s = lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 10, progress=True)["w"]
     assert s.max == 65535.0 and s.mean == pytest.approx(value.mean(dtype=np.float64))
-    assert "lazyckpt stats: 256.0 KiB / 256.0 KiB (100%)" in capsys.readouterr().err
+    assert "lazyckpt stats: 100%|" in capsys.readouterr().err
     assert isinstance(lazyckpt.open(path)["w"], LazyArray)
 
 

@@ -47,3 +47,30 @@ def test_tutorial_notebook_runs(tmp_path: Path) -> None:
     assert "P(None, 'model')" in joined  # the placed kernel's sharding
     assert "bfloat16[4096,256]" in joined  # the converted copy
     assert "LazyArray('params/layers/0/kernel', shape=(256, 512)" in joined  # treescope
+
+
+def test_progress_is_a_tqdm_widget_in_a_notebook(tmp_path: Path) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    code = f"""
+import os
+os.environ.pop("CI", None)  # (a CI run's environment: this kernel stands for a person's)
+import numpy as np
+import lazyckpt
+from lazyckpt._engine import progress
+progress.AUTO_MIN_BYTES = 0  # (a small read, drawn as a large one would be)
+path = lazyckpt.save({str(tmp_path / "ckpt")!r}, {{"w": np.ones((64, 64), np.float32)}})
+loaded = lazyckpt.load(lazyckpt.open(path))
+float(loaded["w"].sum())
+"""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
+    outputs = notebook.cells[0].outputs
+    widgets = [
+        str(o["data"].get("text/plain", ""))
+        for o in outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    assert any(w.startswith("lazyckpt save") for w in widgets), outputs
+    assert any(w.startswith("lazyckpt load") for w in widgets), outputs
+    assert "4096.0" in _text(outputs[-1])

@@ -1,53 +1,83 @@
-"""A one-line progress bar for long reads, on stderr; off unless asked or interactive."""
+"""Progress of long reads and writes, drawn by tqdm.
+
+tqdm is the bar the JAX and Hugging Face tools already show (`huggingface_hub`'s
+downloads, `transformers`' loading): through `tqdm.auto` it is a widget in Jupyter and
+a line on a terminal, with rate and time left, so lazyckpt draws no bar of its own. It
+is an optional extra (`lazyckpt[progress]`, also in `lazyckpt[notebook]`).
+
+`progress=None`, the default of every verb, shows a bar for reads of at least
+`AUTO_MIN_BYTES` in a notebook or on a terminal, when tqdm is installed, and never in
+a CI log (`CI` set). `True` always shows it; `False` never.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
-import time
-from typing import TextIO
+import threading
+from typing import Any
 
-from lazyckpt._text import human_bytes
+from lazyckpt._errors import MissingExtraError
 
-_AUTO_MIN_BYTES = 256 << 20  # below this a read is quick; no bar unless asked
-_REDRAW_SECONDS = 0.2
+AUTO_MIN_BYTES = 256 << 20
+"""Below this a read is quick: no bar unless asked."""
 
 
 class Progress:
-    """Counts bytes done out of `total` and redraws at most every 0.2 s."""
+    """Bytes done out of `total`, on a tqdm bar; `advance` may be called from any
+    thread (the engine's callbacks run on tensorstore's and the decoding threads)."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
-        self.total = total
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        self.done = 0
-        self._start = time.perf_counter()
-        self._drawn = 0.0
+    def __init__(self, total: int, label: str) -> None:
+        tqdm = _tqdm()
+        if tqdm is None:
+            raise MissingExtraError(
+                f"{label}: progress=True draws its bar with tqdm, which is not installed; "
+                "pip install 'lazyckpt[progress]' (or pass progress=False)"
+            )
+        self._bar = tqdm(
+            total=total,
+            desc=label,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            mininterval=0.2,
+            dynamic_ncols=True,
+        )
+        self._lock = threading.Lock()
 
     @classmethod
     def maybe(cls, enabled: bool | None, total: int, label: str) -> Progress | None:
-        """A bar if `enabled`, or if None (auto) when stderr is a terminal and the read is
-        large; else None."""
+        """A bar if `enabled`; if None (auto), for a read of at least `AUTO_MIN_BYTES`
+        in a notebook or on a terminal, outside CI, when tqdm is installed."""
         if enabled is None:
-            enabled = sys.stderr.isatty() and total >= _AUTO_MIN_BYTES
+            enabled = total >= AUTO_MIN_BYTES and _interactive() and _tqdm() is not None
         return cls(total, label) if enabled else None
 
     def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        if now - self._drawn >= _REDRAW_SECONDS or self.done >= self.total:
-            self._drawn = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        rate = self.done / max(now - self._start, 1e-9)
-        percent = 100 * self.done / self.total if self.total else 100.0
-        self.stream.write(
-            f"\r{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} "
-            f"({percent:.0f}%), {human_bytes(int(rate))}/s   "
-        )
-        self.stream.flush()
+        with self._lock:
+            self._bar.update(nbytes)
 
     def close(self) -> None:
-        self._draw(time.perf_counter())
-        self.stream.write("\n")
-        self.stream.flush()
+        with self._lock:
+            self._bar.close()
+
+
+def _tqdm() -> Any:
+    try:
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return tqdm
+
+
+def _interactive() -> bool:
+    """In a Jupyter kernel, or with stderr on a terminal; never in CI."""
+    if os.environ.get("CI"):
+        return False
+    return _in_notebook() or sys.stderr.isatty()
+
+
+def _in_notebook() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
