@@ -65,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
 
     def budget(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
-            "--memory-budget", type=parse_size, metavar="SIZE", help="bytes in flight (256MiB)"
+            "--memory-budget",
+            type=parse_size,
+            metavar="SIZE",
+            help="bytes in flight: 256MiB, 1GB (10^9) or bytes",
         )
 
     inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
@@ -157,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=DEFAULT_CHUNK_BYTES,
         metavar="SIZE",
-        help="bytes per stored chunk (4MiB)",
+        help="about how many bytes per stored chunk (default 4MiB)",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
