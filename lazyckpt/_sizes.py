@@ -29,7 +29,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"([0-9]+(?:_[0-9]+)*)(?:\.([0-9]+))?\s*([a-z]*)", re.ASCII)
+# ASCII alone: `str.lower` would turn the Kelvin sign into a `k`.
+_SIZE = re.compile(r"([0-9]+(?:_[0-9]+)*)(?:\.([0-9]+))?\s*([a-z]*)", re.ASCII | re.IGNORECASE)
 
 
 def _accepted(example: int = 268435456) -> str:
@@ -74,12 +75,13 @@ def optional_size(name: str, value: object) -> int | None:
 
 
 def _parse_text(text: str) -> int:
-    match = _SIZE.fullmatch(text.strip().lower())
-    if match is None or match[3] not in _UNITS:
-        prefix = match[3].upper() if match and match[3] in ("k", "m", "g", "t") else ""
+    match = _SIZE.fullmatch(text.strip())
+    unit = match[3].lower() if match else ""
+    if match is None or unit not in _UNITS:
+        prefix = unit.upper() if unit in ("k", "m", "g", "t") else ""
         hint = f"{prefix} alone is ambiguous; " if prefix else ""
         raise SizeError(f"{text!r} is not a size: {hint}{_accepted()}")
-    whole, fraction, unit = match[1].replace("_", ""), match[2] or "", match[3]
+    whole, fraction = match[1].replace("_", ""), match[2] or ""
     if fraction and _UNITS[unit] == 1:
         raise SizeError(f"{text!r} is not a size: bytes are whole; {_accepted()}")
     # Exact integer arithmetic: "4.35MB" is 4350000 bytes, where floats give 4349999.

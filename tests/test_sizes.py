@@ -78,6 +78,7 @@ def test_sizes_read_as_bytes(given: object, expected: int) -> None:
         ("256 MiBs", ""),
         ("5 M B", ""),
         ("\u0665MB", ""),  # an Arabic-Indic 5: ASCII digits only
+        ("5\u212aB", ""),  # a Kelvin sign, which str.lower() makes a k
         ("5G", "G alone is ambiguous; "),
         ("64k", "K alone is ambiguous; "),
         ("1.5", "bytes are whole; "),
