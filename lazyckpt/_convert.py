@@ -16,6 +16,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._rename import rename as rename_keys
 from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save
+from lazyckpt._sizes import optional_size, size_argument
 
 
 def convert(
@@ -29,9 +30,9 @@ def convert(
     rename: Sequence[tuple[str, str]] = (),
     step: int | None = None,
     item: str | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_shard_size: int | None = None,
-    memory_budget: int | None = None,
+    chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | str | None = None,
+    memory_budget: int | str | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -73,6 +74,10 @@ def convert(
     >>> lazyckpt.open(out)["params"]["b"]
     LazyArray('params/b', shape=(8,), dtype=float16, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P()))
     """
+    # Bad sizes fail before the source is opened.
+    chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
+    max_shard_size = optional_size("max_shard_size", max_shard_size)
+    memory_budget = optional_size("memory_budget", memory_budget)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
     tree = selected(tree, select)
     if transform is not None:

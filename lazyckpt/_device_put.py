@@ -24,7 +24,7 @@ def device_put(
     missing: Missing = "error",
     lossy_casts: bool = False,
     mesh: Mesh | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
     broadcast: bool = False,
 ) -> Any:

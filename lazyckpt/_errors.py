@@ -133,6 +133,13 @@ class MissingExtraError(LazyckptError, ImportError):
     __module__ = "lazyckpt"
 
 
+class SizeError(LazyckptError, ValueError):
+    """A size (`memory_budget`, `max_shard_size`, `chunk_bytes`) that is neither a
+    number of bytes nor a number with a unit (`"256MiB"`, `"5GB"`)."""
+
+    __module__ = "lazyckpt"
+
+
 class LeftoverWarning(UserWarning):
     """A save succeeded but left the checkpoint it replaced behind."""
 

@@ -21,6 +21,7 @@ from lazyckpt._engine.small import is_small, read_small
 from lazyckpt._engine.stored import stores
 from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._sizes import Size, optional_size
 from lazyckpt._storage import multihost
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._target import Placement
@@ -32,7 +33,7 @@ shards placed on devices)."""
 
 def materialize(
     plan: object,
-    memory_budget: int | None,
+    memory_budget: Size | None,
     progress: bool | None,
     label: str,
     *,
@@ -59,8 +60,10 @@ def materialize(
         _regions(placement.array, placement.sharding)
     results: dict[int, ReadResult] = {}
     failure: Exception | None = None
+    budget = None
     try:
-        scheduler = Scheduler(memory_budget, bar)  # (a bad budget too, agreed on below)
+        budget = optional_size("memory_budget", memory_budget)  # (agreed on below if bad)
+        scheduler = Scheduler(budget, bar)
         _read_here(placements, {id(p) for p in spread}, scheduler, results)
     except Exception as error:
         if not spread:
@@ -68,7 +71,7 @@ def materialize(
         failure = error  # (raised once every process knows, before any collective)
     if spread:
         agree_read(failure, [p.array.key for p in spread])
-        results.update(broadcast_put(spread, memory_budget, bar))
+        results.update(broadcast_put(spread, budget, bar))
     if bar is not None:
         bar.close()
     # Everything was read from the checkpoints as they were opened, or it is refused.

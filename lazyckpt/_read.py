@@ -15,6 +15,7 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
+from lazyckpt._sizes import optional_size
 from lazyckpt._target import Missing, host, match
 
 
@@ -33,7 +34,7 @@ def load(
     partial: bool = False,
     missing: Missing = "error",
     lossy_casts: bool = False,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> Any:
     """Read every LazyArray in `tree` into NumPy arrays, in the tree's own node types.
@@ -56,7 +57,9 @@ def load(
         lossy_casts: With `like`, allow casts that can change values.
         memory_budget: Bytes held by blocks in flight (default 32 MiB per core, at
             least 64 MiB and at most 1 GiB); a stored chunk larger than the budget is
-            still read whole.
+            still read whole. An int, or text: `"256MiB"` (powers of 1024: KiB, MiB,
+            GiB, TiB) or `"1GB"` (powers of 1000: KB, MB, GB, TB, as Hugging Face
+            reads them); else `SizeError`.
         progress: A tqdm bar (a widget in Jupyter, a line on a terminal): True
             always, False never, None (the default) for reads of 256 MiB or more in a
             notebook or on a terminal, when tqdm is installed, never in CI.
@@ -82,7 +85,7 @@ def iter_blocks(
     tree: object,
     select: Select | None = None,
     *,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
     """Stream every LazyArray in `tree` as `(key path, index, values)` blocks.
@@ -108,6 +111,7 @@ def iter_blocks(
     >>> total == float(np.arange(64).sum() + 8)
     True
     """
+    budget = optional_size("memory_budget", memory_budget)
     found = arrays_of(selected(tree, select))
     bar = Progress.maybe(progress, stored_bytes(a for _, a in found), "lazyckpt")
     # Typed PRNG keys are small and read whole, outside the engine; each is yielded
@@ -123,7 +127,7 @@ def iter_blocks(
                 bar.advance(stored_bytes([array]))
 
     arrays = [found[i][1] for i in plain]
-    for position, index, values in stream.iter_blocks(arrays, memory_budget, bar):
+    for position, index, values in stream.iter_blocks(arrays, budget, bar):
         yield from keys_before(plain[position])
         yield found[plain[position]][0], index, values
     yield from keys_before(len(found))

@@ -11,6 +11,7 @@ from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
+from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save"]
@@ -23,10 +24,10 @@ def save(
     tree: Any,
     *,
     format: Format | None = None,  # noqa: A002 - the name the API uses for it
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_shard_size: int | None = None,
+    chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -55,10 +56,12 @@ def save(
             or shards `model-00001-of-0000N.safetensors` with
             `model.safetensors.index.json` when the tensors pass `max_shard_size`.
             In a bucket each file is uploaded in one request from memory.
-        chunk_bytes: Orbax: about how many bytes each stored chunk holds; chunks
-            tile each device's shard.
+        chunk_bytes: Orbax: about how many bytes each stored chunk holds (default
+            4 MiB); chunks tile each device's shard. Sizes are ints or text, as
+            `memory_budget` for `load` takes them: `"4MiB"`, `"1MB"`.
         max_shard_size: Safetensors: the most bytes of tensors per file of a model
-            folder (default 5 GB, as `transformers`).
+            folder (default `"5GB"`, 5 x 10^9 bytes, as `transformers`; `"1GB"` is
+            10^9 bytes here as there, `"1GiB"` 2^30).
         metadata: Safetensors: the files' `__metadata__` (default
             `{"format": "pt"}`, what `transformers` loads).
         memory_budget: As for `load`.
@@ -78,6 +81,9 @@ def save(
     >>> lazyckpt.open(out)
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
+    chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
+    max_shard_size = optional_size("max_shard_size", max_shard_size)
+    memory_budget = optional_size("memory_budget", memory_budget)
     final = paths.normalize(path)
     kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
     if kind not in ("orbax", "safetensors"):

@@ -6,8 +6,8 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "save_disagree", "path": P}          (process 1 passes another tree)
   {"do": "put_disagree", "path": P}           (process 1 asks for another sharding)
   {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
-   "broadcast": bool, "fail": i or None, "budget": bytes or None,
-   "broadcast_of": {i: bool}, "budget_of": {i: bytes}}   (per-process overrides)
+   "broadcast": bool, "fail": i or None, "budget": a size or None,
+   "broadcast_of": {i: bool}, "budget_of": {i: size}}    (per-process overrides)
                                               (device_put onto a ("data", "model")
                                                mesh; process `fail` fails its reads)
 SPEC may also say "devices": the CPU devices of each process (default 4).

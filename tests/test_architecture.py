@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lazyckpt"
 
 LAYERS: list[set[str]] = [
-    {"_errors", "_text"},
+    {"_errors", "_text", "_sizes"},
     {"_array"},
     {"_storage"},
     {"_engine"},

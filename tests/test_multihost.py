@@ -191,8 +191,8 @@ def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> Non
     holds its shard bit for bit, even when the processes' budgets differ; without it
     every process reads everything it needs (4x). A process failing its reads (on
     the path without broadcast, or on its part), a process asking for another
-    broadcast=, and a sharding no mesh axis divides each give every process an
-    error, not a hang."""
+    broadcast=, a sharding no mesh axis divides, and a bad memory_budget on one
+    process each give every process an error, not a hang."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
     specs = {
@@ -207,15 +207,16 @@ def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> Non
     results = run_processes(
         4,
         [
-            {**step, "broadcast": True, "budget": 256 << 10, "budget_of": {"0": 64 << 10}},
+            {**step, "broadcast": True, "budget": 256 << 10, "budget_of": {"0": "64KiB"}},
             {**step, "broadcast": False},
-            {**step, "broadcast": True, "fail": 2},
+            {**step, "broadcast": True, "budget_of": {"3": "64 KiBs"}},
+            {**step, "broadcast": True, "fail": 2},  # (process 2's reads fail from here on)
             {**step, "broadcast": True, "broadcast_of": {"1": False}},
             {**step, "broadcast": True, "specs": {"u": ["model"]}},
         ],
         devices=2,
     )
-    spread, each, failed, differ, uneven = ([r[i] for r in results] for i in range(5))
+    spread, each, bad, failed, differ, uneven = ([r[i] for r in results] for i in range(6))
     assert all(r["error"] is None and r["ok"] for r in spread + each), spread + each
     total = sum(stored[key] for key in specs)
     together = sum(r["read"] for r in spread)
@@ -227,3 +228,6 @@ def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> Non
         assert "process(es) [2] failed to read their share" in (failed[process]["error"] or "")
     assert all("TreeMismatchError" in (r["error"] or "") for r in differ), differ
     assert all("ShardingError" in (r["error"] or "") for r in uneven), uneven
+    assert "memory_budget='64 KiBs' is not a size" in (bad[3]["error"] or ""), bad[3]
+    for process in (0, 1, 2):
+        assert "process(es) [3] failed to read their share" in (bad[process]["error"] or "")

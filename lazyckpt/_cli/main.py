@@ -6,7 +6,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,29 +17,27 @@ import jax.numpy as jnp
 import numpy as np
 
 import lazyckpt
+from lazyckpt import _sizes as sizes
 from lazyckpt._array.tree import subtree
 from lazyckpt._cli.demo import run as run_demo
-from lazyckpt._errors import LazyckptError, NoMatchError
+from lazyckpt._errors import LazyckptError, NoMatchError, SizeError
 from lazyckpt._orbax.layout import locate
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._storage.paths import basename, is_remote, normalize
 from lazyckpt._text import human_bytes, printable
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
 
 def parse_size(text: str) -> int:
-    """Bytes from `256MiB`, `1G`, `64k` or `1048576` (binary units).
+    """Bytes from a SIZE flag, as the API reads sizes (`lazyckpt._sizes`); a bad one
+    is argparse's usage error, which names the flag.
 
-    >>> parse_size("256MiB"), parse_size("1g"), parse_size("4096")
-    (268435456, 1073741824, 4096)
+    >>> parse_size("256MiB"), parse_size("5GB"), parse_size("4096")
+    (268435456, 5000000000, 4096)
     """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not match or float(match[1]) * _UNITS[match[2]] < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write bytes or a number with KiB, MiB, GiB (256MiB)"
-        )
-    return int(float(match[1]) * _UNITS[match[2]])
+    try:
+        return sizes.parse_size(text)
+    except SizeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
 
     def budget(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
-            "--memory-budget", type=parse_size, metavar="SIZE", help="bytes in flight (256MiB)"
+            "--memory-budget",
+            type=parse_size,
+            metavar="SIZE",
+            help="bytes in flight: 256MiB, 1GB (10^9) or bytes",
         )
 
     inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
@@ -150,14 +150,17 @@ def _parser() -> argparse.ArgumentParser:
         "--unstack/--stack, before --rename)",
     )
     convert.add_argument(
-        "--max-shard-size", type=parse_size, metavar="SIZE", help="safetensors: bytes per file"
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="safetensors: most bytes of tensors per file (default 5GB: 5 x 10^9 bytes)",
     )
     convert.add_argument(
         "--chunk-bytes",
         type=parse_size,
         default=DEFAULT_CHUNK_BYTES,
         metavar="SIZE",
-        help="bytes per stored chunk (4MiB)",
+        help="about how many bytes per stored chunk (default 4MiB)",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")

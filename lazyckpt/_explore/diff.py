@@ -19,6 +19,7 @@ from lazyckpt._errors import NoMatchError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
+from lazyckpt._sizes import optional_size
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 _Signature = tuple[str, tuple[int, ...], str] | tuple[str, str]
@@ -121,7 +122,7 @@ def diff(
     step: int | tuple[int | None, int | None] | None = None,
     item: str | None = None,
     storage_options: dict[str, Any] | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> Diff:
     """Compare two trees or checkpoints: structure, shapes and dtypes from metadata,
@@ -155,6 +156,7 @@ def diff(
     - params/b  float32[8]
     ~ step  value: 3 -> 4
     """
+    budget = optional_size("memory_budget", memory_budget)
     steps = step if isinstance(step, tuple) else (step, step)
     sides = []
     for side, side_step in zip((first, second), steps, strict=True):
@@ -191,8 +193,8 @@ def diff(
         Change(path, "added", after=_describe(leaf)) for path, leaf in b.items() if path not in a
     ]
     if compare:
-        _compare_values(compare, changes, memory_budget, progress)
-    moved = _moves(a, b, changes, added, values, memory_budget)
+        _compare_values(compare, changes, budget, progress)
+    moved = _moves(a, b, changes, added, values, budget)
     ordered = [changes[path] for path in a]
     return Diff((*ordered, *(c for c in added if c.path not in moved)), values)
 

@@ -15,6 +15,7 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._errors import LazyTypeError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
+from lazyckpt._sizes import optional_size
 from lazyckpt._text import human_bytes
 
 
@@ -142,7 +143,7 @@ def stats(
     select: Select | None = None,
     *,
     bins: int | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> StatsTable:
     """Statistics of every LazyArray in `tree`, read block by block within the budget.
@@ -173,6 +174,7 @@ def stats(
     params/b   32 B    1    1     1       0    0    0
     params/w  256 B    0   63  31.5  18.473    0    0
     """
+    budget = optional_size("memory_budget", memory_budget)
     if isinstance(tree, LazyArray):
         if not summarizable(tree):
             raise LazyTypeError(
@@ -188,11 +190,11 @@ def stats(
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     bar = Progress.maybe(progress, total, "lazyckpt stats")
     running = [_Running() for _ in arrays]
-    for position, _, values in stream.iter_blocks(arrays, memory_budget, bar):
+    for position, _, values in stream.iter_blocks(arrays, budget, bar):
         running[position].add(values)
     histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
     if bins:
-        histograms = list(_histograms(arrays, running, bins, memory_budget, bar))
+        histograms = list(_histograms(arrays, running, bins, budget, bar))
     if bar is not None:
         bar.close()
     results = [r.result(h) for r, h in zip(running, histograms, strict=True)]

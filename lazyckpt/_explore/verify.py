@@ -41,6 +41,7 @@ from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
+from lazyckpt._sizes import optional_size
 from lazyckpt._storage.kvstore import check_unchanged, then
 from lazyckpt._text import human_bytes
 
@@ -112,7 +113,7 @@ def verify(
     tree: Any,
     select: Select | None = None,
     *,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> Verification:
     """Decode every stored chunk behind the LazyArrays of `tree` and report damage by
@@ -138,6 +139,7 @@ def verify(
     >>> result.ok, result.damaged
     (True, [])
     """
+    budget = optional_size("memory_budget", memory_budget)
     single = isinstance(tree, LazyArray)
     found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
     # A composed view is checked through the stored arrays it is made of.
@@ -152,7 +154,7 @@ def verify(
     ]
     total = sum(plan.nbytes for _, _, plan in plans)
     bar = Progress.maybe(progress, total, "lazyckpt verify")
-    scheduler = Scheduler(memory_budget, bar)
+    scheduler = Scheduler(budget, bar)
     read_bytes, window = windows(scheduler.budget)
     chunks = 0
     for path, array, plan in plans:
