@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import jax
@@ -16,10 +16,14 @@ from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import NoMatchError
+from lazyckpt._explore import plot
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
 from lazyckpt._sizes import optional_size
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 _Signature = tuple[str, tuple[int, ...], str] | tuple[str, str]
@@ -89,6 +93,12 @@ class Diff:
 
     def describe(self) -> list[dict[str, Any]]:
         return [attrs.asdict(c) for c in self.changes]
+
+    def plot(self, *, top: int = 30) -> Figure:
+        """A matplotlib Figure (`lazyckpt[notebook]`) of the `top` arrays whose values
+        changed most, by their largest relative difference (`diff(..., values=True)`),
+        largest first."""
+        return plot.changes(self.changes, top)
 
 
 def _describe(leaf: object) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import jax.numpy as jnp
@@ -13,10 +13,14 @@ from lazyckpt._array.tree import Select, selected
 from lazyckpt._engine import stream
 from lazyckpt._engine.progress import Progress
 from lazyckpt._errors import LazyTypeError, renamed
+from lazyckpt._explore import plot
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
 from lazyckpt._text import human_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @attrs.frozen
@@ -135,6 +139,26 @@ class StatsTable(dict[str, Stats]):
 
     def __repr__(self) -> str:
         return str(self)
+
+    def plot(self, kind: str | None = None, *, max_panels: int = 12) -> Figure:
+        """A matplotlib Figure (`lazyckpt[notebook]`), which a notebook shows and
+        `savefig` writes.
+
+        Args:
+            kind: `'layers'`: per family of numbered siblings (`layers/0..25/...`,
+                `layer_0..25`), each statistic against the layer's number (a stacked
+                tree: `unstack_layers` it first); `'histograms'`: each array's
+                histogram (`stats(..., bins=N)`). Default: histograms if they were
+                computed, else layers.
+            max_panels: The most panels; the rest are counted in the title.
+        """
+        if kind is None:
+            kind = "histograms" if any(s.histogram is not None for s in self.values()) else "layers"
+        if kind == "layers":
+            return plot.layers(self, max_panels)
+        if kind == "histograms":
+            return plot.histograms(self, max_panels)
+        raise ValueError(f"stats(...).plot: kind={kind!r}; expected 'layers' or 'histograms'")
 
 
 @renamed(which="select")

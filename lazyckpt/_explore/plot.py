@@ -1,0 +1,171 @@
+"""Figures of statistics and differences, drawn with matplotlib.
+
+matplotlib is what notebooks show inline and what every JAX user has at hand; it is
+an optional extra (`lazyckpt[notebook]`). Figures are made without pyplot, so none
+lingers in pyplot's registry and a notebook shows the returned one once; `savefig`
+writes it anywhere.
+
+- `layers`: one panel per family of numbered siblings (`layers/0..25/mlp/kernel`,
+  `layer_0..25`), each statistic against the layer's number.
+- `histograms`: one panel per array whose `stats` was asked for `bins`.
+- `changes`: the relative change of each array between two trees, largest first.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lazyckpt._errors import LazyckptError, MissingExtraError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from lazyckpt._explore.diff import Change
+    from lazyckpt._explore.stats import Stats
+
+_NUMBERED = re.compile(r"(.*?)(\d+)")
+"""A path component that numbers a sibling: `3`, `layer_3`, `layers_3`, `h3`."""
+
+
+def layer_families(keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+    """Keys that differ only by the number in their first numbered component, as
+    `{pattern: [(number, key), ...]}` in order of number; families of one are left out.
+
+    >>> layer_families(["l/0/w", "l/1/w", "l/10/w", "l/0/b", "head"])
+    {'l/*/w': [(0, 'l/0/w'), (1, 'l/1/w'), (10, 'l/10/w')]}
+    """
+    families: dict[str, list[tuple[int, str]]] = {}
+    for key in keys:
+        parts = key.split("/")
+        for i, part in enumerate(parts):
+            match = _NUMBERED.fullmatch(part)
+            if match:
+                pattern = "/".join([*parts[:i], match[1] + "*", *parts[i + 1 :]])
+                families.setdefault(pattern, []).append((int(match[2]), key))
+                break
+    return {p: sorted(members) for p, members in families.items() if len(members) > 1}
+
+
+def layers(results: Mapping[str, Stats], max_panels: int) -> Figure:
+    """Mean, the band of one standard deviation, min and max of each family of
+    numbered siblings, against the number."""
+    families = layer_families(list(results))
+    if not families:
+        raise LazyckptError(
+            "stats(...).plot('layers'): no numbered siblings among the keys "
+            f"({_some(list(results))}); plot a tree with layers (`layers/0`, `layer_0`), "
+            "unstack a stacked one first (lazyckpt.unstack_layers), or plot 'histograms'"
+        )
+    chosen = list(families.items())[:max_panels]
+    figure, axes = _grid(len(chosen))
+    for ax, (pattern, members) in zip(axes, chosen, strict=False):
+        number = [n for n, _ in members]
+        found = [results[key] for _, key in members]
+        mean = [_nan(s.mean) for s in found]
+        std = [_nan(s.std) for s in found]
+        ax.fill_between(
+            number, [m - d for m, d in zip(mean, std, strict=True)],
+            [m + d for m, d in zip(mean, std, strict=True)], alpha=0.25, label="mean ± std",
+        )  # fmt: skip
+        ax.plot(number, mean, marker=".", label="mean")
+        ax.plot(number, [_nan(s.min) for s in found], ls="--", lw=0.8, label="min")
+        ax.plot(number, [_nan(s.max) for s in found], ls="--", lw=0.8, label="max")
+        ax.set_title(pattern, fontsize=9)
+        ax.set_xlabel("layer")
+    axes[0].legend(fontsize=7)
+    _left_out(figure, len(families) - len(chosen), "families")
+    return figure
+
+
+def histograms(results: Mapping[str, Stats], max_panels: int) -> Figure:
+    """Each array's histogram of finite values (`stats(..., bins=N)`)."""
+    found = [(key, s.histogram) for key, s in results.items() if s.histogram is not None]
+    if not found:
+        raise LazyckptError(
+            "stats(...).plot('histograms'): no histograms were computed; call "
+            "lazyckpt.stats(tree, bins=64) (or the CLI's --bins 64) first"
+        )
+    chosen = found[:max_panels]
+    figure, axes = _grid(len(chosen))
+    for ax, (key, (counts, edges)) in zip(axes, chosen, strict=False):
+        ax.stairs(counts, edges, fill=True, alpha=0.7)
+        ax.set_title(key, fontsize=9)
+        ax.set_ylabel("count")
+    _left_out(figure, len(found) - len(chosen), "arrays")
+    return figure
+
+
+def changes(found: Sequence[Change], top: int) -> Figure:
+    """The largest relative difference of each array whose values changed, largest
+    first, on a log scale."""
+    ranked = sorted(
+        (c for c in found if c.kind == "value" and c.max_rel is not None),
+        key=lambda c: -_finite(c.max_rel),
+    )
+    if not ranked:
+        raise LazyckptError(
+            "diff(...).plot(): no arrays with values that differ; compare values with "
+            "lazyckpt.diff(a, b, values=True) (the CLI's --values), or the trees are equal"
+        )
+    chosen = ranked[:top]
+    figure = _figure()
+    figure.set_size_inches(8, 1.2 + 0.28 * len(chosen))
+    ax = figure.subplots()
+    ax.barh(range(len(chosen)), [_finite(c.max_rel) for c in chosen])
+    ax.set_yticks(range(len(chosen)), [c.path for c in chosen], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("largest relative difference")
+    ax.set_title(f"the {len(chosen)} arrays that changed most, of {len(ranked)}")
+    figure.tight_layout()
+    return figure
+
+
+def _figure() -> Figure:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MissingExtraError(
+            "plots are drawn with matplotlib, which is not installed; "
+            "pip install 'lazyckpt[notebook]'"
+        ) from None
+    if "ipykernel" in sys.modules:  # (pyplot sets up the notebook's inline display)
+        import matplotlib.pyplot  # noqa: F401
+    return Figure()
+
+
+def _grid(count: int) -> tuple[Figure, list[Any]]:
+    columns = min(count, 3)
+    rows = math.ceil(count / columns)
+    figure = _figure()
+    figure.set_size_inches(4 * columns, 3 * rows)
+    axes = figure.subplots(rows, columns, squeeze=False).reshape(-1)
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    figure.set_layout_engine("constrained")
+    return figure, list(axes[:count])
+
+
+def _left_out(figure: Figure, count: int, what: str) -> None:
+    if count > 0:
+        figure.suptitle(f"{count} more {what} not shown (max_panels=)", fontsize=8)
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "") if keys else "none"
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _finite(value: float | None) -> float:
+    """A relative difference for a log axis: an infinite one (a NaN against a number)
+    drawn as the largest float."""
+    if value is None or math.isnan(value):
+        return 0.0
+    return min(value, sys.float_info.max)
