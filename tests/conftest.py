@@ -126,3 +126,26 @@ def gcs() -> Iterator[str]:
             yield "gs://ckpts"
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """docs/tutorial.ipynb run from top to bottom in a real Jupyter kernel (once a
+    session: the notebook test and the browser test read its outputs)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(Path(__file__).parent.parent / "docs" / "tutorial.ipynb", as_version=4)
+    folder = tmp_path_factory.mktemp("tutorial")
+    env_flags = os.environ.pop("XLA_FLAGS", None)  # the notebook sets its own
+    try:
+        client = nbclient.NotebookClient(
+            notebook,
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(folder)}},
+        )
+        client.execute()
+    finally:
+        if env_flags is not None:
+            os.environ["XLA_FLAGS"] = env_flags
+    return notebook

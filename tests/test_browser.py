@@ -91,3 +91,36 @@ def test_checkpoint_view_in_chromium(
     page.screenshot(path=str(tmp_path / "collapsed.png"))
     params.locator("> summary").click()  # and open again
     assert kernel.is_visible()
+
+
+def test_tutorial_plots_in_chromium(browser_page: Any, tutorial: Any, tmp_path: Path) -> None:
+    """The tutorial's figures, as a notebook page shows them: images that load, of the
+    size matplotlib drew, with lines and bars on a white ground."""
+    from matplotlib.image import imread
+
+    images = [
+        output["data"]["image/png"]
+        for cell in tutorial.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if "image/png" in output.get("data", {})
+    ]
+    assert len(images) == 3
+    tags = "".join(
+        f'<img id="f{i}" src="data:image/png;base64,{data}">' for i, data in enumerate(images)
+    )
+    page_file = tmp_path / "plots.html"
+    page_file.write_text(f"<!doctype html><meta charset='utf-8'><body>{tags}</body>")
+    page = browser_page
+    page.goto(page_file.as_uri())
+    for i in range(len(images)):
+        image = page.locator(f"#f{i}")
+        width, height = image.evaluate("img => [img.naturalWidth, img.naturalHeight]")
+        assert width >= 300 and height >= 150, (i, width, height)
+        shot = tmp_path / f"plot{i}.png"
+        image.screenshot(path=str(shot))
+        assert _png_size(shot) == (width, height)
+        pixels = imread(shot)[..., :3]
+        ink = (pixels.mean(axis=2) < 0.5).mean()  # dark pixels: axes, ticks, text, lines
+        colour = (pixels.std(axis=2) > 0.1).mean()  # coloured pixels: the data
+        assert 0.005 < ink < 0.5 and colour > 0.005, (i, ink, colour)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +17,8 @@ def _text(output: dict[str, Any]) -> str:
     return str(data.get("text/html", "")) + str(data.get("text/plain", ""))
 
 
-def test_tutorial_notebook_runs(tmp_path: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    notebook = nbformat.read(ROOT / "docs" / "tutorial.ipynb", as_version=4)
-    env_flags = os.environ.pop("XLA_FLAGS", None)  # the notebook sets its own
-    try:
-        client = nbclient.NotebookClient(
-            notebook,
-            timeout=300,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(tmp_path)}},
-        )
-        client.execute()
-    finally:
-        if env_flags is not None:
-            os.environ["XLA_FLAGS"] = env_flags
+def test_tutorial_notebook_runs(tutorial: Any) -> None:
+    notebook = tutorial
     outputs = [
         _text(o) for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs
     ]
@@ -47,6 +32,11 @@ def test_tutorial_notebook_runs(tmp_path: Path) -> None:
     assert "P(None, 'model')" in joined  # the placed kernel's sharding
     assert "bfloat16[4096,256]" in joined  # the converted copy
     assert "LazyArray('params/layers/0/kernel', shape=(256, 512)" in joined  # treescope
+    figures = [
+        o for c in notebook.cells if c.cell_type == "code" for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]  # fmt: skip
+    assert len(figures) == 3  # the layers, a histogram, the changes (each shown once)
 
 
 def test_progress_is_a_tqdm_widget_in_a_notebook(tmp_path: Path) -> None:

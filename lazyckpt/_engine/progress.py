@@ -74,10 +74,11 @@ def _interactive() -> bool:
     """In a Jupyter kernel, or with stderr on a terminal; never in CI."""
     if os.environ.get("CI"):
         return False
-    return _in_notebook() or sys.stderr.isatty()
+    return in_notebook() is not None or sys.stderr.isatty()
 
 
-def _in_notebook() -> bool:
+def in_notebook() -> Any:
+    """The IPython shell of the Jupyter kernel this runs in, or None."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+    return shell if shell is not None and "IPKernelApp" in getattr(shell, "config", {}) else None

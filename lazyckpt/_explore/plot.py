@@ -2,8 +2,8 @@
 
 matplotlib is what notebooks show inline and what every JAX user has at hand; it is
 an optional extra (`lazyckpt[notebook]`). Figures are made without pyplot, so none
-lingers in pyplot's registry and a notebook shows the returned one once; `savefig`
-writes it anywhere.
+lingers in pyplot's registry and a notebook shows the returned one once (as a PNG,
+where nothing else shows figures yet); `savefig` writes it anywhere.
 
 - `layers`: one panel per family of numbered siblings (`layers/0..25/mlp/kernel`,
   `layer_0..25`), each statistic against the layer's number.
@@ -13,12 +13,14 @@ writes it anywhere.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lazyckpt._engine.progress import in_notebook
 from lazyckpt._errors import LazyckptError, MissingExtraError
 
 if TYPE_CHECKING:
@@ -133,9 +135,18 @@ def _figure() -> Figure:
             "plots are drawn with matplotlib, which is not installed; "
             "pip install 'lazyckpt[notebook]'"
         ) from None
-    if "ipykernel" in sys.modules:  # (pyplot sets up the notebook's inline display)
-        import matplotlib.pyplot  # noqa: F401
+    shell = in_notebook()
+    if shell is not None:  # (shown as a PNG, as the inline backend shows pyplot's)
+        formatter = shell.display_formatter.formatters["image/png"]
+        if Figure not in formatter.type_printers:
+            formatter.for_type(Figure, _png)
     return Figure()
+
+
+def _png(figure: Figure) -> bytes:
+    out = io.BytesIO()
+    figure.savefig(out, format="png", bbox_inches="tight")
+    return out.getvalue()
 
 
 def _grid(count: int) -> tuple[Figure, list[Any]]:
