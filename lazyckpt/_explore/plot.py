@@ -26,8 +26,7 @@ from lazyckpt._errors import LazyckptError, MissingExtraError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lazyckpt._explore.diff import Change
-    from lazyckpt._explore.stats import Stats
+# (`Stats` and `Change` are spelled `Any` here: stats.py and diff.py import this module.)
 
 _NUMBERED = re.compile(r"(.*?)(\d+)")
 """A path component that numbers a sibling: `3`, `layer_3`, `layers_3`, `h3`."""
@@ -52,7 +51,7 @@ def layer_families(keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
     return {p: sorted(members) for p, members in families.items() if len(members) > 1}
 
 
-def layers(results: Mapping[str, Stats], max_panels: int) -> Figure:
+def layers(results: Mapping[str, Any], max_panels: int) -> Figure:
     """Mean, the band of one standard deviation, min and max of each family of
     numbered siblings, against the number."""
     families = layer_families(list(results))
@@ -83,7 +82,7 @@ def layers(results: Mapping[str, Stats], max_panels: int) -> Figure:
     return figure
 
 
-def histograms(results: Mapping[str, Stats], max_panels: int) -> Figure:
+def histograms(results: Mapping[str, Any], max_panels: int) -> Figure:
     """Each array's histogram of finite values (`stats(..., bins=N)`)."""
     found = [(key, s.histogram) for key, s in results.items() if s.histogram is not None]
     if not found:
@@ -101,7 +100,7 @@ def histograms(results: Mapping[str, Stats], max_panels: int) -> Figure:
     return figure
 
 
-def changes(found: Sequence[Change], top: int) -> Figure:
+def changes(found: Sequence[Any], top: int) -> Figure:
     """The largest relative difference of each array whose values changed, largest
     first, on a log scale."""
     ranked = sorted(
