@@ -1,19 +1,26 @@
 """Reports that fold runs of numbered siblings (`layer_{0..25}`, `layers/{0..3}`) into
 one line: restoring onto a target that does not fit, `diff`, and selections that match
-nothing. The checkpoints are written by the real orbax-checkpoint."""
+nothing; and what `summary` and `saved_shardings` say of a checkpoint saved from one
+device. The checkpoints are written by the real orbax-checkpoint."""
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import lazyckpt
-from lazyckpt import NoMatchError, TreeMismatchError
+from lazyckpt import NoMatchError, SingleDeviceWarning, TreeMismatchError
+from lazyckpt._cli.main import main
 from lazyckpt._text import fold
 from tests.helpers import orbax_save
 
@@ -165,3 +172,56 @@ def test_diff_and_no_match_fold_layers(gemma: Path, tmp_path: Path) -> None:
     ]
     with pytest.raises(NoMatchError, match=r"its paths look like \[.*'transformer/layer_\{0\.\."):
         lazyckpt.select(lazyckpt.open(gemma), "params/**")
+
+
+ONE_DEVICE = (
+    "saved from one device (cpu:0): there is no sharding to reuse, saved_shardings(mesh) "
+    "would replicate every array; pass your own shardings"
+)
+
+
+def test_a_single_device_save_says_it_has_no_sharding_to_reuse(
+    tmp_path: Path, mesh: jax.sharding.Mesh, capsys: Any
+) -> None:
+    """Orbax saves of arrays on one device, and on a mesh: `summary` and `inspect`
+    say so of the first, and `saved_shardings(mesh)` warns, once, for it alone."""
+    device = jax.devices()[0]
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    single = orbax_save(
+        tmp_path / "single",
+        {"w": jax.device_put(value, device), "b": jnp.zeros(3), "n": np.arange(3)},
+    )
+    sharded = orbax_save(
+        tmp_path / "sharded",
+        {"w": jax.device_put(value, NamedSharding(mesh, P("x"))), "n": np.arange(3)},
+    )
+    lazy = lazyckpt.open(single)
+    assert str(lazyckpt.summary(lazy)).splitlines()[-1] == ONE_DEVICE
+    assert ONE_DEVICE in lazyckpt.summary(lazy)._repr_html_()
+    assert main(["inspect", str(single)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ONE_DEVICE
+    with pytest.warns(SingleDeviceWarning) as caught:
+        placed = lazyckpt.device_put(lazy, lazyckpt.saved_shardings(mesh))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert re.match(
+        rf"{re.escape(str(single))}: (w|b) was saved from one device \(cpu:0\), so it has no "
+        r"sharding to reuse: saved_shardings\(mesh\) replicates it, and any other array "
+        r"saved so, on all 8 devices of the mesh; to shard them, pass your own shardings",
+        message,
+    ), message
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert placed["w"].sharding == NamedSharding(mesh, P())
+    np.testing.assert_array_equal(np.asarray(placed["w"]), value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Asked for: the fallback is what such arrays get, without a warning.
+        chosen = lazyckpt.device_put(
+            {"w": lazy["w"]}, lazyckpt.saved_shardings(mesh, fallback=P("x"))
+        )
+        assert chosen["w"].sharding == NamedSharding(mesh, P("x"))
+        # A sharded save: its specs are reused, numpy arrays replicated as documented.
+        opened = lazyckpt.open(sharded)
+        placed = lazyckpt.device_put(opened, lazyckpt.saved_shardings(mesh))
+        assert placed["w"].sharding == NamedSharding(mesh, P("x"))
+        assert "one device" not in str(lazyckpt.summary(opened))
