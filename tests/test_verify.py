@@ -239,6 +239,8 @@ def test_a_damaged_btree_node_ends_in_the_report(
         "the checkpoint does not open: none of its 5 arrays was checked",
         f"  not checked: bias, layers/{{0..3}}/w: {problem}",
     ]
+    selected = lazyckpt.verify(work, "layers/**", progress=False)
+    assert [d.key for d in selected.not_checked] == ARRAYS[1:]
     capsys.readouterr()
     assert main(["verify", str(work), "--quiet"]) == 1
     out, err = capsys.readouterr()

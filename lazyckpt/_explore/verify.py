@@ -41,7 +41,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
-from lazyckpt._errors import CorruptCheckpointError, renamed
+from lazyckpt._errors import CorruptCheckpointError, NoMatchError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import arrays_listed
 from lazyckpt._open import open as open_checkpoint
@@ -192,11 +192,8 @@ def verify(
         try:
             tree = open_checkpoint(tree, step=step, item=item, storage_options=storage_options)
         except CorruptCheckpointError as error:
-            try:
-                keys = arrays_listed(tree, step=step, item=item, storage_options=storage_options)
-            except CorruptCheckpointError:
-                keys = []
-            return _unopened(keys, error)
+            listed = _listed(tree, select, step, item, storage_options)
+            return _unopened(listed, error)
     single = isinstance(tree, LazyArray)
     found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
     # A composed view is checked through the stored arrays it is made of.
@@ -252,6 +249,24 @@ def verify(
         not_checked=not_checked,
         fine=[path for path, _, _ in plans if not problems[path]],
     )
+
+
+def _listed(
+    path: str | os.PathLike[str],
+    select: Select | None,
+    step: int | None,
+    item: str | None,
+    storage_options: dict[str, Any] | None,
+) -> list[str]:
+    """The arrays that `_METADATA` lists at `path`, those `select` matches (a predicate
+    needs the arrays, so it keeps them all); none where it cannot be read."""
+    try:
+        keys = arrays_listed(path, step=step, item=item, storage_options=storage_options)
+        if select is not None and not callable(select):
+            keys = list(selected(dict.fromkeys(keys, 0), select))
+    except (CorruptCheckpointError, NoMatchError):
+        return []
+    return keys
 
 
 def _unopened(keys: list[str], error: Exception) -> Verification:
