@@ -146,6 +146,13 @@ class LeftoverWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class SingleDeviceWarning(UserWarning):
+    """`saved_shardings(mesh)` met arrays saved from one device: they have no
+    sharding to reuse, so they are replicated on every device of the mesh."""
+
+    __module__ = "lazyckpt"
+
+
 class InferredStructureWarning(UserWarning):
     """The tree was rebuilt from array names alone, so some structure may be lost."""
 
@@ -163,10 +170,14 @@ def json_or_corrupt(where: str, text: str | bytes, remedy: str) -> Any:
         ) from error
 
 
+_WITHIN = ("lazyckpt", "jax", "contextlib")
+
+
 def warn(message: str, category: type[Warning]) -> None:
-    """Warn, pointing at the caller's own line: the first frame outside lazyckpt."""
+    """Warn, pointing at the caller's own line: the first frame outside lazyckpt, and
+    outside what calls lazyckpt back (jax's tree functions, contextlib's decorators)."""
     level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("lazyckpt"):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_WITHIN):
         level, frame = level + 1, frame.f_back  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
 

@@ -12,7 +12,7 @@ from lazyckpt._errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
-from lazyckpt._orbax.read import open_orbax
+from lazyckpt._orbax.read import listed_arrays, open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths
 from lazyckpt._storage.publish import SWAP_SUFFIX, interrupted_overwrite
@@ -85,3 +85,20 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                 f"(commit_success.txt or the index last) and delete {where}{SWAP_SUFFIX}"
             ) from None
     return dict(leaves(tree)) if flat else tree
+
+
+def arrays_listed(
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    item: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """The key paths of the arrays an Orbax checkpoint's `_METADATA` lists, read
+    without opening its store (for reports on a checkpoint that does not open); none
+    for safetensors, whose list of names is the header that failed."""
+    with paths.session(storage_options):
+        where = paths.normalize(path)
+        if is_safetensors(where):
+            return []
+        return listed_arrays(where, step=step, item=item)

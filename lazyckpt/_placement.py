@@ -3,13 +3,14 @@ shardings, devices and partition specs a target may name."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from lazyckpt._errors import ShardingError
+from lazyckpt._engine.stored import StoredArray
+from lazyckpt._errors import ShardingError, SingleDeviceWarning, warn
 from lazyckpt._lazy import LazyArray
 
 
@@ -19,7 +20,10 @@ def saved_shardings(
     """Shardings that reuse each array's saved partition spec on the caller's `mesh`.
 
     Pass the result to `lazyckpt.device_put`. Arrays saved without a `NamedSharding`
-    (numpy arrays, single-device arrays) get `fallback`, replicated by default.
+    (numpy arrays, single-device arrays) get `fallback`, replicated by default. A
+    checkpoint saved from one device has no sharding to reuse: without `fallback`,
+    the first array saved from one device raises a `SingleDeviceWarning` (pass your
+    own shardings to shard such arrays).
 
     >>> mesh = jax.make_mesh((8,), ("x",))     # no "y" axis: P('x', 'y') cannot apply
     >>> tree = lazyckpt.open(path)
@@ -29,9 +33,21 @@ def saved_shardings(
     lazyckpt.ShardingError: params/w: the saved partition spec P('x', 'y') uses mesh axes ['y'] that the given mesh (axes ['x']) lacks; name the mesh axes as saved, or pass explicit shardings
     """
     default = NamedSharding(mesh, fallback if fallback is not None else PartitionSpec())
+    warned = fallback is not None  # the caller chose what such arrays get
 
     def choose(path: str, array: LazyArray) -> jax.sharding.Sharding:
+        nonlocal warned
         saved = array.sharding
+        if saved is not None and saved.kind == "SingleDeviceSharding" and not warned:
+            warned = True
+            warn(
+                f"{_location(array)}{path} was saved from one device ({saved.device}), so "
+                "it has no sharding to reuse: saved_shardings(mesh) replicates it, and any "
+                f"other array saved so, on all {mesh.size} devices of the mesh; to shard "
+                "them, pass your own shardings (a NamedSharding or PartitionSpec per array, "
+                "or saved_shardings(mesh, fallback=PartitionSpec(...)))",
+                SingleDeviceWarning,
+            )
         if saved is None or saved.kind != "NamedSharding":
             return default
         try:
@@ -40,6 +56,25 @@ def saved_shardings(
             raise ShardingError(f"{path}: {error}") from None
 
     return choose
+
+
+def saved_from_one_device(arrays: Iterable[object]) -> str | None:
+    """The devices (`cpu:0`) of a single-device save: where every array among `arrays`
+    whose sharding was recorded was saved from one device, so that there is no
+    sharding to reuse; else None."""
+    devices = set()
+    for array in arrays:
+        if isinstance(array, LazyArray) and array.sharding is not None:
+            if array.sharding.kind != "SingleDeviceSharding":
+                return None
+            devices.add(array.sharding.device or "a device")
+    return ", ".join(sorted(devices)) if devices else None
+
+
+def _location(array: LazyArray) -> str:
+    """The checkpoint `array` was opened from, as a prefix to its key path."""
+    stored = array.sources[0].stored
+    return f"{stored.store.location}: " if isinstance(stored, StoredArray) else ""
 
 
 Layout: TypeAlias = Sharding | jax.Device | PartitionSpec

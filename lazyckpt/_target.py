@@ -16,7 +16,7 @@ collected, then reported at once in one `TreeMismatchError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -30,6 +30,7 @@ from lazyckpt._array.tree import Path, keystr, map_leaves, path_of, subtree
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, key_dtype
 from lazyckpt._placement import LAYOUTS, Layout, resolve
+from lazyckpt._text import Detail, fold
 
 Missing = Literal["error", "keep"] | Callable[[str, Any], object]
 
@@ -42,6 +43,7 @@ TargetValue = bool | int | float | complex | str | np.generic
 """A target leaf restored as a value of its type (one of `_VALUES`)."""
 _TARGET_LEAVES = (*LAYOUTS, *_ARRAYS, *_VALUES)
 _MAX_LINES = 20
+_SUBTREE_LINES = 3  # a subtree missing on one side takes one line once it would take more
 # Per kind of difference: how the headline counts one, and several; how a line starts.
 _LABELS = {
     "missing": (
@@ -133,12 +135,15 @@ class _Matcher:
             self.leaves[_norm(path)] = (path, leaf)
         self.prefixes = {norm[:i] for norm in self.leaves for i in range(len(norm))}
         self.used: set[tuple[str, ...]] = set()
-        self.problems: dict[str, list[tuple[str, str]]] = {kind: [] for kind in _LABELS}
+        self.problems: dict[str, list[tuple[str, Detail]]] = {kind: [] for kind in _LABELS}
         self.missing_paths: list[tuple[str, ...]] = []
+        self.unexpected_paths: list[tuple[str, ...]] = []
+        self.target_prefixes: set[tuple[str, ...]] = set()
 
     def restore(self, path: Path, want: object) -> object:
         """What the target leaf `want` at `path` becomes."""
         norm = _norm(path)
+        self.target_prefixes.update(norm[:i] for i in range(len(norm) + 1))
         where = keystr(path)
         if not isinstance(want, _TARGET_LEAVES) and want is not None:
             return self._problem(
@@ -199,7 +204,7 @@ class _Matcher:
         if isinstance(leaf, LazyArray):
             keys = _as_keys(leaf, dtype, shape)
             if keys is None and leaf.shape != shape:
-                return self._problem("shape", where, f"target {shape}, checkpoint {leaf.shape}")
+                return self._problem("shape", where, _versus(shape, leaf.shape))
             view = keys if keys is not None else self._cast(where, leaf, dtype)
             if view is None:
                 return None
@@ -231,7 +236,7 @@ class _Matcher:
             return leaf
         keys = jnp.issubdtype(dtype, jax.dtypes.prng_key)
         if keys or leaf.key_impl or not (self.lossy_casts or lossless(leaf.dtype, dtype)):
-            return self._problem("dtype", where, f"target {dtype}, checkpoint {leaf.dtype}")
+            return self._problem("dtype", where, _versus(dtype, leaf.dtype))
         return leaf.astype(dtype)
 
     def _scalar(self, where: str, value: object, dtype: DTypeLike) -> Any:
@@ -239,7 +244,7 @@ class _Matcher:
         exact = bool(converted == np.asarray(value))
         source = np.asarray(value).dtype
         if not (exact or self.lossy_casts or lossless(source, dtype)):
-            return self._problem("dtype", where, f"target {dtype}, checkpoint {value!r}")
+            return self._problem("dtype", where, _versus(dtype, repr(value)))
         return converted
 
     def _missing(self, where: str, norm: tuple[str, ...], want: object) -> object:
@@ -251,12 +256,10 @@ class _Matcher:
         return self._problem("missing", where or "(the root)", _describe(want))
 
     def _kind(self, where: str, want: object, leaf: object) -> Any:
-        return self._problem(
-            "kind", where, f"target {_describe(want)}, checkpoint {_describe(leaf)}"
-        )
+        return self._problem("kind", where, _versus(_describe(want), _describe(leaf)))
 
-    def _problem(self, kind: str, where: str, detail: str) -> Any:
-        self.problems[kind].append((where, detail))
+    def _problem(self, kind: str, where: str, detail: str | Detail) -> Any:
+        self.problems[kind].append((where, (("", detail),) if isinstance(detail, str) else detail))
         return None
 
     def check(self) -> None:
@@ -264,6 +267,7 @@ class _Matcher:
         if not self.partial:
             for norm, (path, leaf) in self.leaves.items():
                 if norm not in self.used:
+                    self.unexpected_paths.append(norm)
                     self._problem("unexpected", keystr(path), _describe(leaf))
         if not any(self.problems.values()):
             return
@@ -275,14 +279,19 @@ class _Matcher:
             f"{n} {_LABELS[kind][0 if n == 1 else 1]}" for kind, n in counts.items() if n
         )
         lines = [f"the target does not match the checkpoint: {summary}"]
-        folded = [
-            (kind, line, size)
-            for kind, found in self.problems.items()
-            for line, size in _folded(found)
-        ]
-        for shown, (kind, line, _) in enumerate(folded):
+        absent = {
+            "missing": (self.missing_paths, self.prefixes | set(self.leaves)),
+            "unexpected": (self.unexpected_paths, self.target_prefixes),
+        }
+        folded = []
+        for kind, found in self.problems.items():
+            if kind in absent and len(absent[kind][0]) == len(found):
+                folded += [(kind, line) for line in fold(_by_subtree(found, *absent[kind]))]
+            else:
+                folded += [(kind, line) for line in fold(found)]
+        for shown, (kind, line) in enumerate(folded):
             if shown == _MAX_LINES:
-                rest = sum(size for _, _, size in folded[shown:])
+                rest = sum(line.count for _, line in folded[shown:])
                 lines.append(f"  ... and {rest} more")
                 break
             lines.append(f"  {_LABELS[kind][2]}: {line}")
@@ -334,34 +343,42 @@ def _as_keys(leaf: LazyArray, dtype: DTypeLike, shape: tuple[int, ...]) -> LazyA
     return None
 
 
-def _folded(found: list[tuple[str, str]]) -> Iterator[tuple[str, int]]:
-    """One line per path and detail, paths that differ only in one integer key
-    (layers) folded into one: `blocks/{0..11}/kernel  float32[8,8]`; with the number of
-    leaves each line stands for."""
-    by_pattern: dict[tuple[tuple[str, ...], str], list[list[str]]] = {}
-    for where, detail in found:
-        parts = where.split("/")
-        pattern = tuple("*" if part.isascii() and part.isdigit() else part for part in parts)
-        by_pattern.setdefault((pattern, detail), []).append(parts)
-    for (pattern, detail), members in by_pattern.items():
-        varying = [
-            i for i, key in enumerate(pattern) if key == "*" and len({m[i] for m in members}) > 1
-        ]
-        if len(members) == 1 or len(varying) != 1:
-            for parts in members:
-                yield f"{'/'.join(parts)}  {detail}", 1
+def _versus(target: object, checkpoint: object) -> Detail:
+    return (("target", str(target)), ("checkpoint", str(checkpoint)))
+
+
+def _by_subtree(
+    found: list[tuple[str, Detail]], norms: list[tuple[str, ...]], other: set[tuple[str, ...]]
+) -> list[tuple[str, Detail, int, str]]:
+    """`found`'s lines, those under a subtree that the other side lacks entirely (a
+    missing layer) in one line, `layer_25/{attn/..., mlp/...}  12 leaves`, once they
+    would take more than a few lines."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, norm in enumerate(norms):
+        cut = next((k for k in range(1, len(norm)) if norm[:k] not in other), len(norm))
+        groups.setdefault(norm[:cut], []).append(i)
+    out: list[tuple[str, Detail, int, str]] = []
+    for prefix, members in groups.items():
+        below = [norms[i][len(prefix) :] for i in members]
+        if len(fold(("/".join(b), found[i][1]) for b, i in zip(below, members, strict=True))) <= (
+            _SUBTREE_LINES
+        ):
+            out += [(*found[i], 1, "") for i in members]
             continue
-        (at,) = varying
-        parts = list(members[0])
-        parts[at] = _int_set(sorted({int(m[at]) for m in members}))
-        yield f"{'/'.join(parts)}  {detail}", len(members)
-
-
-def _int_set(values: list[int]) -> str:
-    if values == list(range(values[0], values[-1] + 1)):
-        return f"{{{values[0]}..{values[-1]}}}"
-    shown = ",".join(map(str, values[:6])) + (",..." if len(values) > 6 else "")
-    return f"{{{shown}}}"
+        while len({b[0] for b in below}) == 1 and all(len(b) > 1 for b in below):
+            prefix, below = (*prefix, below[0][0]), [b[1:] for b in below]
+        children: dict[str, list[tuple[str, ...]]] = {}
+        for b in below:
+            children.setdefault(b[0], []).append(b)
+        names = [
+            ("/".join(paths[0]) if len(paths) == 1 else f"{child}/...", "")
+            for child, paths in children.items()
+        ]
+        shown = [f.path for f in fold(names, vary=False)]
+        listed = ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
+        where = "/".join(prefix)
+        out.append((where, (("", f"{len(members)} leaves"),), len(members), f"/{{{listed}}}"))
+    return out
 
 
 def lossless(source: DTypeLike, dest: DTypeLike) -> bool:

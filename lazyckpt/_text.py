@@ -1,8 +1,12 @@
-"""Text for terminals and notebooks: sizes in binary units, and names made safe to print."""
+"""Text for terminals and notebooks: sizes in binary units, names made safe to print,
+and long lists of key paths folded by their layer numbers."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+
+import attrs
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -54,3 +58,153 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+Detail = tuple[tuple[str, str], ...]
+"""What a report says about one key path, as `(label, value)` fields: a field whose
+values differ along a folded run says so on its own (`checkpoint varies: ...`)."""
+
+_NUMBER = re.compile(r"(\d+)")
+_SHOWN_RUNS = 6  # runs of numbers written out before the rest are elided
+_SHOWN_VALUES = 3  # distinct values of a field listed before it just "varies"
+
+
+@attrs.frozen
+class Folded:
+    """One line of a folded report: `path` (ranges in braces), its detail, and how many
+    of the original lines it stands for."""
+
+    path: str
+    detail: str
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.path}  {self.detail}" if self.detail else self.path
+
+
+@attrs.frozen
+class _Entry:
+    tokens: tuple[str | frozenset[int], ...]  # text, digits, or a folded set of numbers
+    detail: Detail
+    count: int
+    tail: str
+    varied: bool = False
+
+
+def fold(
+    lines: Iterable[tuple[str, str | Detail] | tuple[str, str | Detail, int, str]],
+    *,
+    vary: bool = True,
+) -> list[Folded]:
+    """Report lines `(path, detail)` (or `(path, detail, count, tail)`, a `tail` that
+    is printed after the path and never folded), lines whose paths differ only in one
+    number collapsed into one: `layer_{0..25}/mlp/gate`, `layers/{0..3,5..9}/w`.
+    Runs fold innermost first, so experts of layers fold twice. A detail identical
+    along a run is kept; with `vary`, runs whose details differ fold too, and each
+    differing field lists its values by number, or says how many differ.
+
+    >>> [str(f) for f in fold([(f"layer_{i}/w", "f32[8]") for i in (0, 1, 2, 5)])]
+    ['layer_{0..2,5}/w  f32[8]']
+    >>> lines = [(f"b.{i}", (("target", "(8,)"), ("checkpoint", f"({i},)"))) for i in (1, 2)]
+    >>> [str(f) for f in fold(lines)]
+    ['b.{1,2}  target (8,), checkpoint varies: (1,) at 1; (2,) at 2']
+    """
+    entries = []
+    for line in lines:
+        path, detail = line[0], line[1]
+        count, tail = (line[2], line[3]) if len(line) == 4 else (1, "")
+        fields = ((("", detail),) if detail else ()) if isinstance(detail, str) else detail
+        entries.append(_Entry(_tokens(path), fields, count, tail))
+    for varied in (False, True) if vary else (False,):
+        width = max((len(e.tokens) for e in entries), default=0)
+        for at in reversed(range(1, width, 2)):  # digits sit at odd positions
+            entries = _fold_at(entries, at, varied)
+    return [
+        Folded(
+            "".join(_token_text(t) for t in e.tokens) + e.tail,
+            ", ".join(f"{label} {value}" if label else value for label, value in e.detail),
+            e.count,
+        )
+        for e in entries
+    ]
+
+
+def _tokens(path: str) -> tuple[str | frozenset[int], ...]:
+    """`path` split around its numbers; numbers with a leading zero stay text, as
+    `layer_01` cannot be written back from 1."""
+    parts = _NUMBER.split(path)
+    return tuple(
+        frozenset({int(p)}) if i % 2 and (p == "0" or not p.startswith("0")) else p
+        for i, p in enumerate(parts)
+    )
+
+
+def _token_text(token: str | frozenset[int]) -> str:
+    if isinstance(token, str):
+        return token
+    return f"{{{_numbers(token)}}}" if len(token) > 1 else str(next(iter(token)))
+
+
+def _fold_at(entries: list[_Entry], at: int, varied: bool) -> list[_Entry]:
+    """Entries equal but for the number at token `at` merged (their details equal, or
+    with `varied`, differing in values only), in the order they came."""
+    groups: dict[object, list[_Entry]] = {}
+    order: list[object] = []
+    for i, entry in enumerate(entries):
+        number = entry.tokens[at] if at < len(entry.tokens) else None
+        if not isinstance(number, frozenset) or (varied and entry.varied):
+            key: object = i
+        else:
+            rest = (entry.tokens[:at], entry.tokens[at + 1 :], entry.tail)
+            key = (rest, tuple(label for label, _ in entry.detail) if varied else entry.detail)
+        if key not in groups:
+            order.append(key)
+        groups.setdefault(key, []).append(entry)
+    out = []
+    for key in order:
+        members = groups[key]
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        numbers = [n for m in members if isinstance(n := m.tokens[at], frozenset)]
+        union: frozenset[int] = frozenset().union(*numbers)
+        detail = members[0].detail
+        if varied and any(m.detail != detail for m in members):
+            detail = _varying([m.detail for m in members], numbers)
+        tokens = (*members[0].tokens[:at], union, *members[0].tokens[at + 1 :])
+        count = sum(m.count for m in members)
+        out.append(_Entry(tokens, detail, count, members[0].tail, varied or members[0].varied))
+    return out
+
+
+def _varying(details: list[Detail], numbers: list[frozenset[int]]) -> Detail:
+    """Fields of `details` merged: equal values kept, differing ones listed by number."""
+    out = []
+    for i, (label, value) in enumerate(details[0]):
+        where: dict[str, set[int]] = {}
+        for detail, found in zip(details, numbers, strict=True):
+            where.setdefault(detail[i][1], set()).update(found)
+        if len(where) == 1:
+            out.append((label, value))
+        elif len(where) <= _SHOWN_VALUES:
+            listed = "; ".join(f"{v} at {_numbers(n)}" for v, n in where.items())
+            out.append((label, f"varies: {listed}"))
+        else:
+            out.append((label, f"varies ({len(where)} values)"))
+    return tuple(out)
+
+
+def _numbers(values: Iterable[int]) -> str:
+    """Numbers as runs: `0..25`, `0..3,5..9`, `4,5`; past a few runs, `...`."""
+    ordered = sorted(values)
+    runs: list[tuple[int, int]] = []
+    for n in ordered:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], n)
+        else:
+            runs.append((n, n))
+    shown = [
+        str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}..{b}"
+        for a, b in runs[:_SHOWN_RUNS]
+    ]
+    return ",".join(shown) + (f",...({len(ordered)} in all)" if len(runs) > _SHOWN_RUNS else "")

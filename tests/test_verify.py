@@ -170,3 +170,123 @@ def test_verify_work_follows_what_is_stored(tmp_path: Path) -> None:
     )
     assert shard == [8, 1024]
     assert "w: shard [0, 0] (stored as 'w/c/0/0') is missing" in outcomes["sharded"]
+
+
+@pytest.fixture(scope="module")
+def ocdbt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An OCDBT checkpoint of five arrays, written by Orbax."""
+    rng = np.random.default_rng(2)
+    tree = {
+        "layers": [{"w": rng.standard_normal((64, 64)).astype(np.float32)} for _ in range(4)],
+        "bias": np.ones(8, np.float32),
+    }
+    return orbax_save(tmp_path_factory.mktemp("ocdbt") / "ckpt", tree)
+
+
+def _damaged_copy(path: Path, tmp_path: Path, name: str, damage: Any) -> Path:
+    work = Path(shutil.copytree(path, tmp_path / name))
+    damage(work)
+    return work
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _node_file(path: Path) -> Path:
+    """The file holding the b-tree nodes: Orbax merges the per-process databases into
+    the root's, whose `d/` holds the nodes; the values stay in `ocdbt.process_0/d/`.
+    Found by trying: damage to this file, and to no other, stops `open`."""
+    stopping = []
+    for file in sorted(path.glob("**/d/*")):
+        work = path.parent / "probe"
+        shutil.rmtree(work, ignore_errors=True)
+        _flip(Path(shutil.copytree(path, work)) / file.relative_to(path))
+        try:
+            lazyckpt.open(work)
+        except lazyckpt.CorruptCheckpointError:
+            stopping.append(file)
+    shutil.rmtree(path.parent / "probe")
+    assert len(stopping) == 1 and stopping[0].parent == path / "d", stopping
+    return stopping[0]
+
+
+ARRAYS = ["bias", "layers/0/w", "layers/1/w", "layers/2/w", "layers/3/w"]
+
+
+@pytest.mark.parametrize(("damage", "why"), [(_flip, "b-tree node"), (_truncate, "not valid")])
+def test_a_damaged_btree_node_ends_in_the_report(
+    ocdbt: Path, tmp_path: Path, capsys: Any, damage: Any, why: str
+) -> None:
+    """The one b-tree node holds every key: the report names every array as not
+    checked, with the reason in a line; the command prints it and exits with 1."""
+    node = _node_file(ocdbt).relative_to(ocdbt)
+    work = _damaged_copy(ocdbt, tmp_path, "work", lambda p: damage(p / node))
+    result = lazyckpt.verify(work, progress=False)
+    assert not result.ok and not result.opened and result.damaged == []
+    assert [d.key for d in result.not_checked] == ARRAYS
+    assert len({d.problem for d in result.not_checked}) == 1
+    problem = result.not_checked[0].problem
+    assert "\n" not in problem and why in problem and str(node.name) in problem
+    lines = str(result).splitlines()
+    assert lines == [
+        "the checkpoint does not open: none of its 5 arrays was checked",
+        f"  not checked: bias, layers/{{0..3}}/w: {problem}",
+    ]
+    selected = lazyckpt.verify(work, "layers/**", progress=False)
+    assert [d.key for d in selected.not_checked] == ARRAYS[1:]
+    capsys.readouterr()
+    assert main(["verify", str(work), "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == lines and err == ""
+    assert main(["verify", str(work), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and not report["opened"]
+    assert [d["key"] for d in report["not_checked"]] == ARRAYS
+
+
+def test_damaged_values_are_named_and_the_rest_is_fine(
+    ocdbt: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """The values file of one array truncated, the others intact."""
+    files = sorted((ocdbt / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    work = _damaged_copy(
+        ocdbt, tmp_path, "work", lambda p: _truncate(p / files[-1].relative_to(ocdbt))
+    )
+    result = lazyckpt.verify(work, progress=False)
+    damaged = [d.key for d in result.damaged]
+    assert not result.ok and result.opened and damaged and not result.not_checked
+    assert sorted(damaged + result.fine) == ARRAYS and "bias" in result.fine
+    assert all("not valid for value of size" in d.problem for d in result.damaged)
+    lines = str(result).splitlines()
+    assert lines[0].endswith(f"decoded: {len(damaged)} damaged")
+    assert lines[-2].startswith("  fine: bias")  # folded: layers/{0,1}/w
+    assert main(["verify", str(work), "--quiet"]) == 1
+    assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_a_checkpoint_that_does_not_open_is_one_entry(
+    ocdbt: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """Manifest gone: each array `_METADATA` lists is not checked; with `_METADATA`
+    damaged too, the report is one entry for the whole checkpoint."""
+    work = _damaged_copy(ocdbt, tmp_path, "work", lambda p: (p / "manifest.ocdbt").unlink())
+    result = lazyckpt.verify(work, progress=False)
+    assert [d.key for d in result.not_checked] == ARRAYS
+    assert "manifest.ocdbt is missing" in result.not_checked[0].problem
+    (work / "_METADATA").write_text("{")
+    result = lazyckpt.verify(work, progress=False)
+    assert (result.arrays, len(result.not_checked), result.opened) == (0, 1, False)
+    assert str(result).splitlines() == [
+        "the checkpoint does not open: nothing was checked",
+        f"  not checked: (the checkpoint): {result.not_checked[0].problem}",
+    ]
+    assert "_METADATA is not valid JSON" in result.not_checked[0].problem
+    assert main(["verify", str(work)]) == 1
+    assert capsys.readouterr().err == ""

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from lazyckpt._errors import NoMatchError, renamed
+from lazyckpt._text import fold
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -195,7 +196,7 @@ def select(tree: object, pattern: Select) -> Any:
     """
     picked = _select(tree, (), _as_predicate(pattern))
     if picked is _DROPPED:
-        some = [path for path, _ in leaves(tree)][:5]
+        some = [line.path for line in fold((path, "") for path, _ in leaves(tree))][:5]
         shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)
         raise NoMatchError(f"{shown!r} matched no leaf of the tree; its paths look like {some}")
     return picked

@@ -325,7 +325,10 @@ def _stats(args: argparse.Namespace) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     result = lazyckpt.verify(
-        _open(args),
+        args.path,
+        args.select,
+        step=args.step,
+        item=args.item,
         memory_budget=args.memory_budget,
         progress=False if args.quiet or args.json else None,
     )

@@ -21,6 +21,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
 from lazyckpt._sizes import optional_size
+from lazyckpt._text import fold
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,15 +50,21 @@ class Change:
     max_rel: float | None = None
 
     def __str__(self) -> str:
+        return f"{self._head()}  {self._detail()}"
+
+    def _head(self) -> str:
         sign = {"added": "+", "removed": "-", "moved": ">", "equal": "="}.get(self.kind, "~")
-        text = f"{sign} {self.path}"
-        if self.kind == "moved":
-            return f"{text} -> {self.to}  {self.before}"
+        return f"{sign} {self.path}"
+
+    def _tail(self) -> str:
+        return f" -> {self.to}" if self.kind == "moved" else ""
+
+    def _detail(self) -> str:
         if self.kind in ("added",):
-            return f"{text}  {self.after}"
-        if self.kind in ("removed", "equal"):
-            return f"{text}  {self.before}"
-        text += f"  {self.kind}: {self.before} -> {self.after}"
+            return self.after
+        if self.kind in ("removed", "equal", "moved"):
+            return self.before
+        text = f"{self.kind}: {self.before} -> {self.after}"
         if self.max_abs is not None:
             text += f"  max abs {self.max_abs:.6g}, max rel {self.max_rel:.6g}"
         return text
@@ -66,7 +73,8 @@ class Change:
 @attrs.frozen
 class Diff:
     """What `lazyckpt.diff` returns: the changes in the first tree's order, then the
-    additions. `changed` lists all but `equal` entries; prints as one line each."""
+    additions. `changed` lists all but `equal` entries; prints as one line each, changes
+    alike but for a layer number (`layers/{0..3}/w`) folded into one."""
 
     changes: tuple[Change, ...]
     values_compared: bool
@@ -86,7 +94,9 @@ class Diff:
         counts = ", ".join(f"{n} {kind}" for kind, n in self.counts().items() if n)
         what = "metadata and values" if self.values_compared else "metadata only"
         lines = [f"{counts or 'both empty'} ({what})"]
-        lines.extend(str(c) for c in self.changed)
+        # Changes alike but for a layer number take one line: `- layers/{0..3}/w  f32[8]`.
+        folded = fold(((c._head(), c._detail(), 1, c._tail()) for c in self.changed), vary=False)
+        lines.extend(str(line) for line in folded)
         return "\n".join(lines)
 
     __repr__ = __str__

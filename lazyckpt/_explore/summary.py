@@ -19,6 +19,7 @@ from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.tree import Key, Path, children, keystr
 from lazyckpt._html import STYLE, array_nbytes, array_row, array_type, key_cell, spec_of
 from lazyckpt._lazy import LazyArray
+from lazyckpt._placement import saved_from_one_device
 from lazyckpt._text import human_bytes, printable
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
@@ -153,6 +154,8 @@ class Summary:
 
     rows: tuple[Row, ...]
     title: str = ""
+    note: str = ""
+    """A last line about the whole tree: that it was saved from one device."""
 
     def describe(self) -> list[dict[str, Any]]:
         return [row.describe() for row in self.rows if row.path]
@@ -182,6 +185,8 @@ class Summary:
         for r in table:
             cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2])]
             lines.append("  ".join([*cells, r[3].ljust(widths[3]), r[4]]).rstrip())
+        if self.note:
+            lines.append(self.note)
         return "\n".join(lines)
 
     def _headline(self) -> str:
@@ -222,6 +227,8 @@ class Summary:
                     f'<span class="t">{value}</span></div>'
                 )
         parts.extend("</div></details>" for _ in depth_open)
+        if self.note:
+            parts.append(f'<div class="head">{html.escape(self.note)}</div>')
         parts.append("</div>")
         return "".join(parts)
 
@@ -261,7 +268,8 @@ def summary(tree: object, title: str = "", *, depth: int | None = None) -> Summa
     """A summary of a lazy tree (or any pytree) from metadata alone.
 
     Shows as an aligned text table, and in notebooks as a collapsible HTML tree; each
-    subtree carries the number and total size of the arrays below it.
+    subtree carries the number and total size of the arrays below it. A last line
+    says when the checkpoint was saved from one device (no sharding to reuse).
 
     Args:
         tree: A lazy tree from `lazyckpt.open`, or any pytree (jax and NumPy arrays,
@@ -284,5 +292,13 @@ def summary(tree: object, title: str = "", *, depth: int | None = None) -> Summa
     """
     if depth is not None and depth < 1:
         raise ValueError(f"summary: depth must be 1 or more, found {depth}")
-    shown = [row for row in rows(tree) if depth is None or row.depth <= depth]
-    return Summary(tuple(shown), title)
+    every = rows(tree)
+    shown = [row for row in every if depth is None or row.depth <= depth]
+    device = saved_from_one_device(row.leaf for row in every if not row.group)
+    note = (
+        f"saved from one device ({device}): there is no sharding to reuse, "
+        "saved_shardings(mesh) would replicate every array; pass your own shardings"
+        if device
+        else ""
+    )
+    return Summary(tuple(shown), title, note)

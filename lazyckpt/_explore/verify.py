@@ -4,7 +4,9 @@ For users who copy checkpoints around: each chunk is decoded whole, as a stream
 within the memory budget (a 1 GiB chunk holds a few MiB), so every checksum the
 chunks carry is checked, and every chunk is checked to be present, to decode, and to
 hold exactly the bytes its array declares. Damage is reported by key path, and the
-verification goes on to the other arrays. Arrays without checksums (zstd without its
+verification goes on to the other arrays; an array whose chunks cannot even be listed
+(a damaged b-tree node of the OCDBT database), or a checkpoint that does not open, is
+reported as not checked, with the reason. Arrays without checksums (zstd without its
 content checksum, as Orbax writes it, or no compression) are named too: for them a
 flipped bit inside the data decodes to a wrong value that nothing can detect.
 """
@@ -12,6 +14,7 @@ flipped bit inside the data decodes to a wrong value that nothing can detect.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,14 +41,20 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
-from lazyckpt._errors import CorruptCheckpointError, renamed
+from lazyckpt._errors import CorruptCheckpointError, NoMatchError, renamed
 from lazyckpt._lazy import LazyArray
+from lazyckpt._open import arrays_listed
+from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
 from lazyckpt._storage.kvstore import check_unchanged, then
-from lazyckpt._text import human_bytes
+from lazyckpt._text import fold, human_bytes
 
 _SHOWN = 20  # damaged arrays listed in full by str(); the rest are counted
+_NAMES = 8  # folded key paths listed per line of names; the rest are counted
+_WHOLE = "(the checkpoint)"
+"""The key of the one not-checked entry of a checkpoint that does not open, where
+`_METADATA` cannot say which arrays it holds."""
 
 
 @attrs.frozen
@@ -64,7 +73,10 @@ class Damage:
 @attrs.frozen
 class Verification:
     """What `verify` found. `damaged` lists arrays whose chunks are missing, do not
-    decode or fail their checksums; `unchecked` names the arrays whose chunks carry
+    decode or fail their checksums; `not_checked` the arrays that could not be checked,
+    and why (their chunks could not be listed, or the checkpoint does not open: then
+    every array `_METADATA` lists, or one entry for the whole checkpoint); `fine` the
+    arrays whose every chunk decoded; `unchecked` names the arrays whose chunks carry
     no checksum, so that a flipped bit in their data would have gone unseen."""
 
     arrays: int
@@ -73,31 +85,51 @@ class Verification:
     """Decoded bytes checked."""
     damaged: list[Damage]
     unchecked: list[str]
+    not_checked: list[Damage] = attrs.field(factory=list)
+    fine: list[str] = attrs.field(factory=list)
+    opened: bool = True
+    """Whether the checkpoint opened (False: `not_checked` says why, for every array)."""
 
     @property
     def ok(self) -> bool:
-        """Whether no damage was found."""
-        return not self.damaged
+        """Whether every array was checked and no damage was found."""
+        return not self.damaged and not self.not_checked
 
     def describe(self) -> dict[str, Any]:
         """As JSON-ready data."""
         return {
             "ok": self.ok,
+            "opened": self.opened,
             "arrays": self.arrays,
             "chunks": self.chunks,
             "bytes": self.nbytes,
             "damaged": [attrs.asdict(d) for d in self.damaged],
+            "not_checked": [{"key": d.key, "problem": d.problem} for d in self.not_checked],
+            "fine": self.fine,
             "unchecked": self.unchecked,
         }
 
     def __str__(self) -> str:
+        found = [f"{len(self.damaged)} damaged"] if self.damaged else []
+        if self.not_checked:
+            found.append(f"{len(self.not_checked)} not checked")
         head = (
             f"{self.arrays} arrays, {self.chunks} chunks, {human_bytes(self.nbytes)} decoded: "
-            + (f"{len(self.damaged)} damaged" if self.damaged else "no damage found")
+            + (", ".join(found) or "no damage found")
         )
+        if not self.opened:
+            what = f"none of its {self.arrays} arrays" if self.arrays else "nothing"
+            head = f"the checkpoint does not open: {what} was checked"
         lines = [head, *(f"  {d}" for d in self.damaged[:_SHOWN])]
         if len(self.damaged) > _SHOWN:
             lines.append(f"  ... and {len(self.damaged) - _SHOWN} more damaged arrays")
+        reasons: dict[str, list[str]] = {}
+        for entry in self.not_checked:
+            reasons.setdefault(entry.problem, []).append(entry.key)
+        for problem, keys in reasons.items():
+            lines.append(f"  not checked: {_names(keys)}: {problem}")
+        if self.fine and (self.damaged or self.not_checked):
+            lines.append(f"  fine: {_names(self.fine)}")
         if self.unchecked:
             some = ", ".join(self.unchecked[:5]) + (", ..." if len(self.unchecked) > 5 else "")
             lines.append(
@@ -108,11 +140,21 @@ class Verification:
         return "\n".join(lines)
 
 
+def _names(keys: list[str]) -> str:
+    """`keys` folded by layer number, the first few of them."""
+    folded = [line.path for line in fold(((key, "") for key in keys), vary=False)]
+    more = f" and {len(folded) - _NAMES} more" if len(folded) > _NAMES else ""
+    return ", ".join(folded[:_NAMES]) + more
+
+
 @renamed(which="select")
 def verify(
     tree: Any,
     select: Select | None = None,
     *,
+    step: int | None = None,
+    item: str | None = None,
+    storage_options: dict[str, Any] | None = None,
     memory_budget: int | str | None = None,
     progress: bool | None = None,
 ) -> Verification:
@@ -122,24 +164,38 @@ def verify(
     Each chunk is read and decoded whole (for a sliced view, the chunks it touches)
     and its values dropped: checksums are verified, missing and truncated chunks
     found. The work follows what is stored (the chunks are listed first), not what a
-    header declares. A chunk that cannot be read for other reasons (storage
-    unreachable, the checkpoint overwritten meanwhile) raises, as any read does.
+    header declares. Damage always ends in the report: an array whose chunks cannot be
+    listed is not checked, with the reason, and so is a checkpoint given by path that
+    does not open (its arrays as `_METADATA` lists them). A chunk that cannot be read
+    for other reasons (storage unreachable, the checkpoint overwritten meanwhile)
+    raises, as any read does.
 
     Args:
-        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray; or a
+            path that `open` takes.
         select: Only the leaves matching a path pattern (`params/**/kernel`), any of
             a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        step: For a path: the step, as for `open`.
+        item: For a path: the item of the step folder, as for `open`.
+        storage_options: As for `open`.
         memory_budget: As for `load`.
         progress: As for `load`.
 
     Returns:
-        A `Verification`: `ok`, the damaged arrays, and those without checksums.
+        A `Verification`: `ok`, the damaged arrays, those not checked and why, the
+        fine ones, and those without checksums.
 
     >>> result = lazyckpt.verify(lazyckpt.open(path))
     >>> result.ok, result.damaged
     (True, [])
     """
     budget = optional_size("memory_budget", memory_budget)
+    if isinstance(tree, str | os.PathLike):
+        try:
+            tree = open_checkpoint(tree, step=step, item=item, storage_options=storage_options)
+        except CorruptCheckpointError as error:
+            listed = _listed(tree, select, step, item, storage_options)
+            return _unopened(listed, error)
     single = isinstance(tree, LazyArray)
     found = [(tree.key, tree)] if single else arrays_of(selected(tree, select))
     # A composed view is checked through the stored arrays it is made of.
@@ -148,10 +204,13 @@ def verify(
     for path, array in found:  # views of one stored array are checked once
         first.setdefault(id(array.stored), (path, array))
     problems: dict[str, _Problems] = {}
-    plans = [
-        (path, array, _plan(array, problems.setdefault(path, _Problems())))
-        for path, array in first.values()
-    ]
+    plans = []
+    not_checked = []
+    for path, array in first.values():
+        try:
+            plans.append((path, array, _plan(array, problems.setdefault(path, _Problems()))))
+        except CorruptCheckpointError as error:  # its chunks cannot even be listed
+            not_checked.append(Damage(path, _line(_short(stored_array(array), str(error))), 0))
     total = sum(plan.nbytes for _, _, plan in plans)
     bar = Progress.maybe(progress, total, "lazyckpt verify")
     scheduler = Scheduler(budget, bar)
@@ -184,12 +243,46 @@ def verify(
         if (messages := problems[path])
     ]
     return Verification(
-        arrays=len(plans),
+        arrays=len(plans) + len(not_checked),
         chunks=chunks,
         nbytes=total,
         damaged=damaged,
         unchecked=[path for path, array, _ in plans if not stored_array(array).checksummed],
+        not_checked=not_checked,
+        fine=[path for path, _, _ in plans if not problems[path]],
     )
+
+
+def _listed(
+    path: str | os.PathLike[str],
+    select: Select | None,
+    step: int | None,
+    item: str | None,
+    storage_options: dict[str, Any] | None,
+) -> list[str]:
+    """The arrays that `_METADATA` lists at `path`, those `select` matches (a predicate
+    needs the arrays, so it keeps them all); none where it cannot be read."""
+    try:
+        keys = arrays_listed(path, step=step, item=item, storage_options=storage_options)
+        if select is not None and not callable(select):
+            keys = list(selected(dict.fromkeys(keys, 0), select))
+    except (CorruptCheckpointError, NoMatchError):
+        return []
+    return keys
+
+
+def _unopened(keys: list[str], error: Exception) -> Verification:
+    """The report on a checkpoint that does not open: each array `_METADATA` lists
+    (`keys`) as not checked, or the whole checkpoint where there are none."""
+    reason = _line(str(error))
+    entries = [Damage(key, reason, 0) for key in keys] or [Damage(_WHOLE, reason, 0)]
+    return Verification(len(keys), 0, 0, [], [], not_checked=entries, opened=False)
+
+
+def _line(message: str, limit: int = 400) -> str:
+    """`message` on one line, cut to `limit` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _MAX_PROBLEMS = 100  # damaged chunks reported per array before its check stops

@@ -59,6 +59,20 @@ def open_orbax(
     return from_one_generation(found, lambda generation: _open_once(found, generation))
 
 
+def listed_arrays(path: str, *, step: int | None, item: str | None) -> list[str]:
+    """The key paths of the stored arrays that `_METADATA` lists, read without the
+    store: what a checkpoint too damaged to open should have held (none without
+    `_METADATA`)."""
+    found = locate(path, step=step, item=item)
+    text = _read_text(found, "_METADATA")
+    if text is None:
+        return []
+    return [leaf.key for leaf in parse_metadata(found, text)[1] if leaf.value_type in _IN_STORE]
+
+
+_IN_STORE = (*ARRAY_TYPES, STORED)
+
+
 def _refuse_unsafe_entries(folder: str, allow_outside_links: bool) -> None:
     outside, special = paths.unsafe_entries(folder)
     if outside and not allow_outside_links:
@@ -89,7 +103,7 @@ def _open_once(location: str, generation: tuple[object, ...]) -> object:
     metadata, leaves = parse_metadata(location, text) if text is not None else ({}, [])
     # A tree without arrays (strings, scalars read from _strings.json, None) has no
     # database at all when Orbax or lazyckpt saves it.
-    needs_store = text is None or any(leaf.value_type in (*ARRAY_TYPES, STORED) for leaf in leaves)
+    needs_store = text is None or any(leaf.value_type in _IN_STORE for leaf in leaves)
     store = _open_store(location, metadata, generation, required=needs_store)
     legacy = read_msgpack(location)
     if text is None:
