@@ -166,7 +166,11 @@ class Store:
             if not paths.is_remote(location):
                 raise
             raise paths.storage_error(location, error) from None
-        index = Index(kvstore.base) if ocdbt and kvstore.base is not None else None
+        index = (
+            Index(kvstore.base, coalesce=paths.is_remote(location))
+            if ocdbt and kvstore.base is not None
+            else None
+        )
         return cls(location, ocdbt, context, spec, kvstore, generation, files, index)
 
     def list_keys(self, prefix: str) -> list[str]:

@@ -55,28 +55,30 @@ class Index:
 
     base: ts.KvStore = attrs.field(repr=False)
     """The store that holds the database's files."""
-    _root: tuple[str, int, int] | None = attrs.field(default=None, init=False)
+    coalesce: bool = False
+    """Read values of one data file in one batch, which tensorstore merges into
+    requests that also take the gaps between them (up to a few hundred bytes): on a
+    bucket, one request for many small values; on a local disk each value is read
+    alone, so that no byte outside the values is read."""
     _places: dict[bytes, Place] | None = attrs.field(default=None, init=False)
     _failed: bool = attrs.field(default=False, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def places(self, wanted: int) -> dict[bytes, Place] | None:
-        """Each key's place, if reading `wanted` keys makes the walk worth it (`WORTH`)
-        and the b-tree could be walked; None means: read through the driver."""
+        """Each key's place, if the first read, of `wanted` keys, made the walk worth
+        it (`WORTH`) and the b-tree could be walked; None means: read through the
+        driver."""
         with self._lock:
-            if self._failed:
+            if self._places is not None or self._failed or not wanted:
+                return self._places
+            # Decided once, at the first read (`open`'s of every array's header): built
+            # later, the walk would read again the nodes that the driver has read.
+            self._failed = True
+            root = _newest_root(_dump(self.base, None))
+            if root is None or wanted * WORTH < root[1] or root[2] > MAX_TREE_BYTES:
                 return None
-            if self._root is None:
-                self._root = _newest_root(_dump(self.base, None))
-                self._failed = self._root is None
-            if self._root is None or wanted * WORTH < self._root[1]:
-                return None
-            if self._root[2] > MAX_TREE_BYTES:
-                self._failed = True
-                return None
-            if self._places is None:
-                self._places = _walk(self.base, self._root[0])
-                self._failed = self._places is None
+            self._places = _walk(self.base, root[0])
+            self._failed = self._places is None
             return self._places
 
     def read(
@@ -109,7 +111,7 @@ class Index:
             else:
                 file, offset, _ = place
                 at = slice(offset + cut[0], offset + cut[1])
-                read = self.base.read(file, byte_range=at, batch=batch)
+                read = self.base.read(file, byte_range=at, batch=batch if self.coalesce else None)
                 values.append(_checked(read, file, at.start, at.stop - at.start))
         return values
 
