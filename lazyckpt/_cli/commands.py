@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lazyckpt
-from lazyckpt._array.tree import subtree
+from lazyckpt._array.tree import near_paths, spelled, subtree
 from lazyckpt._cli.demo import run as run_demo
 from lazyckpt._errors import LazyckptError, NoMatchError
 from lazyckpt._orbax.layout import locate
@@ -95,16 +95,19 @@ def _show(args: argparse.Namespace) -> None:
 
 
 def _subtree(tree: object, key: str) -> object:
+    """The node at `key`: a key path, or a Hugging Face name (`model.norm.weight`) for
+    one, read as `select` reads a dotted pattern."""
     wanted = key.strip("/")
-    for path, leaf in lazyckpt.leaves(tree):  # keys may hold '/' themselves
+    found = list(lazyckpt.leaves(tree))
+    wanted = spelled(wanted, [path.split("/") for path, _ in found])
+    for path, leaf in found:  # keys may hold '/' themselves
         if path == wanted:
             return leaf
     try:
         return subtree(tree, wanted.split("/") if wanted else [])
     except KeyError:
-        near = [p for p, _ in lazyckpt.leaves(tree)][:8]
         raise NoMatchError(
-            f"no key {wanted!r} in the checkpoint; its keys look like {near}"
+            f"no key {key.strip('/')!r} in the checkpoint; {near_paths(tree, [key])}"
         ) from None
 
 
