@@ -43,7 +43,7 @@ from lazyckpt._errors import (
 if TYPE_CHECKING:
     from lazyckpt._array.sharding import SavedSharding
     from lazyckpt._array.tree import leaves, select
-    from lazyckpt._convert import convert
+    from lazyckpt._convert import ConversionPlan, convert
     from lazyckpt._device_put import device_put
     from lazyckpt._engine.memory import malloc_tuning
     from lazyckpt._explore.diff import Diff, diff
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 # Everything but the errors is imported on first use (PEP 562): `import lazyckpt`, and so
 # `lazyckpt --help`, does not wait seconds for jax. Keep this table and the imports above as one.
 _LAZY: dict[str, tuple[str, str]] = {
+    "ConversionPlan": ("lazyckpt._convert", "ConversionPlan"),
     "Diff": ("lazyckpt._explore.diff", "Diff"),
     "LazyArray": ("lazyckpt._lazy", "LazyArray"),
     "SavedSharding": ("lazyckpt._array.sharding", "SavedSharding"),
@@ -115,6 +116,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "ConversionPlan",
     "CorruptCheckpointError",
     "Diff",
     "InferredStructureWarning",

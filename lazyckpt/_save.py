@@ -13,7 +13,7 @@ from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._storage import paths
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "save"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format"]
 
 Format = Literal["orbax", "safetensors"]
 
@@ -79,10 +79,7 @@ def save(
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
     final = paths.normalize(path)
-    kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
-    if kind not in ("orbax", "safetensors"):
-        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
-    if kind == "safetensors":
+    if save_format(final, format=format) == "safetensors":
         with paths.session(storage_options):
             return save_safetensors(
                 final,
@@ -107,3 +104,12 @@ def save(
             progress=progress,
         )
     return final
+
+
+def save_format(final: str, *, format: Format | None) -> Format:  # noqa: A002 - as save's
+    """The format `save` writes at `final`: `format`, or safetensors for a path ending
+    in `.safetensors`, else orbax."""
+    kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
+    if kind not in ("orbax", "safetensors"):
+        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
+    return kind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import lazyckpt
+from tests.helpers import orbax_save, refuse_data_reads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,3 +148,116 @@ def test_cli_show_and_stats_take_hugging_face_names(
     assert main(["show", str(hf_model), "model.norm.wieght"]) == 1
     error = capsys.readouterr().err
     assert "no key 'model.norm.wieght'" in error and "'model/norm/weight'" in error
+
+
+LAYERS = 3
+
+
+@pytest.fixture
+def scanned(tmp_path: Path) -> Path:
+    """A scanned model written by Orbax: its blocks stacked along a leading layer axis."""
+    rng = np.random.default_rng(0)
+    params = {
+        "blocks": {
+            "up": {"kernel": rng.standard_normal((LAYERS, 8, 16), dtype=np.float32)},
+            "norm": {"scale": rng.standard_normal((LAYERS, 16), dtype=np.float32)},
+        },
+        "embed": rng.standard_normal((32, 8), dtype=np.float32),
+    }
+    return orbax_save(tmp_path / "scanned", {"params": params})
+
+
+def _hugging_face(tree: Any) -> Any:
+    """A transform as a conversion script writes one: transposes, per-layer names."""
+    layers = tree["blocks"].items()
+    return {
+        "layers": {i: {"up": b["up"]["kernel"].T, "norm": b["norm"]["scale"]} for i, b in layers},
+        "embed": tree["embed"],
+    }
+
+
+_RULES = [(r"^layers/(\d+)/up$", r"model/layers/\1/mlp/up_proj/weight"), (r"^embed$", "lm_head")]
+
+
+def _dry_run_then_convert(
+    source: Path,
+    destination: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    count_bytes: Any,
+    **options: Any,
+) -> tuple[lazyckpt.ConversionPlan, str]:
+    options = {"select": "params", "rename": _RULES, "progress": False, **options}
+    with count_bytes() as opening:
+        lazyckpt.open(source)
+    with monkeypatch.context() as patched, count_bytes() as planning:
+        refuse_data_reads(patched)
+        plan = lazyckpt.convert(source, destination, dry_run=True, **options)
+    assert planning[0] == opening[0]  # the metadata open reads, and no chunk
+    assert not destination.exists()
+    return plan, lazyckpt.convert(source, destination, **options)
+
+
+def test_dry_run_to_safetensors_plans_the_files_convert_writes(
+    scanned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_bytes: Any
+) -> None:
+    def transform(tree: Any) -> Any:
+        return _hugging_face(lazyckpt.unstack_layers(tree["params"], at="blocks"))
+
+    plan, out = _dry_run_then_convert(
+        scanned, tmp_path / "hf", monkeypatch, count_bytes,
+        to="safetensors", transform=transform, dtype="bfloat16", max_shard_size=700,
+    )  # fmt: skip
+    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
+    assert {a.name: a.file for a in plan.arrays} == index["weight_map"]
+    assert [(f, (Path(out) / f).stat().st_size) for f, _ in plan.files] == list(plan.files)
+    written = lazyckpt.open(out, flat=True)
+    assert {a.name: (a.shape, a.dtype) for a in plan.arrays} == {
+        name: (array.shape, str(array.dtype)) for name, array in written.items()
+    }
+    assert "model.layers.2.mlp.up_proj.weight" in str(plan)
+    assert (plan.arrays[0].name, plan.arrays[0].shape) == ("layers.0.norm", (16,))  # tree order
+    assert plan.nbytes == sum(a.nbytes for a in plan.arrays) == 3 * (16 + 128) * 2 + 512
+
+
+def test_dry_run_to_orbax_plans_the_chunks_convert_writes(
+    scanned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count_bytes: Any
+) -> None:
+    plan, out = _dry_run_then_convert(
+        scanned, tmp_path / "orbax", monkeypatch, count_bytes,
+        transform=lambda tree: _hugging_face(lazyckpt.unstack_layers(tree["params"], "blocks")),
+        chunk_bytes=256,
+    )  # fmt: skip
+    written = dict(lazyckpt.leaves(lazyckpt.open(out)))
+    assert {a.path: (a.shape, a.dtype, a.chunks) for a in plan.arrays} == {
+        path: (array.shape, str(array.dtype), array.chunks) for path, array in written.items()
+    }
+    assert plan.format == "orbax" and plan.files == ()
+
+
+def test_cli_convert_dry_run_prints_the_plan_and_writes_nothing(
+    scanned: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lazyckpt._cli.main import main
+
+    script = tmp_path / "to_hf.py"
+    script.write_text(
+        "def convert(tree):\n"
+        "    layers = tree['params']['blocks'].items()\n"
+        "    return {'layers': {i: {'up': b['up']['kernel'].T} for i, b in layers}}\n"
+    )
+    out = tmp_path / "model.safetensors"
+    command = ["convert", str(scanned), str(out), "--select", "params/blocks/up", "--dry-run"]
+    command += ["--unstack", "params/blocks", "--script", str(script)]
+    command += ["--rename", *_RULES[0]]
+    refuse_data_reads(monkeypatch)
+    assert main(command) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"would write {out} (safetensors): 3 arrays, 1.5 KiB"
+    assert lines[1].split() == ["name", "dtype", "shape", "size", "file"]
+    assert lines[2].split() == [
+        "model.layers.0.mlp.up_proj.weight", "float32", "[16,8]", "512", "B", "model.safetensors",
+    ]  # fmt: skip
+    assert not out.exists()

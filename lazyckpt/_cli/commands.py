@@ -240,22 +240,26 @@ def _convert(args: argparse.Namespace) -> None:
             tree = step(tree)
         return tree
 
-    out = lazyckpt.convert(
-        args.path,
-        args.destination,
-        to=args.to,
-        select=args.select,
-        transform=transform if steps else None,
-        dtype=_dtype(args.dtype) if args.dtype else None,
-        rename=rules,
-        step=args.step,
-        item=args.item,
-        chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES,
-        max_shard_size=args.max_shard_size,
-        memory_budget=args.memory_budget,
-        overwrite=args.overwrite,
-        progress=False if args.quiet else None,
-    )
+    options: dict[str, Any] = {
+        "source": args.path,
+        "destination": args.destination,
+        "to": args.to,
+        "select": args.select,
+        "transform": transform if steps else None,
+        "dtype": _dtype(args.dtype) if args.dtype else None,
+        "rename": rules,
+        "step": args.step,
+        "item": args.item,
+        "chunk_bytes": args.chunk_bytes or DEFAULT_CHUNK_BYTES,
+        "max_shard_size": args.max_shard_size,
+        "memory_budget": args.memory_budget,
+        "overwrite": args.overwrite,
+        "progress": False if args.quiet else None,
+    }
+    if args.dry_run:
+        say(lazyckpt.convert(**options, dry_run=True))
+        return
+    out = lazyckpt.convert(**options)
     if is_remote(out):
         say(f"wrote {out}")
         return

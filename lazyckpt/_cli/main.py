@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes per stored chunk (default 4MiB, as lazyckpt.save)",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
+    convert.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the names, shapes, dtypes, files or chunks and bytes it would write; "
+        "read no array data, write nothing",
+    )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 
     demo = command(
