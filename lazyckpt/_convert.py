@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
-from lazyckpt._errors import LazyTypeError
+from lazyckpt._errors import CheckpointExistsError, LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._orbax.plan import plan
@@ -173,7 +173,9 @@ def convert(
         dry_run: Write nothing and read no array data: return the `ConversionPlan`,
             what would be written after every `select`, `transform`, `rename` and
             `dtype` (names, shapes, dtypes, bytes, and the safetensors files or
-            Orbax chunk shapes). Typed PRNG keys are planned as their key data.
+            Orbax chunk shapes). Typed PRNG keys are planned as their key data. A
+            destination that exists without `overwrite` is a `CheckpointExistsError`
+            here too; whether an overwrite may replace it is checked by `save` alone.
 
     Returns:
         The destination's absolute path (or URL); with `dry_run`, the plan.
@@ -207,6 +209,13 @@ def convert(
     if dry_run:
         final = paths.normalize(destination)
         kind = save_format(final, format=to)
+        with paths.session(storage_options):
+            taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
+        if taken and not overwrite:  # as save would refuse, before it writes anything
+            raise CheckpointExistsError(
+                f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
+                "or choose a new path"
+            )
         if kind == "safetensors":
             return _plan_safetensors(final, tree, max_shard_size)
         return _plan_orbax(final, tree, chunk_bytes)

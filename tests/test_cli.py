@@ -232,6 +232,9 @@ def test_dry_run_to_orbax_plans_the_chunks_convert_writes(
         path: (array.shape, str(array.dtype), array.chunks) for path, array in written.items()
     }
     assert plan.format == "orbax" and plan.files == ()
+    with pytest.raises(lazyckpt.CheckpointExistsError, match="already exists; pass overwrite"):
+        lazyckpt.convert(scanned, out, dry_run=True)
+    assert lazyckpt.convert(scanned, out, dry_run=True, overwrite=True).arrays
 
 
 def test_cli_convert_dry_run_prints_the_plan_and_writes_nothing(
