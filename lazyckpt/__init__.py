@@ -14,11 +14,9 @@ array([ 8.,  9., 10., 11.], dtype=float32)
 
 __version__ = "0.1.0"
 
-from lazyckpt._array.sharding import SavedSharding
-from lazyckpt._array.tree import leaves, select
-from lazyckpt._convert import convert
-from lazyckpt._device_put import device_put
-from lazyckpt._engine.memory import malloc_tuning
+import importlib
+from typing import TYPE_CHECKING
+
 from lazyckpt._errors import (
     CheckpointChangedError,
     CheckpointExistsError,
@@ -44,25 +42,84 @@ from lazyckpt._errors import (
     UnsavableError,
     UnsupportedCheckpointError,
 )
-from lazyckpt._explore.diff import Diff, diff
-from lazyckpt._explore.stats import Stats, StatsTable, stats
-from lazyckpt._explore.summary import summary
-from lazyckpt._explore.verify import Verification, verify
-from lazyckpt._lazy import LazyArray
-from lazyckpt._open import open  # noqa: A004 - the library's main verb
-from lazyckpt._orbax.layout import items, steps
-from lazyckpt._placement import saved_shardings
-from lazyckpt._read import iter_blocks, load
-from lazyckpt._rename import rename
-from lazyckpt._safetensors.read import metadata as safetensors_metadata
-from lazyckpt._save import save
-from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
+
+if TYPE_CHECKING:
+    from lazyckpt._array.sharding import SavedSharding
+    from lazyckpt._array.tree import leaves, select
+    from lazyckpt._convert import ConversionPlan, convert
+    from lazyckpt._device_put import device_put
+    from lazyckpt._engine.memory import malloc_tuning
+    from lazyckpt._explore.diff import Diff, diff
+    from lazyckpt._explore.stats import Stats, StatsTable, stats
+    from lazyckpt._explore.summary import summary
+    from lazyckpt._explore.verify import Verification, verify
+    from lazyckpt._lazy import LazyArray
+    from lazyckpt._open import open  # noqa: A004 - the library's main verb
+    from lazyckpt._orbax.layout import items, steps
+    from lazyckpt._placement import saved_shardings
+    from lazyckpt._read import iter_blocks, load
+    from lazyckpt._rename import rename
+    from lazyckpt._safetensors.read import metadata as safetensors_metadata
+    from lazyckpt._save import save
+    from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
+
+# Everything but the errors is imported on first use (PEP 562): `import lazyckpt`, and so
+# `lazyckpt --help`, does not wait seconds for jax. Keep this table and the imports above as one.
+_LAZY: dict[str, tuple[str, str]] = {
+    "ConversionPlan": ("lazyckpt._convert", "ConversionPlan"),
+    "Diff": ("lazyckpt._explore.diff", "Diff"),
+    "LazyArray": ("lazyckpt._lazy", "LazyArray"),
+    "SavedSharding": ("lazyckpt._array.sharding", "SavedSharding"),
+    "Stats": ("lazyckpt._explore.stats", "Stats"),
+    "StatsTable": ("lazyckpt._explore.stats", "StatsTable"),
+    "Verification": ("lazyckpt._explore.verify", "Verification"),
+    "concat": ("lazyckpt._surgery", "concat"),
+    "convert": ("lazyckpt._convert", "convert"),
+    "device_put": ("lazyckpt._device_put", "device_put"),
+    "diff": ("lazyckpt._explore.diff", "diff"),
+    "items": ("lazyckpt._orbax.layout", "items"),
+    "iter_blocks": ("lazyckpt._read", "iter_blocks"),
+    "leaves": ("lazyckpt._array.tree", "leaves"),
+    "load": ("lazyckpt._read", "load"),
+    "malloc_tuning": ("lazyckpt._engine.memory", "malloc_tuning"),
+    "open": ("lazyckpt._open", "open"),
+    "rename": ("lazyckpt._rename", "rename"),
+    "safetensors_metadata": ("lazyckpt._safetensors.read", "metadata"),
+    "save": ("lazyckpt._save", "save"),
+    "saved_shardings": ("lazyckpt._placement", "saved_shardings"),
+    "select": ("lazyckpt._array.tree", "select"),
+    "stack": ("lazyckpt._surgery", "stack"),
+    "stack_layers": ("lazyckpt._surgery", "stack_layers"),
+    "stats": ("lazyckpt._explore.stats", "stats"),
+    "steps": ("lazyckpt._orbax.layout", "steps"),
+    "summary": ("lazyckpt._explore.summary", "summary"),
+    "unstack": ("lazyckpt._surgery", "unstack"),
+    "unstack_layers": ("lazyckpt._surgery", "unstack_layers"),
+    "verify": ("lazyckpt._explore.verify", "verify"),
+}
+
+
+if not TYPE_CHECKING:  # a module __getattr__ would hide misspelt names from type checkers
+
+    def __getattr__(name: str) -> object:
+        if name not in _LAZY:
+            raise AttributeError(f"module 'lazyckpt' has no attribute {name!r}")
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # later uses skip __getattr__
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "ConversionPlan",
     "CorruptCheckpointError",
     "Diff",
     "InferredStructureWarning",

@@ -2,21 +2,126 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
+import attrs
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
-from lazyckpt._array.tree import Select, map_leaves, selected
-from lazyckpt._errors import LazyTypeError
+from lazyckpt._array.tree import Select, leaves, map_leaves, selected
+from lazyckpt._errors import CheckpointExistsError, LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
+from lazyckpt._orbax.plan import plan
 from lazyckpt._rename import rename as rename_keys
-from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save
+from lazyckpt._safetensors.write import plan_files
+from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save, save_format
 from lazyckpt._sizes import optional_size, size_argument
+from lazyckpt._storage import paths
+from lazyckpt._text import human_bytes
+
+
+@attrs.frozen
+class PlannedArray:
+    """One array as `convert` would write it."""
+
+    path: str
+    """Its key path in the converted tree."""
+    name: str
+    """Its name in the files: the safetensors name, or the Orbax parameter name."""
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    """Bytes of values (before the Orbax checkpoint's compression)."""
+    file: str | None = None
+    """Safetensors: the file it goes to."""
+    chunks: tuple[int, ...] | None = None
+    """Orbax: the shape of each stored chunk."""
+
+
+@attrs.frozen
+class ConversionPlan:
+    """What `convert(..., dry_run=True)` found it would write; nothing was read or
+    written. `str()` is a table; `arrays` lists each array, `files` each safetensors
+    file with its size in bytes (none for Orbax, whose files hold chunks)."""
+
+    destination: str
+    format: Format
+    arrays: tuple[PlannedArray, ...]
+    files: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values in every array."""
+        return sum(array.nbytes for array in self.arrays)
+
+    def __str__(self) -> str:
+        where = "file" if self.format == "safetensors" else "chunks"
+        rows = [("name", "dtype", "shape", "size", where)]
+        for a in self.arrays:
+            shape = f"[{','.join(map(str, a.shape))}]"
+            place = a.file if a.file is not None else "x".join(map(str, a.chunks or ()))
+            rows.append((a.name, a.dtype, shape, human_bytes(a.nbytes), place or "scalar"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [
+            f"would write {self.destination} ({self.format}): {len(self.arrays)} "
+            f"array{'' if len(self.arrays) == 1 else 's'}, "
+            f"{human_bytes(self.nbytes)}"
+        ]
+        lines += [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ]
+        lines += [f"file {name}: {human_bytes(size)}" for name, size in self.files]
+        return "\n".join(lines)
+
+
+@overload
+def convert(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    to: Format | None = None,
+    select: Select | None = None,
+    transform: Callable[[Any], object] | None = None,
+    dtype: DTypeLike | None = None,
+    rename: Sequence[tuple[str, str]] = (),
+    step: int | None = None,
+    item: str | None = None,
+    chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | str | None = None,
+    memory_budget: int | str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: Literal[False] = False,
+) -> str: ...
+
+
+@overload
+def convert(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    to: Format | None = None,
+    select: Select | None = None,
+    transform: Callable[[Any], object] | None = None,
+    dtype: DTypeLike | None = None,
+    rename: Sequence[tuple[str, str]] = (),
+    step: int | None = None,
+    item: str | None = None,
+    chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+    max_shard_size: int | str | None = None,
+    memory_budget: int | str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: Literal[True],
+) -> ConversionPlan: ...
 
 
 def convert(
@@ -36,7 +141,8 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
-) -> str:
+    dry_run: bool = False,
+) -> str | ConversionPlan:
     """Rewrite the checkpoint at `source` at `destination`, as Orbax or safetensors.
 
     Arrays stream from `source` to `destination` block by block within the budget,
@@ -65,14 +171,27 @@ def convert(
         progress: As for `load`.
         overwrite: As for `save`.
         storage_options: As for `open`, for both sides.
+        dry_run: Write nothing and read no array data: return the `ConversionPlan`,
+            what would be written after every `select`, `transform`, `rename` and
+            `dtype` (names, shapes, dtypes, bytes, and the safetensors files or
+            Orbax chunk shapes). Typed PRNG keys are planned as their key data. A
+            destination that exists without `overwrite` is a `CheckpointExistsError`
+            here too; whether an overwrite may replace it is checked by `save` alone.
 
     Returns:
-        The destination's absolute path (or URL).
+        The destination's absolute path (or URL); with `dry_run`, the plan.
 
     >>> out = lazyckpt.convert(path, tmp / "params16", select="params",
     ...                        dtype="float16")
     >>> lazyckpt.open(out)["params"]["b"]
     LazyArray('params/b', shape=(8,), dtype=float16, chunks=(8,), sharding=NamedSharding(mesh={'x': 4, 'y': 2}, spec=P()))
+    >>> plan = lazyckpt.convert(path, tmp / "hf", to="safetensors", select="params/b",
+    ...                         dry_run=True)
+    >>> print(plan)  # doctest: +ELLIPSIS
+    would write .../hf (safetensors): 1 array, 32 B
+    name      dtype    shape  size  file
+    params.b  float32  [8]    32 B  model.safetensors
+    file model.safetensors: 136 B
     """
     # Bad sizes fail before the source is opened.
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
@@ -92,6 +211,19 @@ def convert(
                 "arrays only (to bfloat16, float16, float32...)"
             )
         tree = map_leaves(lambda leaf: _cast(leaf, target), tree)
+    if dry_run:
+        final = paths.normalize(destination)
+        kind = save_format(final, format=to)
+        with paths.session(storage_options):
+            taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
+        if taken and not overwrite:  # as save would refuse, before it writes anything
+            raise CheckpointExistsError(
+                f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
+                "or choose a new path"
+            )
+        if kind == "safetensors":
+            return _plan_safetensors(final, tree, max_shard_size)
+        return _plan_orbax(final, tree, chunk_bytes)
     return save(
         destination,
         tree,
@@ -103,6 +235,46 @@ def convert(
         progress=progress,
         storage_options=storage_options,
     )
+
+
+def _plan_safetensors(final: str, tree: object, max_shard_size: int | None) -> ConversionPlan:
+    files, _ = plan_files(final, tree, max_shard_size=max_shard_size, metadata=None)
+    by_path = {
+        entry.path: PlannedArray(
+            entry.path, entry.name, entry.shape, str(entry.dtype), entry.nbytes, file=file.name
+        )
+        for file in files
+        for entry in file.entries
+    }
+    in_order = [by_path[e.path] for e in sorted(by_path.values(), key=_tree_order(tree))]
+    return ConversionPlan(
+        final, "safetensors", tuple(in_order), tuple((f.name, f.size) for f in files)
+    )
+
+
+def _tree_order(tree: object) -> Callable[[PlannedArray], int]:
+    order = {path: i for i, (path, _) in enumerate(leaves(tree))}
+    return lambda array: order[array.path]
+
+
+def _plan_orbax(final: str, tree: object, chunk_bytes: int) -> ConversionPlan:
+    # Typed PRNG keys are read when saved (they are small); planned as their key data.
+    def key_data(leaf: object) -> object:
+        return leaf._key_data() if isinstance(leaf, LazyArray) and leaf.key_impl else leaf
+
+    arrays = tuple(
+        PlannedArray(
+            leaf.path,
+            leaf.name,
+            leaf.shape,
+            str(leaf.dtype),
+            math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
+            chunks=leaf.chunks or None,
+        )
+        for leaf in plan(map_leaves(key_data, tree), chunk_bytes)
+        if leaf.stored
+    )
+    return ConversionPlan(final, "orbax", arrays)
 
 
 def _cast(leaf: object, dtype: np.dtype[Any]) -> object:

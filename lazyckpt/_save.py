@@ -14,7 +14,7 @@ from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "save"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format"]
 
 Format = Literal["orbax", "safetensors"]
 
@@ -85,10 +85,7 @@ def save(
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
     final = paths.normalize(path)
-    kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
-    if kind not in ("orbax", "safetensors"):
-        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
-    if kind == "safetensors":
+    if save_format(final, format=format) == "safetensors":
         with paths.session(storage_options):
             return save_safetensors(
                 final,
@@ -113,3 +110,12 @@ def save(
             progress=progress,
         )
     return final
+
+
+def save_format(final: str, *, format: Format | None) -> Format:  # noqa: A002 - as save's
+    """The format `save` writes at `final`: `format`, or safetensors for a path ending
+    in `.safetensors`, else orbax."""
+    kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
+    if kind not in ("orbax", "safetensors"):
+        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
+    return kind

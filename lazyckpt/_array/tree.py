@@ -12,8 +12,10 @@ it on disk (a dict key, an attribute or field name, an index), joined by `/`, as
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 import gc
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -156,16 +158,46 @@ def any_of(patterns: Sequence[str]) -> Predicate:
     return lambda path, _leaf: any(matches(pattern, path) for pattern in parts)
 
 
-def _as_predicate(pattern: Select) -> Predicate:
+def _as_predicate(pattern: Select, paths: list[list[str]]) -> Predicate:
     if callable(pattern):
         return pattern
     if not isinstance(pattern, str):
-        return any_of(pattern)
-    parts = [part for part in pattern.strip("/").split("/") if part]
+        return any_of([spelled(p, paths) for p in pattern])
+    parts = _parts(spelled(pattern, paths))
     return lambda path, _leaf: _matches(parts, path.split("/") if path else [])
 
 
+def _parts(pattern: str) -> list[str]:
+    return [part for part in pattern.strip("/").split("/") if part]
+
+
+def spelled(pattern: str, paths: list[list[str]]) -> str:
+    """`pattern`, or, when it has dots, no `/` and matches none of `paths` (each split
+    at `/`) as written, the pattern with its dots read as `/`: a Hugging Face name
+    (`model.layers.*.mlp.up_proj.weight`) for the key path safetensors trees use
+    (`model/layers/*/mlp/up_proj/weight`). A key with dots of its own (Orbax allows
+    them) is matched as written first, so it keeps its meaning.
+
+    >>> spelled("model.norm.weight", [["model", "norm", "weight"]])
+    'model/norm/weight'
+    >>> spelled("step.count", [["step.count"]])
+    'step.count'
+    """
+    if "/" in pattern or "." not in pattern:
+        return pattern
+    parts = _parts(pattern)
+    if any(_matches(parts, path) for path in paths):
+        return pattern
+    return pattern.replace(".", "/")
+
+
+def _may_be_dotted(pattern: Select) -> bool:
+    names = [pattern] if isinstance(pattern, str) else [] if callable(pattern) else pattern
+    return any("." in name and "/" not in name for name in names)
+
+
 _DROPPED = object()
+_GLOB = re.compile(r"[*?[]")
 
 
 @renamed(which="pattern")
@@ -182,11 +214,15 @@ def select(tree: object, pattern: Select) -> Any:
         tree: Any pytree.
         pattern: A path pattern: segments joined by `/`, `*` matching within a
             segment and `**` any number of segments; a pattern selects the whole
-            subtree below what it matches. Or a list of patterns (a leaf matching any
-            is kept), or a predicate `(path, leaf) -> bool`.
+            subtree below what it matches. A pattern with dots and no `/` that
+            matches nothing as written is read with its dots as `/`, so Hugging Face
+            names select from safetensors trees (`model.layers.*.mlp.up_proj.weight`
+            is `model/layers/*/mlp/up_proj/weight`). Or a list of patterns (a leaf
+            matching any is kept), or a predicate `(path, leaf) -> bool`.
 
     Raises:
-        NoMatchError: Nothing matched; the message shows some of the tree's paths.
+        NoMatchError: Nothing matched; the message shows the tree's paths nearest
+            the pattern, or some of them.
 
     >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
     >>> select(tree, "params/**/kernel")
@@ -194,12 +230,28 @@ def select(tree: object, pattern: Select) -> Any:
     >>> select(tree, lambda path, leaf: leaf > 1)
     {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
     """
-    picked = _select(tree, (), _as_predicate(pattern))
+    paths = [path.split("/") for path, _ in leaves(tree)] if _may_be_dotted(pattern) else []
+    picked = _select(tree, (), _as_predicate(pattern, paths))
     if picked is _DROPPED:
-        some = [line.path for line in fold((path, "") for path, _ in leaves(tree))][:5]
         shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)
-        raise NoMatchError(f"{shown!r} matched no leaf of the tree; its paths look like {some}")
+        wanted = [] if callable(pattern) else [pattern] if isinstance(pattern, str) else pattern
+        raise NoMatchError(f"{shown!r} matched no leaf of the tree; {near_paths(tree, wanted)}")
     return picked
+
+
+def near_paths(tree: object, wanted: Sequence[str]) -> str:
+    """The tree's paths nearest to the names in `wanted` (dots read as `/` too; globs
+    are not names), or its first few paths: for an error message."""
+    every = [path for path, _ in leaves(tree)]
+    nodes = list(dict.fromkeys(p.rsplit("/", i)[0] for p in every for i in range(p.count("/") + 1)))
+    near: list[str] = []
+    for name in (n.strip("/") for n in wanted if not _GLOB.search(n)):
+        for spelling in dict.fromkeys([name, name.replace(".", "/")]):
+            near += difflib.get_close_matches(spelling, nodes, n=5, cutoff=0.6)
+    if near:
+        return f"the nearest paths are {list(dict.fromkeys(near))[:5]}"
+    some = [line.path for line in fold((path, "") for path in every)][:5]
+    return f"its paths look like {some}"
 
 
 def selected(tree: object, pattern: Select | None) -> Any:

@@ -105,6 +105,29 @@ def save_safetensors(
             "supported (one process writes a file); save an Orbax checkpoint, or convert "
             "one afterwards from a single process"
         )
+    files, index = plan_files(path, tree, max_shard_size=max_shard_size, metadata=metadata)
+    single = path.endswith(SUFFIX)
+    entries = [entry for file in files for entry in file.entries]
+    bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
+    with _destination(path, single, overwrite, replaceable) as write:
+        for file in files:
+            write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
+        if index is not None:
+            write(INDEX, lambda out: out.write(index.encode()))
+    if bar is not None:
+        bar.close()
+    return path
+
+
+def plan_files(
+    path: str,
+    tree: object,
+    *,
+    max_shard_size: int | None,
+    metadata: Mapping[str, str] | None,
+) -> tuple[list[_File], str | None]:
+    """The files `save_safetensors` writes at `path` and their index (None for one
+    file), from the tree's metadata alone: names, shapes, dtypes, headers."""
     entries = _entries(tree)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise UnsavableError(
@@ -143,15 +166,7 @@ def save_safetensors(
         if len(files) > 1
         else None
     )
-    bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
-    with _destination(path, single, overwrite, replaceable) as write:
-        for file in files:
-            write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
-        if index is not None:
-            write(INDEX, lambda out: out.write(index.encode()))
-    if bar is not None:
-        bar.close()
-    return path
+    return files, index
 
 
 def _entries(tree: object) -> list[_Entry]:

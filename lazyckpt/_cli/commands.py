@@ -1,0 +1,302 @@
+"""The commands behind `lazyckpt._cli.main`: each opens, reads or writes through the public
+verbs. Kept apart from the parser, which `--help` and argument errors need alone, because
+these import jax."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import EllipsisType
+from typing import Any, TextIO
+
+import jax.numpy as jnp
+import numpy as np
+
+import lazyckpt
+from lazyckpt._array.tree import near_paths, spelled, subtree
+from lazyckpt._cli.demo import run as run_demo
+from lazyckpt._errors import LazyckptError, NoMatchError
+from lazyckpt._orbax.layout import locate
+from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
+from lazyckpt._storage.paths import basename, is_remote, normalize
+from lazyckpt._text import human_bytes, printable
+
+
+def say(text: object = "", file: TextIO | None = None) -> None:
+    """Print `text`, with control characters escaped: keys and strings come from the
+    checkpoint, and must not drive the terminal."""
+    print(printable(str(text), lines=True), file=file)
+
+
+def show_warning(
+    message: Warning | str, category: type[Warning], *args: object, **kwargs: object
+) -> None:
+    say(f"lazyckpt: warning: {message}", file=sys.stderr)
+
+
+def _open(args: argparse.Namespace) -> object:
+    tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    return lazyckpt.select(tree, args.select) if getattr(args, "select", None) else tree
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    steps = _steps(args.path)
+    tree = _open(args)
+    summary = lazyckpt.summary(tree, title=_title(args, steps), depth=args.depth)
+    if args.json:
+        out = {"path": normalize(args.path), "steps": steps, "leaves": summary.describe()}
+        print(json.dumps(out, indent=1))
+        return
+    say(summary.text())
+
+
+def _steps(path: str) -> list[int]:
+    try:
+        return lazyckpt.steps(path)
+    except LazyckptError:
+        return []
+
+
+def _title(args: argparse.Namespace, steps: list[int]) -> str:
+    """The path, the steps of a root and the step shown, and the item shown of a step
+    with several (`item state; also: extra, metadata`)."""
+    title = normalize(args.path)
+    notes = []
+    if steps:
+        shown = args.step if args.step is not None else steps[-1]
+        listed = ", ".join(map(str, steps[-20:])) + (" ..." if len(steps) > 20 else "")
+        notes.append(f"steps: {listed}; showing {shown}")
+    items = lazyckpt.items(args.path, step=args.step) if steps or args.item else {}
+    if items:
+        item = basename(locate(args.path, step=args.step, item=args.item))
+        others = [name for name in items if name != item]
+        notes.append(f"item {item}" + (f"; also: {', '.join(others)}" if others else ""))
+    return title + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _show(args: argparse.Namespace) -> None:
+    key, index = _split_index(args.key)
+    tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    found = _subtree(tree, key)
+    if not isinstance(found, lazyckpt.LazyArray):
+        if index:
+            raise LazyckptError(f"{key} is not an array, so it takes no index [{index}]")
+        say(found if not isinstance(found, dict | list | tuple) else lazyckpt.summary(found))
+        return
+    view = found[parse_index(index)] if index else found
+    say(f"{view!r}")
+    with np.printoptions(threshold=200, edgeitems=4, linewidth=100):
+        say(view.get())
+
+
+def _subtree(tree: object, key: str) -> object:
+    """The node at `key`: a key path, or a Hugging Face name (`model.norm.weight`) for
+    one, read as `select` reads a dotted pattern."""
+    wanted = key.strip("/")
+    found = list(lazyckpt.leaves(tree))
+    wanted = spelled(wanted, [path.split("/") for path, _ in found])
+    for path, leaf in found:  # keys may hold '/' themselves
+        if path == wanted:
+            return leaf
+    try:
+        return subtree(tree, wanted.split("/") if wanted else [])
+    except KeyError:
+        raise NoMatchError(
+            f"no key {key.strip('/')!r} in the checkpoint; {near_paths(tree, [key])}"
+        ) from None
+
+
+_IndexPart = int | slice | EllipsisType | None
+"""One part of a NumPy basic index, as `parse_index` reads it."""
+
+
+def _split_index(text: str) -> tuple[str, str]:
+    text = text.strip()
+    if text.endswith("]") and "[" in text:
+        start = text.rindex("[")
+        return text[:start], text[start + 1 : -1]
+    return text, ""
+
+
+def parse_index(text: str) -> tuple[_IndexPart, ...]:
+    """A NumPy basic index from its text, without eval.
+
+    >>> parse_index("0:3, :8"), parse_index("-1, ..., None, ::2")
+    ((slice(0, 3, None), slice(None, 8, None)), (-1, Ellipsis, None, slice(None, None, 2)))
+    """
+    out: list[_IndexPart] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "...":
+            out.append(Ellipsis)
+        elif part in ("None", "newaxis", "np.newaxis"):
+            out.append(None)
+        elif ":" in part:
+            bounds = part.split(":")
+            if len(bounds) > 3:
+                raise LazyckptError(f"index {text!r}: {part!r} has more than two ':'")
+            out.append(slice(*(_integer(b, text) if b.strip() else None for b in bounds)))
+        else:
+            out.append(_integer(part, text))
+    return tuple(out)
+
+
+def _integer(part: str, text: str) -> int:
+    try:
+        return int(part)
+    except ValueError:
+        raise LazyckptError(
+            f"index {text!r}: {part!r} is not an integer; use ints, slices (a:b:c), ... or None"
+        ) from None
+
+
+def _stats(args: argparse.Namespace) -> None:
+    results = lazyckpt.stats(_open(args), bins=args.bins, memory_budget=args.memory_budget)
+    if args.json:
+        print(json.dumps(results.describe(), indent=1))
+        return
+    say(results)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    result = lazyckpt.verify(
+        args.path,
+        args.select,
+        step=args.step,
+        item=args.item,
+        memory_budget=args.memory_budget,
+        progress=False if args.quiet or args.json else None,
+    )
+    if args.json:
+        print(json.dumps(result.describe(), indent=1))
+    else:
+        say(result)
+    return 0 if result.ok else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    result = lazyckpt.diff(
+        args.first,
+        args.second,
+        select=args.select,
+        step=tuple(args.step) if args.step else None,
+        item=args.item,
+        values=args.values,
+        memory_budget=args.memory_budget,
+    )
+    if args.json:
+        print(json.dumps(result.describe(), indent=1))
+    else:
+        say(result)
+    return 1 if args.exit_code and result else 0
+
+
+def _script(path: str) -> Callable[[object], object]:
+    """The `convert(tree)` function of a conversion script."""
+    try:
+        source = Path(path).read_text()
+    except OSError as error:
+        raise LazyckptError(f"--script {path}: cannot be read ({error.strerror})") from None
+    namespace: dict[str, object] = {"__name__": "lazyckpt_script", "__file__": path}
+    exec(compile(source, path, "exec"), namespace)  # the user's own script, as python would
+    found = namespace.get("convert")
+    if not callable(found):
+        raise LazyckptError(f"--script {path}: defines no function convert(tree) -> tree")
+    return found
+
+
+def _rename_rules(path: str) -> list[tuple[str, str]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise LazyckptError(f"--rename-file {path}: cannot be read ({error.strerror})") from None
+    rules = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise LazyckptError(
+                f"--rename-file {path}, line {number}: expected 'PATTERN REPLACEMENT', "
+                f"found {len(fields)} fields"
+            )
+        rules.append((fields[0], fields[1]))
+    return rules
+
+
+def _convert(args: argparse.Namespace) -> None:
+    steps: list[Callable[[object], object]] = []
+    steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in args.unstack]
+    steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in args.stack]
+    if args.script:
+        steps.append(_script(args.script))
+    rules = [tuple(rule) for rule in args.rename]
+    if args.rename_file:
+        rules += _rename_rules(args.rename_file)
+
+    def transform(tree: object) -> object:
+        for step in steps:
+            tree = step(tree)
+        return tree
+
+    options: dict[str, Any] = {
+        "source": args.path,
+        "destination": args.destination,
+        "to": args.to,
+        "select": args.select,
+        "transform": transform if steps else None,
+        "dtype": _dtype(args.dtype) if args.dtype else None,
+        "rename": rules,
+        "step": args.step,
+        "item": args.item,
+        "chunk_bytes": args.chunk_bytes or DEFAULT_CHUNK_BYTES,
+        "max_shard_size": args.max_shard_size,
+        "memory_budget": args.memory_budget,
+        "overwrite": args.overwrite,
+        "progress": False if args.quiet else None,
+    }
+    if args.dry_run:
+        say(lazyckpt.convert(**options, dry_run=True))
+        return
+    out = lazyckpt.convert(**options)
+    if is_remote(out):
+        say(f"wrote {out}")
+        return
+    size = (
+        os.path.getsize(out)
+        if os.path.isfile(out)
+        else sum(
+            os.path.getsize(os.path.join(folder, name))
+            for folder, _, names in os.walk(out)
+            for name in names
+        )
+    )
+    say(f"wrote {out} ({human_bytes(size)})")
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        raise LazyckptError(
+            f"--dtype {name!r} is not a dtype name; try float32, bfloat16 or float16"
+        ) from None
+
+
+def _demo(args: argparse.Namespace) -> None:
+    run_demo(keep=args.keep)
+
+
+RUN: dict[str, Callable[[argparse.Namespace], int | None]] = {
+    "inspect": _inspect,
+    "show": _show,
+    "stats": _stats,
+    "verify": _verify,
+    "diff": _diff,
+    "convert": _convert,
+    "demo": _demo,
+}
