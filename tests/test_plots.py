@@ -125,3 +125,19 @@ def test_plots_explain_what_they_need(gemma_like: Path, monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(lazyckpt.MissingExtraError, match=r"lazyckpt\[notebook\]"):
         lazyckpt.stats(lazyckpt.open(gemma_like), bins=4).plot()
+
+
+def test_cli_writes_the_figures(gemma_like: Path, tmp_path: Path, capsys: Any) -> None:
+    from lazyckpt._cli.main import main
+
+    layers, histograms = tmp_path / "layers.png", tmp_path / "histograms.svg"
+    assert main(["stats", str(gemma_like), "--plot", str(layers)]) == 0
+    data = layers.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    assert main(["stats", str(gemma_like), "--select", "**/layer_1/**", "--bins", "8",
+                 "--plot", str(histograms)]) == 0  # fmt: skip
+    assert histograms.read_text().count("<svg") == 1
+    assert "transformer/layer_1/attn/q" in capsys.readouterr().out  # the table too
+    missing = tmp_path / "no" / "such" / "folder" / "x.png"
+    assert main(["stats", str(gemma_like), "--plot", str(missing)]) == 1
+    assert f"--plot {missing}: the figure cannot be written" in capsys.readouterr().err

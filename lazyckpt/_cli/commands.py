@@ -156,10 +156,19 @@ def _integer(part: str, text: str) -> int:
 
 def _stats(args: argparse.Namespace) -> None:
     results = lazyckpt.stats(_open(args), bins=args.bins, memory_budget=args.memory_budget)
+    if args.plot:
+        _draw(results.plot(), args.plot)
     if args.json:
         print(json.dumps(results.describe(), indent=1))
         return
     say(results)
+
+
+def _draw(figure: Any, path: str) -> None:
+    try:
+        figure.savefig(path)
+    except (OSError, ValueError) as error:  # a folder that is not there, an unknown suffix
+        raise LazyckptError(f"--plot {path}: the figure cannot be written ({error})") from None
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -188,6 +197,8 @@ def _diff(args: argparse.Namespace) -> int:
         values=args.values,
         memory_budget=args.memory_budget,
     )
+    if args.plot:
+        _draw(result.plot(), args.plot)
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:

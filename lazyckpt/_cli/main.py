@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     budget(stats)
     stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
+    stats.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the figure into FILE (.png, .svg, .pdf): per-layer curves, or the "
+        "histograms with --bins (needs lazyckpt[notebook])",
+    )
 
     verify = command("verify", "decode every chunk within the budget; report damage by key path")
     selecting(verify)
@@ -88,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--values", action="store_true", help="compare values too (reads data)")
     diff.add_argument("--json", action="store_true", help="print JSON for scripts")
     diff.add_argument("--exit-code", action="store_true", help="exit with 1 if they differ")
+    diff.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="with --values, also draw the arrays that changed most into FILE (.png, .svg)",
+    )
 
     convert = command(
         "convert",
