@@ -15,7 +15,7 @@ from lazyckpt._broadcast import agree_read, broadcastable
 from lazyckpt._broadcast import put as broadcast_put
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.small import is_small, read_small
 from lazyckpt._engine.stored import stores
@@ -45,35 +45,33 @@ def materialize(
     the garbage collector around it (`gc_paused`)."""
     placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
-    bar = Progress.maybe(progress, total, label)
-    on_devices = [p for p in placements if p.sharding is not None]
-    if on_devices:
-        multihost.agree(
-            "the arrays and shardings to place",
-            "\n".join([f"broadcast={broadcast}", *(_describe(p) for p in on_devices)]),
-            "every process must call device_put with the same tree, the same shardings "
-            "and the same broadcast=",
-        )
-    spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
-    for placement in spread:  # (a sharding that cannot lay it out fails on every process)
-        assert placement.sharding is not None
-        _regions(placement.array, placement.sharding)
-    results: dict[int, ReadResult] = {}
-    failure: Exception | None = None
-    budget = None
-    try:
-        budget = optional_size("memory_budget", memory_budget)  # (agreed on below if bad)
-        scheduler = Scheduler(budget, bar)
-        _read_here(placements, {id(p) for p in spread}, scheduler, results)
-    except Exception as error:
-        if not spread:
-            raise
-        failure = error  # (raised once every process knows, before any collective)
-    if spread:
-        agree_read(failure, [p.array.key for p in spread])
-        results.update(broadcast_put(spread, budget, bar))
-    if bar is not None:
-        bar.close()
+    with shown(progress, total, label) as bar:
+        on_devices = [p for p in placements if p.sharding is not None]
+        if on_devices:
+            multihost.agree(
+                "the arrays and shardings to place",
+                "\n".join([f"broadcast={broadcast}", *(_describe(p) for p in on_devices)]),
+                "every process must call device_put with the same tree, the same shardings "
+                "and the same broadcast=",
+            )
+        spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
+        for placement in spread:  # (a sharding that cannot lay it out fails on every process)
+            assert placement.sharding is not None
+            _regions(placement.array, placement.sharding)
+        results: dict[int, ReadResult] = {}
+        failure: Exception | None = None
+        budget = None
+        try:
+            budget = optional_size("memory_budget", memory_budget)  # (agreed on below if bad)
+            scheduler = Scheduler(budget, bar)
+            _read_here(placements, {id(p) for p in spread}, scheduler, results)
+        except Exception as error:
+            if not spread:
+                raise
+            failure = error  # (raised once every process knows, before any collective)
+        if spread:
+            agree_read(failure, [p.array.key for p in spread])
+            results.update(broadcast_put(spread, budget, bar))
     # Everything was read from the checkpoints as they were opened, or it is refused.
     check_unchanged(stores(p.array for p in placements))
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)

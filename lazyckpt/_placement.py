@@ -23,7 +23,8 @@ def saved_shardings(
     (numpy arrays, single-device arrays) get `fallback`, replicated by default. A
     checkpoint saved from one device has no sharding to reuse: without `fallback`,
     the first array saved from one device raises a `SingleDeviceWarning` (pass your
-    own shardings to shard such arrays).
+    own shardings to shard such arrays; scalars, and meshes of one device, are
+    replicated without a word).
 
     >>> mesh = jax.make_mesh((8,), ("x",))     # no "y" axis: P('x', 'y') cannot apply
     >>> tree = lazyckpt.open(path)
@@ -38,7 +39,10 @@ def saved_shardings(
     def choose(path: str, array: LazyArray) -> jax.sharding.Sharding:
         nonlocal warned
         saved = array.sharding
-        if saved is not None and saved.kind == "SingleDeviceSharding" and not warned:
+        # (A scalar, an optimizer's step count, is replicated whatever it was saved
+        # from; so is everything on a mesh of one device.)
+        single = saved is not None and saved.kind == "SingleDeviceSharding"
+        if saved is not None and single and not warned and array.ndim and mesh.size > 1:
             warned = True
             warn(
                 f"{_location(array)}{path} was saved from one device ({saved.device}), so "

@@ -11,7 +11,7 @@ import numpy as np
 from lazyckpt._array.tree import Select, gc_paused, leaves, selected
 from lazyckpt._engine import stream
 from lazyckpt._engine.fill import stored_bytes
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import shown
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
@@ -113,23 +113,21 @@ def iter_blocks(
     """
     budget = optional_size("memory_budget", memory_budget)
     found = arrays_of(selected(tree, select))
-    bar = Progress.maybe(progress, stored_bytes(a for _, a in found), "lazyckpt")
-    # Typed PRNG keys are small and read whole, outside the engine; each is yielded
-    # before any block of a later array, so that the order stays the tree's.
-    keys = collections.deque(i for i, (_, array) in enumerate(found) if array.key_impl)
-    plain = [i for i, (_, array) in enumerate(found) if not array.key_impl]
+    with shown(progress, stored_bytes(a for _, a in found), "lazyckpt") as bar:
+        # Typed PRNG keys are small and read whole, outside the engine; each is yielded
+        # before any block of a later array, so that the order stays the tree's.
+        keys = collections.deque(i for i, (_, array) in enumerate(found) if array.key_impl)
+        plain = [i for i, (_, array) in enumerate(found) if not array.key_impl]
 
-    def keys_before(end: int) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
-        while keys and keys[0] < end:
-            path, array = found[keys.popleft()]
-            yield path, tuple(slice(0, n) for n in array.shape), array.get()
-            if bar is not None:
-                bar.advance(stored_bytes([array]))
+        def keys_before(end: int) -> Iterator[tuple[str, tuple[slice, ...], np.ndarray]]:
+            while keys and keys[0] < end:
+                path, array = found[keys.popleft()]
+                yield path, tuple(slice(0, n) for n in array.shape), array.get()
+                if bar is not None:
+                    bar.advance(stored_bytes([array]))
 
-    arrays = [found[i][1] for i in plain]
-    for position, index, values in stream.iter_blocks(arrays, budget, bar):
-        yield from keys_before(plain[position])
-        yield found[plain[position]][0], index, values
-    yield from keys_before(len(found))
-    if bar is not None:
-        bar.close()
+        arrays = [found[i][1] for i in plain]
+        for position, index, values in stream.iter_blocks(arrays, budget, bar):
+            yield from keys_before(plain[position])
+            yield found[plain[position]][0], index, values
+        yield from keys_before(len(found))

@@ -64,7 +64,7 @@ Detail = tuple[tuple[str, str], ...]
 """What a report says about one key path, as `(label, value)` fields: a field whose
 values differ along a folded run says so on its own (`checkpoint varies: ...`)."""
 
-_NUMBER = re.compile(r"(\d+)")
+_NUMBER = re.compile(r"([0-9]{1,18})")  # (ASCII digits, fewer than int() refuses)
 _SHOWN_RUNS = 6  # runs of numbers written out before the rest are elided
 _SHOWN_VALUES = 3  # distinct values of a field listed before it just "varies"
 

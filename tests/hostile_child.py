@@ -60,6 +60,8 @@ def main(cases_file: str) -> None:
 
     import lazyckpt
 
+    for name in lazyckpt.__all__:  # (the package loads its modules on first use: now,
+        getattr(lazyckpt, name)  # not under the limit, which a library's load can fail)
     jax.devices()
     limit = int(os.environ.get("HOSTILE_MEMORY", str(4 << 30)))
     # Beyond what the interpreter and jax already mapped: the cases get `limit` more.

@@ -202,6 +202,21 @@ def test_progress_without_tqdm(saved: tuple[Path, Any], monkeypatch: pytest.Monk
     assert isinstance(lazyckpt.load(lazy), dict)  # auto: no bar, no error
 
 
+def test_a_failed_read_closes_its_bar(saved: tuple[Path, Any], tmp_path: Path, capsys: Any) -> None:
+    import shutil
+
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    copy = Path(shutil.copytree(saved[0], tmp_path / "copy"))
+    lazy = lazyckpt.open(copy)
+    for data_file in copy.glob("ocdbt.process_0/d/*"):
+        data_file.unlink()
+    with pytest.raises(lazyckpt.CorruptCheckpointError):
+        lazyckpt.load(lazy, progress=True)
+    assert not list(tqdm._instances)
+    assert capsys.readouterr().err.endswith("\n")  # (the error starts on a line of its own)
+
+
 def test_progress_counts_from_many_threads() -> None:
     from lazyckpt._engine.progress import Progress
 

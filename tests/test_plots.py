@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
 
 import lazyckpt
@@ -141,3 +142,50 @@ def test_cli_writes_the_figures(gemma_like: Path, tmp_path: Path, capsys: Any) -
     missing = tmp_path / "no" / "such" / "folder" / "x.png"
     assert main(["stats", str(gemma_like), "--plot", str(missing)]) == 1
     assert f"--plot {missing}: the figure cannot be written" in capsys.readouterr().err
+
+
+def test_a_diverged_array_is_drawn_apart_and_the_rest_stay_visible(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    before = _layers(rng, 3)
+    after = {layer: {k: dict(v) for k, v in parts.items()} for layer, parts in before.items()}
+    for i in range(3):
+        after[f"layer_{i}"]["mlp"]["w"] = before[f"layer_{i}"]["mlp"]["w"] * 1.01
+    after["layer_2"]["mlp"]["w"][0, 0] = np.nan  # diverged
+    result = lazyckpt.diff(
+        orbax_save(tmp_path / "a", before), orbax_save(tmp_path / "b", after), values=True
+    )
+    (ax,) = result.plot().axes
+    bars = [bar for bar in ax.patches if isinstance(bar, Rectangle)]
+    names = [label.get_text() for label in ax.get_yticklabels()]
+    red = to_rgba("tab:red")
+    assert names[0] == "layer_2/mlp/w" and bars[0].get_facecolor() == red
+    assert all(bar.get_facecolor() != red for bar in bars[1:])
+    low, high = ax.get_xlim()
+    assert all(low < bar.get_width() < high for bar in bars)  # every bar on the axis
+    assert bars[0].get_width() == pytest.approx(10 * bars[1].get_width())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the std's sum)
+def test_infinite_statistics_are_gaps_in_the_curves(tmp_path: Path) -> None:
+    big = np.finfo(np.float64).max
+    tree = {f"layers_{i}": {"w": np.full(4, big if i == 1 else float(i))} for i in range(3)}
+    table = lazyckpt.stats(lazyckpt.open(orbax_save(tmp_path / "c", tree)))
+    figure = table.plot()
+    _png(figure, tmp_path / "gaps.png")  # drawn, not a crash in a tick locator
+    mean = next(line for line in figure.axes[0].lines if line.get_label() == "mean")
+    assert np.isnan(np.asarray(mean.get_ydata(), float)).tolist() == [False, True, False]
+
+
+def test_cli_prints_the_table_before_a_figure_it_cannot_draw(
+    gemma_like: Path, tmp_path: Path, capsys: Any
+) -> None:
+    from lazyckpt._cli.main import main
+
+    code = main(["stats", str(gemma_like), "--select", "transformer/embedder/**", "--plot",
+                 str(tmp_path / "x.png")])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 1 and "transformer/embedder/input_embedding" in out
+    assert "no numbered siblings" in err
+    bare = tmp_path / "figure"  # (no suffix: a PNG under that very name)
+    assert main(["stats", str(gemma_like), "--plot", str(bare)]) == 0
+    assert bare.read_bytes().startswith(b"\x89PNG")

@@ -225,3 +225,24 @@ def test_a_single_device_save_says_it_has_no_sharding_to_reuse(
         placed = lazyckpt.device_put(opened, lazyckpt.saved_shardings(mesh))
         assert placed["w"].sharding == NamedSharding(mesh, P("x"))
         assert "one device" not in str(lazyckpt.summary(opened))
+
+
+def test_only_ascii_numbers_fold() -> None:
+    # (an Arabic-Indic or fullwidth three is text, not the number 3: two keys, two lines)
+    lines = fold([("layer_\u0663/w", ""), ("layer_3/w", ""), ("layer_\uff13/w", "")])
+    assert sorted(line.path for line in lines) == ["layer_3/w", "layer_\u0663/w", "layer_\uff13/w"]
+    huge = "9" * 5000  # (beyond what int() reads: folded as text, not a crash)
+    assert [line.path for line in fold([(f"a/{huge}/w", ""), ("a/1/w", "")])]
+
+
+def test_a_sharded_save_warns_of_none_of_its_scalars(tmp_path: Path) -> None:
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    tree = {
+        "params": jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("x"))),
+        "count": jnp.zeros((), jnp.int32),  # (optax's, on one device)
+    }
+    lazy = lazyckpt.open(orbax_save(tmp_path / "ckpt", tree))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SingleDeviceWarning)
+        placed = lazyckpt.device_put(lazy, lazyckpt.saved_shardings(mesh))
+    assert placed["params"].sharding.spec == P("x") and int(placed["count"]) == 0

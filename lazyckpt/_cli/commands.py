@@ -156,17 +156,17 @@ def _integer(part: str, text: str) -> int:
 
 def _stats(args: argparse.Namespace) -> None:
     results = lazyckpt.stats(_open(args), bins=args.bins, memory_budget=args.memory_budget)
-    if args.plot:
-        _draw(results.plot(), args.plot)
     if args.json:
         print(json.dumps(results.describe(), indent=1))
-        return
-    say(results)
+    else:
+        say(results)
+    if args.plot:  # (after the table: a figure that cannot be drawn loses no numbers)
+        _draw(results.plot(), args.plot)
 
 
 def _draw(figure: Any, path: str) -> None:
-    try:
-        figure.savefig(path)
+    try:  # (a name without a suffix is written as a PNG, under that very name)
+        figure.savefig(path, format=None if Path(path).suffix else "png")
     except (OSError, ValueError) as error:  # a folder that is not there, an unknown suffix
         raise LazyckptError(f"--plot {path}: the figure cannot be written ({error})") from None
 
@@ -197,12 +197,12 @@ def _diff(args: argparse.Namespace) -> int:
         values=args.values,
         memory_budget=args.memory_budget,
     )
-    if args.plot:
-        _draw(result.plot(), args.plot)
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:
         say(result)
+    if args.plot:
+        _draw(result.plot(), args.plot)
     return 1 if args.exit_code and result else 0
 
 

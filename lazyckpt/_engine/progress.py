@@ -12,15 +12,29 @@ a CI log (`CI` set). `True` always shows it; `False` never.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from lazyckpt._errors import MissingExtraError
 
 AUTO_MIN_BYTES = 256 << 20
 """Below this a read is quick: no bar unless asked."""
+
+
+@contextlib.contextmanager
+def shown(enabled: bool | None, total: int, label: str) -> Iterator[Progress | None]:
+    """`Progress.maybe(...)`, closed however the block ends: a read that fails leaves
+    no bar behind, open in a notebook or drawn over by the error."""
+    bar = Progress.maybe(enabled, total, label)
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class Progress:

@@ -13,7 +13,7 @@ import numpy as np
 from lazyckpt._array.tree import Select, leaves, selected
 from lazyckpt._engine import stream
 from lazyckpt._engine.decode import decodes
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import shown
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import NoMatchError
 from lazyckpt._explore import plot
@@ -230,18 +230,16 @@ def _compare_values(
     progress: bool | None,
 ) -> None:
     total = sum(old.nbytes + new.nbytes for _, old, new in pairs)
-    bar = Progress.maybe(progress, total, "lazyckpt diff")
-    worst: dict[str, tuple[float, float, bool]] = {}
-    arrays = [(old, new) for _, old, new in pairs]
-    for position, left, right in _paired_blocks(arrays, memory_budget):
-        path = pairs[position][0]
-        abs_diff, rel_diff, differs = _block_difference(left, right)
-        prev = worst.get(path, (0.0, 0.0, False))
-        worst[path] = (max(prev[0], abs_diff), max(prev[1], rel_diff), prev[2] or differs)
-        if bar is not None:
-            bar.advance(left.nbytes + right.nbytes)
-    if bar is not None:
-        bar.close()
+    with shown(progress, total, "lazyckpt diff") as bar:
+        worst: dict[str, tuple[float, float, bool]] = {}
+        arrays = [(old, new) for _, old, new in pairs]
+        for position, left, right in _paired_blocks(arrays, memory_budget):
+            path = pairs[position][0]
+            abs_diff, rel_diff, differs = _block_difference(left, right)
+            prev = worst.get(path, (0.0, 0.0, False))
+            worst[path] = (max(prev[0], abs_diff), max(prev[1], rel_diff), prev[2] or differs)
+            if bar is not None:
+                bar.advance(left.nbytes + right.nbytes)
     for path, (abs_diff, rel_diff, differs) in worst.items():
         if differs:
             changes[path] = attrs.evolve(

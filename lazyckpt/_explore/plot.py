@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import math
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -102,10 +101,11 @@ def histograms(results: Mapping[str, Any], max_panels: int) -> Figure:
 
 def changes(found: Sequence[Any], top: int) -> Figure:
     """The largest relative difference of each array whose values changed, largest
-    first, on a log scale."""
+    first, on a log scale; an infinite one (a NaN or Inf facing a number) is drawn in
+    red past the largest finite one, and labelled."""
     ranked = sorted(
         (c for c in found if c.kind == "value" and c.max_rel is not None),
-        key=lambda c: -_finite(c.max_rel),
+        key=lambda c: -_rank(c.max_rel),
     )
     if not ranked:
         raise LazyckptError(
@@ -113,10 +113,20 @@ def changes(found: Sequence[Any], top: int) -> Figure:
             "lazyckpt.diff(a, b, values=True) (the CLI's --values), or the trees are equal"
         )
     chosen = ranked[:top]
+    finite = [c.max_rel for c in chosen if math.isfinite(c.max_rel) and c.max_rel > 0]
+    beyond = 10 * max(finite, default=1.0)
+    widths = [c.max_rel if math.isfinite(c.max_rel) else beyond for c in chosen]
     figure = _figure()
     figure.set_size_inches(8, 1.2 + 0.28 * len(chosen))
     ax = figure.subplots()
-    ax.barh(range(len(chosen)), [_finite(c.max_rel) for c in chosen])
+    bars = ax.barh(range(len(chosen)), widths)
+    for bar, change in zip(bars, chosen, strict=True):
+        if not math.isfinite(change.max_rel):
+            bar.set_color("tab:red")
+            ax.annotate(
+                " NaN or Inf against a number", (bar.get_width(), bar.get_y() + 0.4),
+                fontsize=7, va="center", ha="right", color="white",
+            )  # fmt: skip
     ax.set_yticks(range(len(chosen)), [c.path for c in chosen], fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
@@ -170,12 +180,11 @@ def _some(keys: list[str]) -> str:
 
 
 def _nan(value: float | None) -> float:
-    return math.nan if value is None else value
+    """A statistic as drawn: none, or an infinite one (a float64 overflow of values
+    near the largest float), is a gap in the curve."""
+    return math.nan if value is None or not math.isfinite(value) else value
 
 
-def _finite(value: float | None) -> float:
-    """A relative difference for a log axis: an infinite one (a NaN against a number)
-    drawn as the largest float."""
-    if value is None or math.isnan(value):
-        return 0.0
-    return min(value, sys.float_info.max)
+def _rank(value: float) -> float:
+    """Largest first, infinite ones (a NaN facing a number) before all."""
+    return math.inf if math.isnan(value) else value

@@ -11,7 +11,7 @@ import numpy as np
 
 from lazyckpt._array.tree import Select, selected
 from lazyckpt._engine import stream
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import Progress, shown
 from lazyckpt._errors import LazyTypeError, renamed
 from lazyckpt._explore import plot
 from lazyckpt._lazy import LazyArray
@@ -212,15 +212,13 @@ def stats(
     skipped = [path for path, array in everything if not summarizable(array)]
     arrays = [array for _, array in found]
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
-    bar = Progress.maybe(progress, total, "lazyckpt stats")
-    running = [_Running() for _ in arrays]
-    for position, _, values in stream.iter_blocks(arrays, budget, bar):
-        running[position].add(values)
-    histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
-    if bins:
-        histograms = list(_histograms(arrays, running, bins, budget, bar))
-    if bar is not None:
-        bar.close()
+    with shown(progress, total, "lazyckpt stats") as bar:
+        running = [_Running() for _ in arrays]
+        for position, _, values in stream.iter_blocks(arrays, budget, bar):
+            running[position].add(values)
+        histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
+        if bins:
+            histograms = list(_histograms(arrays, running, bins, budget, bar))
     results = [r.result(h) for r, h in zip(running, histograms, strict=True)]
     return StatsTable(
         {path: s for (path, _), s in zip(found, results, strict=True)},

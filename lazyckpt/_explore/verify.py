@@ -38,7 +38,7 @@ from lazyckpt._array.tree import Select, selected
 from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
 from lazyckpt._engine.fill import windows
 from lazyckpt._engine.memory import check_fits
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError, NoMatchError, renamed
@@ -212,30 +212,28 @@ def verify(
         except CorruptCheckpointError as error:  # its chunks cannot even be listed
             not_checked.append(Damage(path, _line(_short(stored_array(array), str(error))), 0))
     total = sum(plan.nbytes for _, _, plan in plans)
-    bar = Progress.maybe(progress, total, "lazyckpt verify")
-    scheduler = Scheduler(budget, bar)
-    read_bytes, window = windows(scheduler.budget)
-    chunks = 0
-    for path, array, plan in plans:
-        stored, found_here = stored_array(array), problems[path]
-        decoded = decodes(stored)
-        for index in plan.chunks:
-            if len(found_here) >= _MAX_PROBLEMS:
-                break  # a header declaring a huge grid of missing chunks: enough said
-            chunks += 1
-            box = chunk_box(index, stored.chunks)
-            nbytes = _chunk_bytes(stored, box)
-            if decoded:
-                held = stream_bytes(read_bytes) + window
-                start = _decode_start(stored, index, read_bytes, window)
-            else:
-                check_fits(f"a stored chunk of {stored.key!r}", nbytes)
-                held = HELD * nbytes
-                start = _tensorstore_start(stored, index)
-            scheduler.submit(start, found_here.append_if, held=held, work=nbytes)
-    scheduler.drain()
-    if bar is not None:
-        bar.close()
+    with shown(progress, total, "lazyckpt verify") as bar:
+        scheduler = Scheduler(budget, bar)
+        read_bytes, window = windows(scheduler.budget)
+        chunks = 0
+        for path, array, plan in plans:
+            stored, found_here = stored_array(array), problems[path]
+            decoded = decodes(stored)
+            for index in plan.chunks:
+                if len(found_here) >= _MAX_PROBLEMS:
+                    break  # a header declaring a huge grid of missing chunks: enough said
+                chunks += 1
+                box = chunk_box(index, stored.chunks)
+                nbytes = _chunk_bytes(stored, box)
+                if decoded:
+                    held = stream_bytes(read_bytes) + window
+                    start = _decode_start(stored, index, read_bytes, window)
+                else:
+                    check_fits(f"a stored chunk of {stored.key!r}", nbytes)
+                    held = HELD * nbytes
+                    start = _tensorstore_start(stored, index)
+                scheduler.submit(start, found_here.append_if, held=held, work=nbytes)
+        scheduler.drain()
     check_unchanged(stored_array(array).store for _, array, _ in plans)
     damaged = [
         Damage(path, _short(stored_array(array), messages[0]), len(messages))

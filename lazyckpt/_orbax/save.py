@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
 from lazyckpt._orbax.legacy import read_msgpack
@@ -45,16 +45,14 @@ def save_orbax(
         "every process must pass the same tree: the same keys, shapes, dtypes and shardings",
     )
     total = sum(cost(leaf) for leaf in leaves if leaf.stored)
-    bar = Progress.maybe(progress, total, "lazyckpt save")
-    scheduler = Scheduler(memory_budget, bar)
-    if multihost.count() > 1:
-        save_together(final, leaves, scheduler, overwrite, replaceable)
-    else:
-        with publishing(final, overwrite=overwrite, replaceable=replaceable) as tmp:
-            write_arrays(paths.kvstore_spec(tmp), leaves, scheduler, final)
-            write_metadata(tmp, final, leaves)
-    if bar is not None:
-        bar.close()
+    with shown(progress, total, "lazyckpt save") as bar:
+        scheduler = Scheduler(memory_budget, bar)
+        if multihost.count() > 1:
+            save_together(final, leaves, scheduler, overwrite, replaceable)
+        else:
+            with publishing(final, overwrite=overwrite, replaceable=replaceable) as tmp:
+                write_arrays(paths.kvstore_spec(tmp), leaves, scheduler, final)
+                write_metadata(tmp, final, leaves)
 
 
 def is_orbax_checkpoint(path: str) -> bool:

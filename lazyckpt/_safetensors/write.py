@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyckpt._array.tree import leaves
-from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.progress import Progress, shown
 from lazyckpt._engine.stored import stores
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
@@ -108,14 +108,15 @@ def save_safetensors(
     files, index = plan_files(path, tree, max_shard_size=max_shard_size, metadata=metadata)
     single = path.endswith(SUFFIX)
     entries = [entry for file in files for entry in file.entries]
-    bar = Progress.maybe(progress, sum(entry.nbytes for entry in entries), "lazyckpt save")
-    with _destination(path, single, overwrite, replaceable) as write:
+    total = sum(entry.nbytes for entry in entries)
+    with (
+        shown(progress, total, "lazyckpt save") as bar,
+        _destination(path, single, overwrite, replaceable) as write,
+    ):
         for file in files:
             write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
         if index is not None:
             write(INDEX, lambda out: out.write(index.encode()))
-    if bar is not None:
-        bar.close()
     return path
 
 
