@@ -41,7 +41,7 @@ def _database(path: Path, **spec: Any) -> dict[str, bytes]:
 def _index_read(path: Path, keys: list[str], ranges: Sequence[slice | None]) -> list[bytes | None]:
     index = Index(ts.KvStore.open(f"file://{path}/").result())
     with ts.Batch() as batch:
-        found = index.read(keys, ranges, batch, wanted=len(keys))
+        found = index.read(keys, ranges, batch)
     assert found is not None, "the index did not serve a read of every key"
     out: list[bytes | None] = []
     for value in found:
@@ -81,12 +81,12 @@ def test_a_byte_range_past_the_value_fails_as_through_the_driver(tmp_path: Path)
     inline, indirect = "layer_0/w/1", "layer_0/w/0"  # 8 bytes in the b-tree, 40 in a file
     assert (len(values[inline]), len(values[indirect])) == (8, 40)
     index = Index(ts.KvStore.open(f"file://{tmp_path}/").result())
+    assert index.places(wanted=200) is not None  # (a first read of every key builds it)
     with ts.Batch() as batch:
         found = index.read(
             [inline, indirect, indirect],
             [slice(-9, None), slice(30, 41), slice(-40, None)],
             batch,
-            200,
         )
     assert found is not None
     for failing in found[:2]:

@@ -101,23 +101,20 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
             batch.append(entry)
         if batch:
             _raw_batch(file, arrays, batch, out, scheduler)
-    wanted: dict[int, int] = {}  # (chunk keys to read, per store)
     decoded: dict[int, int] = {}  # (bytes of each array's chunks, decoded)
     for i in coded:
         stored = stored_array(arrays[i])
-        count = _chunk_count(stored)
-        wanted[id(stored.store)] = wanted.get(id(stored.store), 0) + count
-        decoded[i] = count * math.prod(stored.chunks) * stored.dtype.itemsize
+        decoded[i] = _chunk_count(stored) * math.prod(stored.chunks) * stored.dtype.itemsize
     chosen: list[int] = []
     size = 0
     for i in coded:
         if chosen and (size + decoded[i] > piece or len(chosen) == BATCH):
-            _coded_batch(arrays, chosen, size, out, scheduler, wanted)
+            _coded_batch(arrays, chosen, size, out, scheduler)
             chosen, size = [], 0
         chosen.append(i)
         size += decoded[i]
     if chosen:
-        _coded_batch(arrays, chosen, size, out, scheduler, wanted)
+        _coded_batch(arrays, chosen, size, out, scheduler)
     return out
 
 
@@ -176,7 +173,6 @@ def _coded_batch(
     decoded: int,
     out: list[np.ndarray],
     scheduler: Scheduler,
-    wanted: dict[int, int],
 ) -> None:
     results = sum(arrays[i].nbytes for i in batch)
     scheduler.guard.keep(results)
@@ -200,18 +196,18 @@ def _coded_batch(
                     )
                     asked.append((stored.store, key, where))
                 chunks.append((i, index, key, at))
-        values = _read(asked, wanted)
+        values = _read(asked)
         reads = [(i, index, key, values[at]) for i, index, key, at in chunks]
-        return in_pool(lambda: _decode_batch(arrays, reads, out, wanted))
+        return in_pool(lambda: _decode_batch(arrays, reads, out))
 
     # Held while in flight: the stored bytes and the `decoded` ones (edge chunks
     # whole), beside the results (counted above).
     scheduler.submit(start, lambda _: None, held=2 * decoded, work=results)
 
 
-def _read(asked: Sequence[_Request], wanted: dict[int, int]) -> list[_Value]:
+def _read(asked: Sequence[_Request]) -> list[_Value]:
     """The values of `asked`, read together in one batch, store by store (through an
-    OCDBT database's b-tree index where enough of its keys are `wanted`)."""
+    OCDBT database's b-tree index where it was built at open)."""
     values: list[_Value] = [None] * len(asked)
     by_store: dict[int, list[int]] = {}
     for at, (store, _, _) in enumerate(asked):
@@ -223,7 +219,6 @@ def _read(asked: Sequence[_Request], wanted: dict[int, int]) -> list[_Value]:
                 [asked[at][1] for at in positions],
                 [asked[at][2] for at in positions],
                 together,
-                wanted.get(id(store), len(positions)),
             )
             for at, value in zip(positions, found, strict=True):
                 values[at] = value
@@ -241,10 +236,8 @@ def _chunk_keys(stored: StoredArray) -> list[tuple[tuple[int, ...], str]]:
     return [(index, codec.chunk_key(stored.name, index, stored.chunks)) for index in product(grid)]
 
 
-def _decode_batch(
-    arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.ndarray], wanted: dict[int, int]
-) -> None:
-    values = _values(arrays, reads, wanted)
+def _decode_batch(arrays: Sequence[ArrayView], reads: list[_Read], out: list[np.ndarray]) -> None:
+    values = _values(arrays, reads)
     decompressor = zstandard.ZstdDecompressor()
     for (i, index, key, _), data in zip(reads, values, strict=True):
         array = arrays[i]
@@ -262,9 +255,7 @@ def _decode_batch(
         out[i][region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
 
 
-def _values(
-    arrays: Sequence[ArrayView], reads: list[_Read], wanted: dict[int, int]
-) -> list[bytes | None]:
+def _values(arrays: Sequence[ArrayView], reads: list[_Read]) -> list[bytes | None]:
     """Each chunk's stored bytes (None where it was never written): for chunks in
     shards, read now from where their shards' indexes place them, in one batch."""
     found: list[bytes | int | None] = []
@@ -287,7 +278,7 @@ def _values(
             asked.append((stored.store, key, slice(*located)))
     if not asked:
         return found  # type: ignore[return-value]  # (no ints: nothing was asked)
-    chunks = _read(asked, wanted)
+    chunks = _read(asked)
     return [
         _wait(stored_array(arrays[i]), chunks[value]) if isinstance(value, int) else value
         for (i, _, _, _), value in zip(reads, found, strict=True)

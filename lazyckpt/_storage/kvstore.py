@@ -192,7 +192,7 @@ class Store:
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""
         with ts.Batch() as batch:
-            futures = self.read_many(keys, [None] * len(keys), batch, len(keys))
+            futures = self.read_many(keys, [None] * len(keys), batch)
         results: list[bytes | None] = []
         for key, future in zip(keys, futures, strict=True):
             if not isinstance(future, ts.Future):
@@ -212,13 +212,13 @@ class Store:
         return results
 
     def read_many(
-        self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch, wanted: int
+        self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch
     ) -> list[bytes | ts.Future[ts.KvStore.ReadResult] | None]:
         """The values of `keys`, each cut to its byte range if it has one, in `batch`:
-        through an OCDBT database's b-tree index where a read of `wanted` keys in all
-        makes it worth it (values already known, or futures of the data files' bytes),
+        through an OCDBT database's b-tree index where its first read (`open`'s) found
+        it worth building (values already known, or futures of the data files' bytes),
         else a future of each key's read through the driver."""
-        found = self.index.read(keys, byte_ranges, batch, wanted) if self.index else None
+        found = self.index.read(keys, byte_ranges, batch) if self.index else None
         if found is not None:
             return found
         return [

@@ -61,7 +61,7 @@ class Index:
     bucket, one request for many small values; on a local disk each value is read
     alone, so that no byte outside the values is read."""
     _places: dict[bytes, Place] | None = attrs.field(default=None, init=False)
-    _failed: bool = attrs.field(default=False, init=False)
+    _decided: bool = attrs.field(default=False, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def places(self, wanted: int) -> dict[bytes, Place] | None:
@@ -69,29 +69,23 @@ class Index:
         it (`WORTH`) and the b-tree could be walked; None means: read through the
         driver."""
         with self._lock:
-            if self._places is not None or self._failed or not wanted:
+            if self._decided or not wanted:
                 return self._places
             # Decided once, at the first read (`open`'s of every array's header): built
             # later, the walk would read again the nodes that the driver has read.
-            self._failed = True
+            self._decided = True
             root = _newest_root(_dump(self.base, None))
-            if root is None or wanted * WORTH < root[1] or root[2] > MAX_TREE_BYTES:
-                return None
-            self._places = _walk(self.base, root[0])
-            self._failed = self._places is None
+            if root is not None and wanted * WORTH >= root[1] and root[2] <= MAX_TREE_BYTES:
+                self._places = _walk(self.base, root[0])
             return self._places
 
     def read(
-        self,
-        keys: Sequence[str],
-        byte_ranges: Sequence[slice | None],
-        batch: ts.Batch,
-        wanted: int,
+        self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch
     ) -> list[Value] | None:
         """The values of `keys` (each cut to its byte range, if any), the indirect ones
-        read in `batch`, for a read of `wanted` keys in all (see `places`); None where
-        the index does not serve."""
-        places = self.places(wanted)
+        read in `batch`; None where the index does not serve (see `places`: the first
+        read decides)."""
+        places = self.places(len(keys))
         if places is None:
             return None
         values: list[Value] = []
