@@ -48,7 +48,22 @@ def _doctest_checkpoint(
         write_checkpoint(run / "ckpt_1" / "state", {"step": 1})
         write_checkpoint(run / "ckpt_2" / "state", {"step": 2})
         write_checkpoint(run / "ckpt_2" / "extra", {"note": "eval"})
+        # Quantized safetensors files, written by the safetensors library: `fp8` holds
+        # `w` (float8_e4m3fn) with one scale per 2x4 block, `mx` MXFP4 `w_blocks` with
+        # `w_scales`.
+        from ml_dtypes import float8_e4m3fn
+        from safetensors.numpy import save_file
+
+        fp8 = str(folder / "fp8.safetensors")
+        values = (np.arange(30) % 8).reshape(5, 6).astype(float8_e4m3fn)
+        scales = np.arange(1, 7, dtype=np.float32).reshape(3, 2)
+        save_file({"w": values, "w_scale_inv": scales, "b": np.ones(5, np.float32)}, fp8)
+        mx = str(folder / "mx.safetensors")
+        codes = np.arange(64, dtype=np.uint8).reshape(2, 2, 16) * 7
+        save_file({"w_blocks": codes, "w_scales": np.array([[127, 128], [126, 127]], np.uint8)}, mx)
         doctest_namespace.update(
+            fp8=fp8,
+            mx=mx,
             lazyckpt=lazyckpt,
             jax=jax,
             np=np,

@@ -31,6 +31,7 @@ from lazyckpt._errors import (
     MissingExtraError,
     NoMatchError,
     NotACheckpointError,
+    QuantizationError,
     RenameError,
     ShardingError,
     SingleDeviceWarning,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from lazyckpt._array.sharding import SavedSharding
     from lazyckpt._array.tree import leaves, select
     from lazyckpt._convert import ConversionPlan, convert
+    from lazyckpt._dequantize import dequantize, dequantize_fp8, dequantize_mxfp4
     from lazyckpt._device_put import device_put
     from lazyckpt._engine.memory import malloc_tuning
     from lazyckpt._explore.diff import Diff, diff
@@ -75,6 +77,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Verification": ("lazyckpt._explore.verify", "Verification"),
     "concat": ("lazyckpt._surgery", "concat"),
     "convert": ("lazyckpt._convert", "convert"),
+    "dequantize": ("lazyckpt._dequantize", "dequantize"),
+    "dequantize_fp8": ("lazyckpt._dequantize", "dequantize_fp8"),
+    "dequantize_mxfp4": ("lazyckpt._dequantize", "dequantize_mxfp4"),
     "device_put": ("lazyckpt._device_put", "device_put"),
     "diff": ("lazyckpt._explore.diff", "diff"),
     "items": ("lazyckpt._orbax.layout", "items"),
@@ -131,6 +136,7 @@ __all__ = [
     "MissingExtraError",
     "NoMatchError",
     "NotACheckpointError",
+    "QuantizationError",
     "RenameError",
     "SavedSharding",
     "ShardingError",
@@ -148,6 +154,9 @@ __all__ = [
     "__version__",
     "concat",
     "convert",
+    "dequantize",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
     "device_put",
     "diff",
     "items",

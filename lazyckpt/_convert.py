@@ -13,6 +13,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
+from lazyckpt._dequantize import dequantize as dequantized
 from lazyckpt._errors import CheckpointExistsError, LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
@@ -87,6 +88,7 @@ def convert(
     *,
     to: Format | None = None,
     select: Select | None = None,
+    dequantize: bool = False,
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
@@ -109,6 +111,7 @@ def convert(
     *,
     to: Format | None = None,
     select: Select | None = None,
+    dequantize: bool = False,
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
@@ -130,6 +133,7 @@ def convert(
     *,
     to: Format | None = None,
     select: Select | None = None,
+    dequantize: bool = False,
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
@@ -156,6 +160,9 @@ def convert(
             `destination`.
         select: Only the leaves matching a path pattern (`params/**/kernel`), any of
             a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
+        dequantize: Replace FP8 block-scaled and MXFP4 weights by their dense values
+            in `dtype` (bfloat16 by default), before `select`: see
+            `lazyckpt.dequantize`.
         transform: A function from the lazy tree (after `select`) to the tree to
             save, reading nothing: re-arranging with `stack`, `unstack`,
             `transpose`, `reshape`, `unstack_layers` or plain dict surgery.
@@ -198,6 +205,8 @@ def convert(
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
+    if dequantize:
+        tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
     tree = selected(tree, select)
     if transform is not None:
         tree = transform(tree)

@@ -140,6 +140,13 @@ class SizeError(LazyckptError, ValueError):
     __module__ = "lazyckpt"
 
 
+class QuantizationError(LazyckptError, ValueError):
+    """Quantized tensors that do not fit their convention: a scale without its weight,
+    shapes that disagree with the block size, dtypes that hold no codes."""
+
+    __module__ = "lazyckpt"
+
+
 class LeftoverWarning(UserWarning):
     """A save succeeded but left the checkpoint it replaced behind."""
 

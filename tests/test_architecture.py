@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
         "_broadcast",
         "_surgery",
         "_rename",
+        "_dequantize",
         "_convert",
     },
     {"_explore"},

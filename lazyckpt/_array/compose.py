@@ -4,10 +4,13 @@ A composed view is a `LazyArray` whose `stored` is one of the nodes here instead
 a `StoredArray`. Nodes hold their parts (LazyArrays, plain or composed) and never
 read; the readers lower them:
 
-- `lower(box)` turns a box of the node into pieces of its parts: which part, which
-  box of it, and where in the destination buffer it lands (a NumPy view of it, so
-  that a transposed or stacked target is filled in place, each part's stored chunks
-  read once by the engine);
+- `lower(box)` turns a box of a `Copied` node into pieces of its parts: which part,
+  which box of it, and where in the destination buffer it lands (a NumPy view of it,
+  so that a transposed or stacked target is filled in place, each part's stored
+  chunks read once by the engine);
+- a `Computed` node instead names the box of each part that a box of it needs
+  (`inputs`), and computes its values from theirs (`compute`): dequantized weights
+  (`lazyckpt._array.quant`);
 - `stream_parts(grid, block)` says how blocks streamed from each part become blocks of the
   node, for `iter_blocks`, `stats` and `save`.
 
@@ -60,10 +63,6 @@ class Node(abc.ABC):
         """A grid of the view whose cells are unions of the parts' stored chunks,
         where they line up (1 along a dimension where they do not)."""
 
-    @abc.abstractmethod
-    def lower(self, box: Box) -> Iterator[Piece]:
-        """`(part, box of the part, destination)` for every piece that `box` needs."""
-
     def stream_parts(
         self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
@@ -77,7 +76,29 @@ class Node(abc.ABC):
         """A few words for `repr`."""
 
 
-class Pushed(Node):
+class Copied(Node):
+    """A node whose values are its parts' values, moved into place."""
+
+    @abc.abstractmethod
+    def lower(self, box: Box) -> Iterator[Piece]:
+        """`(part, box of the part, destination)` for every piece that `box` needs."""
+
+
+class Computed(Node):
+    """A node whose values are computed from its parts' values (a dequantized weight
+    from its quantized values and their scales). Indexing stays on top of it, as a
+    `Selection` over the node, so that a read asks it for boxes."""
+
+    @abc.abstractmethod
+    def inputs(self, box: Box) -> tuple[Box, ...]:
+        """The box of each part (in `parts` order) that `box` of the node needs."""
+
+    @abc.abstractmethod
+    def compute(self, box: Box, values: Sequence[np.ndarray], out: np.ndarray) -> None:
+        """Fill `out`, the node's `box`, from `values`: each part's `inputs(box)`."""
+
+
+class Pushed(Copied):
     """A node that indexing pushes into its parts."""
 
     @abc.abstractmethod

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from lazyckpt._array.compose import Node, Part, Piece, Place, taking, view_chunks
+from lazyckpt._array.compose import Copied, Part, Piece, Place, taking, view_chunks
 from lazyckpt._array.geometry import Box, product
 
 
@@ -25,7 +25,7 @@ class NotAView(ValueError):
 
 
 @attrs.frozen(eq=False)
-class Reshape(Node):
+class Reshape(Copied):
     """`np.reshape(array, shape)` in C order."""
 
     array: Part

@@ -259,6 +259,7 @@ def _convert(args: argparse.Namespace) -> None:
         "destination": args.destination,
         "to": args.to,
         "select": args.select,
+        "dequantize": args.dequantize,
         "transform": transform if steps else None,
         "dtype": _dtype(args.dtype) if args.dtype else None,
         "rename": rules,

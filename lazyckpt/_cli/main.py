@@ -113,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     budget(convert)
     convert.add_argument("--dtype", help="cast floating-point arrays to this dtype (bfloat16)")
     convert.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="replace FP8 block-scaled (X.weight_scale_inv) and MXFP4 (X_blocks, X_scales) "
+        "weights by their dense values, in --dtype (default bfloat16); before --select",
+    )
+    convert.add_argument(
         "--rename",
         nargs=2,
         action="append",

@@ -7,7 +7,8 @@ slice. Parts that are views of one stored array become regions of that whole
 array (a strided one, `x[::-1]`, through the box around it), so that the engine
 reads each of its chunks once however many parts share it. Temporaries are used
 only where a destination cannot be a view: a part of another dtype (cast on its
-own first, as NumPy would), a reshape into a strided buffer, and the box around a
+own first, as NumPy would), a reshape into a strided buffer, the parts of a
+computed view (a dequantized weight's values and scales), and the box around a
 strided view (only where that box is at most about twice the view and 64 MiB;
 else a strided part is read on its own, and a strided reshape one index at a time
 along the strided dimension).
@@ -78,8 +79,29 @@ def lower(
         whole = array._rebased(Selection.full(node.shape))
         _through_temporary(whole, node_box, node_out, by_array, after, lambda t: t)
         return
+    if isinstance(node, compose.Computed):
+        _computed(node, node_box, node_out, by_array, after)
+        return
+    assert isinstance(node, compose.Copied), node
     for part, box, dest in node.lower(node_box):
         lower(part, box, dest(node_out), by_array, after)
+
+
+def _computed(
+    node: compose.Computed,
+    box: Box,
+    out: np.ndarray,
+    by_array: ByArray,
+    after: list[Callable[[], None]],
+) -> None:
+    """Read the boxes of the parts that `box` of a computed node needs into
+    temporaries, then compute `out` from them (after the parts' own copies)."""
+    values = []
+    for part, part_box in zip(node.parts, node.inputs(box), strict=True):
+        temporary = np.empty(tuple(high - low for low, high in part_box), part.dtype)
+        lower(part, part_box, temporary, by_array, after)
+        values.append(temporary)
+    after.append(lambda: node.compute(box, values, out))
 
 
 _BOX_BYTES = 64 << 20  # the largest box read around a strided view

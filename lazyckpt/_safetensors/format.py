@@ -55,7 +55,16 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3FNUZ": np.dtype(jnp.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(jnp.float8_e5m2fnuz),
+    "F8_E8M0": np.dtype(jnp.float8_e8m0fnu),  # MX scales: 2 ** (s - 127)
+    "C64": np.dtype("<c8"),
 }
+PACKED: dict[str, np.dtype[Any]] = {"F4": np.dtype(jnp.float4_e2m1fn)}
+"""Dtypes of fewer than 8 bits, packed (F4: two values per byte, low nibble first):
+read, unpacked one value per byte, but not written."""
+_UNREAD = {"F6_E2M3": "6-bit floats", "F6_E3M2": "6-bit floats"}
+"""Dtypes of the format that lazyckpt does not read, with what they hold."""
 _NAMES = {dtype.newbyteorder("="): name for name, dtype in DTYPES.items()}
 
 
@@ -169,10 +178,11 @@ def _checked(file: str, name: str, entry: object, data_start: int) -> Tensor:
     kind = entry.get("dtype")
     if not isinstance(kind, str):
         raise CorruptCheckpointError(f"{where} has dtype {str(kind)[:40]}, expected a name")
-    if kind not in DTYPES:
+    if kind not in DTYPES and kind not in PACKED:
+        what = f" ({_UNREAD[kind]}, packed four to three bytes)" if kind in _UNREAD else ""
         raise UnsupportedCheckpointError(
-            f"{where} has dtype {kind!r}, which lazyckpt does not read (it reads "
-            f"{', '.join(DTYPES)}); convert it with the safetensors library first"
+            f"{where} has dtype {kind!r}{what}, which lazyckpt does not read (it reads "
+            f"{', '.join([*DTYPES, *PACKED])}); convert it with the safetensors library first"
         )
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
@@ -195,13 +205,21 @@ def _checked(file: str, name: str, entry: object, data_start: int) -> Tensor:
         raise CorruptCheckpointError(
             f"{where} has data_offsets {offsets!r}, expected [begin, end] with begin <= end"
         )
-    dtype = DTYPES[kind]
+    dtype = DTYPES[kind] if kind in DTYPES else PACKED[kind]
     if math.prod(n for n in shape if n) * dtype.itemsize > MAX_BYTES:
         raise CorruptCheckpointError(
             f"{where} has shape {str(shape)[:80]} of {kind}, more bytes than any array can "
             "hold (even counting only its non-zero dimensions); the header is damaged"
         )
     declared = math.prod(shape) * dtype.itemsize
+    if kind in PACKED:
+        if shape and shape[-1] % 2:
+            raise UnsupportedCheckpointError(
+                f"{where}: shape {shape} of {kind} packs two values per byte across its "
+                "rows (its last dimension is odd), which lazyckpt does not read; convert "
+                "it with the safetensors library first"
+            )
+        declared //= 2
     if declared != offsets[1] - offsets[0]:
         raise CorruptCheckpointError(
             f"{where}: shape {shape} of {kind} takes {declared} bytes, but its data_offsets "

@@ -20,6 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds
+from lazyckpt._array.quant import PackedFP4
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
 from lazyckpt._engine.raw import read_raw
@@ -34,6 +35,7 @@ from lazyckpt._errors import (
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     INDEX,
+    PACKED,
     SINGLE,
     SUFFIX,
     Header,
@@ -203,24 +205,32 @@ def _tensors(
         for tensor in header.tensors:
             if weight_map is not None and weight_map.get(tensor.name) != shard:
                 continue  # the index places it elsewhere (or nowhere): Hugging Face skips it
+            packed = tensor.dtype in PACKED.values()
+            dtype = np.dtype(np.uint8) if packed else tensor.dtype
+            shape = (*tensor.shape[:-1], tensor.shape[-1] // 2) if packed else tensor.shape
             stored = RangeArray(
                 store,
                 tensor.name,
                 shard,
                 "safetensors",
-                tensor.shape,
-                tensor.dtype,
-                contiguous_chunks(tensor.shape, tensor.dtype.itemsize),
+                shape,
+                dtype,
+                contiguous_chunks(shape, dtype.itemsize),
                 False,
                 start=tensor.start,
                 file=file,
             )
-            by_name[tensor.name] = LazyArray(
-                path=tuple(tensor.name.split(".")) if split else (tensor.name,),
+            path = tuple(tensor.name.split(".")) if split else (tensor.name,)
+            array = LazyArray(
+                path=path,
                 stored=stored,
-                selection=Selection.full(tensor.shape),
-                dtype=tensor.dtype.newbyteorder("="),
+                selection=Selection.full(shape),
+                dtype=dtype.newbyteorder("="),
             )
+            if packed:  # unpacked as it is read, one code per element
+                node = PackedFP4(tensor.shape, tensor.dtype, array)
+                array = LazyArray(path, node, Selection.full(tensor.shape), tensor.dtype)
+            by_name[tensor.name] = array
     if weight_map is not None:
         missing = [name for name in weight_map if name not in by_name]
         if missing:

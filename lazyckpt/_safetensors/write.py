@@ -33,6 +33,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     DTYPES,
     INDEX,
+    PACKED,
     SINGLE,
     SUFFIX,
     dtype_name,
@@ -195,6 +196,12 @@ def _entries(tree: object) -> list[_Entry]:
                 "metadata"
             )
         dtype = np.dtype(leaf.dtype)
+        if dtype in PACKED.values():
+            raise UnsavableError(
+                f"{where} has dtype {dtype}, which safetensors packs two values per byte "
+                "(F4): lazyckpt reads it but does not write it; dequantize it "
+                "(lazyckpt.dequantize) or cast it (astype) first"
+            )
         if dtype_name(dtype) is None:
             raise UnsavableError(
                 f"{where} has dtype {dtype}, which safetensors has no name for; cast it "

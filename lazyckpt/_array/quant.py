@@ -1,0 +1,207 @@
+"""Quantized weights as computed views: values worked out from the stored codes and
+their scales as a read asks for them, box by box.
+
+- `BlockScaled`: each element times the scale of its block, as FP8 releases store
+  them (DeepSeek-V3's `weight` in float8_e4m3fn with `weight_scale_inv`, one float32
+  scale per 128x128 block, edge blocks cut short).
+- `MXFP4`: OCP microscaling FP4, as gpt-oss stores it: `_blocks` `[..., G, 16]`
+  bytes of two E2M1 codes each (low nibble first), `_scales` `[..., G]` E8M0
+  exponents (`2**(s - 127)`, 255 is NaN), read as `[..., G * 32]`.
+- `PackedFP4`: safetensors' `F4` tensors, two E2M1 codes per byte (low nibble
+  first), read one code per element as `float4_e2m1fn`.
+
+A box of the view needs only the codes of its elements and the scales of the blocks
+they fall in (`inputs`): a row slice of a block-scaled weight reads its rows and one
+row of scales per block of rows. Values are worked out in float32 (exact: each is a
+code times a power of two, or an FP8 value times a float32 scale, rounded once), in
+pieces of at most `PIECE` elements, then cast to the view's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+from lazyckpt._array.compose import Computed, Part, view_chunks
+from lazyckpt._array.geometry import Box
+
+PIECE = 1 << 20
+"""The most elements worked out at once (float32 temporaries of 4 MiB each)."""
+
+CODES = 32
+"""FP4 codes per MXFP4 block: 16 bytes, two codes each."""
+
+# E2M1 values by code (sign, two exponent bits, one mantissa bit).
+_E2M1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@attrs.frozen(eq=False)
+class BlockScaled(Computed):
+    """`values * scales`, each scale covering a block of `block` elements: element
+    `i` (an index per dimension) has scale `scales[i // block]`."""
+
+    values: Part
+    scales: Part
+    block: tuple[int, ...]
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return (self.values, self.scales)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        # Whole blocks: a cell's scales are never read by its neighbours too.
+        inner = view_chunks(self.values)
+        return tuple(
+            max(1, min(n, math.lcm(c, b)))
+            for c, b, n in zip(inner, self.block, self.shape, strict=True)
+        )
+
+    def inputs(self, box: Box) -> tuple[Box, ...]:
+        scales = tuple(
+            (low // b, _ceil(high, b)) for (low, high), b in zip(box, self.block, strict=True)
+        )
+        return box, scales
+
+    def compute(self, box: Box, values: Sequence[np.ndarray], out: np.ndarray) -> None:
+        codes, scales = values
+        scales = scales.astype(np.float32, copy=False)
+        # Per dimension, which of the box's scales each element of the box takes.
+        which = [
+            np.arange(low, high) // b - low // b
+            for (low, high), b in zip(box, self.block, strict=True)
+        ]
+        for index in pieces(codes.shape, PIECE):
+            taken = np.ix_(*(w[i] for w, i in zip(which, index, strict=True)))
+            product = codes[index].astype(np.float32) * scales[taken]
+            out[index] = product.astype(self.dtype, copy=False)  # rounded as the view's
+
+    def describe(self) -> str:
+        return (
+            f"dequantized from {self.values.dtype} with {self.scales.dtype} scales "
+            f"per {'x'.join(map(str, self.block))} block"
+        )
+
+
+@attrs.frozen(eq=False)
+class MXFP4(Computed):
+    """OCP MXFP4: blocks of 32 E2M1 codes sharing one E8M0 scale, the last dimension
+    of the view running through the blocks in order. `blocks` holds the codes as
+    bytes `[..., G, 16]` (two per byte, low nibble first) or as `float4_e2m1fn`
+    `[..., G, 32]`; `scales` is `[..., G]`, as bytes or `float8_e8m0fnu`."""
+
+    blocks: Part
+    scales: Part
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return (self.blocks, self.scales)
+
+    @property
+    def packed(self) -> bool:
+        """Whether `blocks` holds two codes per byte."""
+        return self.blocks.dtype == np.uint8
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        inner = view_chunks(self.blocks)
+        whole = inner[-1] == self.blocks.shape[-1]
+        return (*inner[:-2], CODES * inner[-2] if whole else CODES)
+
+    def inputs(self, box: Box) -> tuple[Box, ...]:
+        *prefix, (low, high) = box
+        groups = (low // CODES, _ceil(high, CODES))
+        return (*prefix, groups, (0, self.blocks.shape[-1])), (*prefix, groups)
+
+    def compute(self, box: Box, values: Sequence[np.ndarray], out: np.ndarray) -> None:
+        blocks, scales = values
+        low = box[-1][0]
+        skip = low - low // CODES * CODES  # codes of the first block before the box
+        width = out.shape[-1]
+        for index in pieces(scales.shape, PIECE // CODES):
+            codes = blocks[index]
+            if self.packed:
+                codes = _unpacked(codes)
+            decoded = (
+                _E2M1[codes] if codes.dtype == np.uint8 else codes.astype(np.float32)
+            ) * _exponents(scales[index])[..., None]
+            flat = decoded.reshape(*decoded.shape[:-2], -1)
+            first = index[-1].start * CODES - skip
+            start, stop = max(first, 0), min(first + flat.shape[-1], width)
+            if start < stop:
+                cut = flat[..., start - first : stop - first]
+                out[(*index[:-1], slice(start, stop))] = cut.astype(self.dtype, copy=False)
+
+    def describe(self) -> str:
+        return f"dequantized from MXFP4 ({self.blocks.dtype} blocks, {self.scales.dtype} scales)"
+
+
+@attrs.frozen(eq=False)
+class PackedFP4(Computed):
+    """An `F4` tensor of safetensors: `packed` bytes `[..., n // 2]`, two E2M1 codes
+    each, low nibble first, read as `float4_e2m1fn` `[..., n]`."""
+
+    packed: Part
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return (self.packed,)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        inner = view_chunks(self.packed)
+        return (*inner[:-1], 2 * inner[-1])
+
+    def inputs(self, box: Box) -> tuple[Box, ...]:
+        *prefix, (low, high) = box
+        return ((*prefix, (low // 2, _ceil(high, 2))),)
+
+    def compute(self, box: Box, values: Sequence[np.ndarray], out: np.ndarray) -> None:
+        low, high = box[-1]
+        start = low % 2
+        codes = _unpacked(values[0])[..., start : start + high - low]
+        out[...] = codes.view(ml_dtypes.float4_e2m1fn)
+
+    def describe(self) -> str:
+        return "FP4 codes unpacked, two per byte"
+
+
+def _unpacked(packed: np.ndarray) -> np.ndarray:
+    """Bytes `[..., k]` as their 4-bit codes `[..., 2k]`, low nibble first."""
+    codes = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), np.uint8)
+    np.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
+    np.right_shift(packed, 4, out=codes[..., 1::2])
+    return codes
+
+
+def _exponents(scales: np.ndarray) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """E8M0 scales (bytes or `float8_e8m0fnu`) as float32 powers of two; 255 is NaN."""
+    as_e8m0 = scales.view(ml_dtypes.float8_e8m0fnu) if scales.dtype == np.uint8 else scales
+    return as_e8m0.astype(np.float32)
+
+
+def pieces(shape: Sequence[int], limit: int) -> Iterator[tuple[slice, ...]]:
+    """Indices that cut an array of `shape` into boxes of at most `limit` elements
+    (or one element more than a row where a row is larger), along its leading
+    dimensions."""
+    if not shape:
+        yield ()
+        return
+    inner = math.prod(shape[1:])
+    if inner <= limit or len(shape) == 1:
+        step = max(1, limit // max(inner, 1))
+        for i in range(0, shape[0], step):
+            yield (slice(i, min(i + step, shape[0])), *(slice(0, n) for n in shape[1:]))
+        return
+    for i in range(shape[0]):
+        for rest in pieces(shape[1:], limit):
+            yield (slice(i, i + 1), *rest)
