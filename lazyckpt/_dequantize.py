@@ -16,7 +16,6 @@ layouts the names do not tell (another block size, scale name or axis order).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -170,21 +169,24 @@ def dequantize(
     (['b', 'w'], LazyArray('w', shape=(5, 6), dtype=bfloat16, dequantized from float8_e4m3fn with float32 scales per 2x4 block, chunks=(5, 6)))
     """
     out = _dtype(dtype, "dequantize")
-    return _walk(tree, out, None if block_size is None else tuple(block_size))
+    return _walk(tree, out, None if block_size is None else tuple(block_size), {})
 
 
-def _walk(node: Any, dtype: np.dtype[Any], block: tuple[int, ...] | None) -> Any:
+Configs = dict[str, tuple[int, ...] | None]
+
+
+def _walk(node: Any, dtype: np.dtype[Any], block: tuple[int, ...] | None, configs: Configs) -> Any:
     if type(node) is dict:  # as opened: in the model's order, which a sort would lose
-        kids = {key: _walk(child, dtype, block) for key, child in node.items()}
-        return _pairs(kids, dtype, block)
+        kids = {key: _walk(child, dtype, block, configs) for key, child in node.items()}
+        return _pairs(kids, dtype, block, configs)
     found = children(node)
     if found is None:
         return node
-    return rebuild(node, [_walk(child, dtype, block) for _, child in found])
+    return rebuild(node, [_walk(child, dtype, block, configs) for _, child in found])
 
 
 def _pairs(
-    kids: dict[Any, Any], dtype: np.dtype[Any], block: tuple[int, ...] | None
+    kids: dict[Any, Any], dtype: np.dtype[Any], block: tuple[int, ...] | None, configs: Configs
 ) -> dict[Any, Any]:
     """A dict's children with each quantized pair replaced by its dense view, in the
     place of its first member."""
@@ -195,7 +197,7 @@ def _pairs(
         scale_of = next((key[: -len(s)] for s in _FP8_SCALES if key.endswith(s)), None)
         if scale_of is not None and scale_of in arrays and _is_fp8(arrays[scale_of]):
             weight = arrays[scale_of]
-            size = block or _block_size(weight) or DEFAULT_BLOCK
+            size = block or _block_size(weight, configs) or DEFAULT_BLOCK
             dense = dequantize_fp8(weight, array, block_size=size, dtype=dtype)
             replaced[scale_of] = (scale_of, dense)
             gone.add(key)
@@ -247,26 +249,28 @@ def _is_fp8(array: LazyArray) -> bool:
 
 
 def _is_fp8_scale(key: str, arrays: dict[str, LazyArray]) -> bool:
-    """Whether `key` names an FP8 weight's scale (by name, a float dtype, and float8
-    arrays elsewhere in the same dict) whose weight is missing."""
+    """Whether `key` names a weight's scale (`X.weight_scale_inv`, a float array)
+    whose weight is missing."""
     base = next(key[: -len(s)] for s in _FP8_SCALES if key.endswith(s))
-    scale = arrays[key]
     return (
         base not in arrays
         and base.endswith("weight")
-        and jnp.issubdtype(scale.dtype, jnp.floating)
-        and any(_is_fp8(a) for a in arrays.values())
+        and bool(jnp.issubdtype(arrays[key].dtype, jnp.floating))
     )
 
 
-def _block_size(weight: LazyArray) -> tuple[int, ...] | None:
-    """`weight_block_size` from the `config.json` beside the weight's file, if any."""
+def _block_size(weight: LazyArray, configs: Configs) -> tuple[int, ...] | None:
+    """`weight_block_size` from the `config.json` beside the weight's file, if any
+    (each folder's read once per call, in `configs`)."""
     location = getattr(weight.stored, "store", None)
     folder = getattr(location, "location", None)
-    return _configured(folder) if isinstance(folder, str) else None
+    if not isinstance(folder, str):
+        return None
+    if folder not in configs:
+        configs[folder] = _configured(folder)
+    return configs[folder]
 
 
-@functools.cache
 def _configured(folder: str) -> tuple[int, ...] | None:
     file = paths.join(folder, "config.json")
     try:
