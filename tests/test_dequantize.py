@@ -208,6 +208,22 @@ def test_device_put_onto_a_2x4_mesh_reads_each_devices_blocks(
     np.testing.assert_array_equal(np.asarray(placed), mx_reference(gptoss[1]).astype(BF16))
 
 
+def test_each_device_reads_its_own_codes(
+    deepseek: tuple[Path, dict[str, np.ndarray]], count_bytes: Counter
+) -> None:
+    """Onto 8 devices, each device's shard reads its codes and the scales of the
+    blocks it falls in; shards that share a scale share its read, so every stored
+    byte is read once."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    dense = lazyckpt.dequantize(lazyckpt.open(deepseek[0]))
+    weight = dense["model"]["layers"]["0"]["mlp"]["experts"]["2"]["down_proj"]["weight"]
+    with count_bytes() as read:
+        placed = lazyckpt.device_put(weight, NamedSharding(mesh, P("x", "y")))
+    assert read[0] == HIDDEN * INTER + 3 * 2 * 4  # the (300, 200) codes and 3x2 scales
+    want = expert_reference(deepseek[1], 2, "down_proj").astype(BF16)
+    np.testing.assert_array_equal(np.asarray(placed), want)
+
+
 def test_ten_rows_read_their_rows_and_one_row_of_scales(
     deepseek: tuple[Path, dict[str, np.ndarray]], count_bytes: Counter
 ) -> None:

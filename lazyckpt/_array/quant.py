@@ -36,8 +36,10 @@ PIECE = 1 << 20
 CODES = 32
 """FP4 codes per MXFP4 block: 16 bytes, two codes each."""
 
-# E2M1 values by code (sign, two exponent bits, one mantissa bit).
+# E2M1 values by code (sign, two exponent bits, one mantissa bit), and the two values
+# of each byte of packed codes, low nibble first.
 _E2M1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+_E2M1_PAIRS = np.stack([_E2M1[np.arange(256) & 0x0F], _E2M1[np.arange(256) >> 4]], axis=1)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -75,15 +77,22 @@ class BlockScaled(Computed):
     def compute(self, box: Box, values: Sequence[np.ndarray], out: np.ndarray) -> None:
         codes, scales = values
         scales = scales.astype(np.float32, copy=False)
-        # Per dimension, which of the box's scales each element of the box takes.
-        which = [
-            np.arange(low, high) // b - low // b
-            for (low, high), b in zip(box, self.block, strict=True)
-        ]
         for index in pieces(codes.shape, PIECE):
-            taken = np.ix_(*(w[i] for w, i in zip(which, index, strict=True)))
-            product = codes[index].astype(np.float32) * scales[taken]
-            out[index] = product.astype(self.dtype, copy=False)  # rounded as the view's
+            product = _as_float32(codes[index])
+            product *= self._spread(scales, box, index)
+            _store(product, self.dtype, out, index)
+
+    def _spread(self, scales: np.ndarray, box: Box, index: tuple[slice, ...]) -> np.ndarray:
+        """The scale of each element of `index` (a piece of `box`), by repeating each
+        scale over the elements of its block."""
+        spread = scales
+        for d, ((low, _), b, at) in enumerate(zip(box, self.block, index, strict=True)):
+            first, last = low + at.start, low + at.stop  # the piece along d, in the node
+            taken = spread.take(range(first // b - low // b, _ceil(last, b) - low // b), axis=d)
+            spread = np.repeat(taken, b, axis=d).take(
+                range(first - first // b * b, last - first // b * b), axis=d
+            )
+        return spread
 
     def describe(self) -> str:
         return (
@@ -129,17 +138,16 @@ class MXFP4(Computed):
         width = out.shape[-1]
         for index in pieces(scales.shape, PIECE // CODES):
             codes = blocks[index]
-            if self.packed:
-                codes = _unpacked(codes)
             decoded = (
-                _E2M1[codes] if codes.dtype == np.uint8 else codes.astype(np.float32)
-            ) * _exponents(scales[index])[..., None]
+                np.take(_E2M1_PAIRS, codes, axis=0) if self.packed else _as_float32(codes)
+            ).reshape(*codes.shape[:-1], CODES)
+            decoded *= _exponents(scales[index])[..., None]
             flat = decoded.reshape(*decoded.shape[:-2], -1)
             first = index[-1].start * CODES - skip
             start, stop = max(first, 0), min(first + flat.shape[-1], width)
             if start < stop:
                 cut = flat[..., start - first : stop - first]
-                out[(*index[:-1], slice(start, stop))] = cut.astype(self.dtype, copy=False)
+                _store(cut, self.dtype, out, (*index[:-1], slice(start, stop)))
 
     def describe(self) -> str:
         return f"dequantized from MXFP4 ({self.blocks.dtype} blocks, {self.scales.dtype} scales)"
@@ -173,6 +181,22 @@ class PackedFP4(Computed):
 
     def describe(self) -> str:
         return "FP4 codes unpacked, two per byte"
+
+
+def _as_float32(codes: np.ndarray) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """`codes` as a new float32 array: through a table of the 256 values where they
+    are one byte each (twice as fast as NumPy's cast of the float8 types)."""
+    if codes.dtype.itemsize == 1 and codes.dtype != np.bool_:
+        table = np.arange(256, dtype=np.uint8).view(codes.dtype).astype(np.float32)
+        return np.take(table, codes.view(np.uint8))
+    return codes.astype(np.float32)
+
+
+def _store(values: np.ndarray, dtype: np.dtype[Any], out: np.ndarray, index: Any) -> None:
+    """`out[index] = values` rounded to `dtype` (the view's), then to `out`'s dtype."""
+    if out.dtype != dtype:
+        values = values.astype(dtype)
+    np.copyto(out[index], values, casting="unsafe")
 
 
 def _unpacked(packed: np.ndarray) -> np.ndarray:
