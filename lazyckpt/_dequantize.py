@@ -54,7 +54,8 @@ def dequantize_fp8(
             or a single scale for the whole weight. Of any float dtype.
         block_size: The block's size along the weight's last dimensions (leading
             dimensions have a scale each), edge blocks cut short. A dimension
-            whose scales number 1 is one block, whatever its size.
+            with one scale is one block, whatever its size, and a dimension with
+            a scale per element has blocks of 1 (per-channel scales, `[out, 1]`).
         dtype: The dtype of the view.
 
     A slice reads only its elements and the scales of the blocks they fall in:
@@ -84,6 +85,8 @@ def dequantize_fp8(
     for d, (n, s) in enumerate(zip(weight.shape, scale.shape, strict=True)):
         if s == 1:
             block[d] = max(n, 1)  # one block along it, however large
+        elif s == n:
+            block[d] = 1  # a scale per row (or column): per-channel scaling
         elif -(-n // block[d]) != s:
             raise QuantizationError(
                 f"{where}: dimension {d} holds {n} values in blocks of {block[d]}, so "

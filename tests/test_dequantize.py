@@ -420,14 +420,22 @@ def test_block_size_comes_from_config_json(tmp_path: Path) -> None:
         lazyckpt.dequantize(lazyckpt.open(folder))
 
 
-def test_a_flat_tree_and_a_per_tensor_scale(tmp_path: Path) -> None:
+def test_a_flat_tree_and_per_tensor_and_per_channel_scales(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    weight = fp8_values(rng, (5, 7))
+    weight = fp8_values(rng, (300, 7))
+    channels = rng.uniform(0.5, 2, (300, 1)).astype(np.float32)
+    tensors = {
+        "a.weight": weight,
+        "a.weight_scale": np.array([0.5], np.float32),
+        "b.weight": weight,
+        "b.weight_scale": channels,
+    }
     path = tmp_path / "m.safetensors"
-    save_file({"a.weight": weight, "a.weight_scale": np.array([0.5], np.float32)}, str(path))
+    save_file(tensors, str(path))
     flat = lazyckpt.dequantize(lazyckpt.open(path, flat=True), dtype=np.float32)
-    assert list(flat) == ["a.weight"]
+    assert list(flat) == ["a.weight", "b.weight"]
     np.testing.assert_array_equal(flat["a.weight"].get(), weight.astype(np.float32) * 0.5)
+    np.testing.assert_array_equal(flat["b.weight"].get(), weight.astype(np.float32) * channels)
 
 
 @pytest.mark.parametrize(
