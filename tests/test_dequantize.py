@@ -636,3 +636,23 @@ def test_convert_dry_run_plans_the_dense_weights(
     dense = by_name["model.layers.0.mlp.experts.gate_up_proj"]
     assert (dense.dtype, dense.shape) == ("float16", (*MX_SHAPE[:2], MX_SHAPE[2] * 32))
     assert not any(name.endswith(("_blocks", "_scales")) for name in by_name)
+
+
+def test_inspect_show_and_stats_dequantize_from_the_command_line(
+    gptoss: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    def run(*args: str) -> str:
+        command = [sys.executable, "-m", "lazyckpt._cli.main", *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    folder = str(gptoss[0])
+    listing = run("inspect", folder, "--dequantize")
+    assert "gate_up_proj       bfloat16[4,40,96]" in listing and "_blocks" not in listing
+    key = "model.layers.0.mlp.experts.gate_up_proj[1, 2, :4]"
+    shown = run("show", folder, key, "--dequantize")
+    want = mx_reference(gptoss[1])[1, 2, :4].astype(BF16)
+    assert " ".join(f"{v:g}" for v in want.tolist()) in shown
+    table = run("stats", folder, "--dequantize", "--select", "**/gate_up_proj")
+    assert f"{float(mx_reference(gptoss[1]).max()):g}" in table

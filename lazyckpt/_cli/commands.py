@@ -41,6 +41,8 @@ def show_warning(
 
 def _open(args: argparse.Namespace) -> object:
     tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    if getattr(args, "dequantize", False):
+        tree = lazyckpt.dequantize(tree)
     return lazyckpt.select(tree, args.select) if getattr(args, "select", None) else tree
 
 
@@ -81,7 +83,7 @@ def _title(args: argparse.Namespace, steps: list[int]) -> str:
 
 def _show(args: argparse.Namespace) -> None:
     key, index = _split_index(args.key)
-    tree = lazyckpt.open(args.path, step=args.step, item=args.item)
+    tree = _open(args)
     found = _subtree(tree, key)
     if not isinstance(found, lazyckpt.LazyArray):
         if index:

@@ -56,16 +56,27 @@ def _parser() -> argparse.ArgumentParser:
             help="bytes in flight: 256MiB, 1GB (10^9) or bytes",
         )
 
+    def dequantizing(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--dequantize",
+            action="store_true",
+            help="show FP8 block-scaled (X.weight_scale_inv) and MXFP4 (X_blocks, X_scales) "
+            "weights as their dense bfloat16 values",
+        )
+
     inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
     selecting(inspect)
+    dequantizing(inspect)
     inspect.add_argument("--depth", type=int, metavar="N", help="show N levels of the tree")
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     show = command("show", "print a few values: lazyckpt show PATH 'params/embed[0:3, :8]'")
+    dequantizing(show)
     show.add_argument("key", help="key path, with an optional NumPy-style index")
 
     stats = command("stats", "min, max, mean, std, NaN and Inf counts, read chunk by chunk")
     selecting(stats)
+    dequantizing(stats)
     budget(stats)
     stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
