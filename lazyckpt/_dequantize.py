@@ -16,7 +16,7 @@ layouts the names do not tell (another block size, scale name or axis order).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,8 +24,9 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import quant
+from lazyckpt._array.compose import sources
 from lazyckpt._array.tree import children, rebuild
-from lazyckpt._errors import LazyckptError, QuantizationError, json_or_corrupt
+from lazyckpt._errors import QuantizationError, StorageAccessError, json_or_corrupt
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._storage import paths
 
@@ -67,16 +68,20 @@ def dequantize_fp8(
     """
     _check_arrays("dequantize_fp8", weight, scale)
     where = f"{weight.key} with {scale.key}"
+    if not weight.ndim:
+        raise QuantizationError(
+            f"{where}: the weight is 0-d; a block-scaled weight has at least one dimension"
+        )
     if scale.size == 1 and scale.ndim != weight.ndim:  # one scale for the whole weight
         scale = scale.reshape((1,) * weight.ndim)
-    if not weight.ndim or scale.ndim != weight.ndim:
+    if scale.ndim != weight.ndim:
         raise QuantizationError(
             f"{where}: a {weight.ndim}-d weight of shape {weight.shape} needs a scale per "
             f"block with as many dimensions, found shape {scale.shape}; pass the "
-            "weight's own scale (or slice a per-tensor one to 0-d)"
+            "weight's own scale (or one scale for the whole weight)"
         )
-    given = tuple(int(b) for b in block_size)
-    if len(given) > weight.ndim or any(b < 1 for b in given):
+    given = _block(block_size, where)
+    if len(given) > weight.ndim:
         raise QuantizationError(
             f"{where}: block_size={given} does not fit a weight of shape {weight.shape}; "
             "give one positive size per blocked (trailing) dimension"
@@ -150,8 +155,8 @@ def dequantize(
     named as the model names the dense weight. Reads nothing (but a model folder's
     `config.json`).
 
-    - FP8 block-scaled: `X.weight` (a float8 dtype) with `X.weight_scale_inv` (or
-      `X.weight_scale`) becomes `X.weight`, the scale gone.
+    - FP8 block-scaled: `X.weight` (a float8 dtype, or int8 for symmetric W8A8) with
+      `X.weight_scale_inv` (or `X.weight_scale`) becomes `X.weight`, the scale gone.
     - MXFP4: `X_blocks` with `X_scales` becomes `X`.
 
     Everything else is kept as it is. The views compose with slicing, `astype`,
@@ -172,7 +177,8 @@ def dequantize(
     (['b', 'w'], LazyArray('w', shape=(5, 6), dtype=bfloat16, dequantized from float8_e4m3fn with float32 scales per 2x4 block, chunks=(5, 6)))
     """
     out = _dtype(dtype, "dequantize")
-    return _walk(tree, out, None if block_size is None else tuple(block_size), {})
+    block = None if block_size is None else _block(block_size, "dequantize")
+    return _walk(tree, out, block, {})
 
 
 Configs = dict[str, tuple[int, ...] | None]
@@ -198,35 +204,30 @@ def _pairs(
     gone: set[str] = set()
     for key, array in arrays.items():
         scale_of = next((key[: -len(s)] for s in _FP8_SCALES if key.endswith(s)), None)
-        if scale_of is not None and scale_of in arrays and _is_fp8(arrays[scale_of]):
+        if scale_of is not None and scale_of in arrays and _is_quantized(arrays[scale_of]):
             weight = arrays[scale_of]
+            if scale_of + "_zero_point" in arrays:
+                raise QuantizationError(
+                    f"{weight.key} with {array.key}: a zero point beside them, so the "
+                    "weight is quantized asymmetrically, which lazyckpt does not "
+                    "dequantize; read the codes and do it with NumPy"
+                )
             size = block or _block_size(weight, configs) or DEFAULT_BLOCK
             dense = dequantize_fp8(weight, array, block_size=size, dtype=dtype)
             replaced[scale_of] = (scale_of, dense)
             gone.add(key)
-        elif key.endswith(_MX_BLOCKS) and _is_mx_blocks(array):
+        elif key.endswith(_MX_BLOCKS) and (key[: -len(_MX_BLOCKS)] + _MX_SCALES) in arrays:
             base = key[: -len(_MX_BLOCKS)]
-            scales = arrays.get(base + _MX_SCALES)
-            if scales is None:
-                raise QuantizationError(
-                    f"{array.key}: MXFP4 blocks without their scales {base + _MX_SCALES!r} "
-                    "beside them; open the whole model folder, or pair them yourself with "
-                    "lazyckpt.dequantize_mxfp4"
-                )
             if base in arrays:
                 raise QuantizationError(
                     f"{array.key}: MXFP4 blocks beside a dense {base!r} of the same name; "
                     "rename one of them first (lazyckpt.rename)"
                 )
+            scales = arrays[base + _MX_SCALES]
             replaced[key] = (base, dequantize_mxfp4(array, scales, dtype=dtype))
             gone.add(base + _MX_SCALES)
-        elif key.endswith(_FP8_SCALES) and _is_fp8_scale(key, arrays):
-            base = next(key[: -len(s)] for s in _FP8_SCALES if key.endswith(s))
-            raise QuantizationError(
-                f"{array.key}: an FP8 scale without its weight {base!r} (a float8 array) "
-                "beside it; open the whole model folder, or pair them yourself with "
-                "lazyckpt.dequantize_fp8"
-            )
+        else:
+            _check_unpaired(key, array, arrays)
     if not replaced:
         return kids
     result: dict[Any, Any] = {}
@@ -241,31 +242,56 @@ def _pairs(
     return result
 
 
+def _check_unpaired(key: str, array: LazyArray, arrays: dict[str, LazyArray]) -> None:
+    """A clear error for half of a quantized pair: MXFP4 blocks or scales alone, or a
+    weight's scale (`X.weight_scale_inv`, a float array) without its weight."""
+    if key.endswith(_MX_BLOCKS) and _is_mx_blocks(array):
+        scales = array.key[: -len(_MX_BLOCKS)] + _MX_SCALES
+        raise QuantizationError(
+            f"{array.key}: MXFP4 blocks without their scales {scales!r} beside them; open "
+            "the whole model folder, or pair them yourself with lazyckpt.dequantize_mxfp4"
+        )
+    if (
+        key.endswith(_MX_SCALES)
+        and key[: -len(_MX_SCALES)] + _MX_BLOCKS not in arrays
+        and array.dtype in (np.uint8, jnp.float8_e8m0fnu)
+    ):
+        blocks = array.key[: -len(_MX_SCALES)] + _MX_BLOCKS
+        raise QuantizationError(
+            f"{array.key}: MXFP4 scales without their blocks {blocks!r} beside them; open "
+            "the whole model folder, or pair them yourself with lazyckpt.dequantize_mxfp4"
+        )
+    suffix = next((s for s in _FP8_SCALES if key.endswith(s)), None)
+    if (
+        suffix is not None
+        and key[: -len(suffix)].endswith("weight")
+        and key[: -len(suffix)] not in arrays
+        and jnp.issubdtype(array.dtype, jnp.floating)
+    ):
+        raise QuantizationError(
+            f"{array.key}: a weight's scale without its weight "
+            f"{array.key[: -len(suffix)]!r} beside it; open the whole model folder, or "
+            "pair them yourself with lazyckpt.dequantize_fp8"
+        )
+
+
 def _is_mx_blocks(array: LazyArray) -> bool:
     width = {np.dtype(np.uint8): quant.CODES // 2, np.dtype(jnp.float4_e2m1fn): quant.CODES}
     return array.ndim >= 2 and width.get(np.dtype(array.dtype)) == array.shape[-1]
 
 
-def _is_fp8(array: LazyArray) -> bool:
+def _is_quantized(array: LazyArray) -> bool:
+    """Whether a weight beside a scale holds codes: a float8 dtype (but the E8M0 of
+    scales), or int8 (symmetric int8 quantization, W8A8)."""
     name = np.dtype(array.dtype).name
-    return bool(name.startswith("float8")) and name != "float8_e8m0fnu"
-
-
-def _is_fp8_scale(key: str, arrays: dict[str, LazyArray]) -> bool:
-    """Whether `key` names a weight's scale (`X.weight_scale_inv`, a float array)
-    whose weight is missing."""
-    base = next(key[: -len(s)] for s in _FP8_SCALES if key.endswith(s))
-    return (
-        base not in arrays
-        and base.endswith("weight")
-        and bool(jnp.issubdtype(arrays[key].dtype, jnp.floating))
-    )
+    return bool(name.startswith("float8") and name != "float8_e8m0fnu") or name == "int8"
 
 
 def _block_size(weight: LazyArray, configs: Configs) -> tuple[int, ...] | None:
     """`weight_block_size` from the `config.json` beside the weight's file, if any
     (each folder's read once per call, in `configs`)."""
-    location = getattr(weight.stored, "store", None)
+    plain = next(sources(weight))  # (a stacked weight: its first part's file)
+    location = getattr(plain.stored, "store", None)
     folder = getattr(location, "location", None)
     if not isinstance(folder, str):
         return None
@@ -278,8 +304,8 @@ def _configured(folder: str) -> tuple[int, ...] | None:
     file = paths.join(folder, "config.json")
     try:
         text = paths.read_text(file)
-    except LazyckptError:
-        return None  # (a bucket without a session): the default, checked by shape
+    except StorageAccessError:
+        return None  # (a bucket opened with credentials now gone): the default, checked by shape
     if text is None:
         return None
     config = json_or_corrupt(file, text, "fix or remove it")
@@ -312,8 +338,26 @@ def _check_arrays(operation: str, *arrays: object) -> None:
         a._composable(operation)
 
 
+def _block(block_size: object, where: str) -> tuple[int, ...]:
+    """`block_size` as a tuple of positive ints, or a clear error."""
+    given: tuple[object, ...] = ()
+    if isinstance(block_size, Iterable) and not isinstance(block_size, str):
+        given = tuple(block_size)
+    if not given or not all(isinstance(b, int | np.integer) and int(b) > 0 for b in given):
+        raise QuantizationError(
+            f"{where}: block_size={block_size!r}, expected positive sizes of the blocked "
+            "(trailing) dimensions, such as (128, 128)"
+        )
+    return tuple(int(b) for b in given)  # type: ignore[call-overload]
+
+
 def _dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
-    out = np.dtype(dtype)
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        raise QuantizationError(
+            f"{where}: dtype={dtype!r} is not a dtype; dequantize to bfloat16, float16 or float32"
+        ) from None
     if not jnp.issubdtype(out, jnp.floating):
         raise QuantizationError(
             f"{where}: dtype={out} is not a floating-point dtype; dequantize to bfloat16, "

@@ -452,7 +452,7 @@ def test_a_flat_tree_and_per_tensor_and_per_channel_scales(tmp_path: Path) -> No
                 "l.weight_scale_inv": np.ones((1, 1), np.float32),
                 "k.weight": np.ones((2, 2), ml_dtypes.float8_e4m3fn),
             },
-            r"l/weight_scale_inv: an FP8 scale without its weight 'weight'",
+            r"l/weight_scale_inv: a weight's scale without its weight 'l/weight'",
         ),
         (
             {
@@ -463,7 +463,7 @@ def test_a_flat_tree_and_per_tensor_and_per_channel_scales(tmp_path: Path) -> No
         ),
         (
             {"e.up_blocks": np.ones((2, 3, 16), np.uint8)},
-            r"e/up_blocks: MXFP4 blocks without their scales 'up_scales'",
+            r"e/up_blocks: MXFP4 blocks without their scales 'e/up_scales'",
         ),
         (
             {
@@ -572,7 +572,7 @@ def test_f4_and_f8_e8m0_tensors_are_read_as_their_ml_dtypes(tmp_path: Path) -> N
         ),
         (
             {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]},
-            r"packs two values per byte across its rows",
+            r"shape \[2, 3\] of F4 has an odd last dimension",
         ),
         (
             {"dtype": "F4", "shape": [2, 4], "data_offsets": [0, 8]},
@@ -662,3 +662,114 @@ def test_inspect_show_and_stats_dequantize_from_the_command_line(
     assert " ".join(f"{v:g}" for v in want.tolist()) in shown
     table = run("stats", folder, "--dequantize", "--select", "**/gate_up_proj")
     assert f"{float(mx_reference(gptoss[1]).max()):g}" in table
+
+
+_PROBE = """
+import gc, json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import lazyckpt
+
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+weight = lazyckpt.dequantize(lazyckpt.open(sys.argv[1]))["w"]
+lazyckpt.load(weight[:1])  # thread pools and first-read state into the baseline
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+baseline = peak()
+if sys.argv[2] == "load":
+    kept = lazyckpt.load(weight, memory_budget="16MiB").nbytes
+else:
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    placed = lazyckpt.device_put(weight, NamedSharding(mesh, P("x", "y")), memory_budget="16MiB")
+    kept = jax.block_until_ready(placed).nbytes
+print(json.dumps({"peak": peak() - baseline, "kept": kept}))
+"""
+
+
+@pytest.mark.parametrize("verb", ["load", "device_put"])
+def test_a_large_read_holds_its_result_and_a_few_blocks(tmp_path: Path, verb: str) -> None:
+    """64 MiB of FP8 codes read as 128 MiB of bfloat16: the codes are read and computed
+    block by block, never all held beside the result."""
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 0x7E, (4096, 16384), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.5, 2, (32, 128)).astype(np.float32)
+    path = tmp_path / "big.safetensors"
+    save_file({"w": codes, "w_scale_inv": scales}, str(path))
+    command = [sys.executable, "-c", _PROBE, str(path), verb]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    probe = json.loads(result.stdout.splitlines()[-1])
+    assert probe["kept"] == 128 << 20
+    # The result, and blocks of 2 MiB in flight with their codes and float32 values
+    # (with every code held at once, 64 MiB more).
+    assert probe["peak"] <= probe["kept"] + (24 << 20), probe
+
+
+def test_int8_weights_half_pairs_and_bad_arguments(tmp_path: Path) -> None:
+    """Symmetric int8 is dequantized, asymmetric (a zero point) refused; half an MXFP4
+    pair, or one that does not fit, is named; bad arguments too."""
+    rng = np.random.default_rng(6)
+    path = tmp_path / "m.safetensors"
+    int8 = rng.integers(-127, 128, (4, 6), dtype=np.int8)
+    tensors: dict[str, np.ndarray] = {
+        "q.weight": int8,
+        "q.weight_scale": np.full((4, 1), 0.5, np.float32),
+        "z.weight": int8,
+        "z.weight_scale": np.ones((4, 1), np.float32),
+        "z.weight_zero_point": np.zeros((4, 1), np.int8),
+    }
+    save_file(tensors, str(path))
+    tree = lazyckpt.open(path)
+    dense = lazyckpt.dequantize({"q": tree["q"]}, dtype=np.float32)  # symmetric int8 (W8A8)
+    np.testing.assert_array_equal(dense["q"]["weight"].get(), int8.astype(np.float32) * 0.5)
+    with pytest.raises(
+        lazyckpt.QuantizationError, match="z/weight with z/weight_scale: a zero point"
+    ):
+        lazyckpt.dequantize(tree)
+    odd = tmp_path / "odd.safetensors"
+    save_file(
+        {"m_blocks": np.ones((8, 5, 15), np.uint8), "m_scales": np.ones((8, 5), np.uint8)}, str(odd)
+    )
+    with pytest.raises(
+        lazyckpt.QuantizationError, match=r"m_blocks with m_scales: MXFP4 blocks are uint8"
+    ):
+        lazyckpt.dequantize(lazyckpt.open(odd))
+    alone = tmp_path / "alone.safetensors"
+    save_file({"m_scales": np.ones((8, 5), np.uint8)}, str(alone))
+    with pytest.raises(
+        lazyckpt.QuantizationError, match="m_scales: MXFP4 scales without their blocks 'm_blocks'"
+    ):
+        lazyckpt.dequantize(lazyckpt.open(alone))
+    for bad, match in (
+        ({"dtype": "bogus"}, "dtype='bogus' is not a dtype"),
+        ({"block_size": 16}, "block_size=16, expected positive sizes"),
+        ({"block_size": (16.5, 16)}, r"block_size=\(16.5, 16\), expected"),
+    ):
+        with pytest.raises(lazyckpt.QuantizationError, match=match):
+            lazyckpt.dequantize(tree, **bad)
+
+
+def test_weights_stacked_before_dequantize_keep_their_config(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    tensors: dict[str, np.ndarray] = {}
+    for e in range(2):
+        tensors[f"e.{e}.weight"] = fp8_values(rng, (40, 40))
+        tensors[f"e.{e}.weight_scale_inv"] = rng.uniform(0.5, 2, (3, 3)).astype(np.float32)
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    experts = lazyckpt.open(write_model(tmp_path / "m", tensors, config))["e"]
+    stacked = {
+        name: lazyckpt.stack([experts[str(e)][name] for e in range(2)])
+        for name in ("weight", "weight_scale_inv")
+    }
+    dense = lazyckpt.dequantize(stacked, dtype=np.float32)["weight"]
+    want = np.stack(
+        [
+            fp8_reference(tensors[f"e.{e}.weight"], tensors[f"e.{e}.weight_scale_inv"], (16, 16))
+            for e in range(2)
+        ]
+    )
+    np.testing.assert_array_equal(dense.get(), want)

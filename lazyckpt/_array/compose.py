@@ -408,6 +408,14 @@ def _without(values: Sequence[_T], axis: int) -> tuple[_T, ...]:
     return (*values[:axis], *values[axis + 1 :])
 
 
+def computes(array: Part) -> bool:
+    """Whether a read of `array` computes values (there is a `Computed` node in it)."""
+    node = array.stored
+    return isinstance(node, Node) and (
+        isinstance(node, Computed) or any(computes(part) for part in node.parts)
+    )
+
+
 def sources(array: Part) -> Iterator[Part]:
     """The plain LazyArrays a view reads from (itself, if it is one)."""
     if not isinstance(array.stored, Node):

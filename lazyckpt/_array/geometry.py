@@ -109,6 +109,17 @@ def chunk_blocks(box: Box, chunks: Sequence[int], itemsize: int, budget: int) ->
     yield from product(edges)
 
 
+def fitted(cells: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
+    """`cells` with their leading dimensions cut to 1, one after another, until a cell
+    holds at most `budget` bytes: blocks of whole trailing cells, still contiguous."""
+    out = list(cells)
+    for dim in range(len(out)):
+        if math.prod(out) * itemsize <= budget:
+            break
+        out[dim] = 1
+    return tuple(out)
+
+
 def chunk_count(box: Box, chunks: Sequence[int]) -> int:
     """How many chunks of the grid `box` touches."""
     if any(low >= high for low, high in box):

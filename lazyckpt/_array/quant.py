@@ -12,9 +12,10 @@ their scales as a read asks for them, box by box.
 
 A box of the view needs only the codes of its elements and the scales of the blocks
 they fall in (`inputs`): a row slice of a block-scaled weight reads its rows and one
-row of scales per block of rows. Values are worked out in float32 (exact: each is a
-code times a power of two, or an FP8 value times a float32 scale, rounded once), in
-pieces of at most `PIECE` elements, then cast to the view's dtype.
+row of scales per block of rows. Values are worked out in float32 (an FP8 value times
+its float32 scale, rounded once to float32, as the releases' own dequantizers do; an
+E2M1 code times a power of two, exactly), in pieces of at most `PIECE` elements, then
+cast to the view's dtype.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ class BlockScaled(Computed):
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        # Whole blocks: a cell's scales are never read by its neighbours too.
+        # Whole blocks, so that a cell's scales are not read by its neighbours too;
+        # along a dimension with one scale, the codes' own chunks.
         inner = view_chunks(self.values)
         return tuple(
-            max(1, min(n, math.lcm(c, b)))
-            for c, b, n in zip(inner, self.block, self.shape, strict=True)
+            c if s == 1 else max(1, min(n, math.lcm(c, b)))
+            for c, b, n, s in zip(inner, self.block, self.shape, self.scales.shape, strict=True)
         )
 
     def inputs(self, box: Box) -> tuple[Box, ...]:
@@ -83,15 +85,19 @@ class BlockScaled(Computed):
             _store(product, self.dtype, out, index)
 
     def _spread(self, scales: np.ndarray, box: Box, index: tuple[slice, ...]) -> np.ndarray:
-        """The scale of each element of `index` (a piece of `box`), by repeating each
-        scale over the elements of its block."""
+        """The scales of the elements of `index` (a piece of `box`), each repeated over
+        the elements of its block; of size 1 along a dimension where the piece lies in
+        one block (broadcast against the piece)."""
         spread = scales
         for d, ((low, _), b, at) in enumerate(zip(box, self.block, index, strict=True)):
             first, last = low + at.start, low + at.stop  # the piece along d, in the node
-            taken = spread.take(range(first // b - low // b, _ceil(last, b) - low // b), axis=d)
-            spread = np.repeat(taken, b, axis=d).take(
-                range(first - first // b * b, last - first // b * b), axis=d
-            )
+            start, stop = first // b - low // b, _ceil(last, b) - low // b
+            spread = spread[(slice(None),) * d + (slice(start, stop),)]
+            if stop - start > 1:
+                skip = first - first // b * b
+                spread = np.repeat(spread, b, axis=d)[
+                    (slice(None),) * d + (slice(skip, skip + last - first),)
+                ]
         return spread
 
     def describe(self) -> str:

@@ -44,6 +44,7 @@ from lazyckpt._array.geometry import (
     chunk_box,
     chunks_in,
     clip,
+    fitted,
     in_view,
     intersect,
     on_grid,
@@ -60,7 +61,13 @@ from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_byt
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.raw import schedule_raw
-from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, HELD, Scheduler, in_pool
+from lazyckpt._engine.scheduler import (
+    DEFAULT_MEMORY_BUDGET,
+    HELD,
+    Scheduler,
+    in_pool,
+    stream_block,
+)
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, then
 
@@ -179,6 +186,21 @@ def _schedule_composed(
 ) -> None:
     """Lower each destination into destinations of the stored arrays' views it is made of
     (`lazyckpt._engine.lower`), and read those, one call per stored array."""
+    block = stream_block(scheduler.budget)
+    if compose.computes(array) and any(d.out_nbytes() > block for d in destinations):
+        for destination in destinations:
+            _fill_in_blocks(array, destination, scheduler.budget)
+        return
+    _schedule_lowered(array, destinations, scheduler, finished, remaining)
+
+
+def _schedule_lowered(
+    array: ArrayView,
+    destinations: Sequence[Destination],
+    scheduler: Scheduler,
+    finished: Callable[[object], None],
+    remaining: list[int],
+) -> None:
     by_array: ByArray = {}
     after: list[Callable[[], None]] = []
     for destination in destinations:
@@ -198,6 +220,21 @@ def _schedule_composed(
         return
     for part, part_destinations in list(by_array.values()):
         schedule_fill(part, part_destinations, scheduler, part_done)
+
+
+def _fill_in_blocks(array: ArrayView, destination: Destination, budget: int) -> None:
+    """Fill a destination of a computed view (dequantized weights) one block after
+    another, each read and computed before the next: a computed view reads its parts
+    into temporaries, which would otherwise hold the parts of the whole destination."""
+    block = stream_block(budget)
+    itemsize = array.dtype.itemsize
+    cells = fitted(compose.view_chunks(array), itemsize, block)
+    out = destination.buffer()
+    for region in chunk_blocks(destination.region, cells, itemsize, block):
+        part = Destination(region, array.dtype, out=out[slices(region, destination.region)])
+        scheduler = Scheduler(budget)
+        _schedule_lowered(array, [part], scheduler, lambda _: None, [0])
+        scheduler.drain()
 
 
 # The decoded path.

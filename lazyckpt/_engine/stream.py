@@ -32,6 +32,7 @@ from lazyckpt._array.geometry import (
     chunk_blocks,
     chunk_box,
     chunks_in,
+    fitted,
     in_view,
     intersect,
     slabs,
@@ -336,9 +337,7 @@ def _composed_jobs(
     grid that cuts across parts), each filled from its parts through the engine."""
     block = stream_block(limits.budget)
     itemsize = array.dtype.itemsize
-    cells = grid if grid is not None else compose.view_chunks(array)
-    if grid is None and math.prod(cells) * itemsize > block:
-        cells = (1,) * array.ndim
+    cells = grid if grid is not None else fitted(compose.view_chunks(array), itemsize, block)
     for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):
         yield _Job(position, block * 3, iter([_filled(array, region, block)]))
 

@@ -213,11 +213,11 @@ def _checked(file: str, name: str, entry: object, data_start: int) -> Tensor:
         )
     declared = math.prod(shape) * dtype.itemsize
     if kind in PACKED:
-        if shape and shape[-1] % 2:
+        if declared and (not shape or shape[-1] % 2):
             raise UnsupportedCheckpointError(
-                f"{where}: shape {shape} of {kind} packs two values per byte across its "
-                "rows (its last dimension is odd), which lazyckpt does not read; convert "
-                "it with the safetensors library first"
+                f"{where}: shape {shape} of {kind} has an odd last dimension, so its "
+                "values pack two per byte across rows, which lazyckpt does not read; "
+                "convert it with the safetensors library first"
             )
         declared //= 2
     if declared != offsets[1] - offsets[0]:
