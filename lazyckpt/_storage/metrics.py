@@ -17,6 +17,12 @@ def count_direct(nbytes: int) -> None:
         _DIRECT[0] += nbytes
 
 
+def direct_bytes_read() -> int:
+    """Bytes read from files without tensorstore in this process so far: a local
+    safetensors source's, which a save's own reads of its destination never add to."""
+    return _DIRECT[0]
+
+
 def bytes_read() -> int:
     """Total bytes read from any kvstore or file in this process so far."""
     total = _DIRECT[0]
