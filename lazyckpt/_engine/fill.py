@@ -223,9 +223,8 @@ def _schedule_lowered(
 
 
 def _fill_in_blocks(array: ArrayView, destination: Destination, budget: int) -> None:
-    """Fill a destination of a computed view (dequantized weights) one block after
-    another, each read and computed before the next: a computed view reads its parts
-    into temporaries, which would otherwise hold the parts of the whole destination."""
+    """Fill a destination of a computed view one block after another, each read and
+    computed before the next: else its parts' temporaries would span all of it."""
     block = stream_block(budget)
     itemsize = array.dtype.itemsize
     cells = fitted(compose.view_chunks(array), itemsize, block)
