@@ -149,3 +149,22 @@ def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if env_flags is not None:
             os.environ["XLA_FLAGS"] = env_flags
     return notebook
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A loopback Hugging Face Hub (`tests/hub_server.py`) that `huggingface_hub` and
+    `hf://` paths talk to, with an empty cache and no token. `huggingface_hub` reads
+    HF_ENDPOINT at import, into two constants, so both are patched here."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    from tests.hub_server import HubServer
+
+    with HubServer(tmp_path / "hub", valid_tokens={"member", "stranger"}) as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+        template = server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+        yield server

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ import pytest
 from tests.hub_server import HubServer
 
 hh = pytest.importorskip("huggingface_hub")
-from huggingface_hub import constants  # noqa: E402
 from huggingface_hub.errors import (  # noqa: E402
     EntryNotFoundError,
     GatedRepoError,
@@ -37,19 +35,6 @@ from huggingface_hub.errors import (  # noqa: E402
 from safetensors.numpy import save  # noqa: E402
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-
-
-@pytest.fixture
-def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
-    with HubServer(tmp_path / "hub", valid_tokens={"member", "stranger"}) as server:
-        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
-        template = server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-        yield server
 
 
 def sharded_model() -> dict[str, bytes]:

@@ -47,6 +47,8 @@ from lazyckpt._safetensors.format import (
 )
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
+from lazyckpt._storage.web import Site, WebFiles, register
+from lazyckpt._storage.web import describe as web_describe
 from lazyckpt._text import printable
 
 CHUNK_BYTES = 1 << 20
@@ -57,12 +59,29 @@ def is_safetensors(path: str) -> bool:
     """Whether `path` is a safetensors file, or a folder of them without `_METADATA`."""
     if path.endswith(SUFFIX):
         return not paths.isdir(path)
+    if paths.is_web(path) and not paths.isdir(path):
+        return _listed_over_http(path)
     if not paths.isdir(path):
         return False
     names = paths.listdir(path)
     return "_METADATA" not in names and (
         INDEX in names or any(name.endswith(SUFFIX) for name in names)
     )
+
+
+def _listed_over_http(folder: str) -> bool:
+    """Whether a folder over HTTP, which has no listing, serves a model: its index (and
+    the shards it names) or its `model.safetensors`, then registered as its files."""
+    text = paths.read_text(paths.join(folder, INDEX))
+    if text is not None:
+        weight_map, _ = parse_index(paths.join(folder, INDEX), text)
+        names: tuple[str, ...] = (INDEX, *sorted(set(weight_map.values())))
+    elif paths.isfile(paths.join(folder, SINGLE)):
+        names = (SINGLE,)
+    else:
+        return False
+    register(folder, Site(names))
+    return True
 
 
 def is_safetensors_model(path: str) -> bool:
@@ -247,6 +266,8 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     """The parsed headers of `shards`, read concurrently: 8 bytes, then the JSON, then
     one byte at the end of the data (that the file is not truncated)."""
     store = store or Store.open(folder, ocdbt=False)
+    if isinstance(store.kvstore, WebFiles):
+        return _web_headers(store.kvstore, folder, shards)
     files = [paths.join(folder, shard) for shard in shards]
     firsts = [
         _read(store, shard, file, 0, 8, what="its header length")
@@ -265,6 +286,36 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     ]
     for probe in probes:
         probe.result()
+    return headers
+
+
+_PREFIX = 1 << 16
+"""The bytes of a file over HTTP read first: its header, in one request, for most."""
+
+
+def _web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
+    """The headers of files over HTTP, read concurrently in one request each where they
+    are under `_PREFIX` bytes (the size that answers give says whether the data is all
+    there)."""
+    firsts = [files.read(shard, byte_range=slice(0, _PREFIX), short=True) for shard in shards]
+    headers = []
+    for shard, first in zip(shards, firsts, strict=True):
+        file = paths.join(folder, shard)
+        answer = first.result()
+        if answer.state != "value":
+            raise CheckpointNotFoundError(f"{web_describe(file)} does not exist")
+        data = answer.value
+        length = header_length(file, data[:8])
+        if 8 + length > len(data):
+            more = files.read(shard, byte_range=slice(len(data), 8 + length)).result()
+            data += more.value
+        header = parse_header(file, data[8 : 8 + length])
+        if answer.size is not None and header.end > answer.size:
+            raise CorruptCheckpointError(
+                f"{web_describe(file)} holds {answer.size} bytes, but its header declares "
+                f"data up to byte {header.end}; the file is truncated"
+            )
+        headers.append(header)
     return headers
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import tensorstore as ts
@@ -16,6 +16,7 @@ import tensorstore as ts
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
 from lazyckpt._storage.ocdbt import Index
+from lazyckpt._storage.web import WebFiles, is_web
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -118,6 +119,7 @@ class Store:
     context: ts.Context = attrs.field(repr=False)
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)
     kvstore: ts.KvStore = attrs.field(repr=False)
+    """tensorstore's, or for files over HTTP a `WebFiles`, which reads as one does."""
     generation: tuple[object, ...] = attrs.field(default=(), repr=False)
     """The checkpoint's `paths.generation` when it was opened."""
     files: tuple[str, ...] = attrs.field(default=paths.GENERATION_FILES, repr=False)
@@ -154,6 +156,11 @@ class Store:
                 "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
             }
         )
+        if is_web(location):
+            # Read by lazyckpt's own Range requests; only the safetensors reader opens
+            # such a store, and it calls `read` alone, which `WebFiles` answers alike.
+            files_over_http = cast(ts.KvStore, WebFiles(location))
+            return cls(location, ocdbt, context, {}, files_over_http, generation, files)
         base = paths.kvstore_spec(location)
         spec = (
             {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}

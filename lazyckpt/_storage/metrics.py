@@ -1,5 +1,6 @@
 """Bytes read from storage: tensorstore's own counters, and lazyckpt's direct reads
-(`lazyckpt._engine.raw`), which tensorstore does not see."""
+(`lazyckpt._engine.raw`, and HTTP's `lazyckpt._storage.web`), which tensorstore does not
+see; and the HTTP requests made."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import tensorstore as ts
 
 _DIRECT = [0]
+_REQUESTS = [0]
 _LOCK = threading.Lock()
 
 
@@ -15,6 +17,17 @@ def count_direct(nbytes: int) -> None:
     """Add `nbytes` read from a file without tensorstore."""
     with _LOCK:
         _DIRECT[0] += nbytes
+
+
+def count_request() -> None:
+    """Count one HTTP request made without tensorstore (`lazyckpt._storage.web`)."""
+    with _LOCK:
+        _REQUESTS[0] += 1
+
+
+def requests_made() -> int:
+    """HTTP requests made without tensorstore in this process so far."""
+    return _REQUESTS[0]
 
 
 def direct_bytes_read() -> int:

@@ -1,9 +1,11 @@
 """Paths on local disk and in object storage, behind one small protocol.
 
-Every checkpoint path is a local path or an `s3://bucket/prefix` or
-`gs://bucket/prefix` URL. What lazyckpt asks of storage is the `Storage` protocol,
-which two backends implement: `LocalFolders` (`lazyckpt._storage.local`, through `os`) and
-`BucketFolders` (`lazyckpt._storage.bucket`, through tensorstore's kvstores). The functions
+Every checkpoint path is a local path, an `s3://bucket/prefix` or `gs://bucket/prefix`
+URL, or an `https://` (or `http://`) URL, which an `hf://` path on the Hugging Face Hub
+becomes (`lazyckpt._storage.hub`). What lazyckpt asks of storage is the `Storage`
+protocol, which three backends implement: `LocalFolders` (`lazyckpt._storage.local`,
+through `os`), `BucketFolders` (`lazyckpt._storage.bucket`, through tensorstore's
+kvstores) and `WebFolders` (`lazyckpt._storage.web`, read-only, by Range requests). The functions
 here pick the backend by the path's scheme, in one place (`storage`), and validate
 what is read at the boundary: metadata files are read only up to `METADATA_LIMIT`,
 and text must be UTF-8.
@@ -17,11 +19,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.bucket import SCHEMES, BucketFolders
 from lazyckpt._storage.bucket import session as _bucket_session
-from lazyckpt._storage.bucket import storage_error as storage_error
+from lazyckpt._storage.bucket import storage_error as bucket_error
 from lazyckpt._storage.local import LocalFolders
+from lazyckpt._storage.web import WebFolders
+from lazyckpt._storage.web import is_web as is_web
 
 METADATA_LIMIT = 1 << 30
 """The largest metadata file (`_METADATA`, `_sharding`, `_strings.json`...) read: 1 GiB,
@@ -105,6 +109,7 @@ class Storage(Protocol):
 
 _LOCAL: Storage = LocalFolders()
 _BUCKETS: Storage = BucketFolders()
+_WEB: Storage = WebFolders()
 
 
 def atomic_rename(path: str) -> bool:
@@ -112,13 +117,28 @@ def atomic_rename(path: str) -> bool:
     return storage(path).atomic_rename
 
 
-def is_remote(path: str) -> bool:
+def is_bucket(path: str) -> bool:
     return path.split("://", 1)[0] in SCHEMES if "://" in path else False
+
+
+def storage_error(path: str, error: Exception) -> LazyckptError:
+    """A clear error for a failed request to remote storage (lazyckpt's own errors,
+    which HTTP reads raise, as they are)."""
+    if isinstance(error, LazyckptError):
+        return error
+    return bucket_error(path, error)
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` is not on a local disk: in a bucket, or over HTTP."""
+    return is_bucket(path) or is_web(path)
 
 
 def storage(path: str) -> Storage:
     """The backend that holds `path`."""
-    return _BUCKETS if is_remote(path) else _LOCAL
+    if is_bucket(path):
+        return _BUCKETS
+    return _WEB if is_web(path) else _LOCAL
 
 
 def session(options: Mapping[str, Any] | None = None) -> AbstractContextManager[None]:
@@ -128,9 +148,16 @@ def session(options: Mapping[str, Any] | None = None) -> AbstractContextManager[
 
 
 def normalize(path: str | os.PathLike[str]) -> str:
-    """An absolute local path, or a bucket URL without trailing slashes."""
+    """An absolute local path, or a URL without trailing slashes; an `hf://` path
+    becomes the place its files are read from, at the commit its revision names."""
     text = os.fspath(path)
-    if is_remote(text):
+    if text.startswith("hf://"):
+        from lazyckpt._storage import hub
+
+        return hub.resolve(text)
+    if is_web(text):
+        return text.rstrip("/")
+    if is_bucket(text):
         scheme, rest = text.split("://", 1)
         bucket, _, prefix = rest.partition("/")
         if not bucket:
@@ -145,7 +172,7 @@ def normalize(path: str | os.PathLike[str]) -> str:
         return f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
     if "://" in text:
         raise CheckpointNotFoundError(
-            f"{text}: lazyckpt reads local paths, s3:// and gs:// URLs; "
+            f"{text}: lazyckpt reads local paths, s3://, gs://, hf:// and https:// URLs; "
             f"{text.split('://', 1)[0]}:// is not one of them"
         )
     return os.path.abspath(text)

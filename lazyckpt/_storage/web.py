@@ -1,0 +1,455 @@
+"""Files served over HTTP(S) (`https://host/path/model.safetensors`, and the Hugging Face
+Hub's `resolve/` URLs), read by byte ranges, for `lazyckpt._storage.paths`.
+
+Reads are Range requests with the standard library's `http.client`, on lazyckpt's own
+threads, one kept-alive connection per host and thread:
+
+- A redirect is followed, and remembered per file (the Hub's `resolve/` answers with a
+  signed URL at its CDN); the `Authorization` header goes only to the origin it was
+  given for, never to the place a redirect leads. A remembered address that expires
+  (401, 403, 410) is resolved again, once.
+- 429 and 5xx answers, and connections that fail, are tried `RETRIES` times, backing
+  off (`Retry-After` when the server gives one), then they are a `StorageAccessError`.
+- A server that ignores Range (a 200 with the whole file) is refused: the connection
+  is closed before the body is read, so no model is downloaded by accident.
+- Each file's size (from `Content-Range`) and ETag are pinned at its first answer; an
+  answer that disagrees later is a `CheckpointChangedError`, never a mix of two files.
+
+A folder has no listing over plain HTTP: `register` gives one (the Hub's file list at a
+pinned commit, or what a caller probed), with the headers its requests carry.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import posixpath
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import tensorstore as ts
+
+from lazyckpt._errors import (
+    CheckpointChangedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageAccessError,
+)
+from lazyckpt._storage.metrics import count_direct, count_request
+
+SCHEMES = ("http", "https")
+RETRIES = 5
+"""Attempts at a request that fails for a reason that may pass (429, 5xx, a failed
+connection), 0.25 s apart at first and doubling up to 4 s: about 8 s in all."""
+_REDIRECTS = 5
+_TIMEOUT = 60.0
+_EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
+
+
+@attrs.frozen
+class Site:
+    """A folder that lazyckpt knows the files of."""
+
+    names: tuple[str, ...]
+    headers: dict[str, str] = attrs.field(factory=dict)
+    """Headers of requests to the folder's own origin (`Authorization`)."""
+    generation: tuple[object, ...] = ()
+    """What identifies its contents (a Hub commit): pinned, never asked again."""
+    describe: str = ""
+    """How errors name it (`org/model at revision main (commit 1a2b...)`)."""
+
+
+_SITES: dict[str, Site] = {}
+_SITES_LOCK = threading.Lock()
+
+
+def is_web(path: str) -> bool:
+    return path.split("://", 1)[0] in SCHEMES if "://" in path else False
+
+
+def register(folder: str, site: Site) -> None:
+    """Tell the storage which files `folder` holds, and how to ask for them."""
+    with _SITES_LOCK:
+        _SITES[folder.rstrip("/")] = site
+
+
+def site(path: str) -> Site | None:
+    """The registered folder that holds `path`, or is it."""
+    folder = path.rstrip("/")
+    with _SITES_LOCK:
+        return _SITES.get(folder) or _SITES.get(posixpath.dirname(folder))
+
+
+def describe(path: str) -> str:
+    found = site(path)
+    return f"{path} ({found.describe})" if found is not None and found.describe else path
+
+
+@attrs.frozen
+class Answer:
+    """What a read returns, shaped as tensorstore's `KvStore.ReadResult`."""
+
+    state: str
+    """"value", or "missing" where the server has no such file."""
+    value: bytes = b""
+    size: int | None = None
+    """The whole file's size, where the server said (`Content-Range`)."""
+
+
+@attrs.define
+class _Pin:
+    size: int | None = None
+    etag: str | None = None
+    location: str | None = None
+
+
+class Client:
+    """Range requests over kept-alive connections, with redirects and retries."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._pins: dict[str, _Pin] = {}
+        self._lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="lazyckpt-web")
+
+    def read(
+        self, url: str, start: int | None = None, stop: int | None = None, *, short: bool = False
+    ) -> Answer:
+        """The bytes `[start, stop)` of the file at `url` (the whole file without a
+        range; with `short`, fewer where the file ends before `stop`);
+        `Answer("missing")` where the server has none."""
+        with self._lock:
+            pin = self._pins.setdefault(url, _Pin())
+        registered = site(url)
+        headers = dict(registered.headers) if registered is not None else {}
+        wanted = None
+        if start is not None:
+            if stop is not None and stop <= start:
+                return Answer("value", b"", pin.size)
+            wanted = (start, stop)
+        target = pin.location or url
+        answer = self._fetch(url, target, headers, wanted, pin, short)
+        if answer is None and pin.location is not None:  # a signed address expired
+            pin.location = None
+            answer = self._fetch(url, url, headers, wanted, pin, short)
+        if answer is None:
+            raise StorageAccessError(
+                f"{describe(url)}: access denied; for a gated or private Hugging Face "
+                "repository, log in (`hf auth login`) or set HF_TOKEN to a token that "
+                "was granted access"
+            )
+        return answer
+
+    def _fetch(
+        self,
+        url: str,
+        target: str,
+        headers: dict[str, str],
+        wanted: tuple[int, int | None] | None,
+        pin: _Pin,
+        short: bool,
+    ) -> Answer | None:
+        """One read of `url` starting at `target`; None where access was refused."""
+        origin = _origin(url)
+        for _ in range(_REDIRECTS + 1):
+            sent = {"Accept-Encoding": "identity", "User-Agent": "lazyckpt"}
+            if _origin(target) == origin:
+                sent.update(headers)
+            if wanted is not None:
+                low, high = wanted
+                sent["Range"] = f"bytes={low}-{'' if high is None else high - 1}"
+            status, answer_headers, body = self._request(url, target, sent)
+            if status in (301, 302, 303, 307, 308):
+                target = urllib.parse.urljoin(target, answer_headers.get("location", ""))
+                continue
+            if status == 404:
+                return Answer("missing")
+            if status in _EXPIRED:
+                return None
+            if status == 416:
+                if short:
+                    return Answer("value", b"", pin.size)
+                raise ValueError(f"OUT_OF_RANGE: {describe(url)} answered 416 for {wanted}")
+            if wanted is not None and status == 200:
+                raise StorageAccessError(
+                    f"{describe(url)}: the server ignores Range requests (it answered with "
+                    "the whole file); lazyckpt reads byte ranges only, so it will not "
+                    "download the file whole: download it first, and open the copy"
+                )
+            if status not in (200, 206):
+                raise StorageAccessError(
+                    f"{describe(url)}: the server answered HTTP {status} "
+                    f"({body[:120].decode('utf-8', 'replace')!r})"
+                )
+            size = _total(answer_headers, body, status)
+            self._check_pin(url, pin, size, answer_headers.get("etag"))
+            if target != url:
+                pin.location = target
+            if wanted is not None and status == 206:
+                first = _first_byte(answer_headers)
+                if first != wanted[0]:
+                    raise ValueError(
+                        f"OUT_OF_RANGE: {describe(url)} answered bytes from {first}, not "
+                        f"{wanted[0]}"
+                    )
+                if not short and wanted[1] is not None and len(body) < wanted[1] - wanted[0]:
+                    raise ValueError(
+                        f"OUT_OF_RANGE: {describe(url)} holds {size} bytes, fewer than the "
+                        f"{wanted[1]} needed"
+                    )
+            return Answer("value", body, size)
+        raise StorageAccessError(f"{describe(url)}: more than {_REDIRECTS} redirects")
+
+    def _check_pin(self, url: str, pin: _Pin, size: int | None, etag: str | None) -> None:
+        with self._lock:
+            known = (pin.size, pin.etag)
+            pin.size = pin.size if pin.size is not None else size
+            pin.etag = pin.etag if pin.etag is not None else etag
+        changed = (known[0] is not None and size is not None and size != known[0]) or (
+            known[1] is not None and etag is not None and etag != known[1]
+        )
+        if changed:
+            raise CheckpointChangedError(
+                f"{describe(url)} changed since it was opened (size {known[0]} -> {size}, "
+                f"ETag {known[1]} -> {etag}); open it again"
+            )
+
+    def _request(
+        self, url: str, target: str, headers: dict[str, str]
+    ) -> tuple[int, dict[str, str], bytes]:
+        """GET `target`, tried again where the failure may pass."""
+        delay, last = 0.25, ""
+        for attempt in range(RETRIES):
+            try:
+                with self._connection(target) as connection:
+                    parts = urllib.parse.urlsplit(target)
+                    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+                    connection.request("GET", path, headers=headers)
+                    response = connection.getresponse()
+                    count_request()
+                    answer_headers = {k.lower(): v for k, v in response.getheaders()}
+                    status = response.status
+                    if status == 200 and "Range" in headers:
+                        connection.close()  # never the whole body of a file
+                        return status, answer_headers, b""
+                    body = response.read()
+                    count_direct(len(body))
+            except (OSError, http.client.HTTPException) as error:
+                last = f"{type(error).__name__}: {error}"
+                self._drop(target)
+            else:
+                if status not in (429, 500, 502, 503, 504):
+                    return status, answer_headers, body
+                last = f"HTTP {status}"
+                after = answer_headers.get("retry-after", "")
+                if after.isdigit():
+                    delay = max(delay, min(float(after), 8.0))
+            if attempt < RETRIES - 1:
+                time.sleep(delay)
+                delay = min(2 * delay, 4.0)
+        raise StorageAccessError(
+            f"{describe(url)}: {_origin(target)} could not be reached or kept failing "
+            f"({last}) after {RETRIES} attempts; check the network and the URL (for the Hub: "
+            "HF_ENDPOINT)"
+        )
+
+    @contextlib.contextmanager
+    def _connection(self, url: str) -> Iterator[http.client.HTTPConnection]:
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
+        connections: dict[tuple[str, str], http.client.HTTPConnection]
+        connections = self._local.__dict__.setdefault("connections", {})
+        connection = connections.get(key)
+        if connection is None:
+            kind = (
+                http.client.HTTPSConnection
+                if parts.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            connection = connections[key] = kind(parts.netloc, timeout=_TIMEOUT)
+        try:
+            yield connection
+        except BaseException:
+            connections.pop(key, None)
+            connection.close()
+            raise
+
+    def _drop(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        connections = self._local.__dict__.get("connections", {})
+        connection = connections.pop((parts.scheme, parts.netloc), None)
+        if connection is not None:
+            connection.close()
+
+
+_CLIENT: Client | None = None
+_CLIENT_LOCK = threading.Lock()
+
+
+def client() -> Client:
+    global _CLIENT
+    with _CLIENT_LOCK:
+        if _CLIENT is None:
+            _CLIENT = Client()
+        return _CLIENT
+
+
+class WebFiles:
+    """The files of a folder over HTTP, read as tensorstore's kvstores are
+    (`read(key, byte_range=)` returning a future of a result with `state` and
+    `value`), so that the safetensors reader reads them as it reads a bucket."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder.rstrip("/")
+
+    def read(
+        self,
+        key: str,
+        *,
+        byte_range: slice | None = None,
+        batch: ts.Batch | None = None,
+        short: bool = False,
+    ) -> ts.Future[Answer]:
+        """The bytes of `key` in `byte_range` (with `short`, up to the file's end)."""
+        url = f"{self.folder}/{key}"
+        start = None if byte_range is None else byte_range.start
+        stop = None if byte_range is None else byte_range.stop
+        promise: ts.Promise[Answer]
+        future: ts.Future[Answer]
+        promise, future = ts.Promise.new()
+
+        def run() -> None:
+            try:
+                promise.set_result(client().read(url, start, stop, short=short))
+            except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+                promise.set_exception(error)
+
+        client().pool.submit(run)
+        return future
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.netloc
+
+
+def _total(headers: dict[str, str], body: bytes, status: int) -> int | None:
+    if status == 206:
+        found = headers.get("content-range", "").rpartition("/")[2]
+        return int(found) if found.isdigit() else None
+    return len(body)
+
+
+def _first_byte(headers: dict[str, str]) -> int:
+    found = headers.get("content-range", "")
+    try:
+        return int(found.split()[1].split("-")[0])
+    except (IndexError, ValueError):
+        raise CorruptCheckpointError(
+            f"a server answered a Range request with Content-Range {found!r}"
+        ) from None
+
+
+class WebFolders:
+    """The `Storage` of HTTP(S) URLs: read-only; a folder lists what `register` gave."""
+
+    atomic_rename = False
+
+    def join(self, path: str, name: str) -> str:
+        return f"{path.rstrip('/')}/{name}"
+
+    def basename(self, path: str) -> str:
+        return posixpath.basename(path.rstrip("/"))
+
+    def dirname(self, path: str) -> str:
+        return posixpath.dirname(path.rstrip("/"))
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        raise StorageAccessError(
+            f"{path}: over HTTP, lazyckpt reads safetensors models only (not Orbax "
+            "checkpoints); copy the checkpoint to a disk or a bucket"
+        )
+
+    def listdir(self, path: str) -> list[str]:
+        found = _SITES.get(path.rstrip("/"))
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"{path}: a folder over HTTP has no listing; give the URL of its "
+                "model.safetensors or model.safetensors.index.json"
+            )
+        return sorted({name.split("/", 1)[0] for name in found.names})
+
+    def starting_with(self, prefix: str) -> list[str]:
+        folder, _, start = prefix.rstrip("/").rpartition("/")
+        try:
+            names = self.listdir(folder)
+        except CheckpointNotFoundError:
+            return []
+        return [name for name in names if name.startswith(start)]
+
+    def isdir(self, path: str) -> bool:
+        folder = path.rstrip("/")
+        if folder in _SITES:
+            return True
+        found = site(folder)
+        name = posixpath.basename(folder)
+        return found is not None and any(n.startswith(name + "/") for n in found.names)
+
+    def isfile(self, path: str) -> bool:
+        found = site(path)
+        if found is not None and path.rstrip("/") not in _SITES:
+            return posixpath.basename(path) in found.names
+        if path.rstrip("/") in _SITES:
+            return False
+        return client().read(path, 0, 1).state == "value"
+
+    def exists(self, path: str) -> bool:
+        return self.isdir(path) or self.isfile(path)
+
+    def read_bytes(self, path: str, limit: int) -> bytes | None:
+        answer = client().read(path)
+        if answer.state != "value":
+            return None
+        if len(answer.value) > limit:
+            raise CorruptCheckpointError(f"{describe(path)} holds more than {limit} bytes")
+        return answer.value
+
+    def _read_only(self, path: str) -> StorageAccessError:
+        return StorageAccessError(
+            f"{path}: lazyckpt reads over HTTP but does not write; save to a local folder "
+            "or a bucket"
+        )
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        raise self._read_only(path)
+
+    def make_folder(self, path: str) -> None:
+        raise self._read_only(path)
+
+    def delete_folder(self, path: str) -> None:
+        raise self._read_only(path)
+
+    def delete_file(self, path: str) -> None:
+        raise self._read_only(path)
+
+    def copy_file(self, source: str, target: str) -> None:
+        raise self._read_only(target)
+
+    def probe_write(self, path: str) -> None:
+        raise self._read_only(path)
+
+    def generation(self, folder: str, files: tuple[str, ...]) -> tuple[object, ...]:
+        found = _SITES.get(folder.rstrip("/"))
+        return found.generation if found is not None else ()
+
+    def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        return [], []
+
+    def walk_files(self, path: str) -> Iterator[str]:
+        found = _SITES.get(path.rstrip("/"))
+        yield from (found.names if found is not None else ())

@@ -1,0 +1,303 @@
+"""`hf://` and `https://` paths, against the loopback Hub of tests/hub_server.py (its
+revisions, `resolve/` redirecting to a CDN origin, Range, gated and private repos,
+injected failures), with `huggingface_hub` resolving the endpoint, token and cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save
+
+import lazyckpt
+from lazyckpt._storage import metrics, web
+from tests.hub_server import HubServer
+
+hh = pytest.importorskip("huggingface_hub")
+constants = pytest.importorskip("huggingface_hub.constants")
+
+LAYERS = 4
+SHARDS = tuple(f"model-0000{i + 1}-of-0000{LAYERS}.safetensors" for i in range(LAYERS))
+
+
+def model(scale: float = 1.0) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
+    """A sharded model, one layer a shard: its files and its tensors."""
+    rng = np.random.default_rng(0)
+    tensors: dict[str, np.ndarray] = {}
+    files: dict[str, bytes] = {}
+    weight_map = {}
+    for layer, shard in enumerate(SHARDS):
+        mine = {
+            f"model.layers.{layer}.mlp.up_proj.weight": (
+                rng.standard_normal((64, 32)).astype(np.float32) * scale
+            ),
+            f"model.layers.{layer}.input_layernorm.weight": np.ones(32, np.float32),
+        }
+        tensors.update(mine)
+        files[shard] = save(mine)
+        weight_map.update(dict.fromkeys(mine, shard))
+    files["model.safetensors.index.json"] = json.dumps(
+        {"metadata": {}, "weight_map": weight_map}
+    ).encode()
+    files["config.json"] = b'{"model_type": "toy"}'
+    return files, tensors
+
+
+def up(tree: Any, layer: int) -> Any:
+    return tree["model"]["layers"][str(layer)]["mlp"]["up_proj"]["weight"]
+
+
+def data_requests(hub: HubServer) -> list[Any]:
+    """Requests for the model's files (not the Hub's API)."""
+    return [e for e in hub.log if "/resolve/" in e.path or e.server == "cdn"]
+
+
+def test_a_sharded_model_opens_with_a_request_or_two_per_file(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/model")
+    paths = [(e.server, e.method, e.path.rsplit("/", 1)[-1], e.status) for e in hub.log]
+    api = [p for p in paths if p[0] == "hub" and "/api/models/" in hub.log[paths.index(p)].path]
+    assert len(api) == 1  # the revision, resolved to its commit, and the file list
+    index = [p for p in paths if p[2] == "model.safetensors.index.json"]
+    assert len(index) == 1
+    for shard in SHARDS:  # the redirect, and one ranged read of its header
+        assert [p[3] for p in paths if p[2] == shard] == [302, 206]
+    assert "config.json" not in {p[2] for p in paths}
+    np.testing.assert_array_equal(up(tree, 2).get(), tensors["model.layers.2.mlp.up_proj.weight"])
+
+
+def test_one_layer_reads_only_its_ranges(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    hub.clear_log()
+    before = metrics.bytes_read()
+    rows = up(tree, 1)[10:20].get()
+    assert metrics.bytes_read() - before == 10 * 32 * 4
+    np.testing.assert_array_equal(rows, tensors["model.layers.1.mlp.up_proj.weight"][10:20])
+    # Straight to the CDN address the open was redirected to, with no token there.
+    assert [(e.server, e.range) for e in hub.log] == [("cdn", f"bytes={_row(tree, 1, 10)}")]
+
+
+def _row(tree: Any, layer: int, row: int) -> str:
+    stored = up(tree, layer).stored
+    start = stored.start + row * 32 * 4
+    return f"{start}-{start + 10 * 32 * 4 - 1}"
+
+
+def test_a_push_during_a_session_does_not_change_an_open_tree(hub: HubServer) -> None:
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    pushed, _ = model(scale=2.0)
+    hub.commit("org/model", pushed)
+    want = tensors["model.layers.0.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(up(tree, 0).get(), want)  # still the first commit
+    np.testing.assert_array_equal(up(lazyckpt.open("hf://org/model"), 0).get(), 2 * want)
+    pinned = lazyckpt.open(f"hf://org/model@{first}/{SHARDS[0]}")
+    np.testing.assert_array_equal(up(pinned, 0).get(), want)
+
+
+def test_files_in_the_cache_are_read_from_disk(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    for name in (*SHARDS, "model.safetensors.index.json"):
+        hh.hf_hub_download("org/model", name)
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/model")
+    loaded = lazyckpt.load(tree)
+    assert not data_requests(hub)  # only the revision's commit was asked for
+    assert up(tree, 3).stored.file.startswith(constants.HF_HUB_CACHE)
+    np.testing.assert_array_equal(
+        loaded["model"]["layers"]["3"]["mlp"]["up_proj"]["weight"],
+        tensors["model.layers.3.mlp.up_proj.weight"],
+    )
+
+
+def test_every_verb_reads_over_http(hub: HubServer, tmp_path: Path) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    placed = lazyckpt.device_put(up(tree, 1), NamedSharding(mesh, P("x", "y")))
+    np.testing.assert_array_equal(np.asarray(placed), tensors["model.layers.1.mlp.up_proj.weight"])
+    blocks = list(lazyckpt.iter_blocks(up(tree, 2), memory_budget="1KiB"))
+    assert len(blocks) >= 1
+    table = lazyckpt.stats(tree)
+    assert table["model/layers/0/mlp/up_proj/weight"].max == pytest.approx(
+        float(tensors["model.layers.0.mlp.up_proj.weight"].max())
+    )
+    assert lazyckpt.verify(tree).ok
+    out = lazyckpt.convert("hf://org/model", tmp_path / "orbax", select="model/layers/0/**")
+    restored = ocp.PyTreeCheckpointer().restore(out)
+    np.testing.assert_array_equal(
+        np.asarray(restored["model"]["layers"]["0"]["mlp"]["up_proj"]["weight"]),
+        tensors["model.layers.0.mlp.up_proj.weight"],
+    )
+    copy = lazyckpt.convert("hf://org/model", tmp_path / "copy", to="safetensors")
+    assert not lazyckpt.diff(tree, lazyckpt.open(copy), values=True)
+
+
+def test_the_command_line_inspects_a_hub_model(hub: HubServer, tmp_path: Path) -> None:
+    files, _ = model()
+    hub.commit("org/model", files)
+    env = {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HUB_CACHE": str(tmp_path / "cache"),
+        "HF_TOKEN_PATH": str(tmp_path / "no-token"),
+        "PATH": "/usr/bin:/bin",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "lazyckpt._cli.main", "inspect", "hf://org/model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "up_proj" in result.stdout and "float32[64,32]" in result.stdout
+
+
+def test_plain_https_without_the_hub_api(hub: HubServer) -> None:
+    files, tensors = model()
+    for name, data in files.items():
+        hub.add_plain_file(f"m/{name}", data)
+    url = hub.plain_url("m")
+    hub.clear_log()
+    tree = lazyckpt.open(url)
+    np.testing.assert_array_equal(up(tree, 3).get(), tensors["model.layers.3.mlp.up_proj.weight"])
+    assert not any("/api/" in e.path for e in hub.log)
+    single = lazyckpt.open(hub.plain_url(f"m/{SHARDS[1]}"))
+    np.testing.assert_array_equal(
+        up(single, 1)[5].get(), tensors["model.layers.1.mlp.up_proj.weight"][5]
+    )
+
+
+def test_failures_that_pass_are_tried_again(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    up(tree, 0).get()  # the CDN address is known from here on
+    hub.fail_next(2, 429, retry_after=0)
+    hub.fail_next(1, 503, retry_after=0)
+    np.testing.assert_array_equal(up(tree, 0).get(), tensors["model.layers.0.mlp.up_proj.weight"])
+    assert [e.status for e in hub.log[-4:]] == [429, 429, 503, 206]
+
+
+@pytest.mark.parametrize(
+    ("setup", "path", "error", "match"),
+    [
+        (
+            "missing repo",
+            "hf://org/nothing",
+            lazyckpt.CheckpointNotFoundError,
+            r"hf://org/nothing: no such repository at http://127.0.0.1:\d+ \(set HF_TOKEN",
+        ),
+        (
+            "",
+            "hf://org/model@v9",
+            lazyckpt.CheckpointNotFoundError,
+            r"hf://org/model@v9: the repository has no revision 'v9'",
+        ),
+        (
+            "",
+            "hf://org/model/nothing.safetensors",
+            lazyckpt.CheckpointNotFoundError,
+            r"hf://org/model: no file 'nothing.safetensors' at commit [0-9a-f]{12}",
+        ),
+        (
+            "gated",
+            "hf://org/model",
+            lazyckpt.StorageAccessError,
+            r"hf://org/model: .*gated.*HF_TOKEN|access denied.*HF_TOKEN",
+        ),
+        (
+            "private",
+            "hf://org/model",
+            lazyckpt.CheckpointNotFoundError,
+            r"no such repository .*set HF_TOKEN or log in",
+        ),
+        (
+            "wrong token",
+            "hf://org/model",
+            lazyckpt.StorageAccessError,
+            r"refused the token|access denied",
+        ),
+        (
+            "no range",
+            "hf://org/model",
+            lazyckpt.StorageAccessError,
+            r"model-00001-of-00004.safetensors \(org/model at main, commit [0-9a-f]{12}\): the server ignores Range requests",
+        ),
+        (
+            "no network",
+            "hf://org/model",
+            lazyckpt.StorageAccessError,
+            r"could not be reached .*HF_ENDPOINT",
+        ),
+    ],
+)
+def test_errors_name_the_repo_revision_and_file(
+    hub: HubServer,
+    monkeypatch: pytest.MonkeyPatch,
+    setup: str,
+    path: str,
+    error: type[Exception],
+    match: str,
+) -> None:
+    files, _ = model()
+    hub.commit("org/model", files)
+    if setup == "gated":
+        hub.create_repo("org/model", gated="manual", allowed_tokens={"member"})
+    elif setup == "private":
+        hub.create_repo("org/model", private=True, allowed_tokens={"member"})
+    elif setup == "wrong token":
+        hub.create_repo("org/model", private=True, allowed_tokens={"member"})
+        monkeypatch.setenv("HF_TOKEN", "not-a-token")
+    elif setup == "no range":
+        hub.ignore_range = True
+    elif setup == "no network":
+        monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+        monkeypatch.setattr(web, "RETRIES", 2)
+    with pytest.raises(error, match=match):
+        lazyckpt.open(path)
+
+
+def test_a_gated_repo_opens_with_a_granted_token(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    hub.create_repo("org/model", gated="manual", allowed_tokens={"member"})
+    monkeypatch.setenv("HF_TOKEN", "member")
+    tree = lazyckpt.open("hf://org/model")
+    np.testing.assert_array_equal(up(tree, 1).get(), tensors["model.layers.1.mlp.up_proj.weight"])
+    cdn = [e for e in hub.log if e.server == "cdn"]
+    assert cdn and all(e.authorization is None for e in cdn)  # the token stays with the Hub
+    assert any(e.authorization == "Bearer member" for e in hub.log if e.server == "hub")
+
+
+def test_a_file_that_changes_size_after_open_is_refused(hub: HubServer) -> None:
+    files, tensors = model()
+    for name, data in files.items():
+        hub.add_plain_file(f"m/{name}", data)
+    tree = lazyckpt.open(hub.plain_url("m"))
+    layer = tensors["model.layers.2.mlp.up_proj.weight"]
+    hub.add_plain_file(f"m/{SHARDS[2]}", files[SHARDS[2]] + bytes(64))
+    with pytest.raises(
+        lazyckpt.CheckpointChangedError, match=rf"{SHARDS[2]} changed since it was opened"
+    ):
+        up(tree, 2).get()
+    assert layer.shape == (64, 32)
