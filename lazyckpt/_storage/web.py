@@ -115,7 +115,7 @@ class Client:
         self._local = threading.local()
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="lazyckpt-web")
+        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="lazyckpt-web")
 
     def read(
         self, url: str, start: int | None = None, stop: int | None = None, *, short: bool = False
