@@ -39,7 +39,10 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
         path: A PyTree checkpoint folder, a step folder with items, or a
             CheckpointManager root; or a `.safetensors` file, or a Hugging Face model
             folder (sharded with `model.safetensors.index.json`, or one file). Local,
-            `s3://bucket/prefix` or `gs://bucket/prefix`. Safetensors names
+            `s3://bucket/prefix` or `gs://bucket/prefix`; a safetensors model on the
+            Hugging Face Hub, `hf://ORG/NAME[@REVISION][/PATH]`, pinned to the commit
+            its revision names now (`pip install 'lazyckpt[hf]'`), or at any
+            `https://` URL whose server answers Range requests. Safetensors names
             (`model.layers.0.mlp.up_proj.weight`) nest by their `.`-separated parts;
             each tensor's header is read, none of its data; symlinks are followed
             (the Hugging Face cache links files to its blobs).
