@@ -301,3 +301,59 @@ def test_a_file_that_changes_size_after_open_is_refused(hub: HubServer) -> None:
     ):
         up(tree, 2).get()
     assert layer.shape == (64, 32)
+
+
+def test_names_that_need_quoting_and_pull_request_revisions(hub: HubServer) -> None:
+    """Shard names with a space, `+` or a non-ASCII letter, through the index and by
+    their own path; a revision `refs/pr/1` written as it is."""
+    a, b = np.arange(6, dtype=np.float32), np.ones(3, np.float32)
+    shards = ("my model+1.safetensors", "modèle-ü.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1]}}
+    files = {
+        shards[0]: save({"a": a}),
+        shards[1]: save({"b": b}),
+        "model.safetensors.index.json": json.dumps(index).encode(),
+    }
+    hub.commit("org/odd", files)
+    tree = lazyckpt.open("hf://org/odd")
+    np.testing.assert_array_equal(tree["a"].get(), a)
+    np.testing.assert_array_equal(tree["b"].get(), b)
+    np.testing.assert_array_equal(lazyckpt.open(f"hf://org/odd/{shards[1]}")["b"].get(), b)
+    hub.commit("org/odd", {shards[0]: save({"a": 2 * a})}, branch="refs/pr/1")
+    np.testing.assert_array_equal(lazyckpt.open("hf://org/odd@refs/pr/1")["a"].get(), 2 * a)
+    np.testing.assert_array_equal(lazyckpt.open("hf://org/odd@refs%2Fpr%2F1")["a"].get(), 2 * a)
+
+
+def test_a_plain_url_changed_opens_again_with_its_new_files(hub: HubServer) -> None:
+    files, tensors = model()
+    for name, data in files.items():
+        hub.add_plain_file(f"m/{name}", data)
+    url = hub.plain_url("m")
+    tree = lazyckpt.open(url)
+    changed, _ = model(scale=3.0)
+    hub.add_plain_file(f"m/{SHARDS[0]}", changed[SHARDS[0]] + bytes(8))
+    with pytest.raises(lazyckpt.CheckpointChangedError):
+        up(tree, 0).get()
+    again = lazyckpt.open(url)  # a new open pins what the server holds now
+    np.testing.assert_array_equal(
+        up(again, 0).get(), 3 * tensors["model.layers.0.mlp.up_proj.weight"]
+    )
+    hub.add_plain_file(f"m/{SHARDS[1]}", files[SHARDS[1]][:100])  # shrunk below a read
+    with pytest.raises(lazyckpt.CheckpointChangedError, match=rf"{SHARDS[1]} changed"):
+        up(again, 1)[60:].get()
+
+
+def test_offline_the_cache_answers_for_a_branch(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    for name in (*SHARDS, "model.safetensors.index.json"):
+        hh.hf_hub_download("org/model", name)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/model")
+    np.testing.assert_array_equal(up(tree, 2).get(), tensors["model.layers.2.mlp.up_proj.weight"])
+    assert not hub.log
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="HF_HUB_OFFLINE is set"):
+        lazyckpt.open("hf://org/other")

@@ -47,7 +47,7 @@ from lazyckpt._safetensors.format import (
 )
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
-from lazyckpt._storage.web import Site, WebFiles, register
+from lazyckpt._storage.web import Site, WebFiles, hub_listed, register
 from lazyckpt._storage.web import describe as web_describe
 from lazyckpt._text import printable
 
@@ -59,8 +59,8 @@ def is_safetensors(path: str) -> bool:
     """Whether `path` is a safetensors file, or a folder of them without `_METADATA`."""
     if path.endswith(SUFFIX):
         return not paths.isdir(path)
-    if paths.is_web(path) and not paths.isdir(path):
-        return _listed_over_http(path)
+    if paths.is_web(path) and not hub_listed(path):
+        return _listed_over_http(path)  # probed at each open: its files may have changed
     if not paths.isdir(path):
         return False
     names = paths.listdir(path)
@@ -298,17 +298,34 @@ def _web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[He
     are under `_PREFIX` bytes (the size that answers give says whether the data is all
     there)."""
     firsts = [files.read(shard, byte_range=slice(0, _PREFIX), short=True) for shard in shards]
-    headers = []
+    answers = []
     for shard, first in zip(shards, firsts, strict=True):
-        file = paths.join(folder, shard)
         answer = first.result()
         if answer.state != "value":
-            raise CheckpointNotFoundError(f"{web_describe(file)} does not exist")
-        data = answer.value
-        length = header_length(file, data[:8])
-        if 8 + length > len(data):
-            more = files.read(shard, byte_range=slice(len(data), 8 + length)).result()
-            data += more.value
+            raise CheckpointNotFoundError(
+                f"{web_describe(paths.join(folder, shard))} does not exist"
+            )
+        answers.append(answer)
+    lengths = [
+        header_length(paths.join(folder, shard), answer.value[:8])
+        for shard, answer in zip(shards, answers, strict=True)
+    ]
+    # The rest of the headers longer than the first read, all at once.
+    rest = [
+        files.read(shard, byte_range=slice(len(answer.value), 8 + length))
+        if 8 + length > len(answer.value)
+        else None
+        for shard, answer, length in zip(shards, answers, lengths, strict=True)
+    ]
+    headers = []
+    for shard, answer, length, more in zip(shards, answers, lengths, rest, strict=True):
+        file = paths.join(folder, shard)
+        data = answer.value if more is None else answer.value + more.result().value
+        if len(data) < 8 + length:
+            raise CorruptCheckpointError(
+                f"{web_describe(file)} is too short for its {length}-byte header; the file "
+                "is truncated"
+            )
         header = parse_header(file, data[8 : 8 + length])
         if answer.size is not None and header.end > answer.size:
             raise CorruptCheckpointError(

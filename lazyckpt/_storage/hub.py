@@ -23,12 +23,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from lazyckpt._errors import (
-    CheckpointNotFoundError,
-    LazyckptError,
-    MissingExtraError,
-    StorageAccessError,
-)
+from lazyckpt._errors import CheckpointNotFoundError, MissingExtraError, StorageAccessError
 from lazyckpt._storage import web
 
 SCHEME = "hf://"
@@ -41,7 +36,9 @@ def is_hub(path: str) -> bool:
 
 
 def parse(url: str) -> tuple[str, str, str | None, str]:
-    """`(repo_type, repo_id, revision, path)` of an `hf://` URL."""
+    """`(repo_type, repo_id, revision, path)` of an `hf://` URL. A revision with `/` in
+    it is percent-encoded (`@feature%2Fx`), but for the Hub's own `refs/pr/N` and
+    `refs/convert/NAME`, written as they are."""
     rest = url[len(SCHEME) :].strip("/")
     parts = rest.split("/")
     repo_type = "model"
@@ -52,7 +49,11 @@ def parse(url: str) -> tuple[str, str, str | None, str]:
             f"{url}: expected hf://ORG/NAME[@REVISION][/PATH] (or hf://datasets/ORG/NAME...)"
         )
     name, _, revision = parts[1].partition("@")
-    path = "/".join(parts[2:])
+    rest_parts = parts[2:]
+    if revision == "refs" and rest_parts[:1] in (["pr"], ["convert"]) and len(rest_parts) > 1:
+        revision = "/".join(["refs", *rest_parts[:2]])
+        rest_parts = rest_parts[2:]
+    path = "/".join(rest_parts)
     return repo_type, f"{parts[0]}/{name}", urllib.parse.unquote(revision) or None, path
 
 
@@ -62,19 +63,24 @@ def resolve(url: str) -> str:
     hub = _import()
     repo_type, repo_id, revision, path = parse(url)
     shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
+    if path and not path.endswith(_MODEL_FILES) and "." in posixpath.basename(path):
+        raise CheckpointNotFoundError(
+            f"{shown}: {path!r} is not a safetensors file or index; give the folder, "
+            "a .safetensors file or model.safetensors.index.json"
+        )
+    folder = posixpath.dirname(path) if path.endswith(_MODEL_FILES) else path
+    prefix = f"{folder}/" if folder else ""
+    if hub.constants.HF_HUB_OFFLINE:
+        return _offline(hub, repo_type, repo_id, revision, path, prefix, shown)
     token = hub.get_token()
     info = _info(hub, repo_type, repo_id, revision, token, shown)
     commit = str(info.sha)
     names = [str(s.rfilename) for s in (info.siblings or [])]
-    folder = path
-    if path.endswith(".safetensors") or path.endswith(".json"):
-        if path not in names:
-            raise CheckpointNotFoundError(
-                f"{shown}: no file {path!r} at commit {commit[:12]}; it holds "
-                f"{[n for n in names if n.endswith(_MODEL_FILES)][:8]}"
-            )
-        folder = posixpath.dirname(path)
-    prefix = f"{folder}/" if folder else ""
+    if path.endswith(_MODEL_FILES) and path not in names:
+        raise CheckpointNotFoundError(
+            f"{shown}: no file {path!r} at commit {commit[:12]}; it holds "
+            f"{[n for n in names if n.endswith(_MODEL_FILES)][:8]}"
+        )
     inside = [n[len(prefix) :] for n in names if n.startswith(prefix)]
     models = [n for n in inside if "/" not in n and n.endswith(_MODEL_FILES)]
     if not models:
@@ -82,22 +88,46 @@ def resolve(url: str) -> str:
             f"{shown}: no safetensors files in {folder or 'the repository'} at commit "
             f"{commit[:12]}; it holds {sorted({n.split('/')[0] for n in inside})[:8]}"
         )
-    cached = _cached(hub, repo_type, repo_id, commit, prefix, models)
+    wanted = [posixpath.basename(path)] if path.endswith(".safetensors") else models
+    cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
     if cached is not None:
-        return (
-            cached
-            if not path.endswith(".safetensors")
-            else os.path.join(cached, posixpath.basename(path))
-        )
+        return os.path.join(cached, wanted[0]) if path.endswith(".safetensors") else cached
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     base = f"{hub.constants.ENDPOINT.rstrip('/')}/{kind}{repo_id}/resolve/{commit}"
-    location = base + "".join(f"/{urllib.parse.quote(p)}" for p in folder.split("/") if p)
+    location = "/".join([base, *(p for p in folder.split("/") if p)])
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
     web.register(location, web.Site(tuple(inside), headers, (commit,), described))
     if path.endswith(".safetensors"):
-        return f"{location}/{urllib.parse.quote(posixpath.basename(path))}"
+        return f"{location}/{posixpath.basename(path)}"
     return location
+
+
+def _offline(
+    hub: Any,
+    repo_type: str,
+    repo_id: str,
+    revision: str | None,
+    path: str,
+    prefix: str,
+    shown: str,
+) -> str:
+    """With `HF_HUB_OFFLINE` set: the cache's folder for `revision` (a branch or tag
+    through the cache's refs, as `huggingface_hub` resolves it offline)."""
+    probe = path if path.endswith(".safetensors") else prefix + "model.safetensors.index.json"
+    found = []
+    for name in (probe, prefix + "model.safetensors"):
+        hit = hub.try_to_load_from_cache(
+            repo_id, name, revision=revision or "main", repo_type=repo_type
+        )
+        if isinstance(hit, str):
+            found.append(hit)
+    if not found:
+        raise CheckpointNotFoundError(
+            f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "
+            f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
+        )
+    return found[0] if path.endswith(".safetensors") else os.path.dirname(found[0])
 
 
 def _import() -> Any:
@@ -119,6 +149,7 @@ def _info(
     """The repository's info at `revision`, tried again on 429 and 5xx."""
     errors = hub.errors
     api = hub.HfApi(endpoint=hub.constants.ENDPOINT)
+    network: tuple[type[BaseException], ...] = (OSError, *_network_errors())
     delay = 0.25
     for attempt in range(web.RETRIES):
         try:
@@ -131,7 +162,8 @@ def _info(
         except errors.RevisionNotFoundError:
             raise CheckpointNotFoundError(
                 f"{shown}: the repository has no revision {revision!r} (a branch, tag or "
-                "commit); check the name after '@'"
+                "commit; one with '/' is percent-encoded, @feature%2Fx, but refs/pr/N); "
+                "check the name after '@'"
             ) from None
         except errors.RepositoryNotFoundError:
             hint = (
@@ -153,9 +185,7 @@ def _info(
                 raise StorageAccessError(
                     f"{shown}: the Hub answered HTTP {status} ({str(error)[:160]})"
                 ) from None
-        except LazyckptError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the HTTP client's, made ours
+        except network as error:
             if attempt == web.RETRIES - 1:
                 raise StorageAccessError(
                     f"{shown}: {hub.constants.ENDPOINT} could not be reached "
@@ -167,12 +197,25 @@ def _info(
     raise AssertionError("unreachable")
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's errors of the network (huggingface_hub's is httpx, or its
+    fork httpx2), which may pass: tried again."""
+    found: list[type[BaseException]] = []
+    for name in ("httpx", "httpx2"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        found += [module.TransportError]
+    return tuple(found)
+
+
 def _cached(
-    hub: Any, repo_type: str, repo_id: str, commit: str, prefix: str, models: list[str]
+    hub: Any, repo_type: str, repo_id: str, commit: str, prefix: str, wanted: list[str]
 ) -> str | None:
-    """The cache's folder of `prefix` at `commit`, where it holds every model file."""
+    """The cache's folder of `prefix` at `commit`, where it holds every file wanted."""
     found = []
-    for name in models:
+    for name in wanted:
         path = hub.try_to_load_from_cache(
             repo_id, prefix + name, revision=commit, repo_type=repo_type
         )

@@ -45,10 +45,14 @@ from lazyckpt._storage.metrics import count_direct, count_request
 SCHEMES = ("http", "https")
 RETRIES = 5
 """Attempts at a request that fails for a reason that may pass (429, 5xx, a failed
-connection), 0.25 s apart at first and doubling up to 4 s: about 8 s in all."""
+connection), 0.25 s apart at first and doubling up to 4 s (about 4 s in all), or as
+long as `Retry-After` asks, up to 8 s a wait."""
 _REDIRECTS = 5
 _TIMEOUT = 60.0
 _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
+_SAFE = "/%:@!$&'()*+,;=~"
+"""What a URL's path keeps unquoted (RFC 3986 `pchar`, `/`, and `%` of what the caller
+quoted already); a space, `?`, `#` or non-ASCII letter in a file name is quoted."""
 
 
 @attrs.frozen
@@ -85,6 +89,19 @@ def site(path: str) -> Site | None:
         return _SITES.get(folder) or _SITES.get(posixpath.dirname(folder))
 
 
+def hub_listed(folder: str) -> bool:
+    """Whether `folder` was listed at a pinned revision (a Hub commit), which never
+    changes; a folder probed over plain HTTP is probed again at each open."""
+    with _SITES_LOCK:
+        found = _SITES.get(folder.rstrip("/"))
+    return found is not None and bool(found.generation)
+
+
+def _listing(folder: str) -> Site | None:
+    with _SITES_LOCK:
+        return _SITES.get(folder.rstrip("/"))
+
+
 def describe(path: str) -> str:
     found = site(path)
     return f"{path} ({found.describe})" if found is not None and found.describe else path
@@ -102,29 +119,37 @@ class Answer:
 
 
 @attrs.define
-class _Pin:
+class Pin:
+    """A file's size and ETag as its first answer in one open gave them."""
+
     size: int | None = None
     etag: str | None = None
-    location: str | None = None
 
 
 class Client:
-    """Range requests over kept-alive connections, with redirects and retries."""
+    """Range requests over kept-alive connections, with redirects and retries. Where a
+    file's URL redirects is remembered for the process (a redirect to a signed address
+    that expires is resolved again); what a file holds is pinned per open (`Pin`)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._pins: dict[str, _Pin] = {}
+        self._locations: dict[str, str] = {}
         self._lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="lazyckpt-web")
 
     def read(
-        self, url: str, start: int | None = None, stop: int | None = None, *, short: bool = False
+        self,
+        url: str,
+        start: int | None = None,
+        stop: int | None = None,
+        *,
+        short: bool = False,
+        pin: Pin | None = None,
     ) -> Answer:
         """The bytes `[start, stop)` of the file at `url` (the whole file without a
-        range; with `short`, fewer where the file ends before `stop`);
-        `Answer("missing")` where the server has none."""
-        with self._lock:
-            pin = self._pins.setdefault(url, _Pin())
+        range; with `short`, fewer where the file ends before `stop`), checked against
+        `pin`; `Answer("missing")` where the server has none."""
+        pin = pin if pin is not None else Pin()
         registered = site(url)
         headers = dict(registered.headers) if registered is not None else {}
         wanted = None
@@ -132,10 +157,12 @@ class Client:
             if stop is not None and stop <= start:
                 return Answer("value", b"", pin.size)
             wanted = (start, stop)
-        target = pin.location or url
-        answer = self._fetch(url, target, headers, wanted, pin, short)
-        if answer is None and pin.location is not None:  # a signed address expired
-            pin.location = None
+        with self._lock:
+            known = self._locations.get(url)
+        answer = self._fetch(url, known or url, headers, wanted, pin, short)
+        if answer is None and known is not None:  # a signed address expired
+            with self._lock:
+                self._locations.pop(url, None)
             answer = self._fetch(url, url, headers, wanted, pin, short)
         if answer is None:
             raise StorageAccessError(
@@ -151,7 +178,7 @@ class Client:
         target: str,
         headers: dict[str, str],
         wanted: tuple[int, int | None] | None,
-        pin: _Pin,
+        pin: Pin,
         short: bool,
     ) -> Answer | None:
         """One read of `url` starting at `target`; None where access was refused."""
@@ -171,10 +198,12 @@ class Client:
                 return Answer("missing")
             if status in _EXPIRED:
                 return None
-            if status == 416:
+            if status == 416:  # the range starts past the end: `bytes */SIZE`
+                size = _total(url, answer_headers, body, status)
+                self._check_pin(url, pin, size, answer_headers.get("etag"))
                 if short:
-                    return Answer("value", b"", pin.size)
-                raise ValueError(f"OUT_OF_RANGE: {describe(url)} answered 416 for {wanted}")
+                    return Answer("value", b"", size)
+                raise ValueError(f"OUT_OF_RANGE: {describe(url)} holds {size} bytes")
             if wanted is not None and status == 200:
                 raise StorageAccessError(
                     f"{describe(url)}: the server ignores Range requests (it answered with "
@@ -186,12 +215,13 @@ class Client:
                     f"{describe(url)}: the server answered HTTP {status} "
                     f"({body[:120].decode('utf-8', 'replace')!r})"
                 )
-            size = _total(answer_headers, body, status)
+            size = _total(url, answer_headers, body, status)
             self._check_pin(url, pin, size, answer_headers.get("etag"))
             if target != url:
-                pin.location = target
+                with self._lock:
+                    self._locations[url] = target
             if wanted is not None and status == 206:
-                first = _first_byte(answer_headers)
+                first = _first_byte(url, answer_headers)
                 if first != wanted[0]:
                     raise ValueError(
                         f"OUT_OF_RANGE: {describe(url)} answered bytes from {first}, not "
@@ -205,7 +235,7 @@ class Client:
             return Answer("value", body, size)
         raise StorageAccessError(f"{describe(url)}: more than {_REDIRECTS} redirects")
 
-    def _check_pin(self, url: str, pin: _Pin, size: int | None, etag: str | None) -> None:
+    def _check_pin(self, url: str, pin: Pin, size: int | None, etag: str | None) -> None:
         with self._lock:
             known = (pin.size, pin.etag)
             pin.size = pin.size if pin.size is not None else size
@@ -222,13 +252,16 @@ class Client:
     def _request(
         self, url: str, target: str, headers: dict[str, str]
     ) -> tuple[int, dict[str, str], bytes]:
-        """GET `target`, tried again where the failure may pass."""
-        delay, last = 0.25, ""
-        for attempt in range(RETRIES):
+        """GET `target`, tried again where the failure may pass. A kept-alive connection
+        that the server closed meanwhile is replaced at once, without counting."""
+        parts = urllib.parse.urlsplit(target)
+        path = urllib.parse.quote(parts.path or "/", safe=_SAFE)
+        path += f"?{parts.query}" if parts.query else ""
+        delay, last, attempt = 0.25, "", 0
+        while attempt < RETRIES:
+            reused = (parts.scheme, parts.netloc) in self._connections()
             try:
                 with self._connection(target) as connection:
-                    parts = urllib.parse.urlsplit(target)
-                    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
                     connection.request("GET", path, headers=headers)
                     response = connection.getresponse()
                     count_request()
@@ -239,9 +272,17 @@ class Client:
                         return status, answer_headers, b""
                     body = response.read()
                     count_direct(len(body))
+            except (http.client.InvalidURL, UnicodeError) as error:
+                raise StorageAccessError(
+                    f"{target}: not a URL lazyckpt can ask for ({error})"
+                ) from None
             except (OSError, http.client.HTTPException) as error:
+                stale = isinstance(
+                    error, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                )
+                if reused and stale:
+                    continue  # the server closed an idle connection: a new one, now
                 last = f"{type(error).__name__}: {error}"
-                self._drop(target)
             else:
                 if status not in (429, 500, 502, 503, 504):
                     return status, answer_headers, body
@@ -249,7 +290,8 @@ class Client:
                 after = answer_headers.get("retry-after", "")
                 if after.isdigit():
                     delay = max(delay, min(float(after), 8.0))
-            if attempt < RETRIES - 1:
+            attempt += 1
+            if attempt < RETRIES:
                 time.sleep(delay)
                 delay = min(2 * delay, 4.0)
         raise StorageAccessError(
@@ -258,12 +300,17 @@ class Client:
             "HF_ENDPOINT)"
         )
 
+    def _connections(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
+        """This thread's kept-alive connections, by scheme and host."""
+        found: dict[tuple[str, str], http.client.HTTPConnection]
+        found = self._local.__dict__.setdefault("connections", {})
+        return found
+
     @contextlib.contextmanager
     def _connection(self, url: str) -> Iterator[http.client.HTTPConnection]:
         parts = urllib.parse.urlsplit(url)
         key = (parts.scheme, parts.netloc)
-        connections: dict[tuple[str, str], http.client.HTTPConnection]
-        connections = self._local.__dict__.setdefault("connections", {})
+        connections = self._connections()
         connection = connections.get(key)
         if connection is None:
             kind = (
@@ -278,13 +325,6 @@ class Client:
             connections.pop(key, None)
             connection.close()
             raise
-
-    def _drop(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
-        connections = self._local.__dict__.get("connections", {})
-        connection = connections.pop((parts.scheme, parts.netloc), None)
-        if connection is not None:
-            connection.close()
 
 
 _CLIENT: Client | None = None
@@ -302,10 +342,13 @@ def client() -> Client:
 class WebFiles:
     """The files of a folder over HTTP, read as tensorstore's kvstores are
     (`read(key, byte_range=)` returning a future of a result with `state` and
-    `value`), so that the safetensors reader reads them as it reads a bucket."""
+    `value`), so that the safetensors reader reads them as it reads a bucket. Each
+    file's size and ETag are pinned at its first answer: the files one open reads."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
+        self._pins: dict[str, Pin] = {}
+        self._lock = threading.Lock()
 
     def read(
         self,
@@ -315,17 +358,20 @@ class WebFiles:
         batch: ts.Batch | None = None,
         short: bool = False,
     ) -> ts.Future[Answer]:
-        """The bytes of `key` in `byte_range` (with `short`, up to the file's end)."""
-        url = f"{self.folder}/{key}"
+        """The bytes of `key` in `byte_range` (with `short`, up to the file's end);
+        reads are not batched (`batch` is tensorstore's, for the same call shape)."""
+        url = f"{self.folder}/{urllib.parse.quote(key, safe=_SAFE.replace('%', ''))}"
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
+        with self._lock:
+            pin = self._pins.setdefault(key, Pin())
         promise: ts.Promise[Answer]
         future: ts.Future[Answer]
         promise, future = ts.Promise.new()
 
         def run() -> None:
             try:
-                promise.set_result(client().read(url, start, stop, short=short))
+                promise.set_result(client().read(url, start, stop, short=short, pin=pin))
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
                 promise.set_exception(error)
 
@@ -338,20 +384,22 @@ def _origin(url: str) -> tuple[str, str]:
     return parts.scheme, parts.netloc
 
 
-def _total(headers: dict[str, str], body: bytes, status: int) -> int | None:
-    if status == 206:
+def _total(url: str, headers: dict[str, str], body: bytes, status: int) -> int | None:
+    """The file's size, from `Content-Range` (`bytes A-B/SIZE`, `bytes */SIZE`)."""
+    if status in (206, 416):
         found = headers.get("content-range", "").rpartition("/")[2]
         return int(found) if found.isdigit() else None
     return len(body)
 
 
-def _first_byte(headers: dict[str, str]) -> int:
+def _first_byte(url: str, headers: dict[str, str]) -> int:
     found = headers.get("content-range", "")
     try:
         return int(found.split()[1].split("-")[0])
     except (IndexError, ValueError):
         raise CorruptCheckpointError(
-            f"a server answered a Range request with Content-Range {found!r}"
+            f"{describe(url)}: the server answered a Range request with Content-Range "
+            f"{found[:60]!r}"
         ) from None
 
 
@@ -376,7 +424,7 @@ class WebFolders:
         )
 
     def listdir(self, path: str) -> list[str]:
-        found = _SITES.get(path.rstrip("/"))
+        found = _listing(path)
         if found is None:
             raise CheckpointNotFoundError(
                 f"{path}: a folder over HTTP has no listing; give the URL of its "
@@ -394,18 +442,18 @@ class WebFolders:
 
     def isdir(self, path: str) -> bool:
         folder = path.rstrip("/")
-        if folder in _SITES:
+        if _listing(folder) is not None:
             return True
         found = site(folder)
         name = posixpath.basename(folder)
         return found is not None and any(n.startswith(name + "/") for n in found.names)
 
     def isfile(self, path: str) -> bool:
+        if _listing(path) is not None:
+            return False  # a folder
         found = site(path)
-        if found is not None and path.rstrip("/") not in _SITES:
+        if found is not None:
             return posixpath.basename(path) in found.names
-        if path.rstrip("/") in _SITES:
-            return False
         return client().read(path, 0, 1).state == "value"
 
     def exists(self, path: str) -> bool:
@@ -444,12 +492,12 @@ class WebFolders:
         raise self._read_only(path)
 
     def generation(self, folder: str, files: tuple[str, ...]) -> tuple[object, ...]:
-        found = _SITES.get(folder.rstrip("/"))
+        found = _listing(folder)
         return found.generation if found is not None else ()
 
     def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         return [], []
 
     def walk_files(self, path: str) -> Iterator[str]:
-        found = _SITES.get(path.rstrip("/"))
+        found = _listing(path)
         yield from (found.names if found is not None else ())
