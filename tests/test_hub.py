@@ -357,3 +357,18 @@ def test_offline_the_cache_answers_for_a_branch(
     assert not hub.log
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="HF_HUB_OFFLINE is set"):
         lazyckpt.open("hf://org/other")
+
+
+def test_neighbouring_small_tensors_are_one_request(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    layer = tree["model"]["layers"]["1"]
+    hub.clear_log()
+    loaded = lazyckpt.load({"layer": layer, "again": up(tree, 1)})
+    assert [e.server for e in hub.log] == ["cdn"]  # the shard's two tensors, one range
+    want = tensors["model.layers.1.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(loaded["layer"]["mlp"]["up_proj"]["weight"], want)
+    np.testing.assert_array_equal(loaded["again"], want)
+    loaded["again"][0, 0] = 7.0  # tied weights loaded twice are two arrays
+    assert loaded["layer"]["mlp"]["up_proj"]["weight"][0, 0] == want[0, 0]

@@ -4,7 +4,8 @@ chain and a plan per array.
 
 - Raw arrays in a local file (safetensors tensors): neighbouring arrays' bytes are
   one positioned read of up to a piece, straight into a buffer whose parts become the
-  results, with no copy and no allocation per array (`_raw_batch`).
+  results, with no copy and no allocation per array (`_raw_batch`). In a bucket or
+  over HTTP, neighbouring arrays' bytes are one ranged read (`_remote_batch`).
 - Arrays whose chunks lazyckpt decodes (Orbax's zarr arrays, zstd or raw bytes, in
   zarr3 shards or not): a batch's chunk keys are read in one tensorstore batch (OCDBT
   serves the keys of one data file together; a shard's index first, then its chunks,
@@ -60,7 +61,7 @@ def is_small(array: ArrayView) -> bool:
         or not array.selection.is_full(stored.shape)
     ):
         return False
-    if stored.raw_file() is not None:
+    if stored.raw_file() is not None or stored.remote_raw() is not None:
         return True
     codec = stored.codec
     return (
@@ -78,29 +79,29 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
     read it after `scheduler.drain()`."""
     out: list[np.ndarray] = [_EMPTY] * len(arrays)
     by_file: dict[str, list[tuple[int, int, int]]] = {}
+    by_key: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
     coded: list[int] = []
     for i, array in enumerate(arrays):
         stored = stored_array(array)
         if not array.nbytes:  # (an empty array's offset or chunk means nothing)
             out[i] = np.empty(array.shape, array.dtype)
             continue
-        source = stored.raw_file()
-        if source is None:
+        source, remote = stored.raw_file(), stored.remote_raw()
+        if source is not None:
+            file, start = source
+            by_file.setdefault(file, []).append((start, start + array.nbytes, i))
+        elif remote is not None:
+            key, start = remote
+            by_key.setdefault((id(stored.store), key), []).append((start, start + array.nbytes, i))
+        else:
             coded.append(i)
-            continue
-        file, start = source
-        by_file.setdefault(file, []).append((start, start + array.nbytes, i))
     piece = raw.piece_bytes(scheduler)
     for file, found in by_file.items():
-        found.sort()
-        batch: list[tuple[int, int, int]] = []
-        for entry in found:
-            if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
-                _raw_batch(file, arrays, batch, out, scheduler)
-                batch = []
-            batch.append(entry)
-        if batch:
+        for batch in _neighbours(found, piece):
             _raw_batch(file, arrays, batch, out, scheduler)
+    for (_, key), found in by_key.items():
+        for batch in _neighbours(found, piece):
+            _remote_batch(key, arrays, batch, out, scheduler)
     decoded: dict[int, int] = {}  # (bytes of each array's chunks, decoded)
     for i in coded:
         stored = stored_array(arrays[i])
@@ -140,6 +141,58 @@ def _raw_batch(
         pad = (first - memory.ctypes.data) % _ALIGN
         buffer = memory[pad : pad + size]
         raw.read_parts(file, stored, [(first, 0, size)], buffer.data, names)
+        seen: set[tuple[int, int]] = set()
+        for start, stop, i in batch:
+            array = arrays[i]
+            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
+            # (one tensor asked for twice, tied weights: the second its own copy)
+            alone = values.flags.aligned and (start, stop) not in seen
+            out[i] = values if alone else values.copy()
+            seen.add((start, stop))
+
+    scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
+
+
+def _neighbours(found: list[tuple[int, int, int]], piece: int) -> list[list[tuple[int, int, int]]]:
+    """`(start, stop, i)` of arrays in one file, in batches of neighbours: no gap over
+    `GAP`, and up to `piece` bytes."""
+    found.sort()
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    for entry in found:
+        batch = batches[-1]
+        if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
+            batches.append(batch := [])
+        batch.append(entry)
+    return [batch for batch in batches if batch]
+
+
+def _remote_batch(
+    key: str,
+    arrays: Sequence[ArrayView],
+    batch: list[tuple[int, int, int]],
+    out: list[np.ndarray],
+    scheduler: Scheduler,
+) -> None:
+    """One ranged read of neighbouring arrays in a bucket or over HTTP, copied into
+    one buffer whose parts become the results."""
+    first = batch[0][0]
+    size = max(stop for _, stop, _ in batch) - first
+    stored = stored_array(arrays[batch[0][2]])
+    scheduler.guard.keep(size)
+
+    def job() -> None:
+        try:
+            result = stored.store.kvstore.read(key, byte_range=slice(first, first + size)).result()
+        except Exception as error:  # noqa: BLE001 - the storage's, made ours
+            raise stored.read_error(error) from None
+        if result.state != "value" or len(result.value) != size:
+            raise stored.read_error(
+                CorruptCheckpointError(
+                    f"{stored.store.location}/{key}: bytes {first} to {first + size} are not "
+                    "all there; the file is truncated"
+                )
+            )
+        buffer = np.frombuffer(bytearray(result.value), np.uint8)
         seen: set[tuple[int, int]] = set()
         for start, stop, i in batch:
             array = arrays[i]

@@ -196,6 +196,12 @@ class StoredArray:
         None where it is encoded, chunked or remote."""
         return None
 
+    def remote_raw(self) -> tuple[str, int] | None:
+        """`(key in its store, byte offset)` where the whole array lies as plain C-order
+        bytes in native byte order in a bucket or over HTTP, for batched ranged reads
+        (`lazyckpt._engine.small`); None elsewhere."""
+        return None
+
     def read_error(self, error: Exception) -> Exception:
         """The error to show for a failed read of this array's data: that the checkpoint
         was replaced, where it was, else that its files are damaged."""

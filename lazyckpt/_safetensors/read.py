@@ -403,6 +403,11 @@ class RangeArray(StoredArray):
             return None
         return self.file, self.start
 
+    def remote_raw(self) -> tuple[str, int] | None:
+        if not paths.is_remote(self.file) or not self.dtype.isnative:
+            return None
+        return self.name, self.start
+
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
         return ready(
             ts.virtual_chunked(
