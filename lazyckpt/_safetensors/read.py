@@ -45,10 +45,11 @@ from lazyckpt._safetensors.format import (
     parse_header,
     parse_index,
 )
+from lazyckpt._safetensors.over_http import listed_over_http, web_headers
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
-from lazyckpt._storage.web import Site, WebFiles, hub_listed, register
-from lazyckpt._storage.web import describe as web_describe
+from lazyckpt._storage.ranges import hub_listed
+from lazyckpt._storage.web import WebFiles
 from lazyckpt._text import printable
 
 CHUNK_BYTES = 1 << 20
@@ -60,28 +61,13 @@ def is_safetensors(path: str) -> bool:
     if path.endswith(SUFFIX):
         return not paths.isdir(path)
     if paths.is_web(path) and not hub_listed(path):
-        return _listed_over_http(path)  # probed at each open: its files may have changed
+        return listed_over_http(path)  # probed at each open: its files may have changed
     if not paths.isdir(path):
         return False
     names = paths.listdir(path)
     return "_METADATA" not in names and (
         INDEX in names or any(name.endswith(SUFFIX) for name in names)
     )
-
-
-def _listed_over_http(folder: str) -> bool:
-    """Whether a folder over HTTP, which has no listing, serves a model: its index (and
-    the shards it names) or its `model.safetensors`, then registered as its files."""
-    text = paths.read_text(paths.join(folder, INDEX))
-    if text is not None:
-        weight_map, _ = parse_index(paths.join(folder, INDEX), text)
-        names: tuple[str, ...] = (INDEX, *sorted(set(weight_map.values())))
-    elif paths.isfile(paths.join(folder, SINGLE)):
-        names = (SINGLE,)
-    else:
-        return False
-    register(folder, Site(names))
-    return True
 
 
 def is_safetensors_model(path: str) -> bool:
@@ -267,7 +253,7 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     one byte at the end of the data (that the file is not truncated)."""
     store = store or Store.open(folder, ocdbt=False)
     if isinstance(store.kvstore, WebFiles):
-        return _web_headers(store.kvstore, folder, shards)
+        return web_headers(store.kvstore, folder, shards)
     files = [paths.join(folder, shard) for shard in shards]
     firsts = [
         _read(store, shard, file, 0, 8, what="its header length")
@@ -286,53 +272,6 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     ]
     for probe in probes:
         probe.result()
-    return headers
-
-
-_PREFIX = 1 << 16
-"""The bytes of a file over HTTP read first: its header, in one request, for most."""
-
-
-def _web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
-    """The headers of files over HTTP, read concurrently in one request each where they
-    are under `_PREFIX` bytes (the size that answers give says whether the data is all
-    there)."""
-    firsts = [files.read(shard, byte_range=slice(0, _PREFIX), short=True) for shard in shards]
-    answers = []
-    for shard, first in zip(shards, firsts, strict=True):
-        answer = first.result()
-        if answer.state != "value":
-            raise CheckpointNotFoundError(
-                f"{web_describe(paths.join(folder, shard))} does not exist"
-            )
-        answers.append(answer)
-    lengths = [
-        header_length(paths.join(folder, shard), answer.value[:8])
-        for shard, answer in zip(shards, answers, strict=True)
-    ]
-    # The rest of the headers longer than the first read, all at once.
-    rest = [
-        files.read(shard, byte_range=slice(len(answer.value), 8 + length))
-        if 8 + length > len(answer.value)
-        else None
-        for shard, answer, length in zip(shards, answers, lengths, strict=True)
-    ]
-    headers = []
-    for shard, answer, length, more in zip(shards, answers, lengths, rest, strict=True):
-        file = paths.join(folder, shard)
-        data = answer.value if more is None else answer.value + more.result().value
-        if len(data) < 8 + length:
-            raise CorruptCheckpointError(
-                f"{web_describe(file)} is too short for its {length}-byte header; the file "
-                "is truncated"
-            )
-        header = parse_header(file, data[8 : 8 + length])
-        if answer.size is not None and header.end > answer.size:
-            raise CorruptCheckpointError(
-                f"{web_describe(file)} holds {answer.size} bytes, but its header declares "
-                f"data up to byte {header.end}; the file is truncated"
-            )
-        headers.append(header)
     return headers
 
 

@@ -24,7 +24,7 @@ import urllib.parse
 from typing import Any
 
 from lazyckpt._errors import CheckpointNotFoundError, MissingExtraError, StorageAccessError
-from lazyckpt._storage import web
+from lazyckpt._storage import ranges
 
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
@@ -97,7 +97,7 @@ def resolve(url: str) -> str:
     location = "/".join([base, *(p for p in folder.split("/") if p)])
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
-    web.register(location, web.Site(tuple(inside), headers, (commit,), described))
+    ranges.register(location, ranges.Site(tuple(inside), headers, (commit,), described))
     if path.endswith(".safetensors"):
         return f"{location}/{posixpath.basename(path)}"
     return location
@@ -151,7 +151,7 @@ def _info(
     api = hub.HfApi(endpoint=hub.constants.ENDPOINT)
     network: tuple[type[BaseException], ...] = (OSError, *_network_errors())
     delay = 0.25
-    for attempt in range(web.RETRIES):
+    for attempt in range(ranges.RETRIES):
         try:
             return api.repo_info(repo_id, revision=revision, repo_type=repo_type, token=token)
         except errors.GatedRepoError:
@@ -181,12 +181,12 @@ def _info(
                     f"{shown}: the Hub refused the token (HTTP {status}); log in again "
                     "(`hf auth login`) or set HF_TOKEN to a valid token"
                 ) from None
-            if status not in (429, 500, 502, 503, 504) or attempt == web.RETRIES - 1:
+            if status not in (429, 500, 502, 503, 504) or attempt == ranges.RETRIES - 1:
                 raise StorageAccessError(
                     f"{shown}: the Hub answered HTTP {status} ({str(error)[:160]})"
                 ) from None
         except network as error:
-            if attempt == web.RETRIES - 1:
+            if attempt == ranges.RETRIES - 1:
                 raise StorageAccessError(
                     f"{shown}: {hub.constants.ENDPOINT} could not be reached "
                     f"({type(error).__name__}: {str(error)[:160]}); check the network and "

@@ -5,7 +5,8 @@ URL, or an `https://` (or `http://`) URL, which an `hf://` path on the Hugging F
 becomes (`lazyckpt._storage.hub`). What lazyckpt asks of storage is the `Storage`
 protocol, which three backends implement: `LocalFolders` (`lazyckpt._storage.local`,
 through `os`), `BucketFolders` (`lazyckpt._storage.bucket`, through tensorstore's
-kvstores) and `WebFolders` (`lazyckpt._storage.web`, read-only, by Range requests). The functions
+kvstores) and `WebFolders` (`lazyckpt._storage.web`, read-only, by the Range requests
+of `lazyckpt._storage.ranges`). The functions
 here pick the backend by the path's scheme, in one place (`storage`), and validate
 what is read at the boundary: metadata files are read only up to `METADATA_LIMIT`,
 and text must be UTF-8.

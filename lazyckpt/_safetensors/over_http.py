@@ -1,0 +1,82 @@
+"""Safetensors over HTTP: a folder's files probed (a server lists nothing), and headers
+read in one request a file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt._safetensors.format import (
+    INDEX,
+    SINGLE,
+    Header,
+    header_length,
+    parse_header,
+    parse_index,
+)
+from lazyckpt._storage import paths
+from lazyckpt._storage.ranges import Site, register
+from lazyckpt._storage.ranges import describe as web_describe
+from lazyckpt._storage.web import WebFiles
+
+
+def listed_over_http(folder: str) -> bool:
+    """Whether a folder over HTTP, which has no listing, serves a model: its index (and
+    the shards it names) or its `model.safetensors`, then registered as its files."""
+    text = paths.read_text(paths.join(folder, INDEX))
+    if text is not None:
+        weight_map, _ = parse_index(paths.join(folder, INDEX), text)
+        names: tuple[str, ...] = (INDEX, *sorted(set(weight_map.values())))
+    elif paths.isfile(paths.join(folder, SINGLE)):
+        names = (SINGLE,)
+    else:
+        return False
+    register(folder, Site(names))
+    return True
+
+
+_PREFIX = 1 << 16
+"""The bytes of a file over HTTP read first: its header, in one request, for most."""
+
+
+def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
+    """The headers of files over HTTP, read concurrently in one request each where they
+    are under `_PREFIX` bytes (the size that answers give says whether the data is all
+    there)."""
+    firsts = [files.read(shard, byte_range=slice(0, _PREFIX), short=True) for shard in shards]
+    answers = []
+    for shard, first in zip(shards, firsts, strict=True):
+        answer = first.result()
+        if answer.state != "value":
+            raise CheckpointNotFoundError(
+                f"{web_describe(paths.join(folder, shard))} does not exist"
+            )
+        answers.append(answer)
+    lengths = [
+        header_length(paths.join(folder, shard), answer.value[:8])
+        for shard, answer in zip(shards, answers, strict=True)
+    ]
+    # The rest of the headers longer than the first read, all at once.
+    rest = [
+        files.read(shard, byte_range=slice(len(answer.value), 8 + length))
+        if 8 + length > len(answer.value)
+        else None
+        for shard, answer, length in zip(shards, answers, lengths, strict=True)
+    ]
+    headers = []
+    for shard, answer, length, more in zip(shards, answers, lengths, rest, strict=True):
+        file = paths.join(folder, shard)
+        data = answer.value if more is None else answer.value + more.result().value
+        if len(data) < 8 + length:
+            raise CorruptCheckpointError(
+                f"{web_describe(file)} is too short for its {length}-byte header; the file "
+                "is truncated"
+            )
+        header = parse_header(file, data[8 : 8 + length])
+        if answer.size is not None and header.end > answer.size:
+            raise CorruptCheckpointError(
+                f"{web_describe(file)} holds {answer.size} bytes, but its header declares "
+                f"data up to byte {header.end}; the file is truncated"
+            )
+        headers.append(header)
+    return headers
