@@ -21,8 +21,8 @@ from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import decodes
-from lazyckpt._engine.fill import read_composed, read_view
 from lazyckpt._engine.stored import StoredArray
+from lazyckpt._engine.whole import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
 from lazyckpt._storage.kvstore import Store, ready, then

@@ -677,7 +677,8 @@ def peak():
             return int(line.split()[1]) * 1024
 
 weight = lazyckpt.dequantize(lazyckpt.open(sys.argv[1]))["w"]
-lazyckpt.load(weight[:1])  # thread pools and first-read state into the baseline
+# Thread pools (the block workers too) and first-read state into the baseline.
+lazyckpt.load(weight[:256], memory_budget="16MiB")
 gc.collect()
 open("/proc/self/clear_refs", "w").write("5")
 baseline = peak()
@@ -704,9 +705,9 @@ def test_a_large_read_holds_its_result_and_a_few_blocks(tmp_path: Path, verb: st
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     probe = json.loads(result.stdout.splitlines()[-1])
     assert probe["kept"] == 128 << 20
-    # The result, and blocks of 2 MiB in flight with their codes and float32 values
-    # (with every code held at once, 64 MiB more).
-    assert probe["peak"] <= probe["kept"] + (24 << 20), probe
+    # The result, and a block of 2 MiB in flight on each core with its codes and float32
+    # pieces (with every code held at once: 64 MiB more).
+    assert probe["peak"] <= probe["kept"] + (32 << 20), probe
 
 
 def test_int8_weights_half_pairs_and_bad_arguments(tmp_path: Path) -> None:

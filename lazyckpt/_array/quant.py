@@ -31,8 +31,8 @@ import numpy as np
 from lazyckpt._array.compose import Computed, Part, view_chunks
 from lazyckpt._array.geometry import Box
 
-PIECE = 1 << 20
-"""The most elements worked out at once (float32 temporaries of 4 MiB each)."""
+PIECE = 1 << 18
+"""The most elements worked out at once (float32 temporaries of 1 MiB each)."""
 
 CODES = 32
 """FP4 codes per MXFP4 block: 16 bytes, two codes each."""

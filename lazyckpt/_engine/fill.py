@@ -23,6 +23,7 @@ within a budget across the whole tree. Two ways:
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,14 +63,14 @@ from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.raw import schedule_raw
 from lazyckpt._engine.scheduler import (
-    DEFAULT_MEMORY_BUDGET,
     HELD,
     Scheduler,
     in_pool,
+    pool_size,
     stream_block,
 )
-from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, stores, ts_held
-from lazyckpt._storage.kvstore import check_unchanged, then
+from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, ts_held
+from lazyckpt._storage.kvstore import then
 
 _T = TypeVar("_T")
 
@@ -122,61 +123,6 @@ def schedule_fill(
         on_done()
 
 
-def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
-    """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
-    touches, on the decoding threads (no job waits on another, so any thread may call
-    this). Each job holds a few MiB while it runs; the result is allocated once."""
-    stored = stored_array(array)
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
-    check_fits(f"reading {array.key!r} {array.shape}", destination.out_nbytes())
-    promise: ts.Promise[np.ndarray]
-    future: ts.Future[np.ndarray]
-    promise, future = ts.Promise.new()
-    selection = array.selection
-    if 0 in array.shape:
-        promise.set_result(destination.buffer())
-        return future
-    read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
-    indices = list(chunks_in(bounds(selection), stored.chunks))
-    state = {"left": len(indices), "failed": False}
-    lock = threading.Lock()
-
-    def done(job: ts.Future[None]) -> None:
-        try:
-            job.result()
-        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
-            with lock:
-                first, state["failed"] = not state["failed"], True
-            if first:
-                promise.set_exception(error)
-            return
-        with lock:
-            state["left"] -= 1
-            last = state["left"] == 0 and not state["failed"]
-        if last:
-            promise.set_result(destination.buffer())
-
-    users = [(destination, selection)]
-    for index in indices:
-
-        def run(index: tuple[int, ...] = index) -> None:
-            decode_into(array, index, users, read_bytes, window)
-
-        in_pool(run).add_done_callback(done)
-    return future
-
-
-def read_composed(array: ArrayView) -> np.ndarray:
-    """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
-    default budget: each stored chunk of its parts read once."""
-    scheduler = Scheduler(None)
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
-    schedule_fill(array, [destination], scheduler, lambda: None)
-    scheduler.drain()
-    check_unchanged(stores([array]))
-    return destination.buffer()
-
-
 def _schedule_composed(
     array: ArrayView,
     destinations: Sequence[Destination],
@@ -223,17 +169,49 @@ def _schedule_lowered(
 
 
 def _fill_in_blocks(array: ArrayView, destination: Destination, budget: int) -> None:
-    """Fill a destination of a computed view one block after another, each read and
-    computed before the next: else its parts' temporaries would span all of it."""
+    """Fill a destination of a computed view block by block, one block a core at a
+    time, each read and computed before that core's next: else its parts'
+    temporaries would span all of it."""
     block = stream_block(budget)
     itemsize = array.dtype.itemsize
     cells = fitted(compose.view_chunks(array), itemsize, block)
     out = destination.buffer()
-    for region in chunk_blocks(destination.region, cells, itemsize, block):
-        part = Destination(region, array.dtype, out=out[slices(region, destination.region)])
-        scheduler = Scheduler(budget)
-        _schedule_lowered(array, [part], scheduler, lambda _: None, [0])
-        scheduler.drain()
+    regions = iter(chunk_blocks(destination.region, cells, itemsize, block))
+    lock = threading.Lock()
+
+    def fill() -> None:
+        while True:
+            with lock:
+                region = next(regions, None)
+            if region is None:
+                return
+            view = out[slices(region, destination.region)]
+            scheduler = Scheduler(budget)
+            _schedule_lowered(
+                array, [Destination(region, array.dtype, out=view)], scheduler, lambda _: None, [0]
+            )
+            scheduler.drain()
+
+    for done in [_block_workers().submit(fill) for _ in range(pool_size())]:
+        done.result()
+
+
+_WORKERS: list[concurrent.futures.ThreadPoolExecutor] = []
+_WORKERS_LOCK = threading.Lock()
+
+
+def _block_workers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that fill a computed view's blocks (the same ones each time, so that
+    their allocator arenas are reused): not the decoding threads, whose jobs they
+    wait for."""
+    with _WORKERS_LOCK:
+        if not _WORKERS:
+            _WORKERS.append(
+                concurrent.futures.ThreadPoolExecutor(
+                    pool_size(), thread_name_prefix="lazyckpt-blocks"
+                )
+            )
+        return _WORKERS[0]
 
 
 # The decoded path.

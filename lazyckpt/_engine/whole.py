@@ -1,0 +1,73 @@
+"""Reading one whole view for `LazyArray.read` (`get()`): decoded by lazyckpt, one job
+per stored chunk on the decoding threads (`read_view`), or a composed view through
+the engine (`read_composed`)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tensorstore as ts
+
+from lazyckpt._array.geometry import bounds, chunks_in
+from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.fill import decode_into, schedule_fill, windows
+from lazyckpt._engine.memory import Destination, check_fits
+from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool
+from lazyckpt._engine.stored import stored_array, stores
+from lazyckpt._storage.kvstore import check_unchanged
+
+
+def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
+    """A future of the whole view, decoded by lazyckpt: one job per stored chunk it
+    touches, on the decoding threads (no job waits on another, so any thread may call
+    this). Each job holds a few MiB while it runs; the result is allocated once."""
+    stored = stored_array(array)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    check_fits(f"reading {array.key!r} {array.shape}", destination.out_nbytes())
+    promise: ts.Promise[np.ndarray]
+    future: ts.Future[np.ndarray]
+    promise, future = ts.Promise.new()
+    selection = array.selection
+    if 0 in array.shape:
+        promise.set_result(destination.buffer())
+        return future
+    read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
+    indices = list(chunks_in(bounds(selection), stored.chunks))
+    state = {"left": len(indices), "failed": False}
+    lock = threading.Lock()
+
+    def done(job: ts.Future[None]) -> None:
+        try:
+            job.result()
+        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+            with lock:
+                first, state["failed"] = not state["failed"], True
+            if first:
+                promise.set_exception(error)
+            return
+        with lock:
+            state["left"] -= 1
+            last = state["left"] == 0 and not state["failed"]
+        if last:
+            promise.set_result(destination.buffer())
+
+    users = [(destination, selection)]
+    for index in indices:
+
+        def run(index: tuple[int, ...] = index) -> None:
+            decode_into(array, index, users, read_bytes, window)
+
+        in_pool(run).add_done_callback(done)
+    return future
+
+
+def read_composed(array: ArrayView) -> np.ndarray:
+    """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
+    default budget: each stored chunk of its parts read once."""
+    scheduler = Scheduler(None)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    schedule_fill(array, [destination], scheduler, lambda: None)
+    scheduler.drain()
+    check_unchanged(stores([array]))
+    return destination.buffer()
