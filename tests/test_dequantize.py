@@ -705,9 +705,10 @@ def test_a_large_read_holds_its_result_and_a_few_blocks(tmp_path: Path, verb: st
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     probe = json.loads(result.stdout.splitlines()[-1])
     assert probe["kept"] == 128 << 20
-    # The result, and a block of 2 MiB in flight on each core with its codes and float32
-    # pieces (with every code held at once: 64 MiB more).
-    assert probe["peak"] <= probe["kept"] + (32 << 20), probe
+    # The result, a block of 2 MiB in flight on each core with its codes and float32
+    # pieces, and what the allocator keeps per thread: 28-35 MiB measured. With every
+    # code held at once, 64 MiB more than that.
+    assert probe["peak"] <= probe["kept"] + (48 << 20), probe
 
 
 def test_int8_weights_half_pairs_and_bad_arguments(tmp_path: Path) -> None:
