@@ -86,11 +86,13 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
         if not array.nbytes:  # (an empty array's offset or chunk means nothing)
             out[i] = np.empty(array.shape, array.dtype)
             continue
-        source, remote = stored.raw_file(), stored.remote_raw()
+        source = stored.raw_file()
         if source is not None:
             file, start = source
             by_file.setdefault(file, []).append((start, start + array.nbytes, i))
-        elif remote is not None:
+            continue
+        remote = stored.remote_raw()  # (asked only where the bytes are not local)
+        if remote is not None:
             key, start = remote
             by_key.setdefault((id(stored.store), key), []).append((start, start + array.nbytes, i))
         else:
@@ -141,16 +143,28 @@ def _raw_batch(
         pad = (first - memory.ctypes.data) % _ALIGN
         buffer = memory[pad : pad + size]
         raw.read_parts(file, stored, [(first, 0, size)], buffer.data, names)
-        seen: set[tuple[int, int]] = set()
-        for start, stop, i in batch:
-            array = arrays[i]
-            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
-            # (one tensor asked for twice, tied weights: the second its own copy)
-            alone = values.flags.aligned and (start, stop) not in seen
-            out[i] = values if alone else values.copy()
-            seen.add((start, stop))
+        _place(buffer, first, arrays, batch, out)
 
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
+
+
+def _place(
+    buffer: np.ndarray,
+    first: int,
+    arrays: Sequence[ArrayView],
+    batch: list[tuple[int, int, int]],
+    out: list[np.ndarray],
+) -> None:
+    """Each array of `batch` as its part of `buffer` (the bytes from offset `first`);
+    copied where the part is not aligned for its dtype, or is asked for twice (tied
+    weights: the second its own copy)."""
+    seen: set[tuple[int, int]] = set()
+    for start, stop, i in batch:
+        array = arrays[i]
+        values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
+        alone = values.flags.aligned and (start, stop) not in seen
+        out[i] = values if alone else values.copy()
+        seen.add((start, stop))
 
 
 def _neighbours(found: list[tuple[int, int, int]], piece: int) -> list[list[tuple[int, int, int]]]:
@@ -192,15 +206,7 @@ def _remote_batch(
                     "all there; the file is truncated"
                 )
             )
-        buffer = np.frombuffer(bytearray(result.value), np.uint8)
-        seen: set[tuple[int, int]] = set()
-        for start, stop, i in batch:
-            array = arrays[i]
-            values = buffer[start - first : stop - first].view(array.dtype).reshape(array.shape)
-            # (one tensor asked for twice, tied weights: the second its own copy)
-            alone = values.flags.aligned and (start, stop) not in seen
-            out[i] = values if alone else values.copy()
-            seen.add((start, stop))
+        _place(np.frombuffer(bytearray(result.value), np.uint8), first, arrays, batch, out)
 
     scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
 
