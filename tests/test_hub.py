@@ -347,8 +347,9 @@ def test_offline_the_cache_answers_for_a_branch(
     hub: HubServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     files, tensors = model()
+    files["model.safetensors"] = files[SHARDS[0]]  # cached, but not the file asked for below
     hub.commit("org/model", files)
-    for name in (*SHARDS, "model.safetensors.index.json"):
+    for name in (*SHARDS, "model.safetensors.index.json", "model.safetensors"):
         hh.hf_hub_download("org/model", name)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub.clear_log()
@@ -357,6 +358,8 @@ def test_offline_the_cache_answers_for_a_branch(
     assert not hub.log
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="HF_HUB_OFFLINE is set"):
         lazyckpt.open("hf://org/other")
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="HF_HUB_OFFLINE is set"):
+        lazyckpt.open("hf://org/model/absent.safetensors")  # a file: that one, not another
 
 
 def test_neighbouring_small_tensors_are_one_request(hub: HubServer) -> None:

@@ -114,9 +114,10 @@ def _offline(
 ) -> str:
     """With `HF_HUB_OFFLINE` set: the cache's folder for `revision` (a branch or tag
     through the cache's refs, as `huggingface_hub` resolves it offline)."""
-    probe = path if path.endswith(".safetensors") else prefix + "model.safetensors.index.json"
+    single = path.endswith(".safetensors")
+    probe = path if single else prefix + "model.safetensors.index.json"
     found = []
-    for name in (probe, prefix + "model.safetensors"):
+    for name in (probe,) if single else (probe, prefix + "model.safetensors"):
         hit = hub.try_to_load_from_cache(
             repo_id, name, revision=revision or "main", repo_type=repo_type
         )
@@ -127,7 +128,7 @@ def _offline(
             f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
-    return found[0] if path.endswith(".safetensors") else os.path.dirname(found[0])
+    return found[0] if single else os.path.dirname(found[0])
 
 
 def _import() -> Any:
