@@ -42,6 +42,7 @@ from lazyckpt._errors import (
     UnfinishedCheckpointError,
     UnsavableError,
     UnsupportedCheckpointError,
+    UnversionedWarning,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from lazyckpt._rename import rename
     from lazyckpt._safetensors.read import metadata as safetensors_metadata
     from lazyckpt._save import save
+    from lazyckpt._storage.network import NetworkOptions, network_options
     from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
 
 # Everything but the errors is imported on first use (PEP 562): `import lazyckpt`, and so
@@ -71,6 +73,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ConversionPlan": ("lazyckpt._convert", "ConversionPlan"),
     "Diff": ("lazyckpt._explore.diff", "Diff"),
     "LazyArray": ("lazyckpt._lazy", "LazyArray"),
+    "NetworkOptions": ("lazyckpt._storage.network", "NetworkOptions"),
     "SavedSharding": ("lazyckpt._array.sharding", "SavedSharding"),
     "Stats": ("lazyckpt._explore.stats", "Stats"),
     "StatsTable": ("lazyckpt._explore.stats", "StatsTable"),
@@ -87,6 +90,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "leaves": ("lazyckpt._array.tree", "leaves"),
     "load": ("lazyckpt._read", "load"),
     "malloc_tuning": ("lazyckpt._engine.memory", "malloc_tuning"),
+    "network_options": ("lazyckpt._storage.network", "network_options"),
     "open": ("lazyckpt._open", "open"),
     "rename": ("lazyckpt._rename", "rename"),
     "safetensors_metadata": ("lazyckpt._safetensors.read", "metadata"),
@@ -134,6 +138,7 @@ __all__ = [
     "LazyckptError",
     "LeftoverWarning",
     "MissingExtraError",
+    "NetworkOptions",
     "NoMatchError",
     "NotACheckpointError",
     "QuantizationError",
@@ -150,6 +155,7 @@ __all__ = [
     "UnfinishedCheckpointError",
     "UnsavableError",
     "UnsupportedCheckpointError",
+    "UnversionedWarning",
     "Verification",
     "__version__",
     "concat",
@@ -164,6 +170,7 @@ __all__ = [
     "leaves",
     "load",
     "malloc_tuning",
+    "network_options",
     "open",
     "rename",
     "safetensors_metadata",

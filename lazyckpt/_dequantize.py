@@ -30,6 +30,8 @@ from lazyckpt._errors import QuantizationError, StorageAccessError, json_or_corr
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._storage import paths
 
+_CONFIG_LIMIT = 16 << 20
+"""The most bytes of a `config.json` read: a larger one is refused as it streams."""
 DEFAULT_BLOCK = (128, 128)
 """The FP8 block size where a model names none (DeepSeek-V3's, and every release's
 so far)."""
@@ -303,7 +305,7 @@ def _block_size(weight: LazyArray, configs: Configs) -> tuple[int, ...] | None:
 def _configured(folder: str) -> tuple[int, ...] | None:
     file = paths.join(folder, "config.json")
     try:
-        text = paths.read_text(file)
+        text = paths.read_text(file, _CONFIG_LIMIT)
     except StorageAccessError:
         return None  # (a bucket opened with credentials now gone): the default, checked by shape
     if text is None:

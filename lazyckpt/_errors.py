@@ -160,6 +160,14 @@ class SingleDeviceWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class UnversionedWarning(UserWarning):
+    """A file over HTTP is read although its server gives neither an ETag nor a
+    Last-Modified date: a change between two reads cannot be detected
+    (`network_options(unversioned="warn")`)."""
+
+    __module__ = "lazyckpt"
+
+
 class InferredStructureWarning(UserWarning):
     """The tree was rebuilt from array names alone, so some structure may be lost."""
 

@@ -37,6 +37,7 @@ import shutil
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from email.utils import formatdate, parsedate_to_datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -137,6 +138,9 @@ class HubServer:
         self.lfs_suffixes = lfs_suffixes
         self.same_origin_cdn = same_origin_cdn
         self.ignore_range = False
+        self.plain_validators: tuple[str, ...] = ("ETag", "Last-Modified")
+        """What plain files are served with (as nginx serves static files), and checked
+        against `If-Match` and `If-Unmodified-Since`."""
         self.repos: dict[str, Repo] = {}
         self._log: list[Request] = []
         self._faults: list[_Fault] = []
@@ -466,7 +470,7 @@ class _Handler(BaseHTTPRequestHandler):
             file = self.hub.plain_root.joinpath(*map(unquote, parts[1:]))
             if not file.is_file():
                 raise _HTTPError(404, "Not found")
-            return self._send_file(file, {})
+            return self._send_file(file, self._validated(file))
         if parts[0] == "cdn" and len(parts) > 3:
             repo_id, sha, path = "/".join(parts[1:3]), parts[3], unquote("/".join(parts[4:]))
             file = self.hub.root / repo_id / sha / path
@@ -528,6 +532,25 @@ class _Handler(BaseHTTPRequestHandler):
             "Location": location,
         }
         return self._send(302, headers, b"")
+
+    def _validated(self, file: Path) -> dict[str, str]:
+        """A plain file's validators, as nginx makes them (its ETag from its time and
+        size); 412 where the request's `If-Match` or `If-Unmodified-Since` fails."""
+        info = file.stat()
+        found = {
+            "ETag": f'"{info.st_mtime_ns:x}-{info.st_size:x}"',
+            "Last-Modified": formatdate(info.st_mtime, usegmt=True),
+        }
+        found = {k: v for k, v in found.items() if k in self.hub.plain_validators}
+        match = self.headers.get("If-Match")
+        since = self.headers.get("If-Unmodified-Since")
+        if (match is not None and "ETag" in found and match != found["ETag"]) or (
+            since is not None
+            and "Last-Modified" in found
+            and int(info.st_mtime) > parsedate_to_datetime(since).timestamp()
+        ):
+            raise _HTTPError(412, "Precondition Failed")
+        return found
 
     def _send_file(self, file: Path, headers: dict[str, str]) -> None:
         size = file.stat().st_size

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save
 
 import lazyckpt
-from lazyckpt._storage import metrics, ranges
+from lazyckpt._storage import metrics, network, ranges
 from tests.hub_server import HubServer
 
 hh = pytest.importorskip("huggingface_hub")
@@ -270,7 +270,7 @@ def test_errors_name_the_repo_revision_and_file(
         hub.ignore_range = True
     elif setup == "no network":
         monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-        monkeypatch.setattr(ranges, "RETRIES", 2)
+        monkeypatch.setattr(network, "_OPTIONS", [lazyckpt.NetworkOptions(retries=2)])
     with pytest.raises(error, match=match):
         lazyckpt.open(path)
 

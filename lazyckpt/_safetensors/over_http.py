@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._safetensors.format import (
     INDEX,
+    INDEX_LIMIT,
     SINGLE,
     Header,
     header_length,
@@ -23,7 +24,7 @@ from lazyckpt._storage.web import WebFiles
 def listed_over_http(folder: str) -> bool:
     """Whether a folder over HTTP, which has no listing, serves a model: its index (and
     the shards it names) or its `model.safetensors`, then registered as its files."""
-    text = paths.read_text(paths.join(folder, INDEX))
+    text = paths.read_text(paths.join(folder, INDEX), INDEX_LIMIT)
     if text is not None:
         weight_map, _ = parse_index(paths.join(folder, INDEX), text)
         names: tuple[str, ...] = (INDEX, *sorted(set(weight_map.values())))
@@ -53,7 +54,7 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
             )
         answers.append(answer)
     lengths = [
-        header_length(paths.join(folder, shard), answer.value[:8])
+        _length(paths.join(folder, shard), bytes(answer.value[:8]), answer.size)
         for shard, answer in zip(shards, answers, strict=True)
     ]
     # The rest of the headers longer than the first read, all at once.
@@ -72,7 +73,7 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
                 f"{web_describe(file)} is too short for its {length}-byte header; the file "
                 "is truncated"
             )
-        header = parse_header(file, data[8 : 8 + length])
+        header = parse_header(file, bytes(data[8 : 8 + length]))
         if answer.size is not None and header.end > answer.size:
             raise CorruptCheckpointError(
                 f"{web_describe(file)} holds {answer.size} bytes, but its header declares "
@@ -80,3 +81,14 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
             )
         headers.append(header)
     return headers
+
+
+def _length(file: str, first: bytes, size: int | None) -> int:
+    """The header's length, which must fit in the file (its size as the server said)."""
+    length = header_length(file, first)
+    if size is not None and 8 + length > size:
+        raise CorruptCheckpointError(
+            f"{web_describe(file)} holds {size} bytes, but its header declares "
+            f"{length} bytes of header; the file is truncated or not safetensors"
+        )
+    return length

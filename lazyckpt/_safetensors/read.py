@@ -35,6 +35,7 @@ from lazyckpt._errors import (
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     INDEX,
+    INDEX_LIMIT,
     PACKED,
     SINGLE,
     SUFFIX,
@@ -185,7 +186,7 @@ def _check_plain(file: str) -> None:
 
 def _index(folder: str) -> tuple[dict[str, str], dict[str, str]]:
     file = paths.join(folder, INDEX)
-    text = paths.read_text(file)
+    text = paths.read_text(file, INDEX_LIMIT)
     if text is None:
         raise CheckpointNotFoundError(f"{file} does not exist")
     return parse_index(file, text)

@@ -24,7 +24,7 @@ import urllib.parse
 from typing import Any
 
 from lazyckpt._errors import CheckpointNotFoundError, MissingExtraError, StorageAccessError
-from lazyckpt._storage import ranges
+from lazyckpt._storage import network, ranges
 
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
@@ -150,9 +150,9 @@ def _info(
     """The repository's info at `revision`, tried again on 429 and 5xx."""
     errors = hub.errors
     api = hub.HfApi(endpoint=hub.constants.ENDPOINT)
-    network: tuple[type[BaseException], ...] = (OSError, *_network_errors())
-    delay = 0.25
-    for attempt in range(ranges.RETRIES):
+    transient: tuple[type[BaseException], ...] = (OSError, *_network_errors())
+    delay, attempts = network.FIRST_DELAY, network.options().retries
+    for attempt in range(attempts):
         try:
             return api.repo_info(repo_id, revision=revision, repo_type=repo_type, token=token)
         except errors.GatedRepoError:
@@ -182,19 +182,19 @@ def _info(
                     f"{shown}: the Hub refused the token (HTTP {status}); log in again "
                     "(`hf auth login`) or set HF_TOKEN to a valid token"
                 ) from None
-            if status not in (429, 500, 502, 503, 504) or attempt == ranges.RETRIES - 1:
+            if status not in (429, 500, 502, 503, 504) or attempt == attempts - 1:
                 raise StorageAccessError(
                     f"{shown}: the Hub answered HTTP {status} ({str(error)[:160]})"
                 ) from None
-        except network as error:
-            if attempt == ranges.RETRIES - 1:
+        except transient as error:
+            if attempt == attempts - 1:
                 raise StorageAccessError(
                     f"{shown}: {hub.constants.ENDPOINT} could not be reached "
                     f"({type(error).__name__}: {str(error)[:160]}); check the network and "
                     "HF_ENDPOINT"
                 ) from None
         time.sleep(delay)
-        delay = min(2 * delay, 4.0)
+        delay = min(2 * delay, network.MAX_DELAY)
     raise AssertionError("unreachable")
 
 

@@ -1,49 +1,54 @@
 """Range requests over HTTP(S), for `lazyckpt._storage.web`: the client, and the folders
-whose files lazyckpt knows (`register`).
+whose files lazyckpt knows (`register`). Each request goes out through
+`lazyckpt._storage.transport`, bounded in time and memory; here are the rules of what
+an answer must be:
 
-Reads are Range requests with the standard library's `http.client`, on lazyckpt's own
-threads, one kept-alive connection per host and thread:
-
-- A redirect is followed, and remembered per file (the Hub's `resolve/` answers with a
-  signed URL at its CDN); the `Authorization` header goes only to the origin it was
-  given for, never to the place a redirect leads. A remembered address that expires
-  (401, 403, 410) is resolved again, once.
-- 429 and 5xx answers, and connections that fail, are tried `RETRIES` times, backing
-  off (`Retry-After` when the server gives one), then they are a `StorageAccessError`.
+- A redirect is followed to http(s) only, and remembered per file (the Hub's
+  `resolve/` answers with a signed URL at its CDN); the `Authorization` header goes
+  only to the origin it was given for. A remembered address that expires (401, 403,
+  410) is resolved again, once.
 - A server that ignores Range (a 200 with the whole file) is refused: the connection
-  is closed before the body is read, so no model is downloaded by accident.
-- What a file holds (its size from `Content-Range`, its ETag) is pinned at its first
-  answer in an open (`Pin`); an answer that disagrees later is a
-  `CheckpointChangedError`, never a mix of two files.
+  is closed before the body is read, so no model is downloaded by accident. A 206
+  must hold exactly the bytes asked for, or the file's end.
+- What a file holds (its size, ETag and Last-Modified date) is pinned at its first
+  answer in an open (`Pin`). Later requests ask the server to check it (`If-Match`,
+  `If-Unmodified-Since`), and an answer that disagrees, a 412, or a 404 for a file
+  that was there is a `CheckpointChangedError`, never a mix of two versions. A file at
+  a plain URL whose server says neither its ETag nor its date is refused, or read
+  with a warning (`NetworkOptions.unversioned`); the Hub's are pinned by commit.
 - File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import http.client
 import posixpath
+import re
 import threading
-import time
 import urllib.parse
-from collections.abc import Iterator
 
 import attrs
 
-from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, StorageAccessError
-from lazyckpt._storage.metrics import count_direct, count_request
+from lazyckpt._errors import (
+    CheckpointChangedError,
+    CorruptCheckpointError,
+    LazyckptError,
+    StorageAccessError,
+    TooLargeError,
+    UnversionedWarning,
+    warn,
+)
+from lazyckpt._storage import network
+from lazyckpt._storage.transport import SAFE as SAFE
+from lazyckpt._storage.transport import Response, Transport
 
-RETRIES = 5
-"""Attempts at a request that fails for a reason that may pass (429, 5xx, a failed
-connection), 0.25 s apart at first and doubling up to 4 s (about 4 s in all), or as
-long as `Retry-After` asks, up to 8 s a wait."""
 _REDIRECTS = 5
-_TIMEOUT = 60.0
 _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
-SAFE = "/%:@!$&'()*+,;=~"
-"""What a URL's path keeps unquoted (RFC 3986 `pchar`, `/`, and `%` of what the caller
-quoted already); a space, `?`, `#` or non-ASCII letter in a file name is quoted."""
+WHOLE_LIMIT = 64 << 20
+"""The most bytes of a file read whole (no range) where the caller names no limit of
+its own for its kind of file."""
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
+_UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)
 
 
 @attrs.frozen
@@ -101,26 +106,39 @@ class Answer:
 
     state: str
     """"value", or "missing" where the server has no such file."""
-    value: bytes = b""
+    value: bytes | bytearray = b""
     size: int | None = None
     """The whole file's size, where the server said (`Content-Range`)."""
 
 
 @attrs.define
 class Pin:
-    """A file's size and ETag as its first answer in one open gave them."""
+    """A file's size, ETag and Last-Modified date as its first answer in one open gave
+    them."""
 
     size: int | None = None
     etag: str | None = None
+    modified: str | None = None
+    seen: bool = False
+    """Whether the file answered once: a 404 afterwards means it was deleted."""
+
+    def conditions(self) -> dict[str, str]:
+        """Headers that make the server refuse (412) where the file changed since."""
+        found = {}
+        if self.etag is not None and not self.etag.startswith("W/"):
+            found["If-Match"] = self.etag  # (a weak ETag never matches If-Match)
+        if self.modified is not None:
+            found["If-Unmodified-Since"] = self.modified
+        return found
 
 
 class Client:
-    """Range requests over kept-alive connections, with redirects and retries. Where a
-    file's URL redirects is remembered for the process (a redirect to a signed address
-    that expires is resolved again); what a file holds is pinned per open (`Pin`)."""
+    """Range requests with redirects, pins and the rules of what an answer must be.
+    Where a file's URL redirects is remembered for the process (a redirect to a signed
+    address that expires is resolved again); what a file holds is pinned per open."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._transport = Transport()
         self._locations: dict[str, str] = {}
         self._lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="lazyckpt-web")
@@ -133,10 +151,14 @@ class Client:
         *,
         short: bool = False,
         pin: Pin | None = None,
+        limit: int = WHOLE_LIMIT,
+        halt: network.Stop | None = None,
+        ticket: int = 0,
     ) -> Answer:
-        """The bytes `[start, stop)` of the file at `url` (the whole file without a
-        range; with `short`, fewer where the file ends before `stop`), checked against
-        `pin`; `Answer("missing")` where the server has none."""
+        """The bytes `[start, stop)` of the file at `url` (the whole file, up to
+        `limit` bytes, without a range; with `short`, fewer where the file ends before
+        `stop`), checked against `pin`; `Answer("missing")` where the server has none.
+        `halt` stops the read where another of its burst failed for good."""
         pin = pin if pin is not None else Pin()
         registered = site(url)
         headers = dict(registered.headers) if registered is not None else {}
@@ -145,13 +167,16 @@ class Client:
             if stop is not None and stop <= start:
                 return Answer("value", b"", pin.size)
             wanted = (start, stop)
+            if stop is not None:
+                limit = stop - start
         with self._lock:
             known = self._locations.get(url)
-        answer = self._fetch(url, known or url, headers, wanted, pin, short)
+        ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket)
+        answer = self._fetch(ask, known or url)
         if answer is None and known is not None:  # a signed address expired
             with self._lock:
                 self._locations.pop(url, None)
-            answer = self._fetch(url, url, headers, wanted, pin, short)
+            answer = self._fetch(ask, url)
         if answer is None:
             raise StorageAccessError(
                 f"{describe(url)}: access denied; for a gated or private Hugging Face "
@@ -160,39 +185,50 @@ class Client:
             )
         return answer
 
-    def _fetch(
-        self,
-        url: str,
-        target: str,
-        headers: dict[str, str],
-        wanted: tuple[int, int | None] | None,
-        pin: Pin,
-        short: bool,
-    ) -> Answer | None:
-        """One read of `url` starting at `target`; None where access was refused."""
+    def _fetch(self, ask: _Ask, target: str) -> Answer | None:
+        """One read starting at `target`; None where access was refused."""
+        url, pin = ask.url, ask.pin
         origin = _origin(url)
+        registered = site(url)
+        versioned = registered is None or not registered.generation  # a Hub commit is pinned
         for _ in range(_REDIRECTS + 1):
             sent = {"Accept-Encoding": "identity", "User-Agent": "lazyckpt"}
             if _origin(target) == origin:
-                sent.update(headers)
-            if wanted is not None:
-                low, high = wanted
+                sent.update(ask.headers)
+            if versioned:
+                sent.update(pin.conditions())
+            if ask.wanted is not None:
+                low, high = ask.wanted
                 sent["Range"] = f"bytes={low}-{'' if high is None else high - 1}"
-            status, answer_headers, body = self._request(url, target, sent)
+            answer = self._transport.get(
+                describe(url),
+                target,
+                sent,
+                limit=ask.limit,
+                ranged=ask.wanted is not None,
+                too_large=ask.too_large,
+                stop=ask.halt,
+                ticket=ask.ticket,
+            )
+            status, found = answer.status, answer.headers
             if status in (301, 302, 303, 307, 308):
-                target = urllib.parse.urljoin(target, answer_headers.get("location", ""))
+                target = _redirect(url, target, found.get("location", ""))
                 continue
             if status == 404:
+                if pin.seen:
+                    raise _changed(url, "it is gone (HTTP 404)")
                 return Answer("missing")
+            if status == 412:  # what `Pin.conditions` asked the server to check
+                raise _changed(url, "the server says so (HTTP 412 Precondition Failed)")
             if status in _EXPIRED:
                 return None
             if status == 416:  # the range starts past the end: `bytes */SIZE`
-                size = _total(url, answer_headers, body, status)
-                self._check_pin(url, pin, size, answer_headers.get("etag"))
-                if short:
+                size = _unsatisfied(found)
+                self._check_pin(url, pin, size, found, versioned)
+                if ask.short:
                     return Answer("value", b"", size)
-                raise ValueError(f"OUT_OF_RANGE: {describe(url)} holds {size} bytes")
-            if wanted is not None and status == 200:
+                raise _truncated(url, size, ask.wanted)
+            if ask.wanted is not None and status == 200:
                 raise StorageAccessError(
                     f"{describe(url)}: the server ignores Range requests (it answered with "
                     "the whole file); lazyckpt reads byte ranges only, so it will not "
@@ -201,118 +237,146 @@ class Client:
             if status not in (200, 206):
                 raise StorageAccessError(
                     f"{describe(url)}: the server answered HTTP {status} "
-                    f"({body[:120].decode('utf-8', 'replace')!r})"
+                    f"({bytes(answer.body[:120]).decode('utf-8', 'replace')!r})"
                 )
-            size = _total(url, answer_headers, body, status)
-            self._check_pin(url, pin, size, answer_headers.get("etag"))
+            size = len(answer.body) if status == 200 else _checked_range(ask, answer)
+            self._check_pin(url, pin, size, found, versioned)
             if target != url:
                 with self._lock:
                     self._locations[url] = target
-            if wanted is not None and status == 206:
-                first = _first_byte(url, answer_headers)
-                if first != wanted[0]:
-                    raise ValueError(
-                        f"OUT_OF_RANGE: {describe(url)} answered bytes from {first}, not "
-                        f"{wanted[0]}"
-                    )
-                if not short and wanted[1] is not None and len(body) < wanted[1] - wanted[0]:
-                    raise ValueError(
-                        f"OUT_OF_RANGE: {describe(url)} holds {size} bytes, fewer than the "
-                        f"{wanted[1]} needed"
-                    )
-            return Answer("value", body, size)
+            return Answer("value", answer.body, size)
         raise StorageAccessError(f"{describe(url)}: more than {_REDIRECTS} redirects")
 
-    def _check_pin(self, url: str, pin: Pin, size: int | None, etag: str | None) -> None:
+    def _check_pin(
+        self, url: str, pin: Pin, size: int | None, found: dict[str, str], versioned: bool
+    ) -> None:
+        etag, modified = found.get("etag"), found.get("last-modified")
         with self._lock:
-            known = (pin.size, pin.etag)
+            known = (pin.size, pin.etag, pin.modified)
+            first = not pin.seen
+            pin.seen = True
             pin.size = pin.size if pin.size is not None else size
             pin.etag = pin.etag if pin.etag is not None else etag
-        changed = (known[0] is not None and size is not None and size != known[0]) or (
-            known[1] is not None and etag is not None and etag != known[1]
-        )
-        if changed:
-            raise CheckpointChangedError(
-                f"{describe(url)} changed since it was opened (size {known[0]} -> {size}, "
-                f"ETag {known[1]} -> {etag}); open it again"
-            )
+            pin.modified = pin.modified if pin.modified is not None else modified
+        for what, before, now in zip(
+            ("size", "ETag", "Last-Modified"), known, (size, etag, modified), strict=True
+        ):
+            if before is not None and now is not None and now != before:
+                raise _changed(url, f"its {what} was {before}, now {now}")
+        if first and versioned and etag is None and modified is None:
+            _unversioned(url)
 
-    def _request(
-        self, url: str, target: str, headers: dict[str, str]
-    ) -> tuple[int, dict[str, str], bytes]:
-        """GET `target`, tried again where the failure may pass. A kept-alive connection
-        that the server closed meanwhile is replaced at once, without counting."""
-        parts = urllib.parse.urlsplit(target)
-        path = urllib.parse.quote(parts.path or "/", safe=SAFE)
-        path += f"?{parts.query}" if parts.query else ""
-        delay, last, attempt = 0.25, "", 0
-        while attempt < RETRIES:
-            reused = (parts.scheme, parts.netloc) in self._connections()
-            try:
-                with self._connection(target) as connection:
-                    connection.request("GET", path, headers=headers)
-                    response = connection.getresponse()
-                    count_request()
-                    answer_headers = {k.lower(): v for k, v in response.getheaders()}
-                    status = response.status
-                    if status == 200 and "Range" in headers:
-                        connection.close()  # never the whole body of a file
-                        return status, answer_headers, b""
-                    body = response.read()
-                    count_direct(len(body))
-            except (http.client.InvalidURL, UnicodeError) as error:
-                raise StorageAccessError(
-                    f"{target}: not a URL lazyckpt can ask for ({error})"
-                ) from None
-            except (OSError, http.client.HTTPException) as error:
-                stale = isinstance(
-                    error, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
-                )
-                if reused and stale:
-                    continue  # the server closed an idle connection: a new one, now
-                last = f"{type(error).__name__}: {error}"
-            else:
-                if status not in (429, 500, 502, 503, 504):
-                    return status, answer_headers, body
-                last = f"HTTP {status}"
-                after = answer_headers.get("retry-after", "")
-                if after.isdigit():
-                    delay = max(delay, min(float(after), 8.0))
-            attempt += 1
-            if attempt < RETRIES:
-                time.sleep(delay)
-                delay = min(2 * delay, 4.0)
+
+@attrs.frozen
+class _Ask:
+    """What one read asks for, through its redirects."""
+
+    url: str
+    headers: dict[str, str]
+    wanted: tuple[int, int | None] | None
+    limit: int
+    short: bool
+    pin: Pin
+    halt: network.Stop | None
+    ticket: int
+
+    def too_large(self, declared: int | None) -> LazyckptError:
+        if self.wanted is not None:
+            return StorageAccessError(
+                f"{describe(self.url)}: the server answered "
+                f"{'more' if declared is None else declared} bytes to a request for "
+                f"{self.limit}; it does not serve byte ranges correctly, so lazyckpt cannot "
+                "read this file from it: download it, and open the copy"
+            )
+        holds = f"more than {self.limit}" if declared is None else f"{declared}"
+        return TooLargeError(
+            f"{describe(self.url)} holds {holds} bytes, over the {self.limit} lazyckpt "
+            "reads of such a file; it is not the file it should be (a broken or hostile "
+            "server), so it was not read"
+        )
+
+
+def _checked_range(ask: _Ask, answer: Response) -> int | None:
+    """The file's size from a 206's `Content-Range`, which must hold the bytes asked
+    for (or those up to the file's end) and agree with the body."""
+    url, body = ask.url, answer.body
+    text = answer.headers.get("content-range", "")
+    match = _CONTENT_RANGE.fullmatch(text.strip())
+    if match is None:
         raise StorageAccessError(
-            f"{describe(url)}: {_origin(target)} could not be reached or kept failing "
-            f"({last}) after {RETRIES} attempts; check the network and the URL (for the Hub: "
-            "HF_ENDPOINT)"
+            f"{describe(url)}: the server answered a Range request with Content-Range "
+            f"{text[:60]!r}; lazyckpt needs `bytes FIRST-LAST/SIZE`"
         )
-
-    def _connections(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
-        """This thread's kept-alive connections, by scheme and host."""
-        found: dict[tuple[str, str], http.client.HTTPConnection]
-        found = self._local.__dict__.setdefault("connections", {})
-        return found
-
-    @contextlib.contextmanager
-    def _connection(self, url: str) -> Iterator[http.client.HTTPConnection]:
-        parts = urllib.parse.urlsplit(url)
-        key = (parts.scheme, parts.netloc)
-        connections = self._connections()
-        connection = connections.get(key)
-        if connection is None:
-            kind = (
-                http.client.HTTPSConnection
-                if parts.scheme == "https"
-                else http.client.HTTPConnection
+    first, last = int(match[1]), int(match[2])
+    size = None if match[3] == "*" else int(match[3])
+    low, high = ask.wanted or (0, None)
+    if first != low or last - first + 1 != len(body):
+        raise StorageAccessError(
+            f"{describe(url)}: asked for bytes {low} to {high}, the server answered "
+            f"bytes {first} to {last + 1} ({len(body)} bytes of body); it does not serve "
+            "byte ranges correctly: download the file, and open the copy"
+        )
+    if high is not None and len(body) < high - low:
+        if size is not None and last + 1 < size:
+            raise StorageAccessError(
+                f"{describe(url)}: asked for bytes {low} to {high}, the server answered "
+                f"only to {last + 1} of {size}; try again, or download the file"
             )
-            connection = connections[key] = kind(parts.netloc, timeout=_TIMEOUT)
-        try:
-            yield connection
-        except BaseException:
-            connections.pop(key, None)
-            connection.close()
-            raise
+        if not ask.short:
+            raise _truncated(url, size, ask.wanted)
+    return size
+
+
+def _unsatisfied(found: dict[str, str]) -> int | None:
+    match = _UNSATISFIED.fullmatch(found.get("content-range", "").strip())
+    return int(match[1]) if match else None
+
+
+def _truncated(url: str, size: int | None, wanted: tuple[int, int | None] | None) -> Exception:
+    return CorruptCheckpointError(
+        f"{describe(url)} holds {size if size is not None else 'fewer'} bytes, fewer than "
+        f"the {wanted[1] if wanted else '?'} needed (bytes {wanted[0] if wanted else 0} on); "
+        "the file is truncated, or shorter than its header says: download it again"
+    )
+
+
+def _changed(url: str, why: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"{describe(url)} changed since it was opened ({why}); what was read would mix "
+        "two versions: open it again"
+    )
+
+
+def _unversioned(url: str) -> None:
+    message = (
+        f"{describe(url)}: the server gives neither an ETag nor a Last-Modified date, so "
+        "a change to the file between two reads could not be detected"
+    )
+    if network.options().unversioned == "refuse":
+        raise StorageAccessError(
+            f"{message}; serve it with either header, or read it anyway with "
+            "lazyckpt.network_options(unversioned='warn')"
+        )
+    warn(f"{message}; read anyway (network_options(unversioned='warn'))", UnversionedWarning)
+
+
+def _redirect(url: str, target: str, location: str) -> str:
+    """Where a redirect leads: http(s) only."""
+    try:
+        found = urllib.parse.urljoin(target, location)
+        parts = urllib.parse.urlsplit(found)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as error:
+        raise StorageAccessError(
+            f"{describe(url)}: the server redirected to {location[:120]!r}, which is not "
+            f"a URL ({error})"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise StorageAccessError(
+            f"{describe(url)}: the server redirected to {location[:120]!r}; lazyckpt "
+            "follows redirects to http:// and https:// URLs only"
+        )
+    return found
 
 
 _CLIENT: Client | None = None
@@ -330,22 +394,3 @@ def client() -> Client:
 def _origin(url: str) -> tuple[str, str]:
     parts = urllib.parse.urlsplit(url)
     return parts.scheme, parts.netloc
-
-
-def _total(url: str, headers: dict[str, str], body: bytes, status: int) -> int | None:
-    """The file's size, from `Content-Range` (`bytes A-B/SIZE`, `bytes */SIZE`)."""
-    if status in (206, 416):
-        found = headers.get("content-range", "").rpartition("/")[2]
-        return int(found) if found.isdigit() else None
-    return len(body)
-
-
-def _first_byte(url: str, headers: dict[str, str]) -> int:
-    found = headers.get("content-range", "")
-    try:
-        return int(found.split()[1].split("-")[0])
-    except (IndexError, ValueError):
-        raise CorruptCheckpointError(
-            f"{describe(url)}: the server answered a Range request with Content-Range "
-            f"{found[:60]!r}"
-        ) from None

@@ -15,8 +15,9 @@ from typing import Any
 
 import tensorstore as ts
 
-from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError
-from lazyckpt._storage.ranges import SAFE, Answer, Pin, client, describe, listing, site
+from lazyckpt._errors import CheckpointNotFoundError, StorageAccessError
+from lazyckpt._storage.network import Stop
+from lazyckpt._storage.ranges import SAFE, Answer, Pin, client, listing, site
 
 SCHEMES = ("http", "https")
 
@@ -29,12 +30,14 @@ class WebFiles:
     """The files of a folder over HTTP, read as tensorstore's kvstores are
     (`read(key, byte_range=)` returning a future of a result with `state` and
     `value`), so that the safetensors reader reads them as it reads a bucket. Each
-    file's size and ETag are pinned at its first answer: the files one open reads."""
+    file's size and version are pinned at its first answer: the files one open reads.
+    The first read that fails for good stops those submitted before it (`Stop`)."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
+        self._stop = Stop()
 
     def read(
         self,
@@ -51,15 +54,21 @@ class WebFiles:
         stop = None if byte_range is None else byte_range.stop
         with self._lock:
             pin = self._pins.setdefault(key, Pin())
+        ticket = self._stop.ticket()
         promise: ts.Promise[Answer]
         future: ts.Future[Answer]
         promise, future = ts.Promise.new()
 
         def run() -> None:
             try:
-                promise.set_result(client().read(url, start, stop, short=short, pin=pin))
+                answer = client().read(
+                    url, start, stop, short=short, pin=pin, halt=self._stop, ticket=ticket
+                )
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+                self._stop.fail(ticket, str(error))
                 promise.set_exception(error)
+            else:
+                promise.set_result(answer)
 
         client().pool.submit(run)
         return future
@@ -122,12 +131,8 @@ class WebFolders:
         return self.isdir(path) or self.isfile(path)
 
     def read_bytes(self, path: str, limit: int) -> bytes | None:
-        answer = client().read(path)
-        if answer.state != "value":
-            return None
-        if len(answer.value) > limit:
-            raise CorruptCheckpointError(f"{describe(path)} holds more than {limit} bytes")
-        return answer.value
+        answer = client().read(path, limit=limit)  # refused as it streams past `limit`
+        return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:
         return StorageAccessError(

@@ -1,0 +1,269 @@
+"""How lazyckpt behaves on the network: deadlines, retries and the files whose version
+cannot be checked (`NetworkOptions`, set with `lazyckpt.network_options`), and the
+stop that ends a burst of reads when one of them fails for good (`Stop`).
+
+The defaults follow the clients users trust: a request that cannot connect, or whose
+answer does not begin, within `timeout` seconds fails, as huggingface_hub's and
+object_store's do; a body that arrives slower than `min_rate` fails, as curl's
+`--speed-limit` does, however often the server sends a byte; and a file whose
+version the server does not say (no ETag, no Last-Modified) is refused, as
+huggingface_hub refuses it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import attrs
+
+from lazyckpt._errors import LazyTypeError, StorageAccessError
+
+FIRST_DELAY = 0.25
+"""Seconds before the second attempt at a request; each later wait doubles, up to
+`MAX_DELAY`."""
+MAX_DELAY = 4.0
+MAX_RETRY_AFTER = 8.0
+"""The longest wait a server's `Retry-After` is obeyed for; a longer one waits this."""
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise LazyTypeError(
+            f"network_options({attribute.name}=...) takes a positive number, not {value!r}"
+        )
+    if not math.isfinite(value):
+        raise LazyTypeError(f"network_options({attribute.name}=...) takes a finite number")
+
+
+def _attempts(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise LazyTypeError(
+            f"network_options(retries=...) takes the attempts at a request, 1 to 100, not {value!r}"
+        )
+
+
+def _unversioned(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("refuse", "warn"):
+        raise LazyTypeError(
+            f"network_options(unversioned=...) takes 'refuse' or 'warn', not {value!r}"
+        )
+
+
+@attrs.frozen
+class NetworkOptions:
+    """How reads over HTTP(S) and from the Hugging Face Hub wait, retry and check.
+
+    The defaults come from the environment where it sets them (`LAZYCKPT_HTTP_TIMEOUT`,
+    `LAZYCKPT_HTTP_MIN_RATE`, `LAZYCKPT_HTTP_RETRIES`, `LAZYCKPT_HTTP_UNVERSIONED`);
+    `lazyckpt.network_options(...)` changes them for the process.
+
+    >>> lazyckpt.NetworkOptions()
+    NetworkOptions(timeout=30.0, min_rate=65536, retries=5, unversioned='refuse')
+    """
+
+    timeout: float = attrs.field(default=30.0, validator=_positive)
+    """Seconds to connect, and for an answer to begin; also the most a request waits
+    for its next byte. A request's whole answer must arrive within `timeout` plus its
+    size at `min_rate`."""
+    min_rate: int = attrs.field(default=65536, validator=_positive)
+    """Bytes a second an answer's body must at least average (64 KiB/s by default): a
+    server that sends a byte a second fails the request after about `timeout` seconds."""
+    retries: int = attrs.field(default=5, validator=_attempts)
+    """Attempts at a request that fails in a way that may pass (HTTP 429 and 5xx, a
+    failed connection, a missed deadline): waits of 0.25 s doubling up to 4 s between
+    them, or what the server's `Retry-After` asks, up to 8 s."""
+    unversioned: Literal["refuse", "warn"] = attrs.field(default="refuse", validator=_unversioned)
+    """What to do with a file at a plain URL whose server gives neither an ETag nor a
+    Last-Modified date, so that a change between two reads cannot be detected:
+    `"refuse"` it (a `StorageAccessError`), or read it with an `UnversionedWarning`.
+    Files on the Hub are read at a pinned commit and always checked."""
+
+    def deadline_for(self, size: int) -> float:
+        """Seconds a request for `size` bytes may take, answer and body."""
+        return float(self.timeout + size / self.min_rate)
+
+    def bound(self) -> float:
+        """The longest one read may take with every retry, for a body of up to 1 MiB:
+        what the guide promises."""
+        waits = sum(min(FIRST_DELAY * 2.0**i, MAX_RETRY_AFTER) for i in range(self.retries - 1))
+        return self.retries * self.deadline_for(1 << 20) + waits
+
+
+def _from_environment() -> NetworkOptions:
+    found: dict[str, object] = {}
+    for name, field in (
+        ("LAZYCKPT_HTTP_TIMEOUT", "timeout"),
+        ("LAZYCKPT_HTTP_MIN_RATE", "min_rate"),
+        ("LAZYCKPT_HTTP_RETRIES", "retries"),
+        ("LAZYCKPT_HTTP_UNVERSIONED", "unversioned"),
+    ):
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        if field == "unversioned":
+            found[field] = text
+        elif _NUMBER.fullmatch(text):
+            number = float(text)
+            found[field] = int(number) if field != "timeout" and number.is_integer() else number
+        else:
+            raise LazyTypeError(f"{name}={text[:40]!r} is not a number; unset it or write one")
+    try:
+        return NetworkOptions(**found)  # type: ignore[arg-type]
+    except LazyTypeError as error:
+        raise LazyTypeError(f"{error} (from the environment's LAZYCKPT_HTTP_*)") from None
+
+
+_NUMBER = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,6})?", re.ASCII)
+
+
+_OPTIONS: list[NetworkOptions] = []
+_OPTIONS_LOCK = threading.Lock()
+
+
+def options() -> NetworkOptions:
+    """The options in force."""
+    with _OPTIONS_LOCK:
+        if not _OPTIONS:
+            _OPTIONS.append(_from_environment())
+        return _OPTIONS[-1]
+
+
+@contextmanager
+def _restoring(previous: NetworkOptions) -> Iterator[NetworkOptions]:
+    try:
+        yield options()
+    finally:
+        with _OPTIONS_LOCK:
+            _OPTIONS[-1] = previous
+
+
+def network_options(
+    *,
+    timeout: float | None = None,
+    min_rate: int | None = None,
+    retries: int | None = None,
+    unversioned: Literal["refuse", "warn"] | None = None,
+) -> _NetworkOptionsContext:
+    """Set how reads over the network wait, retry and check (`NetworkOptions`), for
+    the whole process; as a `with` block, only within it. Reads on every thread use
+    the options in force when each request starts.
+
+    >>> with lazyckpt.network_options(timeout=5, retries=2) as now:
+    ...     now
+    NetworkOptions(timeout=5, min_rate=65536, retries=2, unversioned='refuse')
+    >>> lazyckpt.network_options().timeout  # outside the block: as before
+    30.0
+    """
+    previous = options()
+    changes = {
+        name: value
+        for name, value in (
+            ("timeout", timeout),
+            ("min_rate", min_rate),
+            ("retries", retries),
+            ("unversioned", unversioned),
+        )
+        if value is not None
+    }
+    new = attrs.evolve(previous, **changes)  # type: ignore[arg-type]
+    with _OPTIONS_LOCK:
+        _OPTIONS[-1] = new
+    return _NetworkOptionsContext(previous, new)
+
+
+@attrs.frozen
+class _NetworkOptionsContext:
+    """What `network_options` returns: the options now in force, and, used in a `with`
+    block, the options before it restored at its end."""
+
+    previous: NetworkOptions = attrs.field(repr=False)
+    now: NetworkOptions
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.now, name)
+
+    def __enter__(self) -> NetworkOptions:
+        return self.now
+
+    def __exit__(self, *exc: object) -> None:
+        with _OPTIONS_LOCK:
+            _OPTIONS[-1] = self.previous
+
+    def __repr__(self) -> str:
+        return repr(self.now)
+
+
+_SECONDS = re.compile(r"[0-9]{1,9}", re.ASCII)
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """The seconds a `Retry-After` header asks to wait (a number of seconds, or an
+    HTTP date), capped at `MAX_RETRY_AFTER`; None where it says nothing readable.
+
+    >>> retry_after("3"), retry_after("²"), retry_after("9" * 5000), retry_after(None)
+    (3.0, None, None, None)
+    """
+    if not value:
+        return None
+    text = value.strip()
+    if _SECONDS.fullmatch(text):
+        return min(float(text), MAX_RETRY_AFTER)
+    if len(text) > 64:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        return None
+    wait = when.timestamp() - (time.time() if now is None else now)
+    return min(max(wait, 0.0), MAX_RETRY_AFTER)
+
+
+class Stop:
+    """The reads of one open of files over HTTP, as a burst: the first that fails for
+    good stops those submitted before its failure (queued, waiting to retry, or about
+    to send), so a verb ends within one read's retry schedule, not one per read.
+    Reads submitted after a failure are a new burst: a later call may succeed."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._burst = 0
+        self._reason = ""
+
+    def ticket(self) -> int:
+        """The burst a read submitted now belongs to."""
+        with self._condition:
+            return self._burst
+
+    def fail(self, ticket: int, reason: str) -> None:
+        """A read of burst `ticket` failed for good: stop the rest of its burst."""
+        with self._condition:
+            if ticket == self._burst:
+                self._burst += 1
+                self._reason = reason
+                self._condition.notify_all()
+
+    def check(self, ticket: int, url: str) -> None:
+        """Raise where burst `ticket` was stopped."""
+        with self._condition:
+            if ticket != self._burst:
+                raise StorageAccessError(
+                    f"{url}: not read, because another read of the same files failed "
+                    f"for good: {self._reason[:300]}"
+                )
+
+    def sleep(self, ticket: int, seconds: float) -> None:
+        """Wait `seconds`, or less where burst `ticket` is stopped meanwhile."""
+        end = time.monotonic() + seconds
+        with self._condition:
+            while ticket == self._burst and (left := end - time.monotonic()) > 0:
+                self._condition.wait(left)

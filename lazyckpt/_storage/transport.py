@@ -1,0 +1,277 @@
+"""One HTTP GET, bounded in time and in memory, tried again where the failure may pass:
+the transport under `lazyckpt._storage.ranges`.
+
+The standard library's `http.client` on lazyckpt's own threads, one kept-alive
+connection per host and thread, with what it lacks added here:
+
+- **A deadline for the whole answer.** A socket timeout restarts with every byte, so
+  a server that sends one a second would hold a read forever. Every receive here
+  waits at most until the request's deadline: `timeout` for the answer to begin, plus
+  its body's size at `min_rate` (`lazyckpt._storage.network`).
+- **Bodies bounded as they stream.** A body larger than the caller's limit (a range's
+  length, or a limit for the kind of file read whole) is refused from its
+  `Content-Length` before anything is allocated, or as soon as a chunked body passes
+  it; an error's body is read up to a few KiB only.
+- **Retries with a bound.** 429, 5xx, failed connections and missed deadlines are
+  tried `retries` times in all, backing off (or as `Retry-After` asks); a burst of
+  reads stops at the first that fails for good (`network.Stop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from lazyckpt._errors import LazyckptError, StorageAccessError
+from lazyckpt._storage import network
+from lazyckpt._storage.metrics import count_direct, count_request
+
+RETRIED = (429, 500, 502, 503, 504)
+_ERROR_BODY = 4096
+"""Bytes of an error's, or a redirect's, body read (for its message); a longer one is
+left unread and its connection closed."""
+_PIECE = 1 << 20
+"""Bytes asked of a body of unknown length at a time."""
+SAFE = "/%:@!$&'()*+,;=~"
+"""What a URL's path keeps unquoted (RFC 3986 `pchar`, `/`, and `%` of what the caller
+quoted already); a space, `?`, `#` or non-ASCII letter in a file name is quoted."""
+
+
+@attrs.frozen
+class Response:
+    status: int
+    headers: dict[str, str]
+    """Lower-case names."""
+    body: bytes | bytearray
+
+
+@attrs.define
+class _Clock:
+    """A request's deadline: `timeout` for its answer to begin, and its body's
+    `expected` bytes at `min_rate` after that."""
+
+    start: float
+    timeout: float
+    min_rate: float
+    expected: int = 0
+
+    def left(self) -> float:
+        return self.start + self.timeout + self.expected / self.min_rate - time.monotonic()
+
+
+class Late(TimeoutError):
+    """A request missed its deadline."""
+
+
+class _TimedRaw(io.RawIOBase):
+    """A socket's receives, each waiting no later than the request's deadline."""
+
+    def __init__(self, sock: socket.socket, clock: _Clock) -> None:
+        self._sock = sock
+        self._clock = clock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._clock.left()
+        if left <= 0:
+            raise Late("the answer did not arrive within its deadline")
+        self._sock.settimeout(min(left, self._clock.timeout))
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise Late("the answer did not arrive within its deadline") from None
+
+
+class _TimedSocket:
+    """What `http.client.HTTPResponse` asks of a socket (`makefile`), through `_TimedRaw`."""
+
+    def __init__(self, sock: socket.socket, clock: _Clock) -> None:
+        self._sock = sock
+        self._clock = clock
+
+    def makefile(self, mode: str, *args: object, **kwargs: object) -> io.BufferedReader:
+        return io.BufferedReader(_TimedRaw(self._sock, self._clock), 1 << 16)
+
+
+def _timed(clock: _Clock) -> Callable[..., http.client.HTTPResponse]:
+    def response(sock: socket.socket, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        return http.client.HTTPResponse(_TimedSocket(sock, clock), *args, **kwargs)  # type: ignore[arg-type]
+
+    return response
+
+
+class _Refused(Exception):
+    """A body over its limit: `found` bytes declared, or None where it streamed past."""
+
+    def __init__(self, found: int | None) -> None:
+        self.found = found
+
+
+class Transport:
+    """GETs over kept-alive connections, one per host and thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(
+        self,
+        url: str,
+        target: str,
+        headers: dict[str, str],
+        *,
+        limit: int,
+        ranged: bool,
+        too_large: Callable[[int | None], LazyckptError],
+        stop: network.Stop | None = None,
+        ticket: int = 0,
+    ) -> Response:
+        """GET `target` (for the file `url`, as errors name it), its body at most
+        `limit` bytes (`too_large(declared size)` is raised past it). A 200 to a
+        `ranged` request comes back without its body, never read."""
+        parts = urllib.parse.urlsplit(target)
+        path = urllib.parse.quote(parts.path or "/", safe=SAFE)
+        path += f"?{parts.query}" if parts.query else ""
+        options = network.options()
+        delay, last, attempt = network.FIRST_DELAY, "", 0
+        while attempt < options.retries:
+            if stop is not None:
+                stop.check(ticket, url)
+            reused = (parts.scheme, parts.netloc) in self._connections()
+            try:
+                with self._connection(target, options.timeout) as connection:
+                    answer = self._once(connection, path, headers, options, limit, ranged)
+            except _Refused as refused:
+                raise too_large(refused.found) from None
+            except (http.client.InvalidURL, UnicodeError, ValueError) as error:
+                raise StorageAccessError(
+                    f"{target}: not a URL lazyckpt can ask for ({error})"
+                ) from None
+            except Late:
+                last = (
+                    f"no complete answer within {options.deadline_for(limit):.0f} s, its "
+                    f"deadline ({options.timeout:g} s, and the body at "
+                    f"{options.min_rate} bytes/s)"
+                )
+            except (OSError, http.client.HTTPException) as error:
+                stale = isinstance(
+                    error, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                )
+                if reused and stale:
+                    continue  # the server closed an idle connection: a new one, now
+                last = f"{type(error).__name__}: {str(error)[:200]}"
+            else:
+                if answer.status not in RETRIED:
+                    return answer
+                last = f"HTTP {answer.status}"
+                wait = network.retry_after(answer.headers.get("retry-after"))
+                if wait is not None:
+                    delay = max(delay, wait)
+            attempt += 1
+            if attempt < options.retries:
+                if stop is not None:
+                    stop.sleep(ticket, delay)
+                else:
+                    time.sleep(delay)
+                delay = min(2 * delay, network.MAX_DELAY)
+        raise StorageAccessError(
+            f"{url}: {parts.scheme}://{parts.netloc} could not be reached or kept failing "
+            f"({last}) after {options.retries} attempts; check the network and the URL (for "
+            "the Hub: HF_ENDPOINT), or allow more with lazyckpt.network_options(timeout=, "
+            "retries=)"
+        )
+
+    def _once(
+        self,
+        connection: http.client.HTTPConnection,
+        path: str,
+        headers: dict[str, str],
+        options: network.NetworkOptions,
+        limit: int,
+        ranged: bool,
+    ) -> Response:
+        clock = _Clock(time.monotonic(), options.timeout, options.min_rate)
+        if connection.sock is not None:
+            connection.sock.settimeout(options.timeout)
+        connection.timeout = options.timeout
+        connection.response_class = _timed(clock)  # type: ignore[assignment]
+        connection.request("GET", path, headers=headers)
+        response = connection.getresponse()
+        count_request()
+        status = response.status
+        found = {k.lower(): v for k, v in response.getheaders()}
+        if status == 200 and ranged:
+            connection.close()  # never the whole body of a file
+            return Response(status, found, b"")
+        wanted = status in (200, 206)
+        length = response.length
+        if wanted and length is not None and length > limit:
+            connection.close()
+            raise _Refused(length)
+        body = _body(response, limit if wanted else _ERROR_BODY, clock)
+        if body is None:
+            connection.close()
+            if wanted:
+                raise _Refused(None)
+        count_direct(len(body or b""))
+        return Response(status, found, body or b"")
+
+    def _connections(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
+        """This thread's kept-alive connections, by scheme and host."""
+        found: dict[tuple[str, str], http.client.HTTPConnection]
+        found = self._local.__dict__.setdefault("connections", {})
+        return found
+
+    @contextlib.contextmanager
+    def _connection(self, url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
+        connections = self._connections()
+        connection = connections.get(key)
+        if connection is None:
+            kind = (
+                http.client.HTTPSConnection
+                if parts.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            connection = connections[key] = kind(parts.netloc, timeout=timeout)
+        try:
+            yield connection
+        except BaseException:
+            connections.pop(key, None)
+            connection.close()
+            raise
+
+
+def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> bytearray | None:
+    """The body, at most `limit` bytes; None where there is more (the rest unread).
+    Its deadline grows with its size: declared, or as it streams."""
+    length = response.length
+    if length is not None:
+        if length > limit:
+            return None
+        clock.expected = length
+        body = bytearray(length)
+        got = response.readinto(body) if length else 0
+        if got < length:
+            raise http.client.IncompleteRead(bytes(body[:got]), length - got)
+        return body
+    pieces = bytearray()
+    while True:
+        clock.expected = len(pieces)
+        piece = response.read(min(_PIECE, limit + 1 - len(pieces)))
+        if not piece:
+            return pieces
+        pieces += piece
+        if len(pieces) > limit:
+            return None
