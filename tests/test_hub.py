@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save
 
 import lazyckpt
-from lazyckpt._storage import metrics, network, ranges
+from lazyckpt._storage import metrics, network
 from tests.hub_server import HubServer
 
 hh = pytest.importorskip("huggingface_hub")

@@ -38,9 +38,9 @@ MAX_BYTES = 1 << 62
 other sizes of a zero-size shape."""
 HEADER_LIMIT = 100 << 20
 """The largest header read, as the safetensors library allows."""
-INDEX_LIMIT = 128 << 20
-"""The most bytes of a `model.safetensors.index.json` read (an index of a million
-tensors holds about 100 MB); a larger one is refused as it streams."""
+INDEX_LIMIT = 64 << 20
+"""The most bytes of a `model.safetensors.index.json` read (the largest releases' hold
+under 10 MB: 100,000 tensors); a larger one is refused as it streams."""
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),

@@ -43,6 +43,7 @@ from lazyckpt._storage.transport import SAFE as SAFE
 from lazyckpt._storage.transport import Response, Transport
 
 _REDIRECTS = 5
+_THREADS = "lazyckpt-web"
 _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
 WHOLE_LIMIT = 64 << 20
 """The most bytes of a file read whole (no range) where the caller names no limit of
@@ -141,7 +142,7 @@ class Client:
         self._transport = Transport()
         self._locations: dict[str, str] = {}
         self._lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="lazyckpt-web")
+        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix=_THREADS)
 
     def read(
         self,
@@ -159,6 +160,20 @@ class Client:
         `limit` bytes, without a range; with `short`, fewer where the file ends before
         `stop`), checked against `pin`; `Answer("missing")` where the server has none.
         `halt` stops the read where another of its burst failed for good."""
+        if not threading.current_thread().name.startswith(_THREADS):
+            # On the pool's threads, whose kept-alive connections live as long as it
+            # does (a caller's thread that ends would drop its connections unclosed).
+            return self.pool.submit(
+                self.read,
+                url,
+                start,
+                stop,
+                short=short,
+                pin=pin,
+                limit=limit,
+                halt=halt,
+                ticket=ticket,
+            ).result()
         pin = pin if pin is not None else Pin()
         registered = site(url)
         headers = dict(registered.headers) if registered is not None else {}

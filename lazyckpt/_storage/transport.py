@@ -223,6 +223,8 @@ class Transport:
             connection.close()
             if wanted:
                 raise _Refused(None)
+        else:
+            response.close()  # read whole: the connection takes the next request
         count_direct(len(body or b""))
         return Response(status, found, body or b"")
 
