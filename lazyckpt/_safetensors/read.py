@@ -405,6 +405,14 @@ class RangeArray(StoredArray):
         start = self.start + first * row_bytes
 
         def pick(result: ts.KvStore.ReadResult) -> np.ndarray:
+            if result.state != "value" or len(result.value) != rows * row_bytes:
+                raise self.read_error(
+                    CorruptCheckpointError(
+                        f"{self.file}: tensor {self.key!r} needs bytes {start} to "
+                        f"{start + rows * row_bytes}, but the file ends before; it was "
+                        "truncated or removed since it was opened"
+                    )
+                )
             block = np.frombuffer(result.value, self.dtype).reshape((rows, *self.shape[1:]))
             index = _indices(selection)
             index[0] = index[0] - first
