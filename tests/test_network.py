@@ -415,3 +415,41 @@ def test_the_bound_of_a_read_is_what_the_guide_says() -> None:
     options: Any = lazyckpt.NetworkOptions()
     # 5 attempts of 30 s plus 1 MiB at 64 KiB/s, and 0.25 + 0.5 + 1 + 2 s between them.
     assert options.bound() == 5 * (30 + 16) + 3.75
+
+
+# -- the Hub's API, asked through the same client --------------------------------------
+
+
+def test_a_hub_whose_api_drips_never_ends_or_lies_is_bounded(
+    server: HostileServer,
+    quick: network.NetworkOptions,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """`hf://` resolves its revision with one request to the Hub's API; before, that
+    went through huggingface_hub's client with no timeout, and a silent or dripping
+    endpoint held `open` forever, an endless one grew it without bound."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    server.put("api/models/org/slow", b"", trick=_slow_headers)
+    server.put("api/models/org/endless", b"", trick=_endless)
+    server.put("api/models/org/lies", b'{"sha": "../../x", "siblings": [{"rfilename": 7}]}')
+    api = r"\(the Hub's API at http://127.0.0.1:\d+\)"
+    raised(
+        outcome(lambda: lazyckpt.open("hf://org/slow")),
+        lazyckpt.StorageAccessError,
+        rf"hf://org/slow {api}: .* \(no complete answer within \d+ s",
+    )
+    raised(
+        outcome(lambda: lazyckpt.open("hf://org/endless")),
+        lazyckpt.TooLargeError,
+        rf"hf://org/endless {api}: the answer holds more than {64 << 20} bytes",
+    )
+    raised(
+        outcome(lambda: lazyckpt.open("hf://org/lies")),
+        lazyckpt.StorageAccessError,
+        rf"hf://org/lies {api}: the answer is not a repository's info",
+    )

@@ -1,10 +1,11 @@
 """`hf://` paths: a model on the Hugging Face Hub, pinned to one commit, read by ranges.
 
 `hf://ORG/NAME[@REVISION][/PATH]` (and `hf://datasets/...`, `hf://spaces/...`) is
-resolved once, at `normalize`, with `huggingface_hub` (the `lazyckpt[hf]` extra): its
-endpoint (`HF_ENDPOINT`), its token (`HF_TOKEN`, or the saved login) and its cache are
-the user's own. One request (the repository's info at that revision) gives the commit
-and the file list; every later read asks for `resolve/{commit}/...`, so a push to the
+resolved once, at `normalize`, with `huggingface_hub`'s settings (the `lazyckpt[hf]`
+extra): its endpoint (`HF_ENDPOINT`), its token (`HF_TOKEN`, or the saved login) and
+its cache are the user's own. One request (the repository's info at that revision,
+through lazyckpt's client, bounded as every read is) gives the commit and the file
+list; every later read asks for `resolve/{commit}/...`, so a push to the
 repository while a tree is open never mixes two revisions.
 
 What it resolves to:
@@ -19,12 +20,17 @@ from __future__ import annotations
 
 import os
 import posixpath
-import time
+import re
 import urllib.parse
 from typing import Any
 
-from lazyckpt._errors import CheckpointNotFoundError, MissingExtraError, StorageAccessError
-from lazyckpt._storage import network, ranges
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    MissingExtraError,
+    StorageAccessError,
+    json_or_corrupt,
+)
+from lazyckpt._storage import ranges
 
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
@@ -73,9 +79,8 @@ def resolve(url: str) -> str:
     if hub.constants.HF_HUB_OFFLINE:
         return _offline(hub, repo_type, repo_id, revision, path, prefix, shown)
     token = hub.get_token()
-    info = _info(hub, repo_type, repo_id, revision, token, shown)
-    commit = str(info.sha)
-    names = [str(s.rfilename) for s in (info.siblings or [])]
+    endpoint = hub.constants.ENDPOINT.rstrip("/")
+    commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
     if path.endswith(_MODEL_FILES) and path not in names:
         raise CheckpointNotFoundError(
             f"{shown}: no file {path!r} at commit {commit[:12]}; it holds "
@@ -135,7 +140,6 @@ def _import() -> Any:
     try:
         import huggingface_hub
         import huggingface_hub.constants
-        import huggingface_hub.errors
     except ImportError:
         raise MissingExtraError(
             "hf:// paths need huggingface_hub, for the Hub's endpoint, token and cache: "
@@ -144,71 +148,83 @@ def _import() -> Any:
     return huggingface_hub
 
 
+_API = {"model": "models", "dataset": "datasets", "space": "spaces"}
+_INFO_LIMIT = 64 << 20
+"""The most bytes of a repository's info read (a model's file list: a few KB)."""
+_COMMIT = re.compile(r"[0-9a-f]{40}", re.ASCII)
+
+
 def _info(
-    hub: Any, repo_type: str, repo_id: str, revision: str | None, token: str | None, shown: str
-) -> Any:
-    """The repository's info at `revision`, tried again on 429 and 5xx."""
-    errors = hub.errors
-    api = hub.HfApi(endpoint=hub.constants.ENDPOINT)
-    transient: tuple[type[BaseException], ...] = (OSError, *_network_errors())
-    delay, attempts = network.FIRST_DELAY, network.options().retries
-    for attempt in range(attempts):
-        try:
-            return api.repo_info(repo_id, revision=revision, repo_type=repo_type, token=token)
-        except errors.GatedRepoError:
-            raise StorageAccessError(
-                f"{shown}: the repository is gated; accept its terms on the Hub, then log in "
-                "(`hf auth login`) or set HF_TOKEN to a token of that account"
-            ) from None
-        except errors.RevisionNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{shown}: the repository has no revision {revision!r} (a branch, tag or "
-                "commit; one with '/' is percent-encoded, @feature%2Fx, but refs/pr/N); "
-                "check the name after '@'"
-            ) from None
-        except errors.RepositoryNotFoundError:
-            hint = (
-                "set HF_TOKEN or log in (`hf auth login`) if it is private"
-                if token is None
-                else "or the token has no access to it"
-            )
-            raise CheckpointNotFoundError(
-                f"{shown}: no such repository at {hub.constants.ENDPOINT} ({hint})"
-            ) from None
-        except errors.HfHubHTTPError as error:
-            status = getattr(getattr(error, "response", None), "status_code", None)
-            if status in (401, 403):
-                raise StorageAccessError(
-                    f"{shown}: the Hub refused the token (HTTP {status}); log in again "
-                    "(`hf auth login`) or set HF_TOKEN to a valid token"
-                ) from None
-            if status not in (429, 500, 502, 503, 504) or attempt == attempts - 1:
-                raise StorageAccessError(
-                    f"{shown}: the Hub answered HTTP {status} ({str(error)[:160]})"
-                ) from None
-        except transient as error:
-            if attempt == attempts - 1:
-                raise StorageAccessError(
-                    f"{shown}: {hub.constants.ENDPOINT} could not be reached "
-                    f"({type(error).__name__}: {str(error)[:160]}); check the network and "
-                    "HF_ENDPOINT"
-                ) from None
-        time.sleep(delay)
-        delay = min(2 * delay, network.MAX_DELAY)
-    raise AssertionError("unreachable")
+    endpoint: str,
+    repo_type: str,
+    repo_id: str,
+    revision: str | None,
+    token: str | None,
+    shown: str,
+) -> tuple[str, list[str]]:
+    """The commit `revision` names now and the files it holds: one request to the
+    Hub's API (`/api/models/ORG/NAME/revision/REV`, as `huggingface_hub.repo_info`
+    asks), through lazyckpt's client, so that its deadline, retries and body limit
+    hold there too. The Hub's errors are read from `X-Error-Code`, as
+    `huggingface_hub` reads them."""
+    url = f"{endpoint}/api/{_API[repo_type]}/{repo_id}"
+    if revision is not None:
+        url += f"/revision/{urllib.parse.quote(revision, safe='')}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    named = f"{shown} (the Hub's API at {endpoint})"
+    answer = ranges.client().get(url, headers, limit=_INFO_LIMIT, named=named)
+    code = answer.headers.get("x-error-code", "")
+    status = answer.status
+    if code == "GatedRepo":
+        raise StorageAccessError(
+            f"{shown}: the repository is gated; accept its terms on the Hub, then log in "
+            "(`hf auth login`) or set HF_TOKEN to a token of that account"
+        )
+    if code == "RevisionNotFound":
+        raise CheckpointNotFoundError(
+            f"{shown}: the repository has no revision {revision!r} (a branch, tag or "
+            "commit; one with '/' is percent-encoded, @feature%2Fx, but refs/pr/N); "
+            "check the name after '@'"
+        )
+    if code == "RepoNotFound" or (status == 404 and not code):
+        hint = (
+            "set HF_TOKEN or log in (`hf auth login`) if it is private"
+            if token is None
+            else "or the token has no access to it"
+        )
+        raise CheckpointNotFoundError(f"{shown}: no such repository at {endpoint} ({hint})")
+    if status in (401, 403):
+        raise StorageAccessError(
+            f"{shown}: the Hub refused the token (HTTP {status}); log in again "
+            "(`hf auth login`) or set HF_TOKEN to a valid token"
+        )
+    message = answer.headers.get("x-error-message", "")[:160]
+    if status != 200:
+        raise StorageAccessError(f"{shown}: the Hub answered HTTP {status} ({message!r})")
+    return _commit_and_files(named, answer.body)
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP client's errors of the network (huggingface_hub's is httpx, or its
-    fork httpx2), which may pass: tried again."""
-    found: list[type[BaseException]] = []
-    for name in ("httpx", "httpx2"):
-        try:
-            module = __import__(name)
-        except ImportError:
-            continue
-        found += [module.TransportError]
-    return tuple(found)
+def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[str]]:
+    """`sha` and the `siblings`' names of the Hub's answer, checked."""
+    info = json_or_corrupt(named, bytes(body), "the Hub answered something else; try again")
+    sha = info.get("sha") if isinstance(info, dict) else None
+    siblings = info.get("siblings") if isinstance(info, dict) else None
+    names = (
+        [entry.get("rfilename") for entry in siblings if isinstance(entry, dict)]
+        if isinstance(siblings, list)
+        else None
+    )
+    if (
+        not isinstance(sha, str)
+        or not _COMMIT.fullmatch(sha)
+        or names is None
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise StorageAccessError(
+            f"{named}: the answer is not a repository's info (a 40-digit commit `sha` and "
+            "`siblings` with file names); check HF_ENDPOINT"
+        )
+    return sha, [str(name) for name in names]
 
 
 def _cached(

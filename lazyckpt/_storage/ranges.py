@@ -200,6 +200,33 @@ class Client:
             )
         return answer
 
+    def get(self, url: str, headers: dict[str, str], *, limit: int, named: str) -> Response:
+        """A GET of an API (the Hub's repository info), its answer whatever its status,
+        its body at most `limit` bytes; redirects followed to http(s), `headers` only
+        to `url`'s origin. `named` is how errors name it."""
+        if not threading.current_thread().name.startswith(_THREADS):
+            return self.pool.submit(self.get, url, headers, limit=limit, named=named).result()
+        target = url
+        for _ in range(_REDIRECTS + 1):
+            sent = {"Accept": "application/json", "User-Agent": "lazyckpt"}
+            if _origin(target) == _origin(url):
+                sent.update(headers)
+
+            def too_large(declared: int | None) -> LazyckptError:
+                holds = f"more than {limit}" if declared is None else f"{declared}"
+                return TooLargeError(
+                    f"{named}: the answer holds {holds} bytes, over the {limit} lazyckpt "
+                    "reads of it (a broken or hostile server)"
+                )
+
+            answer = self._transport.get(
+                named, target, sent, limit=limit, ranged=False, too_large=too_large
+            )
+            if answer.status not in (301, 302, 303, 307, 308):
+                return answer
+            target = _redirect(named, target, answer.headers.get("location", ""))
+        raise StorageAccessError(f"{named}: more than {_REDIRECTS} redirects")
+
     def _fetch(self, ask: _Ask, target: str) -> Answer | None:
         """One read starting at `target`; None where access was refused."""
         url, pin = ask.url, ask.pin
