@@ -47,9 +47,12 @@ class Request:
 class HostileServer:
     files: dict[str, File] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
+    protocol: str = "HTTP/1.1"
+    """HTTP/1.0 closes the connection after each answer."""
 
     def __post_init__(self) -> None:
-        self._listener = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        handler = type("Handler", (_Handler,), {"protocol_version": self.protocol})
+        self._listener = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._listener.daemon_threads = True
         self._listener.owner = self  # type: ignore[attr-defined]
         self._lock = threading.Lock()

@@ -12,14 +12,13 @@ huggingface_hub refuses it.
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import attrs
@@ -39,8 +38,15 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) 
         raise LazyTypeError(
             f"network_options({attribute.name}=...) takes a positive number, not {value!r}"
         )
-    if not math.isfinite(value):
-        raise LazyTypeError(f"network_options({attribute.name}=...) takes a finite number")
+    if not math.isfinite(value) or value > _LARGEST[attribute.name]:
+        raise LazyTypeError(
+            f"network_options({attribute.name}=...) takes at most "
+            f"{_LARGEST[attribute.name]:g}, not {value!r}"
+        )
+
+
+_LARGEST = {"timeout": 1e6, "min_rate": 1e12}
+"""Bounds the socket layer can take (a timeout past 2**31 s overflows it): 11 days."""
 
 
 def _attempts(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -91,10 +97,10 @@ class NetworkOptions:
         return float(self.timeout + size / self.min_rate)
 
     def bound(self) -> float:
-        """The longest one read may take with every retry, for a body of up to 1 MiB:
-        what the guide promises."""
-        waits = sum(min(FIRST_DELAY * 2.0**i, MAX_RETRY_AFTER) for i in range(self.retries - 1))
-        return self.retries * self.deadline_for(1 << 20) + waits
+        """The longest one read of up to 1 MiB may take with every retry, however the
+        server answers: what the guide promises."""
+        # Each wait is at most what a `Retry-After` may ask for.
+        return self.retries * self.deadline_for(1 << 20) + (self.retries - 1) * MAX_RETRY_AFTER
 
 
 def _from_environment() -> NetworkOptions:
@@ -136,15 +142,6 @@ def options() -> NetworkOptions:
         return _OPTIONS[-1]
 
 
-@contextmanager
-def _restoring(previous: NetworkOptions) -> Iterator[NetworkOptions]:
-    try:
-        yield options()
-    finally:
-        with _OPTIONS_LOCK:
-            _OPTIONS[-1] = previous
-
-
 def network_options(
     *,
     timeout: float | None = None,
@@ -153,8 +150,9 @@ def network_options(
     unversioned: Literal["refuse", "warn"] | None = None,
 ) -> _NetworkOptionsContext:
     """Set how reads over the network wait, retry and check (`NetworkOptions`), for
-    the whole process; as a `with` block, only within it. Reads on every thread use
-    the options in force when each request starts.
+    the whole process; as a `with` block, until its end, where the options it set go
+    back to what they were (those another thread set meanwhile stay). Each request
+    uses the options in force when it starts.
 
     >>> with lazyckpt.network_options(timeout=5, retries=2) as now:
     ...     now
@@ -162,8 +160,7 @@ def network_options(
     >>> lazyckpt.network_options().timeout  # outside the block: as before
     30.0
     """
-    previous = options()
-    changes = {
+    changes: dict[str, object] = {
         name: value
         for name, value in (
             ("timeout", timeout),
@@ -173,18 +170,19 @@ def network_options(
         )
         if value is not None
     }
-    new = attrs.evolve(previous, **changes)  # type: ignore[arg-type]
     with _OPTIONS_LOCK:
-        _OPTIONS[-1] = new
-    return _NetworkOptionsContext(previous, new)
+        previous = _OPTIONS[-1] if _OPTIONS else _from_environment()
+        new = attrs.evolve(previous, **changes)  # type: ignore[arg-type]
+        _OPTIONS[:] = [new]
+    return _NetworkOptionsContext({k: getattr(previous, k) for k in changes}, new)
 
 
 @attrs.frozen
 class _NetworkOptionsContext:
     """What `network_options` returns: the options now in force, and, used in a `with`
-    block, the options before it restored at its end."""
+    block, each option it set put back at its end (unless set again meanwhile)."""
 
-    previous: NetworkOptions = attrs.field(repr=False)
+    previous: dict[str, object] = attrs.field(repr=False)
     now: NetworkOptions
 
     def __getattr__(self, name: str) -> object:
@@ -195,7 +193,13 @@ class _NetworkOptionsContext:
 
     def __exit__(self, *exc: object) -> None:
         with _OPTIONS_LOCK:
-            _OPTIONS[-1] = self.previous
+            current = _OPTIONS[-1]
+            back = {
+                name: value
+                for name, value in self.previous.items()
+                if getattr(current, name) == getattr(self.now, name)
+            }
+            _OPTIONS[:] = [attrs.evolve(current, **back)]  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return repr(self.now)
@@ -222,8 +226,8 @@ def retry_after(value: str | None, now: float | None = None) -> float | None:
         when = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when.tzinfo is None:
-        return None
+    if when.tzinfo is None:  # asctime's form, which is in GMT
+        when = when.replace(tzinfo=datetime.UTC)
     wait = when.timestamp() - (time.time() if now is None else now)
     return min(max(wait, 0.0), MAX_RETRY_AFTER)
 

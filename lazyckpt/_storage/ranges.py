@@ -44,6 +44,8 @@ from lazyckpt._storage.transport import Response, Transport
 
 _REDIRECTS = 5
 _THREADS = "lazyckpt-web"
+CONNECTIONS = 16
+"""Requests in flight at once to one origin."""
 _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
 WHOLE_LIMIT = 64 << 20
 """The most bytes of a file read whole (no range) where the caller names no limit of
@@ -122,6 +124,9 @@ class Pin:
     modified: str | None = None
     seen: bool = False
     """Whether the file answered once: a 404 afterwards means it was deleted."""
+    location: str | None = None
+    """Where the file's URL redirected to, for a plain URL: asked again at each open
+    (a Hub file's, at a pinned commit, is remembered for the process)."""
 
     def conditions(self) -> dict[str, str]:
         """Headers that make the server refuse (412) where the file changed since."""
@@ -135,14 +140,27 @@ class Pin:
 
 class Client:
     """Range requests with redirects, pins and the rules of what an answer must be.
-    Where a file's URL redirects is remembered for the process (a redirect to a signed
-    address that expires is resolved again); what a file holds is pinned per open."""
+    Where a Hub file's URL redirects is remembered for the process (a redirect to a
+    signed address that expires is resolved again), a plain URL's for an open; what a
+    file holds is pinned per open. Each origin has its own threads (`pool`), so that a
+    server that stalls holds up no other server's reads."""
 
     def __init__(self) -> None:
         self._transport = Transport()
         self._locations: dict[str, str] = {}
         self._lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix=_THREADS)
+        self._pools: dict[tuple[str, str], concurrent.futures.ThreadPoolExecutor] = {}
+
+    def pool(self, url: str) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that read from `url`'s origin: up to `CONNECTIONS` at once."""
+        origin = _checked_origin(url)
+        with self._lock:
+            found = self._pools.get(origin)
+            if found is None:
+                found = self._pools[origin] = concurrent.futures.ThreadPoolExecutor(
+                    CONNECTIONS, thread_name_prefix=_THREADS
+                )
+            return found
 
     def read(
         self,
@@ -160,20 +178,25 @@ class Client:
         `limit` bytes, without a range; with `short`, fewer where the file ends before
         `stop`), checked against `pin`; `Answer("missing")` where the server has none.
         `halt` stops the read where another of its burst failed for good."""
+        _checked_origin(url)
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
             # does (a caller's thread that ends would drop its connections unclosed).
-            return self.pool.submit(
-                self.read,
-                url,
-                start,
-                stop,
-                short=short,
-                pin=pin,
-                limit=limit,
-                halt=halt,
-                ticket=ticket,
-            ).result()
+            return (
+                self.pool(url)
+                .submit(
+                    self.read,
+                    url,
+                    start,
+                    stop,
+                    short=short,
+                    pin=pin,
+                    limit=limit,
+                    halt=halt,
+                    ticket=ticket,
+                )
+                .result()
+            )
         pin = pin if pin is not None else Pin()
         registered = site(url)
         headers = dict(registered.headers) if registered is not None else {}
@@ -184,19 +207,26 @@ class Client:
             wanted = (start, stop)
             if stop is not None:
                 limit = stop - start
+        hub = registered is not None and bool(registered.generation)
         with self._lock:
-            known = self._locations.get(url)
+            known = self._locations.get(url) if hub else pin.location
         ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket)
         answer = self._fetch(ask, known or url)
         if answer is None and known is not None:  # a signed address expired
             with self._lock:
                 self._locations.pop(url, None)
+                pin.location = None
             answer = self._fetch(ask, url)
-        if answer is None:
+        if answer is None and hub:
             raise StorageAccessError(
                 f"{describe(url)}: access denied; for a gated or private Hugging Face "
                 "repository, log in (`hf auth login`) or set HF_TOKEN to a token that "
                 "was granted access"
+            )
+        if answer is None:
+            raise StorageAccessError(
+                f"{describe(url)}: access denied (HTTP 401, 403 or 410); check the URL, "
+                "or whether the server needs credentials"
             )
         return answer
 
@@ -205,7 +235,7 @@ class Client:
         its body at most `limit` bytes; redirects followed to http(s), `headers` only
         to `url`'s origin. `named` is how errors name it."""
         if not threading.current_thread().name.startswith(_THREADS):
-            return self.pool.submit(self.get, url, headers, limit=limit, named=named).result()
+            return self.pool(url).submit(self.get, url, headers, limit=limit, named=named).result()
         target = url
         for _ in range(_REDIRECTS + 1):
             sent = {"Accept": "application/json", "User-Agent": "lazyckpt"}
@@ -266,7 +296,7 @@ class Client:
                 return None
             if status == 416:  # the range starts past the end: `bytes */SIZE`
                 size = _unsatisfied(found)
-                self._check_pin(url, pin, size, found, versioned)
+                self._check_pin(url, pin, size, found, versioned, validators=False)
                 if ask.short:
                     return Answer("value", b"", size)
                 raise _truncated(url, size, ask.wanted)
@@ -285,28 +315,44 @@ class Client:
             self._check_pin(url, pin, size, found, versioned)
             if target != url:
                 with self._lock:
-                    self._locations[url] = target
+                    if versioned:
+                        pin.location = target
+                    else:
+                        self._locations[url] = target
             return Answer("value", answer.body, size)
         raise StorageAccessError(f"{describe(url)}: more than {_REDIRECTS} redirects")
 
     def _check_pin(
-        self, url: str, pin: Pin, size: int | None, found: dict[str, str], versioned: bool
+        self,
+        url: str,
+        pin: Pin,
+        size: int | None,
+        found: dict[str, str],
+        versioned: bool,
+        *,
+        validators: bool = True,
     ) -> None:
+        """Pin the file's size and validators at its first answer; a later answer
+        must agree. A validator the first answer gave and a later one drops, or the
+        other way, is a change too: another server, or another version. (A 416,
+        `validators=False`, says the size alone.)"""
         etag, modified = found.get("etag"), found.get("last-modified")
         with self._lock:
-            known = (pin.size, pin.etag, pin.modified)
             first = not pin.seen
-            pin.seen = True
-            pin.size = pin.size if pin.size is not None else size
-            pin.etag = pin.etag if pin.etag is not None else etag
-            pin.modified = pin.modified if pin.modified is not None else modified
-        for what, before, now in zip(
-            ("size", "ETag", "Last-Modified"), known, (size, etag, modified), strict=True
-        ):
-            if before is not None and now is not None and now != before:
+            if first:
+                pin.seen = True
+                pin.size, pin.etag, pin.modified = size, etag, modified
+            known = (pin.size, pin.etag, pin.modified)
+            if pin.size is None:
+                pin.size = size  # (a `bytes a-b/*` answer first: the size, once said)
+        if first:
+            if versioned and etag is None and modified is None:
+                _unversioned(url)
+            return
+        news = (size, etag, modified) if validators else (size, *known[1:])
+        for what, before, now in zip(("size", "ETag", "Last-Modified"), known, news, strict=True):
+            if before != now and (before is not None or what != "size"):
                 raise _changed(url, f"its {what} was {before}, now {now}")
-        if first and versioned and etag is None and modified is None:
-            _unversioned(url)
 
 
 @attrs.frozen
@@ -351,6 +397,11 @@ def _checked_range(ask: _Ask, answer: Response) -> int | None:
         )
     first, last = int(match[1]), int(match[2])
     size = None if match[3] == "*" else int(match[3])
+    if size is not None and last >= size:
+        raise StorageAccessError(
+            f"{describe(url)}: the server answered with Content-Range {text[:60]!r}, which "
+            "ends past the file's size; it does not serve byte ranges correctly"
+        )
     low, high = ask.wanted or (0, None)
     if first != low or last - first + 1 != len(body):
         raise StorageAccessError(
@@ -419,6 +470,16 @@ def _redirect(url: str, target: str, location: str) -> str:
             "follows redirects to http:// and https:// URLs only"
         )
     return found
+
+
+def _checked_origin(url: str) -> tuple[str, str]:
+    """`(scheme, host)` of a URL, which must be one."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as error:
+        raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
+    return parts.scheme, parts.netloc
 
 
 _CLIENT: Client | None = None

@@ -64,19 +64,30 @@ class _Clock:
     min_rate: float
     expected: int = 0
 
+    def allowed(self) -> float:
+        """Seconds the request may take, as things stand."""
+        return self.timeout + self.expected / self.min_rate
+
     def left(self) -> float:
-        return self.start + self.timeout + self.expected / self.min_rate - time.monotonic()
+        return self.start + self.allowed() - time.monotonic()
 
 
 class Late(TimeoutError):
-    """A request missed its deadline."""
+    """A request missed its deadline of `allowed` seconds."""
+
+    def __init__(self, allowed: float) -> None:
+        super().__init__(f"no complete answer within {allowed:.3g} s")
+        self.allowed = allowed
 
 
 class _TimedRaw(io.RawIOBase):
-    """A socket's receives, each waiting no later than the request's deadline."""
+    """A socket's receives (through the socket's own `makefile`, which keeps the socket
+    open for the answer's body after the connection lets go of it, as for an answer
+    that closes the connection), each waiting no later than the request's deadline."""
 
     def __init__(self, sock: socket.socket, clock: _Clock) -> None:
         self._sock = sock
+        self._raw = sock.makefile("rb", buffering=0)
         self._clock = clock
 
     def readable(self) -> bool:
@@ -85,12 +96,19 @@ class _TimedRaw(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         left = self._clock.left()
         if left <= 0:
-            raise Late("the answer did not arrive within its deadline")
+            raise Late(self._clock.allowed())
         self._sock.settimeout(min(left, self._clock.timeout))
         try:
-            return self._sock.recv_into(buffer)
+            count = self._raw.readinto(buffer)
         except TimeoutError:
-            raise Late("the answer did not arrive within its deadline") from None
+            raise Late(self._clock.allowed()) from None
+        if count is None:  # (a socket with a timeout never answers "would block")
+            raise Late(self._clock.allowed())
+        return count
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _TimedSocket:
@@ -104,9 +122,32 @@ class _TimedSocket:
         return io.BufferedReader(_TimedRaw(self._sock, self._clock), 1 << 16)
 
 
+_INTERIM_LINES = 100
+
+
+class _Response(http.client.HTTPResponse):
+    """An answer read through `_TimedRaw`, past every interim (1xx) answer before it:
+    `http.client` skips `100 Continue` only, and would take `103 Early Hints` for the
+    answer, leaving the real one to be read as the next request's."""
+
+    def __init__(self, sock: socket.socket, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+        super().__init__(_TimedSocket(sock, clock), *args, **kwargs)  # type: ignore[arg-type]
+
+    def _read_status(self) -> tuple[str, int, str]:
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 < status < 200 or status == 101:
+                return version, status, reason
+            for _ in range(_INTERIM_LINES):  # its headers, skipped
+                if self.fp.readline(1 << 16) in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                raise http.client.HTTPException("an interim answer with too many headers")
+
+
 def _timed(clock: _Clock) -> Callable[..., http.client.HTTPResponse]:
     def response(sock: socket.socket, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
-        return http.client.HTTPResponse(_TimedSocket(sock, clock), *args, **kwargs)  # type: ignore[arg-type]
+        return _Response(sock, *args, clock=clock, **kwargs)
 
     return response
 
@@ -157,11 +198,10 @@ class Transport:
                 raise StorageAccessError(
                     f"{target}: not a URL lazyckpt can ask for ({error})"
                 ) from None
-            except Late:
+            except Late as late:
                 last = (
-                    f"no complete answer within {options.deadline_for(limit):.0f} s, its "
-                    f"deadline ({options.timeout:g} s, and the body at "
-                    f"{options.min_rate} bytes/s)"
+                    f"no complete answer within {late.allowed:.3g} s, its deadline "
+                    f"({options.timeout:g} s, and the body at {options.min_rate} bytes/s)"
                 )
             except (OSError, http.client.HTTPException) as error:
                 stale = isinstance(
@@ -184,12 +224,14 @@ class Transport:
                 else:
                     time.sleep(delay)
                 delay = min(2 * delay, network.MAX_DELAY)
-        raise StorageAccessError(
+        failed = StorageAccessError(
             f"{url}: {parts.scheme}://{parts.netloc} could not be reached or kept failing "
             f"({last}) after {options.retries} attempts; check the network and the URL (for "
             "the Hub: HF_ENDPOINT), or allow more with lazyckpt.network_options(timeout=, "
             "retries=)"
         )
+        failed.gave_up = True  # type: ignore[attr-defined]  # (what stops a burst: network.Stop)
+        raise failed
 
     def _once(
         self,
@@ -257,23 +299,27 @@ class Transport:
 
 def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> bytearray | None:
     """The body, at most `limit` bytes; None where there is more (the rest unread).
-    Its deadline grows with its size: declared, or as it streams."""
+    Its buffer grows as bytes arrive, never ahead of them by more than it holds (a
+    server that declares 100 MiB and sends a byte a second gets 1 MiB); its deadline
+    grows with its size: declared, or as it streams."""
     length = response.length
-    if length is not None:
-        if length > limit:
-            return None
-        clock.expected = length
-        body = bytearray(length)
-        got = response.readinto(body) if length else 0
-        if got < length:
-            raise http.client.IncompleteRead(bytes(body[:got]), length - got)
-        return body
-    pieces = bytearray()
-    while True:
-        clock.expected = len(pieces)
-        piece = response.read(min(_PIECE, limit + 1 - len(pieces)))
-        if not piece:
-            return pieces
-        pieces += piece
-        if len(pieces) > limit:
-            return None
+    if length is not None and length > limit:
+        return None
+    total = length if length is not None else limit + 1
+    body = bytearray(min(total, _PIECE))
+    got = 0
+    while got < total:
+        if got == len(body):
+            body.extend(bytes(min(len(body), total - got)))  # (doubling: as bytes arrived)
+        clock.expected = length if length is not None else len(body)
+        with memoryview(body) as view:
+            count = response.readinto(view[got:])
+        if count == 0:
+            break
+        got += count
+    if length is not None and got < length:
+        raise http.client.IncompleteRead(b"", length - got)
+    if got > limit:
+        return None
+    del body[got:]
+    return body

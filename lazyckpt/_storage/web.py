@@ -31,9 +31,9 @@ class WebFiles:
     (`read(key, byte_range=)` returning a future of a result with `state` and
     `value`), so that the safetensors reader reads them as it reads a bucket. Each
     file's size and version are pinned at its first answer: the files one open reads.
-    The first read that the server fails for good (a `StorageAccessError`: unreachable,
-    failing after every retry) stops those submitted before it (`Stop`); a damaged
-    file's bytes stop no other read, so `verify` still checks the rest."""
+    The first read that the server failed at every attempt (unreachable, 5xx, missed
+    deadlines) stops those submitted before it (`Stop`); a definite answer (403, a
+    damaged file's bytes) stops no other read, so `verify` still checks the rest."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
@@ -67,13 +67,13 @@ class WebFiles:
                     url, start, stop, short=short, pin=pin, halt=self._stop, ticket=ticket
                 )
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
-                if isinstance(error, StorageAccessError):  # the server, not one file's bytes
+                if getattr(error, "gave_up", False):  # the server failed every attempt
                     self._stop.fail(ticket, str(error))
                 promise.set_exception(error)
             else:
                 promise.set_result(answer)
 
-        client().pool.submit(run)
+        client().pool(url).submit(run)
         return future
 
 
