@@ -36,7 +36,7 @@ from lazyckpt._array.geometry import (
     in_view,
     intersect,
     slabs,
-    split_dim,
+    slices,
     stored_map,
     strided_block,
     to_stored,
@@ -45,6 +45,9 @@ from lazyckpt._array.geometry import (
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.bands import (
+    band_bytes,
+    band_split,
+    pieces,
     slabs_in_view,
     stored_cells,
     strided_bands,
@@ -240,9 +243,9 @@ def _jobs(
         assert grid is not None
         found = strided_bands(array, grid, block)
         if found is not None:  # inside one stored chunk: decoded once, band by band
-            chunk, cut_bands, band_bytes = found
-            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window)
-            yield _Job(position, held - block + band_bytes, steps)
+            chunk, cut_bands, nbytes = found
+            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window, grid, block)
+            yield _Job(position, held - block + max(block, nbytes), steps)
             return
         for region in view_bands(array, block // itemsize, grid):  # each decoded on its own
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
@@ -267,17 +270,13 @@ def _jobs(
     for chunk in chunks_in(box, stored.chunks):
         overlap = intersect(chunk_box(chunk, stored.chunks), box)
         assert overlap is not None
-        split = split_dim(overlap, order, itemsize, block)
-        if any(units[d] > 1 for d in order[: order.index(split)]):
-            # Bands would cut cells of the grid: whole cells instead, decoded per block.
-            view_part = view_region(in_view(mapping, overlap, origins)[0], array.shape)
-            for region in chunk_blocks(view_part, grid or (), itemsize, block):
-                job = _decoded_block(array, region, read_bytes, window)
-                yield _Job(position, held, iter([job]))
-            continue
-        cut = functools.partial(slabs, overlap, order, itemsize, block, unit=units[split])
+        split = band_split(overlap, order, units, itemsize, block)
+        unit = units[split]
+        cut = functools.partial(slabs, overlap, order, itemsize, block, unit=unit, split_at=split)
         bands = functools.partial(slabs_in_view, array, cut)
-        yield _Job(position, held, _chunk_bands(array, chunk, bands, read_bytes, window))
+        nbytes = band_bytes(overlap, order, split, unit, itemsize, block)
+        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block)
+        yield _Job(position, held - block + max(block, nbytes), steps)
 
 
 @attrs.frozen
@@ -397,23 +396,31 @@ def _chunk_bands(
     bands: Callable[[], Iterable[Box]],
     read_bytes: int,
     window: int,
+    grid: tuple[int, ...] | None,
+    block: int,
 ) -> Iterator[Callable[[], ts.Future[object]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
-    band (a box of the view that the chunk's decode completes, in decode order; for an
-    unstrided view a slab along its leading stored dimension), handing it over; the
-    last step's result is `_END`. The chunk's stored bytes are checked against its
-    declared size before its bands are planned: a damaged header may declare
-    petabytes."""
+    band (a box of the view, whole cells of `grid`, that the chunk's decode completes,
+    in decode order; for an unstrided view a slab along its leading stored dimension),
+    handing it over in blocks (`pieces`: views of the band, which is freed with the
+    last); the last step's result is `_END`. The chunk's stored bytes are checked
+    against its declared size before its bands are planned: a damaged header may
+    declare petabytes."""
 
     def produce() -> Iterator[Block]:
         ChunkStream(stored_array(array), index, read_bytes).check()
         regions = list(bands())
         destinations = [Destination(region, array.dtype) for region in regions]
         users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
+        itemsize = array.dtype.itemsize
         for completed in decode_slabs(array, index, users, read_bytes, window):
             for destination in completed:
-                yield as_slices(destination.region), destination.buffer(), destination.out_nbytes()
+                band, region = destination.buffer(), destination.region
                 destination.out = None  # handed over: the job keeps no reference
+                for part in pieces(region, grid, itemsize, block):
+                    values = band[slices(part, region)]
+                    yield as_slices(part), values, values.nbytes
+                del band
 
     bands_out = produce()
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
