@@ -95,6 +95,53 @@ def test_a_saved_transpose_holds_its_chunk_once(
 
 
 @pytest.fixture(scope="module")
+def rows_of_1000(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """(2048, 1000) float32 in one 8 MB zstd chunk: rows that no power of two divides."""
+    value = np.random.default_rng(36).standard_normal((2048, 1000)).astype(np.float32)
+    return orbax_save(tmp_path_factory.mktemp("rows") / "ckpt", {"w": value}), value
+
+
+@pytest.mark.parametrize(
+    "shape", [(8, 80, 400, 8), (1000, 2048), (2, 1024, 8, 125), (4096, 500), (64, 32000)]
+)
+def test_a_reshape_across_the_last_axis_decodes_each_chunk_once(
+    rows_of_1000: tuple[Path, np.ndarray],
+    shape: tuple[int, ...],
+    count_bytes: Callable[[], Any],
+    tmp_path: Path,
+) -> None:
+    """A reshape whose groups cut the stored rows (a stored row of 1000 elements
+    against view rows of 3200 or 2048) streams its source's rows once, each run of
+    them cut into boxes of the view. `(8, 80, 400, 8)` read 66x the stored bytes in
+    `stats` and a safetensors save at 64 KiB: each block of the view decoded the
+    chunk again from its start."""
+    path, value = rows_of_1000
+    want = value.reshape(shape)
+    stored = _stored(path, count_bytes)
+    view = lazyckpt.open(path)["w"].reshape(shape)
+    with count_bytes() as read:
+        got, largest = _streamed(view, None)
+    np.testing.assert_array_equal(got, want)
+    assert largest <= stream_block(BUDGET), largest  # blocks within the budget's share
+    assert read[0] <= stored * 1.02, read[0] / stored
+    grid = choose_chunks(shape, 4, 64 << 10)
+    with count_bytes() as read:
+        got, _ = _streamed(lazyckpt.open(path)["w"].reshape(shape), grid)
+    np.testing.assert_array_equal(got, want)
+    assert read[0] <= stored * 1.02, (grid, read[0] / stored)
+    with count_bytes() as read:
+        found = lazyckpt.stats({"v": view}, memory_budget=BUDGET)["v"]
+    assert read[0] <= stored * 1.02, read[0] / stored
+    assert found.mean is not None and np.isclose(found.mean, want.astype(np.float64).mean())
+    with count_bytes() as read:
+        saved = lazyckpt.save(
+            tmp_path / "v.safetensors", {"v": view}, memory_budget=BUDGET, format="safetensors"
+        )
+    assert read[0] <= stored * 1.02, read[0] / stored
+    np.testing.assert_array_equal(lazyckpt.open(saved)["v"].get(), want)
+
+
+@pytest.fixture(scope="module")
 def fortran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     """(2048, 1024) float32 in one 8 MiB zstd chunk in F order (zarr v2), written by
     tensorstore in place of an Orbax checkpoint's array."""

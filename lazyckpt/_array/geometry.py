@@ -120,6 +120,17 @@ def fitted(cells: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def pieces(region: Box, grid: Sequence[int] | None, itemsize: int, block: int) -> Iterator[Box]:
+    """`region` (whole cells of `grid`, anchored at 0) in blocks of whole cells of at
+    most `block` bytes (one cell where a cell is larger); `region` itself where it
+    fits."""
+    if box_bytes(region, itemsize) <= block:
+        yield region
+        return
+    cells = grid if grid is not None else fitted([h - lo for lo, h in region], itemsize, block)
+    yield from chunk_blocks(region, cells, itemsize, block)
+
+
 def chunk_count(box: Box, chunks: Sequence[int]) -> int:
     """How many chunks of the grid `box` touches."""
     if any(low >= high for low, high in box):

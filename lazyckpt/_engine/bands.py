@@ -5,7 +5,7 @@ up, and bands of one stored chunk that its decode completes one after another
 A band is whole cells of the grid, so where the cells span the chunk along its first
 stream dimension (a transpose's cells across every row of a C-order chunk, rows of
 a new grid over an F-order chunk) one band is the whole chunk: it is decoded once
-and held, and handed over in `pieces` of whole cells, rather than decoded again for
+and held, and handed over in pieces of whole cells (`geometry.pieces`), rather than decoded again for
 each block or handed over whole (which the consumer, a writer, copies again)."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from lazyckpt._array.geometry import (
     chunk_blocks,
     chunk_count,
     chunks_in,
-    fitted,
     in_view,
     split_dim,
     stored_map,
@@ -99,7 +98,7 @@ def strided_bands(
     dimension of the first stored dimension (in decode order) it spans, whole along
     the others. `(chunk, bands, bytes of a band)`, or None where the view spans
     several chunks. A band one cell thick may be larger than a block (cells that span
-    the chunk along its first stream dimension): it is handed over in `pieces`."""
+    the chunk along its first stream dimension): it is handed over in pieces."""
     stored = stored_array(array)
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
     box = bounds(array.selection)
@@ -142,14 +141,3 @@ def band_bytes(
     step = max(unit, block // max(row, 1) // unit * unit)
     low, high = box[split]
     return min(step, high - low) * row
-
-
-def pieces(region: Box, grid: tuple[int, ...] | None, itemsize: int, block: int) -> Iterator[Box]:
-    """A band (a box of the view, whole cells of `grid`) in blocks of whole cells of
-    at most `block` bytes (one cell where a cell is larger); the band itself where it
-    fits."""
-    if box_bytes(region, itemsize) <= block:
-        yield region
-        return
-    cells = grid if grid is not None else fitted([h - lo for lo, h in region], itemsize, block)
-    yield from chunk_blocks(region, cells, itemsize, block)

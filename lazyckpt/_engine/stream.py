@@ -35,6 +35,7 @@ from lazyckpt._array.geometry import (
     fitted,
     in_view,
     intersect,
+    pieces,
     slabs,
     slices,
     stored_map,
@@ -47,7 +48,6 @@ from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.bands import (
     band_bytes,
     band_split,
-    pieces,
     slabs_in_view,
     stored_cells,
     strided_bands,
@@ -99,11 +99,15 @@ class _Job:
         """This job's blocks as blocks of a composed view that this array is part of."""
 
         def move(result: object) -> object:
-            if result is _END:
-                return _END
+            if result is _END or result is _SKIP:
+                return result
             assert isinstance(result, tuple)
             index, values, work = result
-            return (*place(index, values), work)
+            # The block's work is counted once, with its first piece.
+            return [
+                (moved, piece, work if i == 0 else 0)
+                for i, (moved, piece) in enumerate(place(index, values))
+            ]
 
         steps = (lambda start=start: then(start(), move) for start in self._steps)
         return _Job(self.position, self.held, steps)
@@ -180,23 +184,34 @@ def iter_blocks(
         if result is _SKIP:
             active[0] = (job, job.step())
             continue
-        assert isinstance(result, tuple)  # a block
-        index, values, work = result
+        assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
+        blocks = result if isinstance(result, list) else [result]
         active[0] = (job, job.step())  # decode the next block while this one is used
+        yield from _handed(job, blocks, leaves, progress)
+        del blocks, result
+        limits.guard.check(reserved)
+    check_unchanged(stores(arrays))
+
+
+def _handed(
+    job: _Job, blocks: list[Block], leaves: Sequence[_Leaf], progress: Progress | None
+) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
+    """`iter_blocks`' answers for one step's blocks (in a frame of their own, which
+    keeps no reference to them once they are handed over: a piece of a band would
+    keep all of the band)."""
+    for index, values, work in blocks:
         if job.sharing is None:
             yield job.position, index, values
         else:
             for i, piece_index, piece in job.sharing.route(index, values):
                 leaf = leaves[i]
                 moved = (
-                    (piece_index, piece) if leaf.place is None else leaf.place(piece_index, piece)
+                    [(piece_index, piece)] if leaf.place is None else leaf.place(piece_index, piece)
                 )
-                yield leaf.position, *moved
-        del values, result
-        limits.guard.check(reserved)
+                for moved_index, moved_values in moved:
+                    yield leaf.position, moved_index, moved_values
         if progress is not None:
             progress.advance(work)
-    check_unchanged(stores(arrays))
 
 
 def _jobs(
@@ -320,11 +335,15 @@ def _then(
 ) -> compose.Place:
     """Blocks of a part (of `shape`) moved by `inner`, cast, then moved by `outer`."""
 
-    def place(index: tuple[slice, ...], values: np.ndarray) -> tuple[tuple[slice, ...], np.ndarray]:
+    def place(
+        index: tuple[slice, ...], values: np.ndarray
+    ) -> list[tuple[tuple[slice, ...], np.ndarray]]:
         # Explicit bounds: a new axis comes as slice(None), which moving cannot shift.
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        index, values = inner(index, values.astype(dtype, copy=False))
-        return (index, values) if outer is None else outer(index, values)
+        moved = inner(index, values.astype(dtype, copy=False))
+        if outer is None:
+            return moved
+        return [piece for at, part in moved for piece in outer(at, part)]
 
     return place
 
@@ -418,9 +437,8 @@ def _chunk_bands(
                 band, region = destination.buffer(), destination.region
                 destination.out = None  # handed over: the job keeps no reference
                 for part in pieces(region, grid, itemsize, block):
-                    values = band[slices(part, region)]
-                    yield as_slices(part), values, values.nbytes
-                del band
+                    yield as_slices(part), band[slices(part, region)], box_bytes(part, itemsize)
+                del band  # (and no piece of it is left in this frame)
 
     bands_out = produce()
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
