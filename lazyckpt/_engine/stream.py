@@ -6,8 +6,10 @@ eighth), or, for chunks larger than that, slabs of the chunk cut along its leadi
 stored dimension, which one job decodes in order and hands over as each is complete
 (`lazyckpt._engine.fill.decode_slabs`); arrays lazyckpt does not decode itself are read by
 tensorstore block by block. Given a grid (a new checkpoint's chunks), every block is a
-union of whole cells of it. Jobs run ahead of the consumer, each holding its stream
-and one block, within the budget.
+union of whole cells of it; where such a slab is larger than a block (cells that span
+the chunk along its stream), it is held and handed over in blocks of whole cells.
+Jobs run ahead of the consumer, each holding its stream and one block (or slab),
+within the budget.
 """
 
 from __future__ import annotations
