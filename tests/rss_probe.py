@@ -2,11 +2,14 @@
 
     python -m tests.rss_probe PATH load|device_put|stream|stats|verify|slice|get BUDGET_BYTES
     python -m tests.rss_probe PATH convert|export BUDGET_BYTES DESTINATION
+    python -m tests.rss_probe PATH save|save_T BUDGET_BYTES DESTINATION
 
 Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
 kernel's high-water mark is reset first), `kept` (bytes of arrays the read
 returned) and, for `stream`, `largest` (bytes of the largest block). `slice` loads
 rows 100:110 of the first array, `get` reads them with `.get()` (no budget given).
+`save` saves the first array as a new Orbax checkpoint of 1 MiB chunks, `save_T` its
+transpose.
 Linux only (`/proc/self/clear_refs`).
 
 Before the baseline is taken, one row of the first array is streamed and placed on
@@ -61,6 +64,10 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
         lazyckpt.convert(path, extra[0], dtype="bfloat16", memory_budget=budget)
     elif mode == "export":
         lazyckpt.convert(path, extra[0], to="safetensors", memory_budget=budget)
+    elif mode in ("save", "save_T"):
+        first = next(leaf for _, leaf in lazyckpt.leaves(tree))
+        view = first.T if mode == "save_T" else first
+        lazyckpt.save(extra[0], {"v": view}, memory_budget=budget, chunk_bytes=1 << 20)
     elif mode == "stream":
         for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
             total += float(values.sum(dtype=np.float64))

@@ -40,8 +40,11 @@ from lazyckpt._array.view import ArrayView
 Part: TypeAlias = ArrayView
 Dest: TypeAlias = Callable[[np.ndarray], np.ndarray]
 Piece: TypeAlias = tuple[Part, Box, Dest]
-# How a block `(index, values)` of a part becomes a block of the node.
-Place: TypeAlias = Callable[[tuple[slice, ...], np.ndarray], tuple[tuple[slice, ...], np.ndarray]]
+# How a block `(index, values)` of a part becomes blocks of the node (one, or several
+# where its elements are no one box of the node: a run of a reshape's part).
+Place: TypeAlias = Callable[
+    [tuple[slice, ...], np.ndarray], list[tuple[tuple[slice, ...], np.ndarray]]
+]
 _T = TypeVar("_T")
 
 
@@ -204,10 +207,9 @@ class Stack(_Joined):
         inner = _without(grid, k) if grid is not None else None
 
         def place(i: int) -> Place:
-            return lambda index, values: (
-                (*index[:k], slice(i, i + 1), *index[k:]),
-                np.expand_dims(values, k),
-            )
+            return lambda index, values: [
+                ((*index[:k], slice(i, i + 1), *index[k:]), np.expand_dims(values, k))
+            ]
 
         return [(a, inner, place(i)) for i, a in enumerate(self.arrays)]
 
@@ -284,10 +286,16 @@ class Concat(_Joined):
             return None
 
         def place(start: int) -> Place:
-            return lambda index, values: (
-                (*index[:k], slice(index[k].start + start, index[k].stop + start), *index[k + 1 :]),
-                values,
-            )
+            return lambda index, values: [
+                (
+                    (
+                        *index[:k],
+                        slice(index[k].start + start, index[k].stop + start),
+                        *index[k + 1 :],
+                    ),
+                    values,
+                )
+            ]
 
         return [(a, grid, place(s)) for a, s in zip(self.arrays, starts, strict=False)]
 
@@ -347,8 +355,8 @@ class Transpose(Pushed):
 
         def place(
             index: tuple[slice, ...], values: np.ndarray
-        ) -> tuple[tuple[slice, ...], np.ndarray]:
-            return tuple(index[p] for p in self.perm), values.transpose(self.perm)
+        ) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+            return [(tuple(index[p] for p in self.perm), values.transpose(self.perm))]
 
         return [(self.array, inner, place)]
 
@@ -383,7 +391,7 @@ class Cast(Pushed):
     def stream_parts(
         self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
-        return [(self.array, grid, lambda index, values: (index, values))]
+        return [(self.array, grid, lambda index, values: [(index, values)])]
 
     def describe(self) -> str:
         return f"read as {self.array.dtype}"

@@ -120,6 +120,17 @@ def fitted(cells: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def pieces(region: Box, grid: Sequence[int] | None, itemsize: int, block: int) -> Iterator[Box]:
+    """`region` (whole cells of `grid`, anchored at 0) in blocks of whole cells of at
+    most `block` bytes (one cell where a cell is larger); `region` itself where it
+    fits."""
+    if box_bytes(region, itemsize) <= block:
+        yield region
+        return
+    cells = grid if grid is not None else fitted([h - lo for lo, h in region], itemsize, block)
+    yield from chunk_blocks(region, cells, itemsize, block)
+
+
 def chunk_count(box: Box, chunks: Sequence[int]) -> int:
     """How many chunks of the grid `box` touches."""
     if any(low >= high for low, high in box):
@@ -160,18 +171,22 @@ def slabs(
     max_bytes: int,
     cuts: Sequence[int] = (),
     unit: int = 1,
+    split_at: int | None = None,
 ) -> Iterator[Box]:
     """`box` (a chunk) cut into slabs that follow each other in its byte stream, which
     runs in C order over the stored dimensions `order`: single indices in the leading
-    stream dimensions, a range in one, whole extents in the rest. Each slab holds at
-    most `max_bytes` (at least one element row of the split dimension, or `unit`
-    rows: slab lengths are multiples of `unit` in the split dimension), and slabs
-    are also cut at the stored indices `cuts` of the split dimension."""
+    stream dimensions, a range in one (`split_at`, or `split_dim`'s), whole extents
+    in the rest. Each slab holds at most `max_bytes` (at least one element row of the
+    split dimension, or `unit` rows: slab lengths are multiples of `unit` in the split
+    dimension), and slabs are also cut at the stored indices `cuts` of the split
+    dimension."""
     if not box:
         yield ()
         return
     stream = [box[d] for d in order]
-    split = order.index(split_dim(box, order, itemsize, max_bytes))
+    if split_at is None:
+        split_at = split_dim(box, order, itemsize, max_bytes)
+    split = order.index(split_at)
     row = math.prod(high - low for low, high in stream[split + 1 :]) * itemsize
     step = max(unit, max_bytes // max(row, 1) // unit * unit)
     low, high = stream[split]

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from lazyckpt._array.compose import Copied, Part, Piece, Place, taking, view_chunks
-from lazyckpt._array.geometry import Box, product
+from lazyckpt._array.geometry import Box, as_slices, pieces, product, slices
 
 
 class NotAView(ValueError):
@@ -98,40 +98,62 @@ class Reshape(Copied):
     def stream_parts(
         self, grid: tuple[int, ...] | None, block: int
     ) -> list[tuple[Part, tuple[int, ...] | None, Place]] | None:
-        """The part in slabs of whole rows along its first dimension longer than 1: a
-        slab of the part is a run of consecutive elements, and so a slab of the view
-        along its first such dimension, when both start on a row of each (and on a row
-        of `grid`'s cells). None where the thinnest such slab is larger than both
-        `block` bytes and a cell of `grid`."""
-        source, shape = self.array.shape, self.shape
+        """The part in blocks of whole rows along its first dimension longer than 1: a
+        block of the part is a run of consecutive elements of the view, which `place`
+        cuts into a few boxes of it (`_flat_boxes`), so that any block the part
+        streams in (bands of its stored chunks, decoded once) lands in the view, where
+        the view's rows and the part's do not line up too. Given `grid`, runs start on
+        a row of the part and where the view's cells allow (`_aligned`), and each box
+        is handed over in blocks of whole cells. None where the shortest such run is
+        larger than `block` bytes, a cell of `grid` and a stored chunk of the part
+        (which a band may hold: each chunk is decoded once)."""
+        source, shape, itemsize = self.array.shape, self.shape, self.dtype.itemsize
         if 0 in source or not any(n > 1 for n in source) or not any(n > 1 for n in shape):
             return None
         at = next(d for d, n in enumerate(source) if n > 1)  # leading 1s are fixed at 0
-        view_at = next(d for d, n in enumerate(shape) if n > 1)
-        row, view_row = math.prod(source[at + 1 :]), math.prod(shape[view_at + 1 :])
-        step = math.lcm(row, view_row * (grid[view_at] if grid is not None else 1))
+        row = math.prod(source[at + 1 :])
+        step = math.lcm(row, _aligned(shape, grid))
         cell = math.prod(grid) if grid is not None else 0
-        if step * self.dtype.itemsize > max(block, cell * self.dtype.itemsize):
+        chunk = math.prod(view_chunks(self.array))
+        if step > max(block // itemsize, cell, chunk):
             return None
 
         def place(
             index: tuple[slice, ...], values: np.ndarray
-        ) -> tuple[tuple[slice, ...], np.ndarray]:
+        ) -> list[tuple[tuple[slice, ...], np.ndarray]]:
             low, high, _ = index[at].indices(source[at])
             rest = zip(index[at + 1 :], source[at + 1 :], strict=True)
             assert all(s.indices(n)[:2] == (0, n) for s, n in rest), "whole rows only"
-            start, stop = low * row // view_row, high * row // view_row
-            out = tuple(
-                slice(start, stop) if d == view_at else slice(0, n) for d, n in enumerate(shape)
-            )
-            return out, values.reshape(
-                tuple(stop - start if d == view_at else n for d, n in enumerate(shape))
-            )
+            flat, start, out = values.reshape(-1), 0, []
+            for run in _flat_boxes(shape, low * row, high * row):
+                extents = tuple(b - a for a, b in run)
+                stop = start + math.prod(extents)
+                in_run = flat[start:stop].reshape(extents)
+                for box in pieces(run, grid, itemsize, block):
+                    out.append((as_slices(box), in_run[slices(box, run)]))
+                start = stop
+            return out
 
         return [(self.array, (*source[:at], step // row, *source[at + 1 :]), place)]
 
     def describe(self) -> str:
         return f"reshape of {self.array.shape}"
+
+
+def _aligned(shape: Sequence[int], grid: Sequence[int] | None) -> int:
+    """Where runs of the view's elements (in C order) may start and end, so that the
+    boxes `_flat_boxes` cuts them into are whole cells of `grid`: multiples of this.
+    Cells are one index thick before the first dimension where they are not; there a
+    run starts on a cell's edge (the stride of that dimension times its cell), or, if
+    its cells end unevenly inside the view, on an index of the dimension before."""
+    if grid is None:
+        return 1
+    for d, (n, cell) in enumerate(zip(shape, grid, strict=True)):
+        if n > 1 and cell > 1:
+            stride = math.prod(shape[d + 1 :])
+            even = n % cell == 0 or all(m == 1 for m in shape[:d])
+            return stride * min(cell, n) if even else stride * n
+    return 1
 
 
 def _run_move(

@@ -1,6 +1,12 @@
 """Where the blocks of a stream fall: boxes of a view that whole cells of a grid make
 up, and bands of one stored chunk that its decode completes one after another
-(`lazyckpt._engine.stream`)."""
+(`lazyckpt._engine.stream`).
+
+A band is whole cells of the grid, so where the cells span the chunk along its first
+stream dimension (a transpose's cells across every row of a C-order chunk, rows of
+a new grid over an F-order chunk) one band is the whole chunk: it is decoded once
+and held, and handed over in pieces of whole cells (`geometry.pieces`), rather than decoded again for
+each block or handed over whole (which the consumer, a writer, copies again)."""
 
 from __future__ import annotations
 
@@ -10,10 +16,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from lazyckpt._array.geometry import (
     Box,
     bounds,
+    box_bytes,
     chunk_blocks,
     chunk_count,
     chunks_in,
     in_view,
+    split_dim,
     stored_map,
     view_origins,
 )
@@ -89,7 +97,8 @@ def strided_bands(
     that the chunk's decode completes one after another: ranges along the view
     dimension of the first stored dimension (in decode order) it spans, whole along
     the others. `(chunk, bands, bytes of a band)`, or None where the view spans
-    several chunks, or a band one cell thick is larger than both a block and a cell."""
+    several chunks. A band one cell thick may be larger than a block (cells that span
+    the chunk along its first stream dimension): it is handed over in pieces."""
     stored = stored_array(array)
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
     box = bounds(array.selection)
@@ -102,8 +111,6 @@ def strided_bands(
     itemsize, length = array.dtype.itemsize, array.shape[along]
     row = math.prod(array.shape) // length * itemsize  # bytes per index along `along`
     cell = grid[along]
-    if cell * row > max(block, math.prod(grid) * itemsize):
-        return None
     rows = max(cell, block // row // cell * cell)
     whole = [(0, n) for n in array.shape]
     bands = [
@@ -112,3 +119,25 @@ def strided_bands(
     ]
     chunk = next(chunks_in(box, stored.chunks))
     return chunk, bands, rows * row
+
+
+def band_split(
+    box: Box, order: Sequence[int], units: Sequence[int], itemsize: int, block: int
+) -> int:
+    """The stored dimension that the bands of `box` (a chunk's part) are ranges along:
+    `split_dim`'s, or an earlier one in stream order where a cell of the grid
+    (`units`, per stored dimension) is more than one index thick there, which single
+    indices would cut."""
+    split = split_dim(box, order, itemsize, block)
+    thick = next((d for d in order if units[d] > 1), split)
+    return min(split, thick, key=order.index)
+
+
+def band_bytes(
+    box: Box, order: Sequence[int], split: int, unit: int, itemsize: int, block: int
+) -> int:
+    """The bytes of the largest band `slabs` cuts `box` into along `split`."""
+    row = box_bytes(tuple(box[d] for d in order[order.index(split) + 1 :]), itemsize)
+    step = max(unit, block // max(row, 1) // unit * unit)
+    low, high = box[split]
+    return min(step, high - low) * row

@@ -6,8 +6,10 @@ eighth), or, for chunks larger than that, slabs of the chunk cut along its leadi
 stored dimension, which one job decodes in order and hands over as each is complete
 (`lazyckpt._engine.fill.decode_slabs`); arrays lazyckpt does not decode itself are read by
 tensorstore block by block. Given a grid (a new checkpoint's chunks), every block is a
-union of whole cells of it. Jobs run ahead of the consumer, each holding its stream
-and one block, within the budget.
+union of whole cells of it; where such a slab is larger than a block (cells that span
+the chunk along its stream), it is held and handed over in blocks of whole cells.
+Jobs run ahead of the consumer, each holding its stream and one block (or slab),
+within the budget.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from lazyckpt._array.geometry import (
     fitted,
     in_view,
     intersect,
+    pieces,
     slabs,
-    split_dim,
+    slices,
     stored_map,
     strided_block,
     to_stored,
@@ -45,6 +48,8 @@ from lazyckpt._array.geometry import (
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.bands import (
+    band_bytes,
+    band_split,
     slabs_in_view,
     stored_cells,
     strided_bands,
@@ -96,11 +101,15 @@ class _Job:
         """This job's blocks as blocks of a composed view that this array is part of."""
 
         def move(result: object) -> object:
-            if result is _END:
-                return _END
+            if result is _END or result is _SKIP:
+                return result
             assert isinstance(result, tuple)
             index, values, work = result
-            return (*place(index, values), work)
+            # The block's work is counted once, with its first piece.
+            return [
+                (moved, piece, work if i == 0 else 0)
+                for i, (moved, piece) in enumerate(place(index, values))
+            ]
 
         steps = (lambda start=start: then(start(), move) for start in self._steps)
         return _Job(self.position, self.held, steps)
@@ -177,23 +186,34 @@ def iter_blocks(
         if result is _SKIP:
             active[0] = (job, job.step())
             continue
-        assert isinstance(result, tuple)  # a block
-        index, values, work = result
+        assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
+        blocks = result if isinstance(result, list) else [result]
         active[0] = (job, job.step())  # decode the next block while this one is used
+        yield from _handed(job, blocks, leaves, progress)
+        del blocks, result
+        limits.guard.check(reserved)
+    check_unchanged(stores(arrays))
+
+
+def _handed(
+    job: _Job, blocks: list[Block], leaves: Sequence[_Leaf], progress: Progress | None
+) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
+    """`iter_blocks`' answers for one step's blocks (in a frame of their own, which
+    keeps no reference to them once they are handed over: a piece of a band would
+    keep all of the band)."""
+    for index, values, work in blocks:
         if job.sharing is None:
             yield job.position, index, values
         else:
             for i, piece_index, piece in job.sharing.route(index, values):
                 leaf = leaves[i]
                 moved = (
-                    (piece_index, piece) if leaf.place is None else leaf.place(piece_index, piece)
+                    [(piece_index, piece)] if leaf.place is None else leaf.place(piece_index, piece)
                 )
-                yield leaf.position, *moved
-        del values, result
-        limits.guard.check(reserved)
+                for moved_index, moved_values in moved:
+                    yield leaf.position, moved_index, moved_values
         if progress is not None:
             progress.advance(work)
-    check_unchanged(stores(arrays))
 
 
 def _jobs(
@@ -240,9 +260,9 @@ def _jobs(
         assert grid is not None
         found = strided_bands(array, grid, block)
         if found is not None:  # inside one stored chunk: decoded once, band by band
-            chunk, cut_bands, band_bytes = found
-            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window)
-            yield _Job(position, held - block + band_bytes, steps)
+            chunk, cut_bands, nbytes = found
+            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window, grid, block)
+            yield _Job(position, held - block + max(block, nbytes), steps)
             return
         for region in view_bands(array, block // itemsize, grid):  # each decoded on its own
             yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
@@ -267,17 +287,13 @@ def _jobs(
     for chunk in chunks_in(box, stored.chunks):
         overlap = intersect(chunk_box(chunk, stored.chunks), box)
         assert overlap is not None
-        split = split_dim(overlap, order, itemsize, block)
-        if any(units[d] > 1 for d in order[: order.index(split)]):
-            # Bands would cut cells of the grid: whole cells instead, decoded per block.
-            view_part = view_region(in_view(mapping, overlap, origins)[0], array.shape)
-            for region in chunk_blocks(view_part, grid or (), itemsize, block):
-                job = _decoded_block(array, region, read_bytes, window)
-                yield _Job(position, held, iter([job]))
-            continue
-        cut = functools.partial(slabs, overlap, order, itemsize, block, unit=units[split])
+        split = band_split(overlap, order, units, itemsize, block)
+        unit = units[split]
+        cut = functools.partial(slabs, overlap, order, itemsize, block, unit=unit, split_at=split)
         bands = functools.partial(slabs_in_view, array, cut)
-        yield _Job(position, held, _chunk_bands(array, chunk, bands, read_bytes, window))
+        nbytes = band_bytes(overlap, order, split, unit, itemsize, block)
+        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block)
+        yield _Job(position, held - block + max(block, nbytes), steps)
 
 
 @attrs.frozen
@@ -321,11 +337,15 @@ def _then(
 ) -> compose.Place:
     """Blocks of a part (of `shape`) moved by `inner`, cast, then moved by `outer`."""
 
-    def place(index: tuple[slice, ...], values: np.ndarray) -> tuple[tuple[slice, ...], np.ndarray]:
+    def place(
+        index: tuple[slice, ...], values: np.ndarray
+    ) -> list[tuple[tuple[slice, ...], np.ndarray]]:
         # Explicit bounds: a new axis comes as slice(None), which moving cannot shift.
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        index, values = inner(index, values.astype(dtype, copy=False))
-        return (index, values) if outer is None else outer(index, values)
+        moved = inner(index, values.astype(dtype, copy=False))
+        if outer is None:
+            return moved
+        return [piece for at, part in moved for piece in outer(at, part)]
 
     return place
 
@@ -397,23 +417,30 @@ def _chunk_bands(
     bands: Callable[[], Iterable[Box]],
     read_bytes: int,
     window: int,
+    grid: tuple[int, ...] | None,
+    block: int,
 ) -> Iterator[Callable[[], ts.Future[object]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
-    band (a box of the view that the chunk's decode completes, in decode order; for an
-    unstrided view a slab along its leading stored dimension), handing it over; the
-    last step's result is `_END`. The chunk's stored bytes are checked against its
-    declared size before its bands are planned: a damaged header may declare
-    petabytes."""
+    band (a box of the view, whole cells of `grid`, that the chunk's decode completes,
+    in decode order; for an unstrided view a slab along its leading stored dimension),
+    handing it over in blocks (`pieces`: views of the band, which is freed with the
+    last); the last step's result is `_END`. The chunk's stored bytes are checked
+    against its declared size before its bands are planned: a damaged header may
+    declare petabytes."""
 
     def produce() -> Iterator[Block]:
         ChunkStream(stored_array(array), index, read_bytes).check()
         regions = list(bands())
         destinations = [Destination(region, array.dtype) for region in regions]
         users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
+        itemsize = array.dtype.itemsize
         for completed in decode_slabs(array, index, users, read_bytes, window):
             for destination in completed:
-                yield as_slices(destination.region), destination.buffer(), destination.out_nbytes()
+                band, region = destination.buffer(), destination.region
                 destination.out = None  # handed over: the job keeps no reference
+                for part in pieces(region, grid, itemsize, block):
+                    yield as_slices(part), band[slices(part, region)], box_bytes(part, itemsize)
+                del band  # (and no piece of it is left in this frame)
 
     bands_out = produce()
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
