@@ -468,6 +468,15 @@ def test_fifos_anywhere_are_refused_not_waited_on(sharded: Path, tmp_path: Path)
     assert "is not a regular file" in outcomes["ocdbt data file:open"]
 
 
+def test_a_sequence_index_of_thousands_of_digits_is_a_clear_error(tmp_path: Path) -> None:
+    item = _metadata_only(tmp_path / "ckpt", {"x": _entry([("9" * 5000, 1)])})
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=r"_METADATA: entry x has key '9{60}' of key_type 1; expected 1 \(sequence index\)",
+    ):
+        lazyckpt.open(item)
+
+
 TREE_CHUNKS = (("small", "0"), ("big", "0.0"), ("mid", "3.0"))
 
 
