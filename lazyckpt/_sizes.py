@@ -5,6 +5,7 @@ read them (`max_shard_size="5GB"` is 5 x 10^9 bytes there and here); `KiB`, `MiB
 `GiB` and `TiB` are powers of 1024. Units are read whatever their case: a lowercase
 `b` is bytes, as `huggingface_hub` reads it (`transformers` alone reads `"5Gb"` as
 bits). A unit of one letter (`"5G"`) is refused: tools disagree on what it means.
+A size is at most 2**64 bytes (16 EiB), more than any machine or file holds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ _UNITS = {
 }
 # ASCII alone: `str.lower` would turn the Kelvin sign into a `k`.
 _SIZE = re.compile(r"([0-9]+(?:_[0-9]+)*)(?:\.([0-9]+))?\s*([a-z]*)", re.ASCII | re.IGNORECASE)
+LARGEST = 2**64
+# Far more digits than a size needs (21 before the point pass LARGEST): Python's int()
+# refuses 4,300 or more with a bare ValueError, and big ones cost quadratic time.
+_DIGITS = 60
+_TOO_LARGE = "more than 2**64 bytes (16 EiB), which no machine or file holds"
 
 
 def _accepted(example: int = 268435456) -> str:
@@ -52,12 +58,14 @@ def parse_size(value: object) -> int:
         found = int(value)
     elif isinstance(value, str):
         found = _parse_text(value)
-    elif isinstance(value, float) and value.is_integer():
+    elif isinstance(value, float) and value.is_integer() and abs(value) <= LARGEST:
         raise SizeError(f"{value!r} is not a size: a float; {_accepted(int(value))}")
     else:
-        raise SizeError(f"{value!r} is not a size: {_accepted()}")
+        raise SizeError(f"{_shown(value)} is not a size: {_accepted()}")
     if found < 1:
-        raise SizeError(f"{value!r} is not a size: a size is at least 1 byte; {_accepted()}")
+        raise SizeError(f"{_shown(value)} is not a size: a size is at least 1 byte; {_accepted()}")
+    if found > LARGEST:
+        raise SizeError(f"{_shown(value)} is not a size: {_TOO_LARGE}; {_accepted()}")
     return found
 
 
@@ -74,16 +82,35 @@ def optional_size(name: str, value: object) -> int | None:
     return None if value is None else size_argument(name, value)
 
 
+def _shown(value: object) -> str:
+    """`value` for a message, cut short: `repr` of an int of 4,300 digits or more
+    raises, and a string of thousands of digits would bury the message."""
+    if isinstance(value, numbers.Integral) and abs(int(value)) > 10**40:
+        return f"(an int of {int(value).bit_length()} bits)"
+    try:
+        text = repr(value)
+    except ValueError:  # a container of huge ints
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def _parse_text(text: str) -> int:
     match = _SIZE.fullmatch(text.strip())
     unit = match[3].lower() if match else ""
     if match is None or unit not in _UNITS:
         prefix = unit.upper() if unit in ("k", "m", "g", "t") else ""
         hint = f"{prefix} alone is ambiguous; " if prefix else ""
-        raise SizeError(f"{text!r} is not a size: {hint}{_accepted()}")
-    whole, fraction = match[1].replace("_", ""), match[2] or ""
+        raise SizeError(f"{_shown(text)} is not a size: {hint}{_accepted()}")
+    whole, fraction = match[1].replace("_", "").lstrip("0"), match[2] or ""
     if fraction and _UNITS[unit] == 1:
-        raise SizeError(f"{text!r} is not a size: bytes are whole; {_accepted()}")
+        raise SizeError(f"{_shown(text)} is not a size: bytes are whole; {_accepted()}")
+    if len(whole) > 20:  # 10**20 bytes is past LARGEST whatever the unit
+        raise SizeError(f"{_shown(text)} is not a size: {_TOO_LARGE}; {_accepted()}")
+    if len(whole) + len(fraction) > _DIGITS:
+        raise SizeError(
+            f"{_shown(text)} is not a size: {len(whole) + len(fraction)} digits, more than "
+            f"the {_DIGITS} a size can need; {_accepted()}"
+        )
     # Exact integer arithmetic: "4.35MB" is 4350000 bytes, where floats give 4349999.
     scale: int = 10 ** len(fraction)
-    return int(whole + fraction) * _UNITS[unit] // scale
+    return int(whole + fraction or "0") * _UNITS[unit] // scale

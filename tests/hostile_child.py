@@ -35,6 +35,16 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
         if not isinstance(first, lazyckpt.LazyArray):
             return f"the first leaf is {type(first).__name__}"
         (first[:4] if do == "get_slice" else first).get()
+    elif do in ("load_after_fifo", "get_after_fifo"):
+        # A FIFO put in a file's place after `open`: the read must refuse it, not wait.
+        tree = lazyckpt.open(path)
+        victim = os.path.join(path, case["victim"])
+        os.unlink(victim)
+        os.mkfifo(victim)
+        if do == "load_after_fifo":
+            lazyckpt.load(tree, memory_budget=64 << 20)
+        else:
+            tree[case["key"]].get()
     elif do == "verify":
         result = lazyckpt.verify(lazyckpt.open(path), memory_budget=64 << 20, progress=False)
         return str(result)

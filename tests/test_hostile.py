@@ -468,6 +468,61 @@ def test_fifos_anywhere_are_refused_not_waited_on(sharded: Path, tmp_path: Path)
     assert "is not a regular file" in outcomes["ocdbt data file:open"]
 
 
+def test_a_sequence_index_of_thousands_of_digits_is_a_clear_error(tmp_path: Path) -> None:
+    item = _metadata_only(tmp_path / "ckpt", {"x": _entry([("9" * 5000, 1)])})
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=r"_METADATA: entry x has key '9{60}' of key_type 1; expected 1 \(sequence index\)",
+    ):
+        lazyckpt.open(item)
+
+
+TREE_CHUNKS = (("small", "0"), ("big", "0.0"), ("mid", "3.0"))
+
+
+def test_fifos_put_in_place_after_open_are_refused_not_waited_on(tmp_path: Path, mesh: Any) -> None:
+    """A chunk file, an OCDBT data file or its b-tree's node replaced by a FIFO after
+    `open`: `load` and `get` refuse it, naming it, through each way an array is read
+    (a small one in a batch, a large chunk decoded by lazyckpt, chunks read by
+    tensorstore's zarr driver), where tensorstore's blocking `open` of it hung."""
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("x", "y")))
+    tree = {
+        "small": np.arange(64, dtype=np.float32),  # read with others, in one batch
+        "big": np.ones((512, 1024), np.float32),  # one 2 MiB chunk: lazyckpt decodes it
+        "mid": jax.device_put(np.ones((1024, 512), np.float32), rows),  # 256 KiB chunks
+    }
+    folder = _folder_checkpoint(tmp_path / "folder", tree)
+    ocdbt = orbax_save(tmp_path / "ocdbt", tree)
+    # The largest data file (big's chunk), and the b-tree's node beside the manifest;
+    # in a folder, a chunk of the array read.
+    data = max(ocdbt.glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    node = next(ocdbt.glob("d/*"))
+    victims = [
+        *((folder, f"{key}/{chunk}", [key]) for key, chunk in TREE_CHUNKS),
+        *((ocdbt, str(p.relative_to(ocdbt)), sorted(tree)) for p in (data, node)),
+    ]
+    cases: list[dict[str, Any]] = []
+    for source, victim, keys in victims:
+        for do, key in [("load", ""), *(("get", key) for key in keys)]:
+            copy = _copy(source, tmp_path / f"case{len(cases)}")
+            cases.append(
+                {
+                    "name": f"{source.name} {victim}:{do} {key}",
+                    "path": str(copy),
+                    "do": f"{do}_after_fifo",
+                    "victim": victim,
+                    "key": key,
+                }
+            )
+    outcomes = run_cases(cases, tmp_path, timeout=120)
+    expect(outcomes, {case["name"]: "lazyckpt:CorruptCheckpointError" for case in cases})
+    for case in cases:
+        assert (
+            f"{case['path']}/{case['victim']} is not a regular file (a FIFO)"
+            in (outcomes[case["name"]])
+        )
+
+
 def _safetensors_file(path: Path, header: dict[str, Any], data: bytes = b"") -> Path:
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)

@@ -5,6 +5,7 @@ injected failures), with `huggingface_hub` resolving the endpoint, token and cac
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,49 @@ def test_errors_name_the_repo_revision_and_file(
         monkeypatch.setattr(network, "_OPTIONS", [lazyckpt.NetworkOptions(retries=2)])
     with pytest.raises(error, match=match):
         lazyckpt.open(path)
+
+
+FORM = (
+    r"expected hf://ORG/NAME\[@REVISION\]\[/PATH\] \(or hf://datasets/ORG/NAME\.\.\., "
+    r"hf://spaces/ORG/NAME\.\.\.\); "
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "found"),
+    [
+        ("hf://../../x", r"'\.\.' is not a Hub name"),
+        ("hf://org%2F..%2Fevil/x", r"'org%2F\.\.%2Fevil' is not a Hub name"),
+        ("hf://datasets/../org/m", r"'\.\.' is not a Hub name"),
+        ("hf://spaces/org/..", r"'\.\.' is not a Hub name"),
+        ("hf://org/model%2F..", r"'model%2F\.\.' is not a Hub name"),
+        ("hf://org/a..b", r"'a\.\.b' is not a Hub name"),
+        ("hf://-org/model", r"'-org' is not a Hub name"),
+        ("hf://org/model/../other", r"the path has a part '\.\.'"),
+        ("hf://org/model/%2e%2E/x", r"the path has a part '%2e%2E'"),
+        ("hf://org/model/a%2Fb.safetensors", r"the path has a part 'a%2Fb.safetensors'"),
+        ("hf://org/model//x", r"the path has a part ''"),
+        ("hf://org/model@..%2Fmain", r"the revision '\.\./main' has an empty, '\.' or '\.\.' part"),
+        ("hf://org/model.git", r"Repo_id cannot end by '\.git'"),  # huggingface_hub's own
+        ("hf://org/" + "m" * 97, r"'m{97}' is not a Hub name"),
+        ("hf://datasets/org", r"no ORG/NAME"),
+    ],
+)
+def test_malformed_hub_paths_name_the_form_and_send_nothing(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, path: str, found: str
+) -> None:
+    """Refused before any request, as lazyckpt's error, not huggingface_hub's
+    HFValidationError; offline too, where the cache is looked in instead."""
+    files, _ = model()
+    hub.commit("org/model", files)
+    hub.clear_log()
+    for offline in (False, True):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        with pytest.raises(lazyckpt.CheckpointNotFoundError) as raised:
+            lazyckpt.open(path)
+        assert re.match(rf"{re.escape(path)}: {FORM}{found}", str(raised.value)), raised.value
+        assert not isinstance(raised.value, hh.errors.HFValidationError)
+    assert hub.log == []
 
 
 def test_a_gated_repo_opens_with_a_granted_token(

@@ -96,6 +96,75 @@ def test_bad_indexes_name_the_array(saved: tuple[Path, Any], index: Any, message
 
 
 @pytest.mark.parametrize(
+    ("index", "found"),
+    [
+        (np.array([1, 2]), r"\(2,\) and dtype int64 \(ndarray\)"),
+        (np.array([True] * 63 + [False]), r"\(64,\) and dtype bool \(ndarray\)"),
+        (np.zeros((2, 2), np.int32), r"\(2, 2\) and dtype int32"),
+        (np.array([], np.int64), r"\(0,\) and dtype int64"),
+        (np.array(True), r"\(\) and dtype bool"),  # NumPy reads it as a mask, not as 1
+        (np.array(1.0), r"\(\) and dtype float64"),
+        (jnp.array([0, 1]), r"\(2,\) and dtype int32 \(ArrayImpl\)"),
+        (jnp.array([True] * 64), r"\(64,\) and dtype bool \(ArrayImpl\)"),
+        ((0, np.array([0, 1])), r"\(2,\) and dtype int64"),
+    ],
+    ids=repr,
+)
+def test_array_indexes_are_refused_by_shape_and_dtype(
+    saved: tuple[Path, Any], index: Any, found: str
+) -> None:
+    """Integer-array and mask indexing are not supported yet: the error says so, and
+    names the array by its shape and dtype, not by its values."""
+    kernel = lazyckpt.open(saved[0])["params"]["dense"]["kernel"]
+    with pytest.raises(
+        LazyIndexError,
+        match=r"^params/dense/kernel \(shape \(64, 128\)\): unsupported index an array of "
+        rf"shape {found}.*; a LazyArray takes basic indexing only \(ints, 0-d integer arrays, "
+        r"slices, Ellipsis, None\); integer-array and boolean-mask indexing are not supported "
+        r"yet: read the array with .get\(\) and index the NumPy result$",
+    ):
+        kernel[index]
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        np.array(3),
+        np.array(-1, np.int8),
+        np.uint16(5),
+        jnp.array(2),
+        (np.array(1), slice(np.array(2), jnp.array(9), np.int64(3))),
+    ],
+    ids=repr,
+)
+def test_zero_d_integer_arrays_index_as_ints(
+    saved: tuple[Path, dict[str, Any]], index: Any
+) -> None:
+    path, tree = saved
+    kernel = lazyckpt.open(path)["params"]["dense"]["kernel"]
+    want = np.asarray(tree["params"]["dense"]["kernel"])[index]
+    assert kernel[index].shape == want.shape
+    np.testing.assert_array_equal(kernel[index].get(), want)
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (slice(0, 4, 0), r"a slice's step is 0; use a step other than 0"),
+        (slice(1.5, None), r"unsupported slice bound 1.5 of type float; a slice's start, stop"),
+        (slice(np.array([1]), 4), r"unsupported slice bound an array of shape \(1,\)"),
+    ],
+    ids=repr,
+)
+def test_bad_slices_name_the_array(saved: tuple[Path, Any], index: Any, message: str) -> None:
+    kernel = lazyckpt.open(saved[0])["params"]["dense"]["kernel"]
+    with pytest.raises(
+        LazyIndexError, match=r"^params/dense/kernel \(shape \(64, 128\)\): " + message
+    ):
+        kernel[index]
+
+
+@pytest.mark.parametrize(
     "index",
     [(slice(0, 4), slice(0, 4)), (5, slice(None)), (slice(None, None, 16), 7), (slice(3, 40), 70)],
     ids=repr,

@@ -78,6 +78,8 @@ def test_sizes_read_as_bytes(given: object, expected: int) -> None:
         ("256 MiBs", ""),
         ("5 M B", ""),
         ("\u0665MB", ""),  # an Arabic-Indic 5: ASCII digits only
+        ("\u0661\u0662MB", ""),  # Arabic-Indic 12, which int() would read
+        ("\u00b2GB", ""),  # a superscript 2, which str.isdigit() takes
         ("5\u212aB", ""),  # a Kelvin sign, which str.lower() makes a k
         ("5G", "G alone is ambiguous; "),
         ("64k", "K alone is ambiguous; "),
@@ -99,6 +101,84 @@ def test_bad_sizes_name_the_argument_and_the_forms(given: object, reason: str) -
         size_argument("max_shard_size", given)
     assert str(raised.value) == f"max_shard_size={given!r} is not a size: {reason}{ACCEPTED}"
     assert isinstance(raised.value, LazyckptError) and isinstance(raised.value, ValueError)
+
+
+TOO_LARGE = r"more than 2\*\*64 bytes \(16 EiB\), which no machine or file holds; write bytes"
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("9" * 5000 + "GB", r"'9{59}\.\.\. \(5004 characters\)"),  # int() refuses 4300 digits
+        ("1" + "0" * 5000, r"'10{58}\.\.\. \(5003 characters\)"),
+        ("1_" * 3000 + "1 KiB", r"'(1_){29}1\.\.\. \(6007 characters\)"),
+        ("9" * 21 + "B", "'9{21}B'"),
+        ("18446744073709551617", "'18446744073709551617'"),  # 2**64 + 1
+        ("16777217TiB", "'16777217TiB'"),
+        (str(10**30), f"'{10**30}'"),
+        (10**30, str(10**30)),
+        (2**64 + 1, str(2**64 + 1)),
+        (10**5000, r"\(an int of 16610 bits\)"),  # whose repr() raises
+    ],
+    ids=[
+        "5000-digits-GB",
+        "5001-digits",
+        "3001-digits-underscored",
+        "21-digits",
+        "2**64+1",
+        "2**64+2**40-TiB",
+        "10**30-text",
+        "10**30",
+        "2**64+1-int",
+        "10**5000",
+    ],
+)
+def test_sizes_past_16_eib_are_refused_by_their_first_digits(given: object, shown: str) -> None:
+    with pytest.raises(SizeError, match=rf"^memory_budget={shown} is not a size: {TOO_LARGE}"):
+        size_argument("memory_budget", given)
+
+
+@pytest.mark.parametrize("given", ["18446744073709551616", 2**64, "16777216TiB", "0" * 59 + "1"])
+def test_sizes_up_to_16_eib_are_read(given: object) -> None:
+    assert size_argument("memory_budget", given) == (1 if given == "0" * 59 + "1" else 2**64)
+
+
+def test_a_size_of_thousands_of_digits_is_refused_by_its_length() -> None:
+    with pytest.raises(
+        SizeError,
+        match=r"^chunk_bytes='1\.9{57}\.\.\. \(5006 characters\) is not a size: 5001 digits, "
+        r"more than the 60 a size can need; write bytes",
+    ):
+        size_argument("chunk_bytes", "1." + "9" * 5000 + "GB")
+    with pytest.raises(
+        SizeError, match=r"^memory_budget=\(an int of 16610 bits\) is not a size: a "
+    ):
+        size_argument("memory_budget", -(10**5000))
+
+
+@pytest.mark.parametrize(
+    ("argument", "call"),
+    [
+        ("memory_budget", lambda tree, out: lazyckpt.load(tree, memory_budget="9" * 5000 + "GB")),
+        ("chunk_bytes", lambda tree, out: lazyckpt.save(out, tree, chunk_bytes="9" * 5000 + "GB")),
+        (
+            "max_shard_size",
+            lambda tree, out: lazyckpt.save(
+                out, tree, format="safetensors", max_shard_size="9" * 5000 + "GB"
+            ),
+        ),
+        ("chunk_bytes", lambda tree, out: lazyckpt.save(out, tree, chunk_bytes=10**30)),
+    ],
+)
+def test_verbs_refuse_a_huge_size_naming_the_argument(
+    checkpoint: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+    argument: str,
+    call: Callable[[Any, Path], object],
+) -> None:
+    with pytest.raises(SizeError, match=rf"^{argument}=.* is not a size: {TOO_LARGE}"):
+        call(lazyckpt.open(checkpoint[0]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_whole_float_is_refused_with_its_bytes() -> None:
@@ -291,6 +371,15 @@ def test_cli_bad_size_is_a_usage_error_naming_the_flag(
     assert f"error: argument {flag}: {argv[-1]!r} is not a size: " in err
     assert "KiB, MiB, GiB, TiB (powers of 1024)" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_huge_size_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["stats", str(tmp_path / "src"), "--memory-budget", "9" * 5000])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --memory-budget: '999" in err
+    assert "(5002 characters) is not a size: more than 2**64 bytes (16 EiB)" in err
 
 
 def test_cli_convert_shards_at_a_decimal_max_shard_size(

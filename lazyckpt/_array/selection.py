@@ -130,16 +130,14 @@ def expand(index: Index, ndim: int) -> list[int | slice | None]:
     items = list(index) if isinstance(index, tuple) else [index]
     out: list[Any] = []
     for item in items:
-        if item is None or item is Ellipsis or isinstance(item, slice):
+        if item is None or item is Ellipsis:
             out.append(item)
-        elif isinstance(item, bool) or not hasattr(item, "__index__"):
-            raise LazyIndexError(
-                f"unsupported index {item!r} of type {type(item).__name__}; a LazyArray "
-                "takes basic indexing only (ints, slices, Ellipsis, None); for fancy "
-                "indexing, read the array with .get() and index the NumPy result"
-            )
+        elif isinstance(item, slice):
+            out.append(slice(*(_bound(b) for b in (item.start, item.stop, item.step))))
+            if out[-1].step == 0:
+                raise LazyIndexError("a slice's step is 0; use a step other than 0")
         else:
-            out.append(operator.index(item))
+            out.append(_integer(item))
     ellipses = sum(item is Ellipsis for item in out)
     if ellipses > 1:
         raise LazyIndexError("an index can only have a single ellipsis ('...')")
@@ -155,3 +153,44 @@ def expand(index: Index, ndim: int) -> list[int | slice | None]:
     else:
         out.extend(fill)
     return out
+
+
+_BASIC = (
+    "a LazyArray takes basic indexing only (ints, 0-d integer arrays, slices, Ellipsis, "
+    "None); integer-array and boolean-mask indexing are not supported yet: read the array "
+    "with .get() and index the NumPy result"
+)
+
+
+def _integer(item: object) -> int:
+    """`item` as an int index: an int, a NumPy or jax integer scalar or 0-d array."""
+    # `operator.index` also refuses arrays of more than one element, and bool arrays,
+    # but with a TypeError that names neither the array nor what to do.
+    if not isinstance(item, bool):
+        try:
+            return operator.index(item)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise LazyIndexError(f"unsupported index {_describe(item)}; {_BASIC}")
+
+
+def _bound(bound: object) -> int | None:
+    """A slice's start, stop or step as an int (or None), for `slice.indices`."""
+    if bound is None:
+        return None
+    try:
+        return _integer(bound)
+    except LazyIndexError:
+        raise LazyIndexError(
+            f"unsupported slice bound {_describe(bound)}; a slice's start, stop and step "
+            "are ints, 0-d integer arrays or None"
+        ) from None
+
+
+def _describe(item: object) -> str:
+    """`item` for a message: an array by its shape and dtype, not its values (a jax
+    array's repr would copy it to the host; a large one's fills the screen)."""
+    shape, dtype = getattr(item, "shape", None), getattr(item, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return f"an array of shape {shape} and dtype {dtype} ({type(item).__name__})"
+    return f"{item!r} of type {type(item).__name__}"[:200]

@@ -176,6 +176,7 @@ class ChunkStream:
     def _open(self) -> None:
         self._opened = True
         try:
+            self.stored.store.check_files([self.key])
             located = self._locate()
             if located is None:
                 self._missing = True

@@ -468,7 +468,8 @@ def read_box(
     stored: StoredArray, opened: ts.Future[ts.TensorStore], block: Box
 ) -> Callable[[], ts.Future[np.ndarray]]:
     def start() -> ts.Future[np.ndarray]:
-        read = then(opened, lambda source: source[tuple(slice(*r) for r in block)].read())
+        region = tuple(slice(*r) for r in block)
+        read = then(opened, lambda source: stored.read_region(source, region))
         return then(read, _same, stored.read_error)
 
     return start

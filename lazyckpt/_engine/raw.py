@@ -11,6 +11,7 @@ about `PIECE` bytes, read at once on the decoding threads. Boxes whose runs are 
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import os
@@ -27,6 +28,7 @@ from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage.local import open_regular
 from lazyckpt._storage.metrics import count_direct
 
 PIECE = 8 << 20
@@ -197,9 +199,12 @@ def read_parts(
     `buffer`; a file that ends too soon is an error naming `what` (default: the
     array)."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as error:
+        fd = open_regular(file)
+    except CorruptCheckpointError as error:  # a FIFO or a device in the file's place
         raise stored.read_error(error) from None
+    if fd is None:
+        gone = errno.ENOENT
+        raise stored.read_error(FileNotFoundError(gone, os.strerror(gone), file))
     try:
         for file_at, buffer_at, length in parts:
             done = 0

@@ -5,7 +5,9 @@ it and supplies `open_tensorstore`."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -101,6 +103,9 @@ class Codec:
         return position, math.prod(counts)
 
 
+_METADATA = (".zarray", "zarr.json")
+
+
 @attrs.frozen(eq=False)
 class StoredArray:
     """One array as stored: its zarr driver, shape, dtype and chunking."""
@@ -136,8 +141,14 @@ class StoredArray:
             if not self._opened and self.inline is not None:
                 self._opened.append(ready(ts.array(self.inline)))
             elif not self._opened:
-                self._opened.append(then(self.open_tensorstore(), self._check, self.read_error))
+                opened: ts.Future[ts.TensorStore] = then(ready(None), self._open_checked)
+                self._opened.append(then(opened, self._check, self.read_error))
             return self._opened[0]
+
+    def _open_checked(self, _: None) -> ts.Future[ts.TensorStore]:
+        # Opening reads the array's metadata (in an OCDBT database, the b-tree too).
+        self.store.check_files(f"{self.name}/{name}".lstrip("/") for name in _METADATA)
+        return self.open_tensorstore()
 
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
         """The array as a TensorStore, through its zarr driver: what a subclass for
@@ -188,7 +199,34 @@ class StoredArray:
                 data = np.ascontiguousarray(np.flip(data, axis=tuple(flips)))
             return data.reshape(shape)
 
-        return then(then(self.open(), lambda t: t[tuple(index)].read()), finish, self.read_error)
+        region = tuple(index)
+        read: ts.Future[np.ndarray] = then(self.open(), lambda t: self.read_region(t, region))
+        return then(read, finish, self.read_error)
+
+    def read_region(
+        self, opened: ts.TensorStore, region: tuple[int | slice, ...]
+    ) -> ts.Future[Any]:
+        """`opened[region].read()`, once the local files it reads are known to be
+        regular files (`Store.check_files`): never a wait on a FIFO."""
+        self.store.check_files(self._region_keys(region))
+        return opened[region].read()
+
+    def _region_keys(self, region: tuple[int | slice, ...]) -> Iterator[str]:
+        """The store keys of the chunks (or shards) that `region` touches; where the key
+        encoding is unknown, every file in the array's folder."""
+        if self.keys is None:
+            folder = os.path.join(self.store.location, self.name)
+            for parent, _, names in os.walk(folder):
+                yield from (
+                    os.path.relpath(os.path.join(parent, n), self.store.location) for n in names
+                )
+            return
+        spans = []
+        for item, size, cell in zip(region, self.shape, self.keys.cells(self.chunks), strict=True):
+            low, high, _ = item.indices(size) if isinstance(item, slice) else (item, item + 1, 1)
+            spans.append(range(low // cell, -(-high // cell)))
+        for position in itertools.product(*spans):
+            yield self.keys.key(self.name, position)
 
     def raw_file(self) -> tuple[str, int] | None:
         """`(local file, byte offset)` where the whole array lies as plain C-order bytes

@@ -397,7 +397,9 @@ def _tensorstore_start(stored: StoredArray, index: tuple[int, ...]) -> Callable[
 
     def start() -> ts.Future[str | None]:
         reading = then(
-            then(stored.open(), lambda t: t[region].read()), lambda _: None, stored.read_error
+            then(stored.open(), lambda t: stored.read_region(t, region)),
+            lambda _: None,
+            stored.read_error,
         )
         promise: ts.Promise[str | None]
         future: ts.Future[str | None]

@@ -109,13 +109,14 @@ def _leaf(location: str, outer: str, entry: Any) -> Leaf:
         )
     path: list[str | int] = []
     for key, key_type in keys:
-        if key_type == SEQUENCE_KEY and key.isascii() and key.isdigit():
+        # (19 digits or more are no list's index, and int() refuses 4,300 with a ValueError.)
+        if key_type == SEQUENCE_KEY and key.isascii() and key.isdigit() and len(key) < 19:
             path.append(int(key))
         elif key_type == DICT_KEY:
             path.append(key)
         else:
             raise CorruptCheckpointError(
-                f"{location}/_METADATA: entry {outer} has key {key!r} of key_type "
+                f"{location}/_METADATA: entry {outer} has key {key[:60]!r} of key_type "
                 f"{key_type}; expected 1 (sequence index) or 2 (dict key)"
             )
     leaf = Leaf(tuple(path), ".".join([k for k, _ in keys]), value_type, write_shape)

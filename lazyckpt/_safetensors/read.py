@@ -304,6 +304,7 @@ def _read(
             else CorruptCheckpointError(f"{file}: reading {what} failed ({error})")
         )
 
+    store.check_files([key])  # (tensorstore's blocking open would wait on a FIFO)
     return then(store.kvstore.read(key, byte_range=slice(start, stop)), value, failed)
 
 
@@ -383,6 +384,7 @@ class RangeArray(StoredArray):
                 )
             array[...] = np.frombuffer(result.value, self.dtype).reshape(array.shape)
 
+        self.store.check_files([self.name])
         return then(self.store.kvstore.read(self.name, byte_range=slice(start, stop)), fill)
 
     def read(self, selection: Selection) -> ts.Future[np.ndarray]:
@@ -424,6 +426,7 @@ class RangeArray(StoredArray):
             # this future (a check that the file is unchanged) may ask storage again.
             span = slice(start, start + rows * row_bytes)
             try:
+                self.store.check_files([self.name])
                 result = self.store.kvstore.read(self.name, byte_range=span).result()
             except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
                 raise self.read_error(error) from None

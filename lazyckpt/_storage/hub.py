@@ -31,10 +31,15 @@ from lazyckpt._errors import (
     json_or_corrupt,
 )
 from lazyckpt._storage import ranges
+from lazyckpt._text import printable
 
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
 _MODEL_FILES = (".safetensors", ".safetensors.index.json")
+_FORM = "hf://ORG/NAME[@REVISION][/PATH] (or hf://datasets/ORG/NAME..., hf://spaces/ORG/NAME...)"
+# An organization or repository name as the Hub allows it (huggingface_hub's
+# validate_repo_id), in ASCII: no '%', so nothing decodes into a '/' or a '..'.
+_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
 
 
 def is_hub(path: str) -> bool:
@@ -51,23 +56,50 @@ def parse(url: str) -> tuple[str, str, str | None, str]:
     if parts and parts[0] in _KINDS:
         repo_type = _KINDS[parts.pop(0)]
     if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise CheckpointNotFoundError(
-            f"{url}: expected hf://ORG/NAME[@REVISION][/PATH] (or hf://datasets/ORG/NAME...)"
-        )
-    name, _, revision = parts[1].partition("@")
+        raise _malformed(url, "no ORG/NAME")
+    org, (name, _, revision) = parts[0], parts[1].partition("@")
+    for part in (org, name):
+        if not _NAME.fullmatch(part) or ".." in part or "--" in part:
+            raise _malformed(
+                url,
+                f"{part!r} is not a Hub name (ASCII letters, digits and '_', with '-' or '.' "
+                "inside, never '--' or '..')",
+            )
     rest_parts = parts[2:]
     if revision == "refs" and rest_parts[:1] in (["pr"], ["convert"]) and len(rest_parts) > 1:
         revision = "/".join(["refs", *rest_parts[:2]])
         rest_parts = rest_parts[2:]
-    path = "/".join(rest_parts)
-    return repo_type, f"{parts[0]}/{name}", urllib.parse.unquote(revision) or None, path
+    revision = urllib.parse.unquote(revision)
+    # Git refuses '..' in a ref name, and the offline cache looks a branch up as a file.
+    if revision and any(p in ("", ".", "..") for p in revision.split("/")):
+        raise _malformed(url, f"the revision {revision!r} has an empty, '.' or '..' part")
+    for part in rest_parts:
+        # Not read as an escape anywhere, but a server may decode '%2e%2e' or '%2F'.
+        decoded = urllib.parse.unquote(part)
+        if decoded in ("", ".", "..") or "/" in decoded or "\\" in decoded:
+            raise _malformed(url, f"the path has a part {part!r}")
+    return repo_type, f"{org}/{name}", revision or None, "/".join(rest_parts)
+
+
+def _malformed(url: str, found: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{printable(url)[:300]}: expected {_FORM}; {printable(found)[:300]}"
+    )
 
 
 def resolve(url: str) -> str:
     """The place to read `url` from: a local folder of the cache, or an `https://` URL
     registered with its files, both at the commit its revision names now."""
     hub = _import()
-    repo_type, repo_id, revision, path = parse(url)
+    parsed = parse(url)
+    try:
+        return _resolve(hub, *parsed)
+    except hub.errors.HFValidationError as error:
+        # A name `parse` let through that huggingface_hub refuses (a length, '.git').
+        raise _malformed(url, str(error)) from None
+
+
+def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path: str) -> str:
     shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
     if path and not path.endswith(_MODEL_FILES) and "." in posixpath.basename(path):
         raise CheckpointNotFoundError(
@@ -140,6 +172,7 @@ def _import() -> Any:
     try:
         import huggingface_hub
         import huggingface_hub.constants
+        import huggingface_hub.errors
     except ImportError:
         raise MissingExtraError(
             "hf:// paths need huggingface_hub, for the Hub's endpoint, token and cache: "

@@ -7,7 +7,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lazyckpt._errors import CheckpointWriteError, CorruptCheckpointError, StorageAccessError
@@ -63,25 +63,10 @@ class LocalFolders:
         return os.path.exists(path)
 
     def read_bytes(self, path: str, limit: int) -> bytes | None:
-        try:
-            # Non-blocking, so that opening a FIFO does not wait for a writer.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        fd = open_regular(path)
+        if fd is None:
             return None
-        except OSError as error:
-            raise CorruptCheckpointError(
-                f"{path} cannot be read ({error.strerror}); check its permissions"
-            ) from None
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            if stat.S_ISDIR(info.st_mode):
-                return None
-            raise CorruptCheckpointError(
-                f"{path} is not a regular file ({_kind(info.st_mode)}); a checkpoint's "
-                "files are plain files: the checkpoint is damaged or hostile, refusing to "
-                "read it"
-            )
         with os.fdopen(fd, "rb") as f:
             check_size(path, info.st_size, limit)
             data = f.read(info.st_size + 1)  # (read asks for its size up front: not limit)
@@ -167,6 +152,56 @@ class LocalFolders:
         for folder, _, files in os.walk(path):
             for name in files:
                 yield os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")
+
+
+def open_regular(path: str) -> int | None:
+    """A descriptor of `path` open for reading, where it is a regular file; None where
+    it does not exist or is a folder; else `CorruptCheckpointError`. Opened
+    non-blocking, so that a FIFO does not wait for a writer, and judged by `fstat` of
+    the descriptor itself: what is read is what was checked, whatever the path is
+    renamed to meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise CorruptCheckpointError(
+            f"{path} cannot be read ({error.strerror}); check its permissions"
+        ) from None
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        return None
+    raise not_regular(path, mode)
+
+
+def check_regular(paths: Iterable[str]) -> None:
+    """Refuse, as `open_regular` does, any of `paths` that exists and is no regular
+    file or folder: for files that tensorstore opens itself, with a blocking `open`.
+
+    `os.stat` (no open: a device is not touched) tells what the path is now; the
+    caller checks just before tensorstore's read, whose `open` may still meet a FIFO
+    put in place in between: see `Store.check_files` for that window."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (tensorstore reads it as missing, or says what is wrong)
+        except OSError as error:
+            raise CorruptCheckpointError(
+                f"{path} cannot be read ({error.strerror}); check its permissions"
+            ) from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise not_regular(path, mode)
+
+
+def not_regular(path: str, mode: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is not a regular file ({_kind(mode)}); a checkpoint's files are plain "
+        "files: the checkpoint is damaged or hostile, refusing to read it"
+    )
 
 
 def check_size(path: str, size: int, limit: int) -> None:
