@@ -100,6 +100,7 @@ def resolve(url: str) -> str:
 
 
 def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path: str) -> str:
+    hub.utils.validate_repo_id(repo_id)  # huggingface_hub's own rules, before any request
     shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
     if path and not path.endswith(_MODEL_FILES) and "." in posixpath.basename(path):
         raise CheckpointNotFoundError(
@@ -173,6 +174,7 @@ def _import() -> Any:
         import huggingface_hub
         import huggingface_hub.constants
         import huggingface_hub.errors
+        import huggingface_hub.utils
     except ImportError:
         raise MissingExtraError(
             "hf:// paths need huggingface_hub, for the Hub's endpoint, token and cache: "
