@@ -68,6 +68,12 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
         first = next(leaf for _, leaf in lazyckpt.leaves(tree))
         view = first.T if mode == "save_T" else first
         lazyckpt.save(extra[0], {"v": view}, memory_budget=budget, chunk_bytes=1 << 20)
+    elif mode == "stream_reshape":  # the first array reshaped to the shape in `extra`
+        first = next(leaf for _, leaf in lazyckpt.leaves(tree))
+        view = first.reshape(*(int(n) for n in extra))
+        for _, _, values in lazyckpt.iter_blocks(view, memory_budget=budget):
+            total += float(values.sum(dtype=np.float64))
+            largest = max(largest, values.nbytes)
     elif mode == "stream":
         for _, _, values in lazyckpt.iter_blocks(tree, memory_budget=budget):
             total += float(values.sum(dtype=np.float64))

@@ -105,8 +105,8 @@ class Reshape(Copied):
         the view's rows and the part's do not line up too. Given `grid`, runs start on
         a row of the part and where the view's cells allow (`_aligned`), and each box
         is handed over in blocks of whole cells. None where the shortest such run is
-        larger than `block` bytes, a cell of `grid` and a stored chunk of the part
-        (which a band may hold: each chunk is decoded once)."""
+        larger than `block` bytes, a cell of `grid` and a stored chunk of the part that
+        such runs tile (which a band may hold: each chunk is decoded once)."""
         source, shape, itemsize = self.array.shape, self.shape, self.dtype.itemsize
         if 0 in source or not any(n > 1 for n in source) or not any(n > 1 for n in shape):
             return None
@@ -114,8 +114,14 @@ class Reshape(Copied):
         row = math.prod(source[at + 1 :])
         step = math.lcm(row, _aligned(shape, grid))
         cell = math.prod(grid) if grid is not None else 0
-        chunk = math.prod(view_chunks(self.array))
-        if step > max(block // itemsize, cell, chunk):
+        # A run as long as a stored chunk only where runs tile the chunks (whole rows
+        # after `at`): then a band holds the chunk, decoded once and counted; a run
+        # that straddles chunks would be read whole for each block of the view.
+        chunks = view_chunks(self.array)
+        tiles = chunks[at] % (step // row) == 0 and all(
+            c % n == 0 for c, n in zip(chunks[at + 1 :], source[at + 1 :], strict=True)
+        )
+        if step > max(block // itemsize, cell, math.prod(chunks) if tiles else 0):
             return None
 
         def place(
@@ -129,7 +135,8 @@ class Reshape(Copied):
                 extents = tuple(b - a for a, b in run)
                 stop = start + math.prod(extents)
                 in_run = flat[start:stop].reshape(extents)
-                for box in pieces(run, grid, itemsize, block):
+                # (the values' own item size: a cast after the reshape came first)
+                for box in pieces(run, grid, values.dtype.itemsize, block):
                     out.append((as_slices(box), in_run[slices(box, run)]))
                 start = stop
             return out

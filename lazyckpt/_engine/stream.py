@@ -280,7 +280,10 @@ def _jobs(
             else chunk_blocks(whole, widened(array, grid, itemsize, block), itemsize, block)
         )
         for region in blocks:
-            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+            # A cell of `grid` may be larger than a block: counted as it is.
+            nbytes = box_bytes(region, itemsize)
+            steps = iter([_decoded_block(array, region, read_bytes, window)])
+            yield _Job(position, held - block + max(block, nbytes), steps)
         return
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
     order = stored.codec.order
