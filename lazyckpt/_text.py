@@ -1,5 +1,5 @@
 """Text for terminals and notebooks: sizes in binary units, names made safe to print,
-and long lists of key paths folded by their layer numbers."""
+long lists of key paths folded by their layer numbers; and numbers read from names."""
 
 from __future__ import annotations
 
@@ -58,6 +58,21 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def ascii_int(text: str, max_digits: int = 18) -> int | None:
+    """`text` as a number when it is 1 to `max_digits` ASCII digits; None otherwise.
+
+    Names from files, folders and keys are numbers only as ASCII writes them: `int()`
+    also takes Unicode digits (`"١٢"` is 12), signs, spaces and underscores, and raises
+    its own ValueError past 4,300 digits. 18 digits fit any index or count.
+
+    >>> ascii_int("12"), ascii_int("007"), ascii_int("١٢"), ascii_int("²"), ascii_int("9" * 19)
+    (12, 7, None, None, None)
+    """
+    if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
 
 
 Detail = tuple[tuple[str, str], ...]
