@@ -204,6 +204,35 @@ def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path
     assert "not UTF-8 text" in outcomes["latin1 _METADATA"]
 
 
+def test_a_saved_device_name_is_ascii_and_read_in_linear_time(tmp_path: Path) -> None:
+    """A `_sharding` entry's device (`cpu:3`, where an array saved from one device is
+    restored when the target names no sharding): Unicode digits are no id (`cpu:\u0665`
+    was device 5), 5,000 digits are a CorruptCheckpointError naming the file (int()
+    raised its raw ValueError), and a long run of digits before the id costs linear
+    time (the search for the last number was quadratic: hours for these 2 MB)."""
+    value = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[3])
+    saved = orbax_save(tmp_path / "saved", {"w": value})
+    cases = [{"name": "as saved", "path": str(saved), "do": "device_put"}]
+    for name, device in (
+        ("unicode", "cpu:\u0665"),
+        ("5000 digits", "cpu:" + "9" * 5000),
+        ("long run", "cpu:" + "7" * 2_000_000 + ":1"),
+    ):
+        item = _copy(saved, tmp_path / name)
+        table = json.loads((item / "_sharding").read_text())
+        entry = {**json.loads(table["dw=="]), "device_str": device}
+        (item / "_sharding").write_text(json.dumps({"dw==": json.dumps(entry)}))
+        cases.append({"name": name, "path": str(item), "do": "device_put"})
+    outcomes = run_cases(cases, tmp_path, timeout=120)
+    corrupt = "lazyckpt:CorruptCheckpointError"
+    expect(outcomes, {"as saved": "ok: cpu:3", "unicode": corrupt, "5000 digits": corrupt})
+    assert outcomes["long run"] == "ok: cpu:1"
+    assert "_sharding: the entry for 'w' is malformed" in outcomes["unicode"]
+    assert (
+        "device 'cpu:9999" in outcomes["5000 digits"] and "9" * 100 not in outcomes["5000 digits"]
+    )
+
+
 def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
     cases: list[dict[str, Any]] = []
     superscript = _metadata_only(tmp_path / "superscript", {"x": _entry([("l", 2), ("²", 1)])})
