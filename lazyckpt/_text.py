@@ -3,6 +3,7 @@ long lists of key paths folded by their layer numbers; and numbers read from nam
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Iterable
 
@@ -73,6 +74,22 @@ def ascii_int(text: str, max_digits: int = 18) -> int | None:
     if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
         return int(text)
     return None
+
+
+def shown(value: object) -> str:
+    """`value` for a message, cut short: `repr` of an int of 4,300 digits or more
+    raises, and a string of thousands of characters would bury the message.
+
+    >>> shown(3), shown("9" * 5000)[-20:], shown(10**5000)
+    ('3', '... (5002 characters)', '(an int of 16610 bits)')
+    """
+    if isinstance(value, numbers.Integral) and abs(int(value)) > 10**40:
+        return f"(an int of {int(value).bit_length()} bits)"
+    try:
+        text = repr(value)
+    except ValueError:  # a container of huge ints
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 Detail = tuple[tuple[str, str], ...]
