@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -231,6 +232,30 @@ def test_a_saved_device_name_is_ascii_and_read_in_linear_time(tmp_path: Path) ->
     assert (
         "device 'cpu:9999" in outcomes["5000 digits"] and "9" * 100 not in outcomes["5000 digits"]
     )
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_zarr_sizes_are_json_integers_as_tensorstore_reads_them(
+    tmp_path: Path, zarr3: bool
+) -> None:
+    """A shape edited to `["\u0668"]` (an Arabic-Indic 8), `["8"]`, `[true]` or `[8.5]`:
+    tensorstore refuses each, and so does `open`, naming the file (int() read them
+    as 8, 8, 1 and 8); `[8.0]`, which tensorstore takes, opens and reads."""
+    value = np.arange(8, dtype=np.float32)
+    saved = orbax_save(tmp_path / "saved", {"w": value}, zarr3=zarr3, use_ocdbt=False)
+    header = "zarr.json" if zarr3 else ".zarray"
+    for name, shape in (("arabic", ["\u0668"]), ("text", ["8"]), ("bool", [True]), ("half", [8.5])):
+        item = _copy(saved, tmp_path / name)
+        meta = json.loads((item / "w" / header).read_text())
+        (item / "w" / header).write_text(json.dumps({**meta, "shape": shape}))
+        with pytest.raises(
+            lazyckpt.CorruptCheckpointError,
+            match=rf"w/{re.escape(header)}'? is malformed \(shape .{{3,12}} is not a list of integers",
+        ):
+            lazyckpt.open(item)
+    meta = json.loads((saved / "w" / header).read_text())
+    (saved / "w" / header).write_text(json.dumps({**meta, "shape": [8.0]}))
+    np.testing.assert_array_equal(lazyckpt.open(saved)["w"].get(), value)
 
 
 def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:
