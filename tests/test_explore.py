@@ -253,6 +253,8 @@ def test_cli_show_stats_diff(run_root: Path) -> None:
         (("inspect", "/nonexistent/ckpt"), "lazyckpt: error: /nonexistent/ckpt does not exist"),
         (("show", "{root}", "params/nope"), "lazyckpt: error: no key 'params/nope'"),
         (("show", "{root}", "params/embed[1, q]"), "'q' is not an integer"),
+        (("show", "{root}", "params/embed[\u0661]"), "'\u0661' is not an integer"),
+        (("show", "{root}", f"params/embed[{'9' * 5000}]"), "999... (5002 characters) is not an"),
         (("show", "{root}", "params/embed[99]"), "index 99 is out of range"),
         (("inspect", "{root}", "--step", "7"), "step 7"),
     ],
