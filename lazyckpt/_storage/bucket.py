@@ -104,7 +104,11 @@ def bucket_spec(path: str) -> dict[str, Any]:
 
 
 def _retries(value: object) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= value <= 100:
+    if (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and 1 <= int(value) <= 100
+    ):
         return int(value)
     raise LazyTypeError(
         "storage_options['retries'] takes the attempts at a storage request, an int from "
