@@ -52,7 +52,8 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
             the only PyTree item.
         storage_options: Added to what the environment says (`AWS_ENDPOINT_URL`,
             ...): `endpoint`, `region`, tensorstore kvstore options, and `retries`
-            (how often a failed request is tried; 6 by default, about 16 s in all).
+            (how often a failed request is tried, an int from 1 to 100; 6 by default,
+            about 16 s in all).
         allow_outside_links: Read through symlinks that lead out of the checkpoint
             folder (refused by default: a copied checkpoint could otherwise read any
             file as array data).

@@ -7,6 +7,7 @@ final `save`, `device_put` or `load` reads, each stored chunk once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from lazyckpt._array import compose
 from lazyckpt._array.tree import PathClash, leaves, nested
 from lazyckpt._errors import LazyIndexError, LazyTypeError, NoMatchError
 from lazyckpt._lazy import LazyArray, composed
+from lazyckpt._text import ascii_int
 
 
 def unstack(array: LazyArray, axis: int = 0) -> list[LazyArray]:
@@ -170,22 +172,30 @@ def stack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
     layers: dict[tuple[str, ...], dict[int, tuple[str, Any]]] = {}
     for key, leaf in leaves(tree):
         rest = _under(key, at)
-        if rest is None or not rest[0].isdecimal():
+        # Layer numbers are ASCII digits (`"\u0661"` is a name, not layer 1).
+        if rest is None or not (rest[0].isascii() and rest[0].isdigit()):
             kept.append((tuple(key.split("/")), leaf, key))
             continue
-        found = layers.setdefault(tuple(rest[1:]), {})
-        if int(rest[0]) in found:
+        number = ascii_int(rest[0])
+        if number is None:
             raise LazyIndexError(
-                f"{found[int(rest[0])][0]} and {key} are both layer {int(rest[0])}; rename "
+                f"{at.strip('/')}/{rest[0][:20]}...: a layer number of {len(rest[0])} "
+                "digits, past any stack of layers 0..n-1; rename it first (lazyckpt.rename)"
+            )
+        found = layers.setdefault(tuple(rest[1:]), {})
+        if number in found:
+            raise LazyIndexError(
+                f"{found[number][0]} and {key} are both layer {number}; rename "
                 "one of them first (lazyckpt.rename)"
             )
-        found[int(rest[0])] = (key, leaf)
+        found[number] = (key, leaf)
     if not layers:
         _nothing_under(at, tree, "stack_layers")
     count = 1 + max((max(found) for found in layers.values()), default=-1)
     stacked: list[tuple[tuple[str, ...], object, str]] = []
     for names, found in layers.items():
-        missing = sorted(set(range(count)) - set(found))
+        # The first few, within len(found) + 8 steps: count may be 10**17.
+        missing = list(itertools.islice((i for i in range(count) if i not in found), 8))
         if missing:
             raise LazyIndexError(
                 f"{at}/{{i}}/{'/'.join(names)}: layers {missing[:8]} of 0..{count - 1} are "

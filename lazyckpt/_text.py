@@ -1,8 +1,9 @@
 """Text for terminals and notebooks: sizes in binary units, names made safe to print,
-and long lists of key paths folded by their layer numbers."""
+long lists of key paths folded by their layer numbers; and numbers read from names."""
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Iterable
 
@@ -58,6 +59,37 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def ascii_int(text: str, max_digits: int = 18) -> int | None:
+    """`text` as a number when it is 1 to `max_digits` ASCII digits; None otherwise.
+
+    Names from files, folders and keys are numbers only as ASCII writes them: `int()`
+    also takes Unicode digits (`"١٢"` is 12), signs, spaces and underscores, and raises
+    its own ValueError past 4,300 digits. 18 digits fit any index or count.
+
+    >>> ascii_int("12"), ascii_int("007"), ascii_int("١٢"), ascii_int("²"), ascii_int("9" * 19)
+    (12, 7, None, None, None)
+    """
+    if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def shown(value: object) -> str:
+    """`value` for a message, cut short: `repr` of an int of 4,300 digits or more
+    raises, and a string of thousands of characters would bury the message.
+
+    >>> shown(3), shown("9" * 5000)[-20:], shown(10**5000)
+    ('3', '... (5002 characters)', '(an int of 16610 bits)')
+    """
+    if isinstance(value, numbers.Integral) and abs(int(value)) > 10**40:
+        return f"(an int of {int(value).bit_length()} bits)"
+    try:
+        text = repr(value)
+    except ValueError:  # a container of huge ints
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 Detail = tuple[tuple[str, str], ...]

@@ -48,6 +48,14 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
     elif do == "verify":
         result = lazyckpt.verify(lazyckpt.open(path), memory_budget=64 << 20, progress=False)
         return str(result)
+    elif do == "device_put":
+        # Onto a target that names no sharding: each array goes where it was saved.
+        import jax
+
+        tree = lazyckpt.open(path)
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        placed = jax.tree.leaves(lazyckpt.device_put(tree, like))
+        return " ".join(str(device) for leaf in placed for device in leaf.devices())
     elif do == "stats":
         lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 20)
     elif do in ("show", "inspect"):

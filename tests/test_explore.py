@@ -48,6 +48,16 @@ def test_summary_shows_every_leaf_with_metadata_and_reads_nothing(
     assert "float32[64,128]" in html and "P(&#x27;x&#x27;, &#x27;y&#x27;)" in html
 
 
+def test_summary_orders_numbered_keys_of_any_length(tmp_path: Path) -> None:
+    """Keys of digits show in numeric order, one of 5,000 digits too (int() raised its
+    raw ValueError); keys of Unicode digits are no numbers and keep their order."""
+    layers = {"10": np.ones(2), "2": np.ones(2), "9" * 5000: np.ones(3), "002": np.ones(1)}
+    path = orbax_save(tmp_path / "ckpt", {"layers": layers, "other": {"\u0661": 1, "0": 2}})
+    rows = [row["path"] for row in lazyckpt.summary(lazyckpt.open(path)).describe()]
+    assert rows[1:5] == ["layers/002", "layers/2", "layers/10", "layers/" + "9" * 5000]
+    assert rows[6:] == ["other/0", "other/\u0661"]  # (jax's string order, as opened)
+
+
 @pytest.mark.slow
 def test_summary_of_10000_arrays_reads_nothing(tmp_path: Path, no_data_reads: None) -> None:
     tree = {f"layer_{i:03d}": {f"p{j:02d}": np.zeros(2, np.float32) for j in range(100)}
@@ -243,6 +253,8 @@ def test_cli_show_stats_diff(run_root: Path) -> None:
         (("inspect", "/nonexistent/ckpt"), "lazyckpt: error: /nonexistent/ckpt does not exist"),
         (("show", "{root}", "params/nope"), "lazyckpt: error: no key 'params/nope'"),
         (("show", "{root}", "params/embed[1, q]"), "'q' is not an integer"),
+        (("show", "{root}", "params/embed[\u0661]"), "'\u0661' is not an integer"),
+        (("show", "{root}", f"params/embed[{'9' * 5000}]"), "999... (5002 characters) is not an"),
         (("show", "{root}", "params/embed[99]"), "index 99 is out of range"),
         (("inspect", "{root}", "--step", "7"), "step 7"),
     ],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -202,6 +203,59 @@ def test_malformed_metadata_files_are_clear_errors(sharded: Path, tmp_path: Path
     expect(outcomes, expected)
     assert "_strings.json is not valid JSON" in outcomes["_strings truncated"]
     assert "not UTF-8 text" in outcomes["latin1 _METADATA"]
+
+
+def test_a_saved_device_name_is_ascii_and_read_in_linear_time(tmp_path: Path) -> None:
+    """A `_sharding` entry's device (`cpu:3`, where an array saved from one device is
+    restored when the target names no sharding): Unicode digits are no id (`cpu:\u0665`
+    was device 5), 5,000 digits are a CorruptCheckpointError naming the file (int()
+    raised its raw ValueError), and a long run of digits before the id costs linear
+    time (the search for the last number was quadratic: hours for these 2 MB)."""
+    value = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[3])
+    saved = orbax_save(tmp_path / "saved", {"w": value})
+    cases = [{"name": "as saved", "path": str(saved), "do": "device_put"}]
+    for name, device in (
+        ("unicode", "cpu:\u0665"),
+        ("5000 digits", "cpu:" + "9" * 5000),
+        ("long run", "cpu:" + "7" * 2_000_000 + ":1"),
+    ):
+        item = _copy(saved, tmp_path / name)
+        table = json.loads((item / "_sharding").read_text())
+        entry = {**json.loads(table["dw=="]), "device_str": device}
+        (item / "_sharding").write_text(json.dumps({"dw==": json.dumps(entry)}))
+        cases.append({"name": name, "path": str(item), "do": "device_put"})
+    outcomes = run_cases(cases, tmp_path, timeout=120)
+    corrupt = "lazyckpt:CorruptCheckpointError"
+    expect(outcomes, {"as saved": "ok: cpu:3", "unicode": corrupt, "5000 digits": corrupt})
+    assert outcomes["long run"] == "ok: cpu:1"
+    assert "_sharding: the entry for 'w' is malformed" in outcomes["unicode"]
+    assert (
+        "device 'cpu:9999" in outcomes["5000 digits"] and "9" * 100 not in outcomes["5000 digits"]
+    )
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_zarr_sizes_are_json_integers_as_tensorstore_reads_them(
+    tmp_path: Path, zarr3: bool
+) -> None:
+    """A shape edited to `["\u0668"]` (an Arabic-Indic 8), `["8"]`, `[true]` or `[8.5]`:
+    tensorstore refuses each, and so does `open`, naming the file (int() read them
+    as 8, 8, 1 and 8); `[8.0]`, which tensorstore takes, opens and reads."""
+    value = np.arange(8, dtype=np.float32)
+    saved = orbax_save(tmp_path / "saved", {"w": value}, zarr3=zarr3, use_ocdbt=False)
+    header = "zarr.json" if zarr3 else ".zarray"
+    for name, shape in (("arabic", ["\u0668"]), ("text", ["8"]), ("bool", [True]), ("half", [8.5])):
+        item = _copy(saved, tmp_path / name)
+        meta = json.loads((item / "w" / header).read_text())
+        (item / "w" / header).write_text(json.dumps({**meta, "shape": shape}))
+        with pytest.raises(
+            lazyckpt.CorruptCheckpointError,
+            match=rf"w/{re.escape(header)}'? is malformed \(shape .{{3,12}} is not a list of integers",
+        ):
+            lazyckpt.open(item)
+    meta = json.loads((saved / "w" / header).read_text())
+    (saved / "w" / header).write_text(json.dumps({**meta, "shape": [8.0]}))
+    np.testing.assert_array_equal(lazyckpt.open(saved)["w"].get(), value)
 
 
 def test_keys_and_dtypes_lazyckpt_cannot_read(tmp_path: Path) -> None:

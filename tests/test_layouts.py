@@ -196,6 +196,24 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
         lazyckpt.open(v1 / "state", item="params")
 
 
+def test_steps_are_named_in_ascii_digits(tmp_path: Path) -> None:
+    """Orbax names steps in ASCII digits: a copy of a step renamed `ckpt_\u0669` (an
+    Arabic-Indic 9) or `ckpt_000009\\n` is no step 9 (each was the latest step)."""
+    import orbax.checkpoint as ocp
+
+    root = orbax_manager_save(
+        tmp_path / "run",
+        {step: {"state": ocp.args.StandardSave({"w": np.full(3, step)})} for step in (1, 2)},
+    )
+    for name in ("ckpt_\u0669", "ckpt_000009\n", "\u0669"):
+        shutil.copytree(root / "ckpt_000002", root / name)
+        assert lazyckpt.steps(root) == [1, 2], name
+        assert lazyckpt.open(root)["w"].get().tolist() == [2, 2, 2]
+        with pytest.raises(lazyckpt.CheckpointNotFoundError):
+            lazyckpt.open(root, step=9)
+        shutil.rmtree(root / name)
+
+
 @pytest.mark.parametrize("ocdbt", [True, False])
 def test_structure_inferred_from_the_store_without_metadata(tmp_path: Path, ocdbt: bool) -> None:
     tree: dict[str, Any] = {

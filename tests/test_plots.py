@@ -76,6 +76,19 @@ def test_a_stacked_tree_plots_its_layers_once_unstacked(tmp_path: Path) -> None:
     )
 
 
+def test_only_ascii_numbers_of_few_digits_number_layers(tmp_path: Path) -> None:
+    """`layer_\u0661` (an Arabic-Indic one) is no layer 1 (it was drawn at 1), and
+    `layer_<5,000 digits>` no layer either (int() raised its raw ValueError)."""
+    names = ["layer_0", "layer_2", "layer_\u0661", "layer_" + "9" * 5000]
+    tree = {name: {"w": np.full(4, i, np.float32)} for i, name in enumerate(names)}
+    table = lazyckpt.stats(lazyckpt.open(orbax_save(tmp_path / "ckpt", tree)))
+    (ax,) = [ax for ax in table.plot("layers").axes if ax.get_visible()]
+    assert ax.get_title() == "layer_*/w"
+    mean = next(line for line in ax.lines if line.get_label() == "mean")
+    np.testing.assert_array_equal(np.asarray(mean.get_xdata()), [0, 2])
+    np.testing.assert_array_equal(np.asarray(mean.get_ydata()), [0, 1])
+
+
 def test_histograms_one_panel_per_array(gemma_like: Path, tmp_path: Path) -> None:
     table = lazyckpt.stats(lazyckpt.open(gemma_like), "transformer/layer_1/**", bins=16)
     figure = table.plot()

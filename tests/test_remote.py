@@ -294,6 +294,24 @@ def test_a_dead_endpoint_is_a_clear_error_within_a_minute(tmp_path: Path) -> Non
         assert time.monotonic() - start < 60
 
 
+@pytest.mark.parametrize(
+    "retries",
+    ["3", True, 2.5, 0, "9" * 5000, 10**5000, None],
+    ids=["str", "bool", "float", "zero", "5000 digits", "huge int", "None"],
+)
+def test_retries_that_are_no_count_of_attempts_are_a_clear_error(retries: object) -> None:
+    """storage_options['retries'] is an int from 1 to 100, refused before any request
+    (int() took '3', True and 2.5, made 0 one attempt, and a string of 5,000 digits
+    ended as a storage request that failed with int()'s own message)."""
+    options = {"endpoint": "http://127.0.0.1:9", "region": "us-east-1", "retries": retries}
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=r"^storage_options\['retries'\] takes the attempts at a storage request, an int "
+        r"from 1 to 100, not .{1,90}; pass storage_options=\{'retries': 6\} or leave it out$",
+    ):
+        lazyckpt.open("s3://ckpts/run", storage_options=options)
+
+
 def test_sharded_jax_arrays_save_to_a_bucket(s3: Any, mesh: Any) -> None:
     value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
     sharded = jax.device_put(value, NamedSharding(mesh, P("x", "y")))

@@ -335,6 +335,23 @@ def test_unsavable_leaves_and_destinations(tmp_path: Path) -> None:
     np.testing.assert_array_equal(load_file(out)["w"], np.zeros(2))
 
 
+def test_only_shards_numbered_in_ascii_are_the_models_files(tmp_path: Path) -> None:
+    """A file named like a shard but numbered in Arabic-Indic digits is no file of
+    the model: an overwrite keeps it (it was deleted with the old shards), and a
+    lone one is no shard left without its index (it refused to open)."""
+    folder = tmp_path / "model"
+    lazyckpt.save(folder, {"a": np.ones(64), "b": np.ones(64)}, format="safetensors",
+                  max_shard_size=600)  # fmt: skip
+    arabic = str.maketrans("0123456789", "".join(map(chr, range(0x0660, 0x066A))))
+    other = folder / "model-00001-of-00002.safetensors".translate(arabic)
+    other.write_bytes(_file(_GOOD, bytes(16)))
+    lazyckpt.save(folder, {"a": np.zeros(64)}, format="safetensors", overwrite=True)
+    assert other.exists() and sorted(lazyckpt.load(lazyckpt.open(folder))) == ["a"]
+    (tmp_path / "lone").mkdir()
+    lone = other.rename(tmp_path / "lone" / other.name)
+    np.testing.assert_array_equal(lazyckpt.open(lone.parent)["w"].get(), np.zeros((2, 2)))
+
+
 def _file(header: Any, data: bytes = b"", *, length: int | None = None) -> bytes:
     text = header if isinstance(header, bytes) else json.dumps(header).encode()
     return struct.pack("<Q", len(text) if length is None else length) + text + data

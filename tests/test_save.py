@@ -236,6 +236,24 @@ def test_leftover_temporary_folders_never_open_and_never_block(tmp_path: Path) -
     np.testing.assert_array_equal(lazyckpt.open(tmp_path / "run")["w"].get(), np.zeros(4))
 
 
+def test_only_folders_named_with_a_pid_as_written_are_leftovers(tmp_path: Path) -> None:
+    """Folders beside the target named like this host's leftovers but for their pid,
+    which lazyckpt never wrote so: Unicode digits (`\u0669` * 7 was pid 9999999, gone, so
+    the folder was deleted), a leading zero, and a pid past a C int (os.kill raised
+    its raw OverflowError from save). Each stays, and the save succeeds."""
+    import socket
+
+    final = tmp_path / "ckpt"
+    prefix = f"{final}.orbax-checkpoint-tmp-lazyckpt-{socket.gethostname()}-"
+    others = [Path(f"{prefix}{pid}-0a1b2c3d") for pid in ("\u0669" * 7, "09999999", "9" * 12)]
+    for other in others:
+        other.mkdir()
+        (other / "keep").write_text("not lazyckpt's")
+    lazyckpt.save(final, {"w": np.zeros(4)})
+    assert all((other / "keep").exists() for other in others)
+    np.testing.assert_array_equal(lazyckpt.open(final)["w"].get(), np.zeros(4))
+
+
 @pytest.mark.parametrize(
     ("tree", "message"),
     [

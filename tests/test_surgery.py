@@ -520,6 +520,25 @@ def test_layer_helpers_refuse_what_they_cannot_do(parts: dict[str, Any]) -> None
         lazyckpt.stack_layers({"layers": {"0": {"w": w}, "2": {"w": w}}}, "layers")
 
 
+def test_layer_numbers_are_ascii_and_bounded(parts: dict[str, Any]) -> None:
+    """`"\u0661"` (Arabic-Indic one) names no layer (it was stacked as layer 1); a number
+    of 5,000 digits is a clear error (int() raised its raw ValueError), and one of
+    10**17 names the missing layers without listing all of them (it built a set of
+    10**17 ints)."""
+    w = parts["lazy"]["layer0"]
+    out = lazyckpt.stack_layers({"layers": {"0": {"w": w}, "\u0661": {"w": w}}}, "layers")["layers"]
+    assert out["w"].shape == (1, *w.shape) and out["\u0661"]["w"] is w
+    with pytest.raises(
+        lazyckpt.LazyIndexError, match=r"^layers/9{20}\.\.\.: a layer number of 5000 digits"
+    ):
+        lazyckpt.stack_layers({"layers": {"0": w, "9" * 5000: w}}, "layers")
+    huge = {"0": {"w": w}, str(10**17): {"w": w}}
+    with pytest.raises(
+        lazyckpt.LazyIndexError, match=r"layers \[1, 2, 3, 4, 5, 6, 7, 8\] of 0..10{17}"
+    ):
+        lazyckpt.stack_layers({"layers": huge}, "layers")
+
+
 def test_strided_views_of_one_stored_array_read_it_once(
     parts: dict[str, Any], count_bytes: Callable[[], Any]
 ) -> None:

@@ -290,3 +290,28 @@ def test_a_checkpoint_that_does_not_open_is_one_entry(
     assert "_METADATA is not valid JSON" in result.not_checked[0].problem
     assert main(["verify", str(work)]) == 1
     assert capsys.readouterr().err == ""
+
+
+def test_stray_keys_that_look_like_chunks_are_not_chunks(tmp_path: Path, mesh: Any) -> None:
+    """Keys tensorstore never reads as chunks: `00.0` (a copy of `0.0`) beside a
+    chunk that went missing is no stand-in for it (it was counted as chunk [0, 0]
+    again, and verify found no damage), and an OCDBT key of 5,000 digits is skipped
+    (int() raised its raw ValueError)."""
+    import jax
+    import tensorstore as ts
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    value = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("x")))
+    folders = orbax_save(tmp_path / "folders", {"w": value}, use_ocdbt=False)
+    shutil.copy(folders / "w" / "0.0", folders / "w" / "00.0")
+    (folders / "w" / "3.0").unlink()
+    result = lazyckpt.verify(folders, progress=False)
+    assert [d.key for d in result.damaged] == ["w"]
+    assert "chunk [3, 0] (stored as 'w/3.0') is missing" in result.damaged[0].problem
+
+    ocdbt = orbax_save(tmp_path / "ocdbt", {"w": np.arange(8, dtype=np.float32)})
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{ocdbt}/"}).result()
+    store.write("w/" + "9" * 5000, store.read("w/0").result().value).result()
+    result = lazyckpt.verify(ocdbt, progress=False)
+    assert result.ok and result.fine == ["w"]

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from lazyckpt._errors import ShardingError
+from lazyckpt._text import ascii_int
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -85,9 +86,8 @@ class SavedSharding:
             devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.mesh_shape)
             return NamedSharding(Mesh(devices, self.axis_names), self.spec)
         if self.kind == "SingleDeviceSharding" and self.device:
-            # "cpu:0" since jax 0.10, "TFRT_CPU_0" before: the id is the trailing number.
-            digits = re.search(r"(\d+)\D*$", self.device)
-            device = by_id.get(int(digits[1])) if digits else None
+            number = device_id(self.device)
+            device = by_id.get(number) if number is not None else None
             return jax.sharding.SingleDeviceSharding(device) if device is not None else None
         return None
 
@@ -123,6 +123,22 @@ class SavedSharding:
         if self.mesh_shape:
             return f"{self.kind}(shape={self.mesh_shape})"
         return f"{self.kind}()"
+
+
+_LAST_NUMBER = re.compile(r"[^0-9]*([0-9]+)")
+
+
+def device_id(device: str) -> int | None:
+    """The id in a saved device name, its trailing number ("cpu:0" since jax 0.10,
+    "TFRT_CPU_0" before); None without one of 1 to 18 ASCII digits.
+
+    >>> device_id("cpu:3"), device_id("TFRT_CPU_12"), device_id("cpu:\u0663"), device_id("cpu")
+    (3, 12, None, None)
+    """
+    # Matched on the reversed name from its start: linear, where a search for the last
+    # number from each position takes quadratic time over a long run of digits.
+    found = _LAST_NUMBER.match(device[::-1])
+    return ascii_int(found[1][::-1]) if found else None
 
 
 def spec_str(spec: tuple[SpecEntry, ...]) -> str:

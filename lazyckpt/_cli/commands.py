@@ -24,7 +24,7 @@ from lazyckpt._errors import LazyckptError, NoMatchError
 from lazyckpt._orbax.layout import locate
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._storage.paths import basename, is_remote, normalize
-from lazyckpt._text import human_bytes, printable
+from lazyckpt._text import ascii_int, human_bytes, printable, shown
 
 
 def say(text: object = "", file: TextIO | None = None) -> None:
@@ -148,12 +148,15 @@ def parse_index(text: str) -> tuple[_IndexPart, ...]:
 
 
 def _integer(part: str, text: str) -> int:
-    try:
-        return int(part)
-    except ValueError:
+    # ASCII digits, as Python writes ints: int() also takes '\u0661', '1_0' and 5,000
+    # digits (then raising its own ValueError).
+    number = ascii_int(part.strip().removeprefix("-"))
+    if number is None:
         raise LazyckptError(
-            f"index {text!r}: {part!r} is not an integer; use ints, slices (a:b:c), ... or None"
-        ) from None
+            f"index {shown(text)}: {shown(part.strip())} is not an integer (up to 18 "
+            "digits); use ints, slices (a:b:c), ... or None"
+        )
+    return -number if part.strip().startswith("-") else number
 
 
 def _stats(args: argparse.Namespace) -> None:

@@ -24,6 +24,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._text import ascii_int
 
 
 @attrs.frozen
@@ -58,10 +59,18 @@ class ChunkKeys:
             return () if key == self.key(name, ()) else None
         if not key.startswith(head):
             return None
+        # Indices as tensorstore writes them: ASCII, no leading zero. Keys it never
+        # reads (`00.0` beside `0.0`, thousands of digits) are stray, not chunks.
         parts = key[len(head) :].split(self.separator)
-        if len(parts) != rank or not all(p.isascii() and p.isdigit() for p in parts):
+        if len(parts) != rank:
             return None
-        return tuple(int(p) for p in parts)
+        cell = []
+        for part in parts:
+            index = ascii_int(part) if part[:1] != "0" or part == "0" else None
+            if index is None:
+                return None
+            cell.append(index)
+        return tuple(cell)
 
 
 @attrs.frozen

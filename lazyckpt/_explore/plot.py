@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from lazyckpt._engine.progress import in_notebook
 from lazyckpt._errors import LazyckptError, MissingExtraError
+from lazyckpt._text import ascii_int
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 # (`Stats` and `Change` are spelled `Any` here: stats.py and diff.py import this module.)
 
-_NUMBERED = re.compile(r"(.*?)(\d+)")
-"""A path component that numbers a sibling: `3`, `layer_3`, `layers_3`, `h3`."""
+_NUMBERED = re.compile(r"(.*?)([0-9]+)")
+"""A path component that numbers a sibling: `3`, `layer_3`, `layers_3`, `h3` (ASCII
+digits: `layer_\u0663` is a name, not layer 3)."""
 
 
 def layer_families(keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
@@ -43,9 +45,10 @@ def layer_families(keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         parts = key.split("/")
         for i, part in enumerate(parts):
             match = _NUMBERED.fullmatch(part)
-            if match:
+            number = ascii_int(match[2]) if match else None
+            if match and number is not None:
                 pattern = "/".join([*parts[:i], match[1] + "*", *parts[i + 1 :]])
-                families.setdefault(pattern, []).append((int(match[2]), key))
+                families.setdefault(pattern, []).append((number, key))
                 break
     return {p: sorted(members) for p, members in families.items() if len(members) > 1}
 

@@ -141,10 +141,15 @@ def _collect(node: object, path: Path, depth: int, out: list[Row]) -> tuple[int,
 
 def _display_order(kids: list[tuple[Key, object]]) -> list[tuple[Key, object]]:
     """Layers keyed '0', '1', ..., '10' (as checkpoints store int keys) in numeric
-    order, not jax's string order."""
+    order, not jax's string order. (Compared as digits, shortest first: int() would
+    refuse a key of thousands of digits.)"""
     if all(isinstance(key, str) and key.isascii() and key.isdigit() for key, _ in kids):
-        return sorted(kids, key=lambda kid: int(kid[0]))
+        return sorted(kids, key=lambda kid: _by_number(str(kid[0]).lstrip("0")))
     return kids
+
+
+def _by_number(digits: str) -> tuple[int, str]:
+    return len(digits), digits
 
 
 @attrs.frozen

@@ -16,8 +16,10 @@ from lazyckpt._orbax.metadata import is_process_folder
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
 from lazyckpt._storage import paths
 from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
+from lazyckpt._text import ascii_int
 
-_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+_STEP_NAME = re.compile(r"(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)")
+_STEP_DIGITS = 100  # (past any step a run reaches: longer names are no steps)
 _DEFAULT_ITEMS = ("state", "default", "pytree")
 _ZARR_METADATA = (ZARR2_KEY, ZARR3_KEY)
 
@@ -48,24 +50,34 @@ def _step_dirs(root: str) -> dict[int, str]:
     return _steps_by_prefix(root)[0]
 
 
+def _step_name(name: str) -> tuple[str | None, int] | None:
+    """The prefix and step of a step folder's name, `<step>` or `<prefix>_<step>`; None
+    for other names. Orbax writes steps in ASCII digits: a folder `\u0661\u0662` is
+    no step 12, nor is `12\\n`."""
+    match = _STEP_NAME.fullmatch(name)
+    step = ascii_int(match["step"], _STEP_DIGITS) if match else None
+    return (match["prefix"], step) if match and step is not None else None
+
+
 def _steps_by_prefix(root: str) -> tuple[dict[int, str], dict[str | None, list[str]]]:
     """The steps, and the step-like folder names by prefix (when they make no run)."""
     by_prefix: dict[str | None, dict[int, str]] = {}
     names: dict[str | None, list[str]] = {}
     twice = False
     for name in paths.listdir(root):
-        match = _STEP_NAME.match(name)
+        found = _step_name(name)
         if (
-            match
+            found
             and not is_unfinished(name)
             and not is_process_folder(name)  # a PyTree's per-process database
             and paths.isdir(paths.join(root, name))
             and _committed(paths.join(root, name))
         ):
-            steps = by_prefix.setdefault(match["prefix"], {})
-            twice = twice or int(match["step"]) in steps
-            steps[int(match["step"])] = paths.join(root, name)
-            names.setdefault(match["prefix"], []).append(name)
+            prefix, step = found
+            steps = by_prefix.setdefault(prefix, {})
+            twice = twice or step in steps
+            steps[step] = paths.join(root, name)
+            names.setdefault(prefix, []).append(name)
     if len(by_prefix) == 1 and not twice:
         return next(iter(by_prefix.values())), {}
     return {}, names
@@ -189,7 +201,7 @@ def _step_folder(folder: str, step: int | None) -> str:
     # make a root too; a step folder with items has _CHECKPOINT_METADATA, or items
     # not named like steps.
     step_like = paths.isfile(paths.join(folder, "_CHECKPOINT_METADATA")) or any(
-        not _STEP_NAME.match(name) for name in items
+        _step_name(name) is None for name in items
     )
     if not found or (items and step_like) or is_pytree_dir(folder):
         if step is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from lazyckpt._array.sharding import SavedSharding, SpecEntry, named_json, spec_str
+from lazyckpt._array.sharding import SavedSharding, SpecEntry, device_id, named_json, spec_str
 from lazyckpt._errors import CorruptCheckpointError, json_or_corrupt
 
 
@@ -89,13 +89,25 @@ def parse_sharding(text: str) -> SavedSharding | None:
             kind, mesh_shape=shape, axis_names=tuple(names), partition_spec=entries, device_ids=ids
         )
     if kind == "SingleDeviceSharding":
-        device = data.get("device_str")
-        if device is not None and not isinstance(device, str):
-            raise ValueError(f"device {device!r} is not a string")
-        return SavedSharding(kind, device=device)
+        return SavedSharding(kind, device=_device(data.get("device_str")))
     if not isinstance(kind, str):
         raise ValueError(f"sharding_type {kind!r} is not a string")
     return SavedSharding(kind, mesh_shape=_sizes(data.get("shape", []), "shape"))
+
+
+def _device(value: object) -> str | None:
+    """A saved device name, as JAX names devices: ASCII, its id the trailing number of
+    1 to 18 digits (`cpu:0`, `TFRT_CPU_0`)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"device {value!r} is not a string")
+    if not value.isascii() or (device_id(value) is None and any(c.isdigit() for c in value)):
+        raise ValueError(
+            f"device {value[:60]!r} is no JAX device name (ASCII, ending in an id of 1 to "
+            "18 digits: cpu:0, TFRT_CPU_0)"
+        )
+    return value
 
 
 def _flatten(nested: object) -> list[Any]:

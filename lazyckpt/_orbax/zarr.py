@@ -20,6 +20,7 @@ import tensorstore as ts
 
 from lazyckpt._engine.stored import ChunkKeys, Codec
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._text import shown
 
 ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"
 
@@ -85,11 +86,21 @@ def parse_zarr(where: str, key: str, raw: bytes) -> ZarrInfo:
         ) from None
 
 
+def _ints(values: object, what: str) -> tuple[int, ...]:
+    """A list of JSON integers, as tensorstore takes them (`8` or `8.0`): int() would
+    also take `"8"`, `"\u0668"`, `true` and `8.5`, which tensorstore refuses."""
+    if not isinstance(values, list) or not all(
+        (type(n) is int) or (type(n) is float and n.is_integer()) for n in values
+    ):
+        raise ValueError(f"{what} {shown(values)} is not a list of integers")
+    return tuple(int(n) for n in values)
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
     # Cached: arrays of one shape and dtype have byte-identical metadata.
     meta = json.loads(raw)
-    shape = tuple(int(n) for n in meta["shape"])
+    shape = _ints(meta["shape"], "shape")
     codec: Codec | None
     if zarr3:
         dtype = ts.dtype(meta["data_type"]).numpy_dtype
@@ -107,7 +118,7 @@ def _parse(raw: bytes, zarr3: bool) -> ZarrInfo:
         chunks = meta["chunks"]
         keys = chunk_keys(meta, zarr3)
         codec = _zarr2_codec(meta, len(shape), stored, keys)
-    chunks = tuple(int(n) for n in chunks)
+    chunks = _ints(chunks, "chunks")
     if any(n < 0 for n in shape) or len(chunks) != len(shape) or any(n <= 0 for n in chunks):
         raise ValueError(f"shape {shape} with chunks {chunks}")
     if not readable(dtype):
@@ -196,7 +207,7 @@ def chunk_keys(meta: dict[str, Any], zarr3: bool) -> ChunkKeys | None:
     shard: tuple[int, ...] | None = None
     codecs = meta.get("codecs") or []
     if codecs and codecs[0].get("name") == "sharding_indexed":
-        shard = tuple(int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        shard = _ints(meta["chunk_grid"]["configuration"]["chunk_shape"], "shard shape")
     return ChunkKeys(separator, "c/" if name == "default" else "", shard)
 
 
@@ -240,7 +251,7 @@ def _zarr3_codec(
         codecs = list(config.get("codecs") or [])
     order = tuple(range(ndim))
     if codecs and codecs[0].get("name") == "transpose":
-        order = tuple(int(d) for d in codecs.pop(0)["configuration"]["order"])
+        order = _ints(codecs.pop(0)["configuration"]["order"], "transpose order")
         if sorted(order) != list(range(ndim)):
             return None
     if not codecs or codecs[0].get("name") != "bytes":

@@ -292,7 +292,7 @@ def shard_name(number: int, count: int) -> str:
     return f"model-{number:05d}-of-{count:05d}{SUFFIX}"
 
 
-_SHARD = re.compile(r".+-\d{5}-of-\d{5}\.safetensors")
+_SHARD = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.safetensors")
 
 
 def is_shard_name(name: str) -> bool:
@@ -302,7 +302,7 @@ def is_shard_name(name: str) -> bool:
     return _SHARD.fullmatch(name) is not None
 
 
-_OWN_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_OWN_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 
 
 def is_model_file(name: str) -> bool:

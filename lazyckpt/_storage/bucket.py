@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import contextvars
+import numbers
 import os
 import secrets
 from collections.abc import Iterator, Mapping
@@ -25,8 +26,14 @@ from typing import Any
 
 import tensorstore as ts
 
-from lazyckpt._errors import CheckpointNotFoundError, LazyckptError, StorageAccessError
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    LazyckptError,
+    LazyTypeError,
+    StorageAccessError,
+)
 from lazyckpt._storage.local import check_size
+from lazyckpt._text import shown
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}
 """URL scheme: tensorstore kvstore driver."""
@@ -46,6 +53,8 @@ _LISTINGS = contextvars.ContextVar("lazyckpt_listings", default=None)
 @contextlib.contextmanager
 def session(options: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Within: bucket listings are cached, and `options` apply to bucket paths."""
+    if options and "retries" in options:
+        _retries(options["retries"])  # (checked here: requests turn errors into their own)
     outer = _LISTINGS.get()
     listings = _LISTINGS.set({} if outer is None else outer)
     given = _OPTIONS.set(dict(options) if options else _OPTIONS.get())
@@ -67,7 +76,7 @@ def bucket_spec(path: str) -> dict[str, Any]:
     """The tensorstore kvstore spec of the bucket that `path` is in (no path)."""
     scheme, bucket, _ = split(path)
     options = dict(_OPTIONS.get() or {})
-    retries = int(options.pop("retries", RETRIES))
+    retries = _retries(options.pop("retries", RETRIES))
     spec: dict[str, Any] = {
         "driver": SCHEMES[scheme],
         "bucket": bucket,
@@ -92,6 +101,20 @@ def bucket_spec(path: str) -> dict[str, Any]:
             spec["aws_region"] = region
     spec.update(options)
     return spec
+
+
+def _retries(value: object) -> int:
+    if (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and 1 <= int(value) <= 100
+    ):
+        return int(value)
+    raise LazyTypeError(
+        "storage_options['retries'] takes the attempts at a storage request, an int from "
+        f"1 to 100, not {shown(value)}; pass storage_options={{'retries': {RETRIES}}} or leave "
+        "it out"
+    )
 
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:

@@ -31,6 +31,7 @@ from lazyckpt._errors import (
     warn,
 )
 from lazyckpt._storage import paths
+from lazyckpt._text import ascii_int
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/paths.h)
 _AT_FDCWD = -100
@@ -464,12 +465,12 @@ def _remove_leftovers(final: str) -> None:
     `final` has succeeded since, it is obsolete too.
     """
     prefix = _tmp_prefix(final)
-    pattern = re.compile(re.escape(paths.basename(prefix)) + r"(\d+)-(?:replaced-)?[0-9a-f]{8}")
+    pattern = re.compile(re.escape(paths.basename(prefix)) + r"([0-9]+)-(?:replaced-)?[0-9a-f]{8}")
     for name in paths.starting_with(prefix):
         match = pattern.fullmatch(name)
-        if not match:
-            continue
-        pid = int(match[1])
+        pid = ascii_int(match[1], _PID_DIGITS) if match and match[1][0] != "0" else None
+        if pid is None or pid >= _PID_LIMIT:
+            continue  # (no pid as os.getpid() is written: no save's folder, leave it)
         if name not in _ENDED if pid == os.getpid() else _alive(pid):
             continue
         leftover = paths.join(paths.dirname(final), name)
@@ -478,6 +479,9 @@ def _remove_leftovers(final: str) -> None:
         else:
             with contextlib.suppress(LazyckptError):
                 paths.delete_folder(leftover)  # (a bucket's leftovers are folders)
+
+
+_PID_DIGITS, _PID_LIMIT = 10, 2**31  # pids are C ints: os.kill() overflows past them
 
 
 def _alive(pid: int) -> bool:
