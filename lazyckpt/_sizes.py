@@ -14,6 +14,7 @@ import numbers
 import re
 
 from lazyckpt._errors import SizeError
+from lazyckpt._text import shown
 
 Size = int | str
 """A number of bytes, or text: `"256MiB"`, `"5 GB"`, `"1.5GiB"`, `"4096"`."""
@@ -61,11 +62,11 @@ def parse_size(value: object) -> int:
     elif isinstance(value, float) and value.is_integer() and abs(value) <= LARGEST:
         raise SizeError(f"{value!r} is not a size: a float; {_accepted(int(value))}")
     else:
-        raise SizeError(f"{_shown(value)} is not a size: {_accepted()}")
+        raise SizeError(f"{shown(value)} is not a size: {_accepted()}")
     if found < 1:
-        raise SizeError(f"{_shown(value)} is not a size: a size is at least 1 byte; {_accepted()}")
+        raise SizeError(f"{shown(value)} is not a size: a size is at least 1 byte; {_accepted()}")
     if found > LARGEST:
-        raise SizeError(f"{_shown(value)} is not a size: {_TOO_LARGE}; {_accepted()}")
+        raise SizeError(f"{shown(value)} is not a size: {_TOO_LARGE}; {_accepted()}")
     return found
 
 
@@ -82,33 +83,21 @@ def optional_size(name: str, value: object) -> int | None:
     return None if value is None else size_argument(name, value)
 
 
-def _shown(value: object) -> str:
-    """`value` for a message, cut short: `repr` of an int of 4,300 digits or more
-    raises, and a string of thousands of digits would bury the message."""
-    if isinstance(value, numbers.Integral) and abs(int(value)) > 10**40:
-        return f"(an int of {int(value).bit_length()} bits)"
-    try:
-        text = repr(value)
-    except ValueError:  # a container of huge ints
-        return f"a {type(value).__name__}"
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
-
-
 def _parse_text(text: str) -> int:
     match = _SIZE.fullmatch(text.strip())
     unit = match[3].lower() if match else ""
     if match is None or unit not in _UNITS:
         prefix = unit.upper() if unit in ("k", "m", "g", "t") else ""
         hint = f"{prefix} alone is ambiguous; " if prefix else ""
-        raise SizeError(f"{_shown(text)} is not a size: {hint}{_accepted()}")
+        raise SizeError(f"{shown(text)} is not a size: {hint}{_accepted()}")
     whole, fraction = match[1].replace("_", "").lstrip("0"), match[2] or ""
     if fraction and _UNITS[unit] == 1:
-        raise SizeError(f"{_shown(text)} is not a size: bytes are whole; {_accepted()}")
+        raise SizeError(f"{shown(text)} is not a size: bytes are whole; {_accepted()}")
     if len(whole) > 20:  # 10**20 bytes is past LARGEST whatever the unit
-        raise SizeError(f"{_shown(text)} is not a size: {_TOO_LARGE}; {_accepted()}")
+        raise SizeError(f"{shown(text)} is not a size: {_TOO_LARGE}; {_accepted()}")
     if len(whole) + len(fraction) > _DIGITS:
         raise SizeError(
-            f"{_shown(text)} is not a size: {len(whole) + len(fraction)} digits, more than "
+            f"{shown(text)} is not a size: {len(whole) + len(fraction)} digits, more than "
             f"the {_DIGITS} a size can need; {_accepted()}"
         )
     # Exact integer arithmetic: "4.35MB" is 4350000 bytes, where floats give 4349999.
