@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from lazyckpt._engine.progress import shown
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
+from lazyckpt._open import open as open_checkpoint
 from lazyckpt._sizes import optional_size
 from lazyckpt._target import Missing, host, match
 
@@ -44,7 +46,8 @@ def load(
     LazyArrays are returned as they are; typed PRNG keys come back as `jax.Array`s.
 
     Args:
-        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        tree: A lazy tree, any pytree holding LazyArrays, one LazyArray, or a
+            checkpoint's path (`str` or `os.PathLike`, opened with `open`).
         select: Only the leaves matching a path pattern (`params/**/kernel`), any of
             a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
         like: A target pytree (an abstract model state, a `TrainState`, a dict with
@@ -70,8 +73,10 @@ def load(
     >>> lazyckpt.load(lazyckpt.open(path), like={"step": 0, "params": {"b": np.zeros(8, "float16")}},
     ...               partial=True)
     {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float16)}, 'step': 3}
+    >>> lazyckpt.load(path, "params/b")  # a path: opened first
+    {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)}}
     """
-    tree = selected(tree, select)
+    tree = selected(_opened(tree), select)
     if like is None:
         plan = host(tree)
     else:
@@ -98,7 +103,8 @@ def iter_blocks(
     256 KiB at a time anyway.
 
     Args:
-        tree: A lazy tree, any pytree holding LazyArrays, or one LazyArray.
+        tree: A lazy tree, any pytree holding LazyArrays, one LazyArray, or a
+            checkpoint's path (opened with `open`).
         select: Only the leaves matching a path pattern (`params/**/kernel`), any of
             a list of patterns, or a predicate `(path, leaf) -> bool`; see `select`.
         memory_budget: As for `load`.
@@ -112,7 +118,7 @@ def iter_blocks(
     True
     """
     budget = optional_size("memory_budget", memory_budget)
-    found = arrays_of(selected(tree, select))
+    found = arrays_of(selected(_opened(tree), select))
     with shown(progress, stored_bytes(a for _, a in found), "lazyckpt") as bar:
         # Typed PRNG keys are small and read whole, outside the engine; each is yielded
         # before any block of a later array, so that the order stays the tree's.
@@ -131,3 +137,9 @@ def iter_blocks(
             yield from keys_before(plain[position])
             yield found[plain[position]][0], index, values
         yield from keys_before(len(found))
+
+
+def _opened(tree: object) -> object:
+    """`tree`, or the checkpoint at `tree` where it is a path: `load("hf://org/m")`
+    would otherwise return the string, as a leaf that is no LazyArray."""
+    return open_checkpoint(tree) if isinstance(tree, str | os.PathLike) else tree

@@ -35,6 +35,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from email.utils import formatdate, parsedate_to_datetime
@@ -138,6 +139,12 @@ class HubServer:
         self.lfs_suffixes = lfs_suffixes
         self.same_origin_cdn = same_origin_cdn
         self.ignore_range = False
+        self.latency = 0.0
+        """Seconds each request waits before its answer: a wide-area round trip
+        (`benchmarks/bench_wan.py`)."""
+        self.rate: float | None = None
+        """Bytes a second each connection's bodies are sent at, at most (a CDN's one
+        TCP stream); None: as fast as loopback goes."""
         self.plain_validators: tuple[str, ...] = ("ETag", "Last-Modified")
         """What plain files are served with (as nginx serves static files), and checked
         against `If-Match` and `If-Unmodified-Since`."""
@@ -602,6 +609,8 @@ class _Handler(BaseHTTPRequestHandler):
                 dict(self.headers.items()),
             )
         )
+        if self.hub.latency:
+            time.sleep(self.hub.latency)
         self.send_response(status)
         for name, value in headers.items():
             self.send_header(name, value)
@@ -609,8 +618,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if sent == 0:
             return
-        for chunk in _chunks(body, start, stop):
+        rate, began, written = self.hub.rate, time.monotonic(), 0
+        for chunk in _chunks(body, start, stop, 1 << 20 if rate is None else 1 << 16):
             self.wfile.write(chunk)
+            written += len(chunk)
+            if rate is not None:  # paced: no faster than `rate` on this connection
+                time.sleep(max(0.0, began + written / rate - time.monotonic()))
 
 
 def _chunks(body: bytes | Path, start: int, stop: int, size: int = 1 << 20) -> Iterator[bytes]:

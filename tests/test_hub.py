@@ -419,3 +419,22 @@ def test_neighbouring_small_tensors_are_one_request(hub: HubServer) -> None:
     np.testing.assert_array_equal(loaded["again"], want)
     loaded["again"][0, 0] = 7.0  # tied weights loaded twice are two arrays
     assert loaded["layer"]["mlp"]["up_proj"]["weight"][0, 0] == want[0, 0]
+
+
+def test_load_and_iter_blocks_take_a_path(hub: HubServer, tmp_path: Path) -> None:
+    """`load("hf://...")` opens the model first (it returned the string, a leaf that is
+    no LazyArray); so does `iter_blocks`, and both take local paths too."""
+    files, tensors = model()
+    hub.commit("org/model", files)
+    loaded = lazyckpt.load("hf://org/model", "model/layers/2/**")
+    np.testing.assert_array_equal(up(loaded, 2), tensors["model.layers.2.mlp.up_proj.weight"])
+    folder = tmp_path / "local"
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    for path in (folder, str(folder)):
+        blocks = {key for key, _, _ in lazyckpt.iter_blocks(path, "model/layers/0/**")}
+        assert blocks == {
+            "model/layers/0/mlp/up_proj/weight",
+            "model/layers/0/input_layernorm/weight",
+        }
