@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_hub import patch_endpoint
 from common import machine, measure, versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,12 +80,7 @@ def serve(root: str, latency: float, rate: float, ready: Any, done: Any) -> None
 def _client(endpoint: str, cache: str) -> None:
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    import huggingface_hub.constants as constants
-
-    constants.ENDPOINT = endpoint
-    constants.HUGGINGFACE_CO_URL_TEMPLATE = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    constants.HF_HUB_CACHE = cache
-    constants.HF_TOKEN_PATH = os.path.join(cache, "no-token")
+    patch_endpoint(endpoint, cache).HF_TOKEN_PATH = os.path.join(cache, "no-token")
 
 
 def run(side: str, case: str, endpoint: str) -> dict[str, Any]:

@@ -51,6 +51,25 @@ def outcome(call: Callable[[], object], seconds: float = HANG) -> object:
     return found[0]
 
 
+def _grown_in_child(code: str) -> list[str]:
+    """What `code` prints in a fresh process (jax imported first), then the growth of
+    its peak RSS while it ran, in bytes. The process ends there, whatever reads still
+    wait on a server."""
+    probe = (
+        "import os, resource, sys, threading, time, lazyckpt, lazyckpt._open\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"{code}"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+        "sys.stdout.flush()\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
 def raised(found: object, kind: type[BaseException], match: str) -> BaseException:
     assert isinstance(found, kind), f"expected {kind.__name__}, got {found!r}"
     assert isinstance(found, lazyckpt.LazyckptError)
@@ -108,21 +127,12 @@ def test_an_endless_index_grows_the_process_by_its_limit_at_most(
     """In a child process, its peak RSS measured: the body is refused at 64 MiB (the
     index's limit), not read to the end (it was 1.3 GB before)."""
     url = server.put("m/model.safetensors.index.json", b"{}", trick=_endless)
-    probe = (
-        "import resource, sys, lazyckpt, lazyckpt._open\n"  # (jax, imported before)
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    verdict, grown = _grown_in_child(
         "try:\n"
         f"    lazyckpt.open({url.rsplit('/', 1)[0]!r})\n"
         "except lazyckpt.TooLargeError as error:\n"
         "    print('refused')\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print((after - before) * 1024)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    verdict, grown = done.stdout.split()
     assert verdict == "refused"
     assert int(grown) < (64 << 20) + (48 << 20), f"grew by {int(grown) >> 20} MiB"
 
@@ -571,21 +581,12 @@ def test_memory_grows_as_bytes_arrive_not_as_declared(server: HostileServer) -> 
         server.put(f"m/{shard}", head, trick=promise)
     index = {"metadata": {}, "weight_map": {f"w{i}": s for i, s in enumerate(shards)}}
     server.put("m/model.safetensors.index.json", json.dumps(index).encode())
-    probe = (
-        "import os, resource, sys, threading, time, lazyckpt, lazyckpt._open\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    (grown,) = _grown_in_child(
         f"threading.Thread(target=lazyckpt.open, args=({server.url + '/m'!r},), daemon=True)"
         ".start()\n"
         "time.sleep(4)\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
-        "sys.stdout.flush()\n"
-        "os._exit(0)  # (the reads still wait on the server)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) < 48 << 20, f"grew by {int(done.stdout) >> 20} MiB"
+    assert int(grown) < 48 << 20, f"grew by {int(grown) >> 20} MiB"
 
 
 def test_a_stalled_server_holds_up_no_other(monkeypatch: pytest.MonkeyPatch) -> None:

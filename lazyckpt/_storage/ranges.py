@@ -153,7 +153,7 @@ class Client:
 
     def pool(self, url: str) -> concurrent.futures.ThreadPoolExecutor:
         """The threads that read from `url`'s origin: up to `CONNECTIONS` at once."""
-        origin = _checked_origin(url)
+        origin = _origin(url)
         with self._lock:
             found = self._pools.get(origin)
             if found is None:
@@ -178,7 +178,7 @@ class Client:
         `limit` bytes, without a range; with `short`, fewer where the file ends before
         `stop`), checked against `pin`; `Answer("missing")` where the server has none.
         `halt` stops the read where another of its burst failed for good."""
-        _checked_origin(url)
+        _origin(url)
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
             # does (a caller's thread that ends would drop its connections unclosed).
@@ -457,8 +457,7 @@ def _redirect(url: str, target: str, location: str) -> str:
     """Where a redirect leads: http(s) only."""
     try:
         found = urllib.parse.urljoin(target, location)
-        parts = urllib.parse.urlsplit(found)
-        parts.port  # noqa: B018 - raises on a malformed port
+        parts = _split(found)
     except ValueError as error:
         raise StorageAccessError(
             f"{describe(url)}: the server redirected to {location[:120]!r}, which is not "
@@ -472,11 +471,17 @@ def _redirect(url: str, target: str, location: str) -> str:
     return found
 
 
-def _checked_origin(url: str) -> tuple[str, str]:
+def _split(url: str) -> urllib.parse.SplitResult:
+    """`url`'s parts; `ValueError` where it is no URL (a bad IPv6 host, or port)."""
+    parts = urllib.parse.urlsplit(url)
+    parts.port  # noqa: B018 - raises on a malformed port
+    return parts
+
+
+def _origin(url: str) -> tuple[str, str]:
     """`(scheme, host)` of a URL, which must be one."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises on a malformed port
+        parts = _split(url)
     except ValueError as error:
         raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
     return parts.scheme, parts.netloc
@@ -492,8 +497,3 @@ def client() -> Client:
         if _CLIENT is None:
             _CLIENT = Client()
         return _CLIENT
-
-
-def _origin(url: str) -> tuple[str, str]:
-    parts = urllib.parse.urlsplit(url)
-    return parts.scheme, parts.netloc

@@ -257,14 +257,11 @@ class Transport:
             return Response(status, found, b"")
         wanted = status in (200, 206)
         length = response.length
-        if wanted and length is not None and length > limit:
-            connection.close()
-            raise _Refused(length)
         body = _body(response, limit if wanted else _ERROR_BODY, clock)
-        if body is None:
+        if body is None:  # over the limit: its declared length, or what streamed past
             connection.close()
             if wanted:
-                raise _Refused(None)
+                raise _Refused(length if length is not None and length > limit else None)
         else:
             response.close()  # read whole: the connection takes the next request
         count_direct(len(body or b""))
