@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save
 
 import lazyckpt
-from lazyckpt._storage import metrics, network
+from lazyckpt._storage import metrics, network, paths
 from tests.hostile_server import File, HostileServer, _Handler
 
 ROOT = Path(__file__).parent.parent
@@ -118,6 +118,17 @@ def test_an_index_too_large_is_refused_as_it_streams(
         lazyckpt.TooLargeError,
         rf"{server.url}/m/model.safetensors.index.json holds (more than )?\d+ bytes, over "
         rf"the {64 << 20} lazyckpt reads",
+    )
+
+
+def test_any_file_read_whole_over_http_stops_at_64_mib(server: HostileServer) -> None:
+    """A file of no kind of its own (the callers' default limit is 1 GiB) is read up
+    to 64 MiB over HTTP, as the guide says."""
+    url = server.put("notes.json", b"{}", trick=_endless)
+    raised(
+        outcome(lambda: paths.read_text(url)),
+        lazyckpt.TooLargeError,
+        rf"notes.json holds more than {64 << 20} bytes",
     )
 
 

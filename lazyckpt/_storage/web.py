@@ -17,7 +17,7 @@ import tensorstore as ts
 
 from lazyckpt._errors import CheckpointNotFoundError, StorageAccessError
 from lazyckpt._storage.network import Stop
-from lazyckpt._storage.ranges import SAFE, Answer, Pin, client, listing, site
+from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client, listing, site
 
 SCHEMES = ("http", "https")
 
@@ -134,7 +134,9 @@ class WebFolders:
         return self.isdir(path) or self.isfile(path)
 
     def read_bytes(self, path: str, limit: int) -> bytes | None:
-        answer = client().read(path, limit=limit)  # refused as it streams past `limit`
+        # Refused as it streams past the limit: the caller's for its kind of file,
+        # never more than `WHOLE_LIMIT` over HTTP (a caller's default is 1 GiB).
+        answer = client().read(path, limit=min(limit, WHOLE_LIMIT))
         return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:
