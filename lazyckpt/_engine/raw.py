@@ -1,23 +1,31 @@
-"""Raw bytes straight into place: an array stored as plain C-order bytes in a local
-file (a safetensors tensor) is read with positioned reads (`os.preadv`) into the
-destination buffer itself, with no tensorstore chunk, no intermediate `bytes` and no
-second copy.
+"""Raw bytes straight into place: an array stored as plain C-order bytes (a
+safetensors tensor) is read into the destination buffer itself, with no tensorstore
+chunk, no intermediate `bytes` and no second copy:
+
+- in a local file, with positioned reads (`os.preadv`) on the decoding threads, in
+  pieces of about `PIECE` bytes;
+- over HTTP (the Hugging Face Hub, https:// URLs), with Range requests whose bodies
+  the transport reads straight into the buffer, in requests of up to
+  `NetworkOptions.request_bytes`, cut smaller where that keeps every connection busy
+  (`request_bytes`); in a bucket, with ranged reads of tensorstore's kvstore, each
+  copied into place as it arrives.
 
 A destination's box is cut into runs of consecutive stored bytes (a row-sharded
-tensor is one run per shard, a whole tensor one run), and the runs into pieces of
-about `PIECE` bytes, read at once on the decoding threads. Boxes whose runs are short
-(a column shard is one short run per row) keep tensorstore's chunked path.
+tensor is one run per shard, a whole tensor one run), and the runs into pieces. Boxes
+whose runs are short (a column shard is one short run per row) keep tensorstore's
+chunked path: below `MIN_RUN` locally, below `MIN_REQUEST` remotely, where each
+request costs a round trip.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+import attrs
 import numpy as np
 import tensorstore as ts
 
@@ -28,8 +36,11 @@ from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage import network
+from lazyckpt._storage.kvstore import then
 from lazyckpt._storage.local import open_regular
 from lazyckpt._storage.metrics import count_direct
+from lazyckpt._storage.web import WebFiles
 
 PIECE = 8 << 20
 """Bytes per job: enough for one positioned read to run at page-cache speed (about
@@ -39,8 +50,59 @@ MIN_RUN = 64 << 10
 """The shortest run read on its own: below it, one system call per run costs more
 than tensorstore's chunked read of the rows around it."""
 
+MIN_REQUEST = 1 << 20
+"""The shortest run read remotely on its own, and the smallest request a remote run is
+cut into: below it, a request's round trip costs more than its bytes."""
+
 Part = tuple[int, int, int]
 """A read: its offset in the file, its offset in the destination buffer, its length."""
+
+
+@attrs.frozen
+class Source:
+    """Where an array's raw bytes lie: a local `file`, or the key `key` of its store
+    (a bucket, or a folder over HTTP); the array starts at byte `start`."""
+
+    stored: StoredArray
+    start: int
+    file: str | None = None
+    key: str = ""
+
+    @property
+    def min_run(self) -> int:
+        return MIN_RUN if self.file is not None else MIN_REQUEST
+
+    def piece(self, held: int) -> int:
+        """Bytes per job, where jobs may hold `held` bytes in flight together."""
+        if self.file is not None:
+            return min(PIECE, max(MIN_RUN, held))
+        return request_bytes(held)
+
+    def read(self, parts: list[Part], buffer: memoryview) -> ts.Future[None]:
+        """Read each part of `parts` into `buffer`."""
+        if self.file is not None:
+            file = self.file
+            return in_pool(lambda: read_parts(file, self.stored, parts, buffer))
+        return read_remote(self.stored, self.key, parts, buffer)
+
+
+def source(stored: StoredArray) -> Source | None:
+    """Where `stored`'s raw bytes lie; None where it is not stored as raw bytes."""
+    local = stored.raw_file()
+    if local is not None:
+        return Source(stored, local[1], file=local[0])
+    remote = stored.remote_raw()
+    if remote is not None:
+        return Source(stored, remote[1], key=remote[0])
+    return None
+
+
+def request_bytes(held: int) -> int:
+    """Bytes per remote request where requests may hold `held` bytes in flight
+    together: that shared among the connections, between `MIN_REQUEST` and
+    `NetworkOptions.request_bytes`."""
+    options = network.options()
+    return max(MIN_REQUEST, min(options.request_bytes, held // options.connections))
 
 
 def schedule_raw(
@@ -55,14 +117,13 @@ def schedule_raw(
     raw bytes in the view's order and dtype with long enough runs; False (and nothing
     scheduled) otherwise."""
     stored = stored_array(array)
-    source = stored.raw_file()
+    found = source(stored)
     dims = [entry[0] for entry in mapping if entry is not None]
-    if source is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
+    if found is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
         return False
-    file, start = source
     itemsize = stored.dtype.itemsize
     boxes = [to_stored(array, mapping, d.region) for d in destinations]
-    if any(not _long_runs(stored.shape, box, itemsize) for box in boxes):
+    if any(not _long_runs(stored.shape, box, itemsize, found.min_run) for box in boxes):
         return False
     if any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
         return False  # overlapping boxes: the chunked path reads what they share once
@@ -73,18 +134,19 @@ def schedule_raw(
         for d in destinations
     ):
         return False
+    piece = found.piece(scheduler.block_bytes if found.file else scheduler.budget)
     for destination, box in zip(destinations, boxes, strict=True):
         if destination.out_nbytes() == 0:
             continue
         buffer = destination.buffer().reshape(-1).view(np.uint8).data
-        for parts in _jobs(_runs(stored.shape, box, itemsize, start), piece_bytes(scheduler)):
+        for parts in _jobs(_runs(stored.shape, box, itemsize, found.start), piece):
             remaining[0] += 1
             work = sum(length for _, _, length in parts)
 
             def start_job(
                 parts: list[Part] = parts, buffer: memoryview = buffer
             ) -> ts.Future[None]:
-                return in_pool(lambda: read_parts(file, stored, parts, buffer))
+                return found.read(parts, buffer)
 
             # Held while in flight: where the buffer is a temporary (a cast, a shard on
             # its way to a device), reads must not run ahead of what frees it.
@@ -93,56 +155,33 @@ def schedule_raw(
 
 
 def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray] | None:
-    """The view `selection` of an array stored as raw bytes in a local file, read
-    straight into a new array (pieces at once on the decoding threads); None where
-    that does not apply (strided, empty, out of the stored order, or short runs)."""
-    source = stored.raw_file()
-    if source is None or 0 in selection.shape:
+    """The view `selection` of an array stored as raw bytes, read straight into a new
+    array (all its pieces at once); None where that does not apply (strided, empty,
+    out of the stored order, or short runs)."""
+    found = source(stored)
+    if found is None or 0 in selection.shape:
         return None
     if any(isinstance(e, Range) and e.step != 1 and e.count > 1 for e in selection.stored):
         return None
     dims = [d for d in selection.view if isinstance(d, int)]
     box = bounds(selection)
     itemsize = stored.dtype.itemsize
-    if dims != sorted(dims) or not _long_runs(stored.shape, box, itemsize):
+    if dims != sorted(dims) or not _long_runs(stored.shape, box, itemsize, found.min_run):
         return None
-    file, start = source
     out = result_empty(tuple(high - low for low, high in box), stored.dtype)
     buffer = out.reshape(-1).view(np.uint8).data
-    jobs = list(_jobs(_runs(stored.shape, box, itemsize, start), PIECE))
-    promise: ts.Promise[np.ndarray]
-    future: ts.Future[np.ndarray]
-    promise, future = ts.Promise.new()
-    state = {"left": len(jobs), "settled": False}
-    lock = threading.Lock()
-
-    def done(job: ts.Future[None]) -> None:
-        error: Exception | None = None
-        try:
-            job.result()
-        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
-            error = failed
-        with lock:
-            if state["settled"]:
-                return
-            state["left"] -= 1
-            if error is None and state["left"]:
-                return
-            state["settled"] = True  # the last job, or the first failure
-        if error is not None:
-            promise.set_exception(error)
-        else:
-            promise.set_result(out.reshape(selection.shape))
-
-    for parts in jobs:
-        in_pool(functools.partial(read_parts, file, stored, parts, buffer)).add_done_callback(done)
-    return future
+    # All at once: the read holds no more than its result.
+    piece = PIECE if found.file is not None else request_bytes(out.nbytes)
+    jobs = list(_jobs(_runs(stored.shape, box, itemsize, found.start), piece))
+    reads = [found.read(parts, buffer) for parts in jobs]
+    return then(all_of(reads, lambda error: error), lambda _: out.reshape(selection.shape))
 
 
-def _long_runs(shape: Sequence[int], box: Box, itemsize: int) -> bool:
+def _long_runs(shape: Sequence[int], box: Box, itemsize: int, least: int) -> bool:
+    """Whether `box` is one run of consecutive bytes, or runs of `least` bytes or more."""
     last = _last_cut(shape, box)
     extents = [high - low for low, high in box]
-    return math.prod(extents[:last]) <= 1 or math.prod(extents[last:]) * itemsize >= MIN_RUN
+    return math.prod(extents[:last]) <= 1 or math.prod(extents[last:]) * itemsize >= least
 
 
 def _last_cut(shape: Sequence[int], box: Box) -> int:
@@ -170,7 +209,8 @@ def _runs(shape: Sequence[int], box: Box, itemsize: int, start: int) -> Iterator
 
 
 def piece_bytes(scheduler: Scheduler) -> int:
-    """Bytes per job within `scheduler`'s budget: `PIECE`, or a block of a small one."""
+    """Bytes per local job within `scheduler`'s budget: `PIECE`, or a block of a small
+    one."""
     return min(PIECE, max(MIN_RUN, scheduler.block_bytes))
 
 
@@ -225,3 +265,90 @@ def read_parts(
         raise stored.read_error(error) from None
     finally:
         os.close(fd)
+
+
+def read_remote(
+    stored: StoredArray, key: str, parts: list[Part], buffer: memoryview
+) -> ts.Future[None]:
+    """Read each `(file offset, buffer offset, length)` of `parts` of `key` in
+    `stored`'s store (a bucket, or a folder over HTTP) into `buffer`: one ranged read
+    each, all at once. Over HTTP the bodies land in `buffer` itself; a bucket's reads
+    are copied into it as they arrive."""
+    kvstore = stored.store.kvstore
+    reads: list[ts.Future[None]] = []
+    for file_at, buffer_at, length in parts:
+        view = buffer[buffer_at : buffer_at + length]
+        if isinstance(kvstore, WebFiles):
+            reads.append(then(kvstore.read_into(key, file_at, view), _nothing))
+            continue
+
+        def place(
+            result: ts.KvStore.ReadResult, view: memoryview = view, file_at: int = file_at
+        ) -> None:
+            if result.state != "value" or len(result.value) != len(view):
+                raise CorruptCheckpointError(
+                    f"{stored.store.location}/{key}: {stored.key!r} needs bytes {file_at} to "
+                    f"{file_at + len(view)}, but the file ends before; it was truncated or "
+                    "removed since it was opened, open it again"
+                )
+            view[:] = result.value
+
+        span = slice(file_at, file_at + length)
+        reads.append(then(kvstore.read(key, byte_range=span), place))
+    # Settled on lazyckpt's threads, never the storage client's: what callers chain on
+    # it (a check that the file is unchanged) may ask the storage again, and would wait
+    # forever on a thread the storage needs.
+    promise: ts.Promise[None]
+    future: ts.Future[None]
+    promise, future = ts.Promise.new()
+
+    def settle(done: ts.Future[None]) -> None:
+        try:
+            done.result()
+        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+            promise.set_exception(error)
+        else:
+            promise.set_result(None)
+
+    all_of(reads, stored.read_error).add_done_callback(lambda done: in_pool(lambda: settle(done)))
+    return future
+
+
+def _nothing(_: object) -> None:
+    return None
+
+
+def all_of(
+    futures: Sequence[ts.Future[None]], on_error: Callable[[Exception], Exception]
+) -> ts.Future[None]:
+    """A future that is done when all of `futures` are; failed as the first of them
+    to fail (`on_error` of its error) as soon as it does."""
+    promise: ts.Promise[None]
+    future: ts.Future[None]
+    promise, future = ts.Promise.new()
+    state = {"left": len(futures), "settled": False}
+    lock = threading.Lock()
+
+    def done(one: ts.Future[None]) -> None:
+        error: Exception | None = None
+        try:
+            one.result()
+        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
+            error = failed
+        with lock:
+            if state["settled"]:
+                return
+            state["left"] -= 1
+            if error is None and state["left"]:
+                return
+            state["settled"] = True  # the last one, or the first failure
+        if error is not None:
+            promise.set_exception(on_error(error))
+        else:
+            promise.set_result(None)
+
+    if not futures:
+        promise.set_result(None)
+    for one in futures:
+        one.add_done_callback(done)
+    return future

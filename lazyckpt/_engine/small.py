@@ -2,10 +2,11 @@
 costs a few reads and a copy or a decode per array, not a tensorstore open, a future
 chain and a plan per array.
 
-- Raw arrays in a local file (safetensors tensors): neighbouring arrays' bytes are
-  one positioned read of up to a piece, straight into a buffer whose parts become the
-  results, with no copy and no allocation per array (`_raw_batch`). In a bucket or
-  over HTTP, neighbouring arrays' bytes are one ranged read (`_remote_batch`).
+- Raw arrays (safetensors tensors): neighbouring arrays' bytes are one read of up to
+  a piece, straight into a buffer whose parts become the results, with no copy and
+  no allocation per array: a positioned read in a local file (`_raw_batch`), one
+  ranged read in a bucket or over HTTP (`_remote_batch`), where a gap of up to
+  `REMOTE_GAP` between neighbours is read rather than cost a request of its own.
 - Arrays whose chunks lazyckpt decodes (Orbax's zarr arrays, zstd or raw bytes, in
   zarr3 shards or not): a batch's chunk keys are read in one tensorstore batch (OCDBT
   serves the keys of one data file together; a shard's index first, then its chunks,
@@ -29,7 +30,7 @@ from lazyckpt._engine.decode import in_shard, shard_index_range
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
-from lazyckpt._storage.kvstore import Store, changed_error
+from lazyckpt._storage.kvstore import Store, changed_error, then
 
 SMALL = 1 << 20
 """Arrays (and their chunks) up to this size that `load` reads whole are read in
@@ -38,6 +39,9 @@ batches."""
 GAP = 4 << 10
 """Bytes between two small raw arrays in one file that one read spans rather than
 split."""
+
+REMOTE_GAP = 64 << 10
+"""As `GAP`, remotely: a request costs a round trip, which carries hundreds of KiB."""
 
 _ALIGN = 64
 """A raw batch's buffer lies at the same offset modulo this as its bytes in the file,
@@ -102,7 +106,7 @@ def read_small(arrays: Sequence[ArrayView], scheduler: Scheduler) -> list[np.nda
         for batch in _neighbours(found, piece):
             _raw_batch(file, arrays, batch, out, scheduler)
     for (_, key), found in by_key.items():
-        for batch in _neighbours(found, piece):
+        for batch in _neighbours(found, raw.request_bytes(scheduler.budget), REMOTE_GAP):
             _remote_batch(key, arrays, batch, out, scheduler)
     decoded: dict[int, int] = {}  # (bytes of each array's chunks, decoded)
     for i in coded:
@@ -167,14 +171,16 @@ def _place(
         seen.add((start, stop))
 
 
-def _neighbours(found: list[tuple[int, int, int]], piece: int) -> list[list[tuple[int, int, int]]]:
+def _neighbours(
+    found: list[tuple[int, int, int]], piece: int, gap: int = GAP
+) -> list[list[tuple[int, int, int]]]:
     """`(start, stop, i)` of arrays in one file, in batches of neighbours: no gap over
-    `GAP`, and up to `piece` bytes."""
+    `gap`, and up to `piece` bytes."""
     found.sort()
     batches: list[list[tuple[int, int, int]]] = [[]]
     for entry in found:
         batch = batches[-1]
-        if batch and (entry[0] - batch[-1][1] > GAP or entry[1] - batch[0][0] > piece):
+        if batch and (entry[0] - batch[-1][1] > gap or entry[1] - batch[0][0] > piece):
             batches.append(batch := [])
         batch.append(entry)
     return [batch for batch in batches if batch]
@@ -187,28 +193,21 @@ def _remote_batch(
     out: list[np.ndarray],
     scheduler: Scheduler,
 ) -> None:
-    """One ranged read of neighbouring arrays in a bucket or over HTTP, copied into
-    one buffer whose parts become the results."""
+    """One ranged read of neighbouring arrays in a bucket or over HTTP, into one
+    buffer whose parts become the results."""
     first = batch[0][0]
     size = max(stop for _, stop, _ in batch) - first
     stored = stored_array(arrays[batch[0][2]])
     scheduler.guard.keep(size)
 
-    def job() -> None:
-        try:
-            result = stored.store.kvstore.read(key, byte_range=slice(first, first + size)).result()
-        except Exception as error:  # noqa: BLE001 - the storage's, made ours
-            raise stored.read_error(error) from None
-        if result.state != "value" or len(result.value) != size:
-            raise stored.read_error(
-                CorruptCheckpointError(
-                    f"{stored.store.location}/{key}: bytes {first} to {first + size} are not "
-                    "all there; the file is truncated"
-                )
-            )
-        _place(np.frombuffer(bytearray(result.value), np.uint8), first, arrays, batch, out)
+    def start() -> ts.Future[None]:
+        memory = np.empty(size + _ALIGN, np.uint8)
+        pad = (first - memory.ctypes.data) % _ALIGN
+        buffer = memory[pad : pad + size]
+        read = raw.read_remote(stored, key, [(first, 0, size)], buffer.data)
+        return then(read, lambda _: _place(buffer, first, arrays, batch, out))
 
-    scheduler.submit(lambda: in_pool(job), lambda _: None, held=size, work=size)
+    scheduler.submit(start, lambda _: None, held=size, work=size)
 
 
 def _chunk_count(stored: StoredArray) -> int:

@@ -392,7 +392,7 @@ class RangeArray(StoredArray):
         little more than the view (a few embedding rows), they are read as one byte
         range; otherwise by chunks."""
         raw = read_raw(self, selection)
-        if raw is not None:  # a local file: straight into the result
+        if raw is not None:  # straight into the result
             return raw
         shape = selection.shape
         box = bounds(selection)

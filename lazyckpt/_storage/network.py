@@ -56,6 +56,18 @@ def _attempts(instance: object, attribute: attrs.Attribute[Any], value: object) 
         )
 
 
+def _count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    low, high = _COUNTS[attribute.name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LazyTypeError(
+            f"network_options({attribute.name}=...) takes a whole number from {low} to "
+            f"{high}, not {value!r}"
+        )
+
+
+_COUNTS = {"connections": (1, 256), "request_bytes": (64 << 10, 1 << 30)}
+
+
 def _unversioned(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value not in ("refuse", "warn"):
         raise LazyTypeError(
@@ -68,11 +80,13 @@ class NetworkOptions:
     """How reads over HTTP(S) and from the Hugging Face Hub wait, retry and check.
 
     The defaults come from the environment where it sets them (`LAZYCKPT_HTTP_TIMEOUT`,
-    `LAZYCKPT_HTTP_MIN_RATE`, `LAZYCKPT_HTTP_RETRIES`, `LAZYCKPT_HTTP_UNVERSIONED`);
+    `LAZYCKPT_HTTP_MIN_RATE`, `LAZYCKPT_HTTP_RETRIES`, `LAZYCKPT_HTTP_UNVERSIONED`,
+    `LAZYCKPT_HTTP_CONNECTIONS`, `LAZYCKPT_HTTP_REQUEST_BYTES`);
     `lazyckpt.network_options(...)` changes them for the process.
 
     >>> lazyckpt.NetworkOptions()
-    NetworkOptions(timeout=30.0, min_rate=65536, retries=5, unversioned='refuse')
+    NetworkOptions(timeout=30.0, min_rate=65536, retries=5, unversioned='refuse', \
+connections=32, request_bytes=16777216)
     """
 
     timeout: float = attrs.field(default=30.0, validator=_positive)
@@ -91,6 +105,15 @@ class NetworkOptions:
     Last-Modified date, so that a change between two reads cannot be detected:
     `"refuse"` it (a `StorageAccessError`), or read it with an `UnversionedWarning`.
     Files on the Hub are read at a pinned commit and always checked."""
+    connections: int = attrs.field(default=32, validator=_count)
+    """Requests in flight at once to one server (scheme, host and port). A request
+    waits a round trip before its first byte, and one connection of a CDN carries a
+    few tens of MB/s: on a link with a long round trip, many requests at once are what
+    fill it (at 60 ms and 40 MB/s a connection, 32 carry about 600 MB/s)."""
+    request_bytes: int = attrs.field(default=16 << 20, validator=_count)
+    """The most bytes one request asks for. A tensor is read in requests of up to this
+    many bytes, smaller where that keeps every connection busy: the bytes a read may
+    hold in flight (its `memory_budget`) shared among `connections`, at least 1 MiB."""
 
     def deadline_for(self, size: int) -> float:
         """Seconds a request for `size` bytes may take, answer and body."""
@@ -110,6 +133,8 @@ def _from_environment() -> NetworkOptions:
         ("LAZYCKPT_HTTP_MIN_RATE", "min_rate"),
         ("LAZYCKPT_HTTP_RETRIES", "retries"),
         ("LAZYCKPT_HTTP_UNVERSIONED", "unversioned"),
+        ("LAZYCKPT_HTTP_CONNECTIONS", "connections"),
+        ("LAZYCKPT_HTTP_REQUEST_BYTES", "request_bytes"),
     ):
         text = os.environ.get(name)
         if text is None:
@@ -148,6 +173,8 @@ def network_options(
     min_rate: int | None = None,
     retries: int | None = None,
     unversioned: Literal["refuse", "warn"] | None = None,
+    connections: int | None = None,
+    request_bytes: int | None = None,
 ) -> _NetworkOptionsContext:
     """Set how reads over the network wait, retry and check (`NetworkOptions`), for
     the whole process; as a `with` block, until its end, where the options it set go
@@ -156,7 +183,8 @@ def network_options(
 
     >>> with lazyckpt.network_options(timeout=5, retries=2) as now:
     ...     now
-    NetworkOptions(timeout=5, min_rate=65536, retries=2, unversioned='refuse')
+    NetworkOptions(timeout=5, min_rate=65536, retries=2, unversioned='refuse', \
+connections=32, request_bytes=16777216)
     >>> lazyckpt.network_options().timeout  # outside the block: as before
     30.0
     """
@@ -167,6 +195,8 @@ def network_options(
             ("min_rate", min_rate),
             ("retries", retries),
             ("unversioned", unversioned),
+            ("connections", connections),
+            ("request_bytes", request_bytes),
         )
         if value is not None
     }

@@ -44,8 +44,6 @@ from lazyckpt._storage.transport import Response, Transport
 
 _REDIRECTS = 5
 _THREADS = "lazyckpt-web"
-CONNECTIONS = 16
-"""Requests in flight at once to one origin."""
 _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
 WHOLE_LIMIT = 64 << 20
 """The most bytes of a file read whole (no range) where the caller names no limit of
@@ -109,7 +107,8 @@ class Answer:
 
     state: str
     """"value", or "missing" where the server has no such file."""
-    value: bytes | bytearray = b""
+    value: bytes | bytearray | memoryview = b""
+    """The bytes; a view of the caller's buffer where they were read into it."""
     size: int | None = None
     """The whole file's size, where the server said (`Content-Range`)."""
 
@@ -149,17 +148,22 @@ class Client:
         self._transport = Transport()
         self._locations: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._pools: dict[tuple[str, str], concurrent.futures.ThreadPoolExecutor] = {}
+        self._pools: dict[tuple[str, str], tuple[int, concurrent.futures.ThreadPoolExecutor]] = {}
 
     def pool(self, url: str) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that read from `url`'s origin: up to `CONNECTIONS` at once."""
+        """The threads that read from `url`'s origin: up to `connections` at once
+        (`NetworkOptions`; a change of it takes effect at the origin's next read)."""
         origin = _origin(url)
+        connections = network.options().connections
         with self._lock:
-            found = self._pools.get(origin)
-            if found is None:
-                found = self._pools[origin] = concurrent.futures.ThreadPoolExecutor(
-                    CONNECTIONS, thread_name_prefix=_THREADS
+            size, found = self._pools.get(origin, (0, None))
+            if found is None or size != connections:
+                if found is not None:
+                    found.shutdown(wait=False)  # (what it runs still finishes)
+                found = concurrent.futures.ThreadPoolExecutor(
+                    connections, thread_name_prefix=_THREADS
                 )
+                self._pools[origin] = (connections, found)
             return found
 
     def read(
@@ -173,11 +177,14 @@ class Client:
         limit: int = WHOLE_LIMIT,
         halt: network.Stop | None = None,
         ticket: int = 0,
+        into: memoryview | None = None,
     ) -> Answer:
         """The bytes `[start, stop)` of the file at `url` (the whole file, up to
         `limit` bytes, without a range; with `short`, fewer where the file ends before
         `stop`), checked against `pin`; `Answer("missing")` where the server has none.
-        `halt` stops the read where another of its burst failed for good."""
+        `halt` stops the read where another of its burst failed for good. With
+        `into` (a buffer of `stop - start` bytes), the bytes are read straight into it
+        and the answer's value is a view of it."""
         _origin(url)
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
@@ -194,6 +201,7 @@ class Client:
                     limit=limit,
                     halt=halt,
                     ticket=ticket,
+                    into=into,
                 )
                 .result()
             )
@@ -207,10 +215,12 @@ class Client:
             wanted = (start, stop)
             if stop is not None:
                 limit = stop - start
+        if into is not None and (wanted is None or wanted[1] is None or len(into) != limit):
+            raise ValueError(f"a buffer of {len(into)} bytes for bytes {start} to {stop}")
         hub = registered is not None and bool(registered.generation)
         with self._lock:
             known = self._locations.get(url) if hub else pin.location
-        ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket)
+        ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket, into)
         answer = self._fetch(ask, known or url)
         if answer is None and known is not None:  # a signed address expired
             with self._lock:
@@ -281,6 +291,7 @@ class Client:
                 too_large=ask.too_large,
                 stop=ask.halt,
                 ticket=ask.ticket,
+                into=ask.into,
             )
             status, found = answer.status, answer.headers
             if status in (301, 302, 303, 307, 308):
@@ -367,6 +378,7 @@ class _Ask:
     pin: Pin
     halt: network.Stop | None
     ticket: int
+    into: memoryview | None = None
 
     def too_large(self, declared: int | None) -> LazyckptError:
         if self.wanted is not None:

@@ -51,7 +51,8 @@ class Response:
     status: int
     headers: dict[str, str]
     """Lower-case names."""
-    body: bytes | bytearray
+    body: bytes | bytearray | memoryview
+    """A view of the caller's buffer where the body was read into it."""
 
 
 @attrs.define
@@ -159,6 +160,18 @@ class _Refused(Exception):
         self.found = found
 
 
+class _Connections:
+    """One thread's kept-alive connections, closed when the thread ends (a pool of
+    threads replaced when `NetworkOptions.connections` changes)."""
+
+    def __init__(self) -> None:
+        self.by_origin: dict[tuple[str, str], http.client.HTTPConnection] = {}
+
+    def __del__(self) -> None:
+        for connection in self.by_origin.values():
+            connection.close()
+
+
 class Transport:
     """GETs over kept-alive connections, one per host and thread."""
 
@@ -176,10 +189,13 @@ class Transport:
         too_large: Callable[[int | None], LazyckptError],
         stop: network.Stop | None = None,
         ticket: int = 0,
+        into: memoryview | None = None,
     ) -> Response:
         """GET `target` (for the file `url`, as errors name it), its body at most
         `limit` bytes (`too_large(declared size)` is raised past it). A 200 to a
-        `ranged` request comes back without its body, never read."""
+        `ranged` request comes back without its body, never read. A 206's body is
+        read straight `into` the caller's buffer where one is given (of `limit`
+        bytes), with no copy."""
         parts = urllib.parse.urlsplit(target)
         path = urllib.parse.quote(parts.path or "/", safe=SAFE)
         path += f"?{parts.query}" if parts.query else ""
@@ -191,7 +207,7 @@ class Transport:
             reused = (parts.scheme, parts.netloc) in self._connections()
             try:
                 with self._connection(target, options.timeout) as connection:
-                    answer = self._once(connection, path, headers, options, limit, ranged)
+                    answer = self._once(connection, path, headers, options, limit, ranged, into)
             except _Refused as refused:
                 raise too_large(refused.found) from None
             except (http.client.InvalidURL, UnicodeError, ValueError) as error:
@@ -241,6 +257,7 @@ class Transport:
         options: network.NetworkOptions,
         limit: int,
         ranged: bool,
+        into: memoryview | None,
     ) -> Response:
         clock = _Clock(time.monotonic(), options.timeout, options.min_rate)
         if connection.sock is not None:
@@ -257,21 +274,24 @@ class Transport:
             return Response(status, found, b"")
         wanted = status in (200, 206)
         length = response.length
-        body = _body(response, limit if wanted else _ERROR_BODY, clock)
+        body: bytearray | memoryview | None
+        if status == 206 and into is not None:
+            body = _body_into(response, into, clock)
+        else:
+            body = _body(response, limit if wanted else _ERROR_BODY, clock)
         if body is None:  # over the limit: its declared length, or what streamed past
             connection.close()
             if wanted:
                 raise _Refused(length if length is not None and length > limit else None)
         else:
             response.close()  # read whole: the connection takes the next request
-        count_direct(len(body or b""))
-        return Response(status, found, body or b"")
+        count_direct(0 if body is None else len(body))
+        return Response(status, found, b"" if body is None else body)
 
     def _connections(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
         """This thread's kept-alive connections, by scheme and host."""
-        found: dict[tuple[str, str], http.client.HTTPConnection]
-        found = self._local.__dict__.setdefault("connections", {})
-        return found
+        held: _Connections = self._local.__dict__.setdefault("connections", _Connections())
+        return held.by_origin
 
     @contextlib.contextmanager
     def _connection(self, url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
@@ -320,3 +340,26 @@ def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> byte
         return None
     del body[got:]
     return body
+
+
+def _body_into(
+    response: http.client.HTTPResponse, into: memoryview, clock: _Clock
+) -> memoryview | None:
+    """The body read straight into `into`, the part of it that the body filled; None
+    where the body holds more than `into` (the rest unread)."""
+    length = response.length
+    if length is not None and length > len(into):
+        return None
+    total = length if length is not None else len(into)
+    clock.expected = total
+    got = 0
+    while got < total:
+        count = response.readinto(into[got:total])
+        if count == 0:
+            break
+        got += count
+    if length is not None and got < length:
+        raise http.client.IncompleteRead(b"", length - got)
+    if length is None and got == len(into) and response.read(1):
+        return None  # a chunked body longer than asked for
+    return into[:got]

@@ -51,9 +51,24 @@ class WebFiles:
     ) -> ts.Future[Answer]:
         """The bytes of `key` in `byte_range` (with `short`, up to the file's end);
         reads are not batched (`batch` is tensorstore's, for the same call shape)."""
-        url = f"{self.folder}/{urllib.parse.quote(key, safe=SAFE.replace('%', ''))}"
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
+        return self._submit(key, start, stop, short=short)
+
+    def read_into(self, key: str, start: int, into: memoryview) -> ts.Future[Answer]:
+        """The bytes of `key` from `start`, read straight into `into` (all of it)."""
+        return self._submit(key, start, start + len(into), into=into)
+
+    def _submit(
+        self,
+        key: str,
+        start: int | None,
+        stop: int | None,
+        *,
+        short: bool = False,
+        into: memoryview | None = None,
+    ) -> ts.Future[Answer]:
+        url = f"{self.folder}/{urllib.parse.quote(key, safe=SAFE.replace('%', ''))}"
         with self._lock:
             pin = self._pins.setdefault(key, Pin())
         ticket = self._stop.ticket()
@@ -64,7 +79,14 @@ class WebFiles:
         def run() -> None:
             try:
                 answer = client().read(
-                    url, start, stop, short=short, pin=pin, halt=self._stop, ticket=ticket
+                    url,
+                    start,
+                    stop,
+                    short=short,
+                    pin=pin,
+                    halt=self._stop,
+                    ticket=ticket,
+                    into=into,
                 )
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
                 if getattr(error, "gave_up", False):  # the server failed every attempt
