@@ -65,6 +65,8 @@ class Site:
     """What identifies its contents (a Hub commit): pinned, never asked again."""
     describe: str = ""
     """How errors name it (`org/model at revision main (commit 1a2b...)`)."""
+    local: dict[str, str] = attrs.field(factory=dict)
+    """Local copies of some of its files, by name (in the Hugging Face cache): read from disk."""
 
 
 _SITES: dict[str, Site] = {}
@@ -87,8 +89,7 @@ def site(path: str) -> Site | None:
 def hub_listed(folder: str) -> bool:
     """Whether `folder` was listed at a pinned revision (a Hub commit), which never
     changes; a folder probed over plain HTTP is probed again at each open."""
-    with _SITES_LOCK:
-        found = _SITES.get(folder.rstrip("/"))
+    found = listing(folder)
     return found is not None and bool(found.generation)
 
 
