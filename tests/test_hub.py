@@ -5,6 +5,7 @@ injected failures), with `huggingface_hub` resolving the endpoint, token and cac
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save
+from safetensors.numpy import load_file, save
 
 import lazyckpt
 from lazyckpt._storage import metrics, network
@@ -124,6 +125,71 @@ def test_files_in_the_cache_are_read_from_disk(hub: HubServer) -> None:
         loaded["model"]["layers"]["3"]["mlp"]["up_proj"]["weight"],
         tensors["model.layers.3.mlp.up_proj.weight"],
     )
+
+
+def test_a_shard_in_the_cache_is_read_from_disk_the_others_by_ranges(hub: HubServer) -> None:
+    files, _ = model()
+    commit = hub.commit("org/model", files)
+    cached = hh.hf_hub_download("org/model", SHARDS[1])
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/model")
+    stored = up(tree, 1).stored
+    assert stored.raw_file() == (cached, stored.start)  # positioned reads, into place
+    assert stored.remote_raw() is None
+    before = metrics.bytes_read()
+    rows = up(tree, 1)[10:20].get()  # (a short run: through the folder's reader)
+    assert metrics.bytes_read() - before == 10 * 32 * 4
+    loaded = lazyckpt.load(lazyckpt.open("hf://org/model", flat=True))
+    assert not [e for e in hub.log if e.path.endswith(SHARDS[1])]
+    for shard in (SHARDS[0], *SHARDS[2:]):
+        sent = [e for e in hub.log if e.server == "cdn" and e.path.endswith(shard)]
+        assert sent and all(e.range and e.status == 206 for e in sent)
+    for shard in SHARDS:
+        for name, want in load_file(hub.root / "org/model" / commit / shard).items():
+            np.testing.assert_array_equal(loaded[name], want)
+    np.testing.assert_array_equal(
+        rows, load_file(cached)["model.layers.1.mlp.up_proj.weight"][10:20]
+    )
+
+
+def test_an_index_in_the_cache_is_not_asked_for(hub: HubServer) -> None:
+    files, tensors = model()
+    hub.commit("org/model", files)
+    hh.hf_hub_download("org/model", "model.safetensors.index.json")
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/model")
+    assert not [e for e in hub.log if e.path.endswith("model.safetensors.index.json")]
+    assert [e for e in data_requests(hub) if e.path.endswith(SHARDS[0])]
+    np.testing.assert_array_equal(up(tree, 0).get(), tensors["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_damaged_file_in_the_cache_is_named_with_its_fix(hub: HubServer) -> None:
+    """A truncated copy is refused at open, naming it and how to download it again; a
+    FIFO put in its blob's place after open is refused, never waited on."""
+    files, _ = model()
+    hub.commit("org/model", files)
+    cached = hh.hf_hub_download("org/model", SHARDS[2])
+    blob = Path(cached).resolve()
+    blob.write_bytes(files[SHARDS[2]][:-100])
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=rf"{re.escape(cached)}, the Hugging Face cache's copy of .*{SHARDS[2]} \(org/model "
+        rf"at main, commit [0-9a-f]{{12}}\), holds {len(files[SHARDS[2]]) - 100} bytes; .*"
+        rf"truncated: delete it from the cache .*{re.escape(str(blob))}\) and download it again",
+    ):
+        lazyckpt.open("hf://org/model")
+    blob.write_bytes(files[SHARDS[2]])
+    tree = lazyckpt.open("hf://org/model")
+    blob.write_bytes(files[SHARDS[2]][:200])  # shortened after open
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"copy .*holds 200 bytes, fewer"):
+        up(tree, 2)[60:, :4].get()  # (short runs: through the folder's reader)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"truncated since it was opened"):
+        up(tree, 2)[60:].get()  # (straight into place)
+    blob.unlink()
+    os.mkfifo(blob)
+    for read in (lambda: up(tree, 2)[10:20].get(), lambda: lazyckpt.load(up(tree, 2))):
+        with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"not a regular file \(a FIFO"):
+            read()
 
 
 def test_every_verb_reads_over_http(hub: HubServer, tmp_path: Path) -> None:

@@ -310,7 +310,10 @@ def read_remote(
         else:
             promise.set_result(None)
 
-    all_of(reads, stored.read_error).add_done_callback(lambda done: in_pool(lambda: settle(done)))
+    def hop(done: ts.Future[None]) -> None:
+        in_pool(lambda: settle(done))
+
+    all_of(reads, stored.read_error).add_done_callback(hop)
     return future
 
 

@@ -16,9 +16,9 @@ from lazyckpt._safetensors.format import (
     parse_index,
 )
 from lazyckpt._storage import paths
-from lazyckpt._storage.ranges import Site, register
-from lazyckpt._storage.ranges import describe as web_describe
-from lazyckpt._storage.web import WebFiles
+from lazyckpt._storage.sites import Site, register
+from lazyckpt._storage.sites import describe as web_describe
+from lazyckpt._storage.web import WebFiles, cached_fix, local_copy
 
 
 def listed_over_http(folder: str) -> bool:
@@ -67,17 +67,14 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
     headers = []
     for shard, answer, length, more in zip(shards, answers, lengths, rest, strict=True):
         file = paths.join(folder, shard)
-        data = answer.value if more is None else answer.value + more.result().value
+        data = bytes(answer.value) + (b"" if more is None else bytes(more.result().value))
         if len(data) < 8 + length:
-            raise CorruptCheckpointError(
-                f"{web_describe(file)} is too short for its {length}-byte header; the file "
-                "is truncated"
-            )
+            raise _truncated(file, f"is too short for its {length}-byte header")
         header = parse_header(file, bytes(data[8 : 8 + length]))
         if answer.size is not None and header.end > answer.size:
-            raise CorruptCheckpointError(
-                f"{web_describe(file)} holds {answer.size} bytes, but its header declares "
-                f"data up to byte {header.end}; the file is truncated"
+            raise _truncated(
+                file,
+                f"holds {answer.size} bytes; its header declares data up to byte {header.end}",
             )
         headers.append(header)
     return headers
@@ -87,8 +84,21 @@ def _length(file: str, first: bytes, size: int | None) -> int:
     """The header's length, which must fit in the file (its size as the server said)."""
     length = header_length(file, first)
     if size is not None and 8 + length > size:
-        raise CorruptCheckpointError(
-            f"{web_describe(file)} holds {size} bytes, but its header declares "
-            f"{length} bytes of header; the file is truncated or not safetensors"
+        raise _truncated(
+            file,
+            f"holds {size} bytes, but its header declares {length} bytes of header (or it "
+            "is not safetensors)",
         )
     return length
+
+
+def _truncated(file: str, found: str) -> CorruptCheckpointError:
+    """`file` is shorter than its header says: over HTTP, or its copy in the Hugging
+    Face cache, which then is named, and the fix for it."""
+    local = local_copy(file)
+    if local is None:
+        return CorruptCheckpointError(f"{web_describe(file)} {found}; the file is truncated")
+    return CorruptCheckpointError(
+        f"{local}, the Hugging Face cache's copy of {web_describe(file)}, {found}; the "
+        f"cached file is truncated: {cached_fix(local)}"
+    )

@@ -49,8 +49,8 @@ from lazyckpt._safetensors.format import (
 from lazyckpt._safetensors.over_http import listed_over_http, web_headers
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
-from lazyckpt._storage.ranges import hub_listed
-from lazyckpt._storage.web import WebFiles
+from lazyckpt._storage.sites import hub_listed
+from lazyckpt._storage.web import WebFiles, local_copy
 from lazyckpt._text import printable
 
 CHUNK_BYTES = 1 << 20
@@ -340,12 +340,15 @@ class RangeArray(StoredArray):
     file: str = ""
 
     def raw_file(self) -> tuple[str, int] | None:
-        if paths.is_remote(self.file) or not self.dtype.isnative:
+        if not self.dtype.isnative:
             return None
+        if paths.is_remote(self.file):
+            local = local_copy(self.file)  # a Hub file in the Hugging Face cache
+            return None if local is None else (local, self.start)
         return self.file, self.start
 
     def remote_raw(self) -> tuple[str, int] | None:
-        if not paths.is_remote(self.file) or not self.dtype.isnative:
+        if not paths.is_remote(self.file) or not self.dtype.isnative or local_copy(self.file):
             return None
         return self.name, self.start
 

@@ -13,7 +13,9 @@ What it resolves to:
 - the folder (or file) in the local Hugging Face cache, where the cache holds every
   safetensors file and index of the folder for that commit: read from disk, no request;
 - else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
-  `lazyckpt._storage.web` with its file list and the token, read by Range requests.
+  `lazyckpt._storage.web` with its file list, the token and the local paths of the
+  files the cache does hold (`Site.local`): those are read from disk, the others by
+  Range requests.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lazyckpt._errors import (
     StorageAccessError,
     json_or_corrupt,
 )
-from lazyckpt._storage import ranges
+from lazyckpt._storage import ranges, sites
 from lazyckpt._text import printable
 
 SCHEME = "hf://"
@@ -128,14 +130,16 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         )
     wanted = [posixpath.basename(path)] if path.endswith(".safetensors") else models
     cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
-    if cached is not None:
-        return os.path.join(cached, wanted[0]) if path.endswith(".safetensors") else cached
+    if len(cached) == len(wanted):
+        found = cached[wanted[0]]
+        return found if path.endswith(".safetensors") else os.path.dirname(found)
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     base = f"{hub.constants.ENDPOINT.rstrip('/')}/{kind}{repo_id}/resolve/{commit}"
     location = "/".join([base, *(p for p in folder.split("/") if p)])
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
-    ranges.register(location, ranges.Site(tuple(inside), headers, (commit,), described))
+    site = sites.Site(tuple(inside), headers, (commit,), described, local=cached)
+    sites.register(location, site)
     if path.endswith(".safetensors"):
         return f"{location}/{posixpath.basename(path)}"
     return location
@@ -236,7 +240,7 @@ def _info(
     message = answer.headers.get("x-error-message", "")[:160]
     if status != 200:
         raise StorageAccessError(f"{shown}: the Hub answered HTTP {status} ({message!r})")
-    return _commit_and_files(named, answer.body)
+    return _commit_and_files(named, bytes(answer.body))
 
 
 def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[str]]:
@@ -264,14 +268,14 @@ def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[st
 
 def _cached(
     hub: Any, repo_type: str, repo_id: str, commit: str, prefix: str, wanted: list[str]
-) -> str | None:
-    """The cache's folder of `prefix` at `commit`, where it holds every file wanted."""
-    found = []
+) -> dict[str, str]:
+    """The files of `wanted` that the cache holds at `commit`: their local paths, by
+    name (links into the cache's blobs)."""
+    found = {}
     for name in wanted:
         path = hub.try_to_load_from_cache(
             repo_id, prefix + name, revision=commit, repo_type=repo_type
         )
-        if not isinstance(path, str):
-            return None
-        found.append(path)
-    return os.path.dirname(found[0])
+        if isinstance(path, str):
+            found[name] = path
+    return found

@@ -1,5 +1,5 @@
-"""Range requests over HTTP(S), for `lazyckpt._storage.web`: the client, and the folders
-whose files lazyckpt knows (`register`). Each request goes out through
+"""Range requests over HTTP(S), for `lazyckpt._storage.web`: the client of the folders
+whose files lazyckpt knows (`lazyckpt._storage.sites`). Each request goes out through
 `lazyckpt._storage.transport`, bounded in time and memory; here are the rules of what
 an answer must be:
 
@@ -22,7 +22,6 @@ an answer must be:
 from __future__ import annotations
 
 import concurrent.futures
-import posixpath
 import re
 import threading
 import urllib.parse
@@ -39,6 +38,7 @@ from lazyckpt._errors import (
     warn,
 )
 from lazyckpt._storage import network
+from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
 from lazyckpt._storage.transport import Response, Transport
 
@@ -50,55 +50,6 @@ WHOLE_LIMIT = 64 << 20
 its own for its kind of file."""
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
 _UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)
-
-
-@attrs.frozen
-class Site:
-    """A folder that lazyckpt knows the files of."""
-
-    names: tuple[str, ...]
-    headers: dict[str, str] = attrs.field(factory=dict)
-    """Headers of requests to the folder's own origin (`Authorization`)."""
-    generation: tuple[object, ...] = ()
-    """What identifies its contents (a Hub commit): pinned, never asked again."""
-    describe: str = ""
-    """How errors name it (`org/model at revision main (commit 1a2b...)`)."""
-
-
-_SITES: dict[str, Site] = {}
-_SITES_LOCK = threading.Lock()
-
-
-def register(folder: str, site: Site) -> None:
-    """Tell the storage which files `folder` holds, and how to ask for them."""
-    with _SITES_LOCK:
-        _SITES[folder.rstrip("/")] = site
-
-
-def site(path: str) -> Site | None:
-    """The registered folder that holds `path`, or is it."""
-    folder = path.rstrip("/")
-    with _SITES_LOCK:
-        return _SITES.get(folder) or _SITES.get(posixpath.dirname(folder))
-
-
-def hub_listed(folder: str) -> bool:
-    """Whether `folder` was listed at a pinned revision (a Hub commit), which never
-    changes; a folder probed over plain HTTP is probed again at each open."""
-    with _SITES_LOCK:
-        found = _SITES.get(folder.rstrip("/"))
-    return found is not None and bool(found.generation)
-
-
-def listing(folder: str) -> Site | None:
-    """The registered folder `folder`, exactly."""
-    with _SITES_LOCK:
-        return _SITES.get(folder.rstrip("/"))
-
-
-def describe(path: str) -> str:
-    found = site(path)
-    return f"{path} ({found.describe})" if found is not None and found.describe else path
 
 
 @attrs.frozen

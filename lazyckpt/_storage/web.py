@@ -1,12 +1,15 @@
 """Files served over HTTP(S) (`https://host/path/model.safetensors`, and the Hugging Face
 Hub's `resolve/` URLs), read by byte ranges (`lazyckpt._storage.ranges`), for
 `lazyckpt._storage.paths`: read-only; a folder has no listing over plain HTTP, so it
-lists what `ranges.register` gave (the Hub's file list at a pinned commit, or what a
-caller probed).
+lists what `sites.register` gave (the Hub's file list at a pinned commit, or what a
+caller probed). A file whose copy is in the Hugging Face cache (`Site.local`) is read
+from that copy, on disk.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import posixpath
 import threading
 import urllib.parse
@@ -15,9 +18,17 @@ from typing import Any
 
 import tensorstore as ts
 
-from lazyckpt._errors import CheckpointNotFoundError, StorageAccessError
+from lazyckpt._errors import (
+    CheckpointChangedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageAccessError,
+)
+from lazyckpt._storage.local import check_size, open_regular
+from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
-from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client, listing, site
+from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
+from lazyckpt._storage.sites import describe, listing, site
 
 SCHEMES = ("http", "https")
 
@@ -69,12 +80,22 @@ class WebFiles:
         into: memoryview | None = None,
     ) -> ts.Future[Answer]:
         url = f"{self.folder}/{urllib.parse.quote(key, safe=SAFE.replace('%', ''))}"
-        with self._lock:
-            pin = self._pins.setdefault(key, Pin())
-        ticket = self._stop.ticket()
         promise: ts.Promise[Answer]
         future: ts.Future[Answer]
         promise, future = ts.Promise.new()
+        local = local_copy(f"{self.folder}/{key}")
+        if local is not None:  # in the Hugging Face cache: a few system calls, here
+            try:
+                answer = read_cached(local, url, start, stop, short=short)
+                if into is not None:
+                    into[: len(answer.value)] = answer.value
+                promise.set_result(answer)
+            except Exception as error:  # noqa: BLE001 - handed to whoever awaits
+                promise.set_exception(error)
+            return future
+        with self._lock:
+            pin = self._pins.setdefault(key, Pin())
+        ticket = self._stop.ticket()
 
         def run() -> None:
             try:
@@ -97,6 +118,70 @@ class WebFiles:
 
         client().pool(url).submit(run)
         return future
+
+
+def local_copy(path: str) -> str | None:
+    """The local file that holds the bytes of the file at `path` (its copy in the
+    Hugging Face cache, `Site.local`), or None where it is read over HTTP."""
+    folder, _, name = path.rstrip("/").rpartition("/")
+    found = listing(folder)
+    return found.local.get(name) if found is not None else None
+
+
+def read_cached(
+    file: str,
+    url: str,
+    start: int | None = None,
+    stop: int | None = None,
+    *,
+    short: bool = False,
+    limit: int = WHOLE_LIMIT,
+) -> Answer:
+    """The bytes `[start, stop)` of `file`, the local copy of the file at `url` (the
+    whole file, up to `limit` bytes, without a range; with `short`, fewer where it ends
+    before `stop`), answered as `Client.read` answers for the file over HTTP, with its
+    size. Read only where it is a regular file (`open_regular`: a FIFO in the cache
+    would block forever); counted as lazyckpt's direct reads are."""
+    fd = open_regular(file)
+    if fd is None:
+        raise CheckpointChangedError(
+            f"{describe(url)}: its copy in the Hugging Face cache, {file}, is gone since "
+            "the model was opened; open it again"
+        )
+    try:
+        size = os.fstat(fd).st_size
+        low = start or 0
+        high = size if stop is None else stop
+        if start is None and stop is None:
+            check_size(file, size, limit)
+        if high > size and not short:
+            raise _short_copy(file, url, size, high)
+        data = bytearray(max(min(high, size) - low, 0))
+        view, done = memoryview(data), 0
+        while done < len(data):
+            got = os.preadv(fd, [view[done:]], low + done)
+            if got == 0:  # shortened since `fstat`
+                raise _short_copy(file, url, low + done, high)
+            done += got
+        count_direct(done)
+        return Answer("value", data, size)
+    finally:
+        os.close(fd)
+
+
+def _short_copy(file: str, url: str, size: int, needed: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{file}, the Hugging Face cache's copy of {describe(url)}, holds {size} bytes, "
+        f"fewer than the {needed} needed; the cached file is truncated: {cached_fix(file)}"
+    )
+
+
+def cached_fix(file: str) -> str:
+    """What to do about a damaged file in the Hugging Face cache."""
+    return (
+        f"delete it from the cache (`hf cache rm`, or remove it and its blob "
+        f"{os.path.realpath(file)}) and download it again"
+    )
 
 
 class WebFolders:
@@ -158,7 +243,9 @@ class WebFolders:
     def read_bytes(self, path: str, limit: int) -> bytes | None:
         # Refused as it streams past the limit: the caller's for its kind of file,
         # never more than `WHOLE_LIMIT` over HTTP (a caller's default is 1 GiB).
-        answer = client().read(path, limit=min(limit, WHOLE_LIMIT))
+        local = local_copy(path)
+        read = client().read if local is None else functools.partial(read_cached, local)
+        answer = read(path, limit=min(limit, WHOLE_LIMIT))
         return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:
