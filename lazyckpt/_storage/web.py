@@ -16,6 +16,7 @@ from typing import Any
 import tensorstore as ts
 
 from lazyckpt._errors import CheckpointNotFoundError, StorageAccessError
+from lazyckpt._storage import web_options
 from lazyckpt._storage.network import Stop
 from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client, listing, site
 
@@ -26,6 +27,13 @@ def is_web(path: str) -> bool:
     return path.split("://", 1)[0] in SCHEMES if "://" in path else False
 
 
+def _headers(url: str) -> dict[str, str]:
+    """What requests for `url` send from the `storage_options` of the call in progress;
+    nothing for a Hub folder, whose token its Site holds."""
+    found = site(url)
+    return {} if found is not None and found.generation else web_options.headers(url)
+
+
 class WebFiles:
     """The files of a folder over HTTP, read as tensorstore's kvstores are
     (`read(key, byte_range=)` returning a future of a result with `state` and
@@ -33,10 +41,13 @@ class WebFiles:
     file's size and version are pinned at its first answer: the files one open reads.
     The first read that the server failed at every attempt (unreachable, 5xx, missed
     deadlines) stops those submitted before it (`Stop`); a definite answer (403, a
-    damaged file's bytes) stops no other read, so `verify` still checks the rest."""
+    damaged file's bytes) stops no other read, so `verify` still checks the rest.
+    The headers of the open's `storage_options` are taken when it is made: its reads
+    send them whenever they run, whatever a later open of the folder passes."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
+        self._headers = _headers(self.folder)
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self._stop = Stop()
@@ -55,7 +66,7 @@ class WebFiles:
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
         with self._lock:
-            pin = self._pins.setdefault(key, Pin())
+            pin = self._pins.setdefault(key, Pin(headers=self._headers))
         ticket = self._stop.ticket()
         promise: ts.Promise[Answer]
         future: ts.Future[Answer]
@@ -128,7 +139,7 @@ class WebFolders:
         found = site(path)
         if found is not None:
             return posixpath.basename(path) in found.names
-        return client().read(path, 0, 1).state == "value"
+        return client().read(path, 0, 1, pin=Pin(headers=_headers(path))).state == "value"
 
     def exists(self, path: str) -> bool:
         return self.isdir(path) or self.isfile(path)
@@ -136,7 +147,7 @@ class WebFolders:
     def read_bytes(self, path: str, limit: int) -> bytes | None:
         # Refused as it streams past the limit: the caller's for its kind of file,
         # never more than `WHOLE_LIMIT` over HTTP (a caller's default is 1 GiB).
-        answer = client().read(path, limit=min(limit, WHOLE_LIMIT))
+        answer = client().read(path, limit=min(limit, WHOLE_LIMIT), pin=Pin(headers=_headers(path)))
         return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:
