@@ -50,10 +50,13 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
         item: The item of a step folder (see `lazyckpt.items`); a JSON item
             (`ocp.args.JsonSave`) opens as its value. Default: `state`, `default` or
             the only PyTree item.
-        storage_options: Added to what the environment says (`AWS_ENDPOINT_URL`,
-            ...): `endpoint`, `region`, tensorstore kvstore options, and `retries`
-            (how often a failed request is tried, an int from 1 to 100; 6 by default,
-            about 16 s in all).
+        storage_options: For a bucket, added to what the environment says
+            (`AWS_ENDPOINT_URL`, ...): `endpoint`, `region`, tensorstore kvstore
+            options, and `retries` (how often a failed request is tried, an int from
+            1 to 100; 6 by default, about 16 s in all). For an `https://` URL,
+            `headers` (a dict of header names to values) and `token` (sent as
+            `Authorization: Bearer TOKEN`), sent to the URL's own origin only, also
+            by the tree's later reads.
         allow_outside_links: Read through symlinks that lead out of the checkpoint
             folder (refused by default: a copied checkpoint could otherwise read any
             file as array data).

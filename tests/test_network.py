@@ -379,9 +379,10 @@ def test_a_storm_of_503_stops_every_read_at_the_first_that_fails_for_good(
 ) -> None:
     """12 tensors of 4 MiB, read in 1 MiB requests; after open every answer is a 503.
     The first read to spend its 3 attempts stops every other read of the burst, queued
-    or waiting to retry: at most the reads in flight (16 threads) spend theirs. Before,
-    reads went on in a second wave (138 requests and 7.6 s for 16 such tensors)."""
-    monkeypatch.setattr(network, "_OPTIONS", [lazyckpt.NetworkOptions(retries=3)])
+    or waiting to retry: at most the reads in flight (16 connections) spend theirs.
+    Before, reads went on in a second wave (138 requests and 7.6 s for 16 such tensors)."""
+    options = lazyckpt.NetworkOptions(retries=3, connections=16, request_bytes=1 << 20)
+    monkeypatch.setattr(network, "_OPTIONS", [options])
     values = tensors(count=12, rows=32768)
     storm = threading.Event()
 

@@ -114,7 +114,8 @@ def metadata(
     model folder together with its index's `metadata`. Reads the headers only.
 
     Args:
-        path: A `.safetensors` file or a model folder, local or `s3://` / `gs://`.
+        path: A `.safetensors` file or a model folder, local, `s3://` / `gs://`,
+            `hf://` or `https://`.
         storage_options: As for `open`.
 
     >>> out = lazyckpt.save(tmp / "w.safetensors", {"w": np.ones(2)}, metadata={"step": "3"})

@@ -14,13 +14,14 @@ and text must be UTF-8.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
+from lazyckpt._storage import web_options
 from lazyckpt._storage.bucket import SCHEMES, BucketFolders
 from lazyckpt._storage.bucket import session as _bucket_session
 from lazyckpt._storage.bucket import storage_error as bucket_error
@@ -142,10 +143,12 @@ def storage(path: str) -> Storage:
     return _WEB if is_web(path) else _LOCAL
 
 
-def session(options: Mapping[str, Any] | None = None) -> AbstractContextManager[None]:
+@contextlib.contextmanager
+def session(options: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Within: bucket listings are cached, and `options` (`storage_options`) apply to
-    bucket paths."""
-    return _bucket_session(options)
+    bucket paths and, checked at `normalize`, to http(s):// URLs."""
+    with _bucket_session(options), web_options.session(options):
+        yield
 
 
 def normalize(path: str | os.PathLike[str]) -> str:
@@ -155,10 +158,19 @@ def normalize(path: str | os.PathLike[str]) -> str:
     if text.startswith("hf://"):
         from lazyckpt._storage import hub
 
+        web_options.refuse_for(
+            text, "an hf:// path is read with huggingface_hub's token: set HF_TOKEN, or log in"
+        )
         return hub.resolve(text)
     if is_web(text):
+        web_options.headers(text)  # checked before any request
         return text.rstrip("/")
     if is_bucket(text):
+        web_options.refuse_for(
+            text,
+            "a bucket's credentials come from the environment (AWS_ACCESS_KEY_ID, "
+            "GOOGLE_APPLICATION_CREDENTIALS) or its tensorstore kvstore options",
+        )
         scheme, rest = text.split("://", 1)
         bucket, _, prefix = rest.partition("/")
         if not bucket:

@@ -66,8 +66,7 @@ class Answer:
 
 @attrs.define
 class Pin:
-    """A file's size, ETag and Last-Modified date as its first answer in one open gave
-    them."""
+    """What one open knows of a file: its size, ETag and Last-Modified date at its first answer."""
 
     size: int | None = None
     etag: str | None = None
@@ -77,6 +76,8 @@ class Pin:
     location: str | None = None
     """Where the file's URL redirected to, for a plain URL: asked again at each open
     (a Hub file's, at a pinned commit, is remembered for the process)."""
+    headers: dict[str, str] = attrs.field(factory=dict)
+    """The open's own (a plain URL's `storage_options`), sent to the file's origin only."""
 
     def conditions(self) -> dict[str, str]:
         """Headers that make the server refuse (412) where the file changed since."""
@@ -158,7 +159,7 @@ class Client:
             )
         pin = pin if pin is not None else Pin()
         registered = site(url)
-        headers = dict(registered.headers) if registered is not None else {}
+        headers = {**(registered.headers if registered is not None else {}), **pin.headers}
         wanted = None
         if start is not None:
             if stop is not None and stop <= start:
@@ -187,7 +188,7 @@ class Client:
         if answer is None:
             raise StorageAccessError(
                 f"{describe(url)}: access denied (HTTP 401, 403 or 410); check the URL, "
-                "or whether the server needs credentials"
+                "or pass credentials: storage_options={'token': ...} or {'headers': {...}}"
             )
         return answer
 

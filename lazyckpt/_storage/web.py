@@ -8,7 +8,6 @@ from that copy, on disk.
 
 from __future__ import annotations
 
-import functools
 import os
 import posixpath
 import threading
@@ -24,6 +23,7 @@ from lazyckpt._errors import (
     CorruptCheckpointError,
     StorageAccessError,
 )
+from lazyckpt._storage import web_options
 from lazyckpt._storage.local import check_size, open_regular
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
@@ -37,6 +37,13 @@ def is_web(path: str) -> bool:
     return path.split("://", 1)[0] in SCHEMES if "://" in path else False
 
 
+def _headers(url: str) -> dict[str, str]:
+    """What requests for `url` send from the `storage_options` of the call in progress;
+    nothing for a Hub folder, whose token its Site holds."""
+    found = site(url)
+    return {} if found is not None and found.generation else web_options.headers(url)
+
+
 class WebFiles:
     """The files of a folder over HTTP, read as tensorstore's kvstores are
     (`read(key, byte_range=)` returning a future of a result with `state` and
@@ -44,10 +51,13 @@ class WebFiles:
     file's size and version are pinned at its first answer: the files one open reads.
     The first read that the server failed at every attempt (unreachable, 5xx, missed
     deadlines) stops those submitted before it (`Stop`); a definite answer (403, a
-    damaged file's bytes) stops no other read, so `verify` still checks the rest."""
+    damaged file's bytes) stops no other read, so `verify` still checks the rest.
+    The headers of the open's `storage_options` are taken when it is made: its reads
+    send them whenever they run, whatever a later open of the folder passes."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
+        self._headers = _headers(self.folder)
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self._stop = Stop()
@@ -94,7 +104,7 @@ class WebFiles:
                 promise.set_exception(error)
             return future
         with self._lock:
-            pin = self._pins.setdefault(key, Pin())
+            pin = self._pins.setdefault(key, Pin(headers=self._headers))
         ticket = self._stop.ticket()
 
         def run() -> None:
@@ -235,7 +245,7 @@ class WebFolders:
         found = site(path)
         if found is not None:
             return posixpath.basename(path) in found.names
-        return client().read(path, 0, 1).state == "value"
+        return client().read(path, 0, 1, pin=Pin(headers=_headers(path))).state == "value"
 
     def exists(self, path: str) -> bool:
         return self.isdir(path) or self.isfile(path)
@@ -244,8 +254,11 @@ class WebFolders:
         # Refused as it streams past the limit: the caller's for its kind of file,
         # never more than `WHOLE_LIMIT` over HTTP (a caller's default is 1 GiB).
         local = local_copy(path)
-        read = client().read if local is None else functools.partial(read_cached, local)
-        answer = read(path, limit=min(limit, WHOLE_LIMIT))
+        if local is not None:
+            answer = read_cached(local, path, limit=min(limit, WHOLE_LIMIT))
+        else:
+            pin = Pin(headers=_headers(path))
+            answer = client().read(path, limit=min(limit, WHOLE_LIMIT), pin=pin)
         return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:
