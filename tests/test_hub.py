@@ -504,3 +504,37 @@ def test_load_and_iter_blocks_take_a_path(hub: HubServer, tmp_path: Path) -> Non
             "model/layers/0/mlp/up_proj/weight",
             "model/layers/0/input_layernorm/weight",
         }
+
+
+def test_shard_headers_are_read_while_the_index_is(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the Hub the file list names the shards, so their headers are asked for
+    before the index is read, not a round trip after it: the index's read here waits
+    until the server has answered every shard's header."""
+    import time
+
+    from lazyckpt._safetensors import read
+
+    files, tensors = model()
+    hub.commit("org/model", files)
+    hub.clear_log()
+    original = read._index
+    seen: list[int] = []
+
+    def index_later(folder: str) -> Any:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            headers = [e for e in hub.log if e.server == "cdn" and e.range == "bytes=0-65535"]
+            if len(headers) == len(SHARDS):
+                break
+            time.sleep(0.01)
+        seen.append(len(headers))
+        return original(folder)
+
+    monkeypatch.setattr(read, "_index", index_later)
+    tree = lazyckpt.open("hf://org/model")
+    assert seen == [len(SHARDS)]
+    for shard in SHARDS:  # still one redirect and one ranged read a shard
+        assert [e.status for e in hub.log if e.path.endswith(shard)] == [302, 206]
+    np.testing.assert_array_equal(up(tree, 3).get(), tensors["model.layers.3.mlp.up_proj.weight"])

@@ -3,7 +3,10 @@ read in one request a file."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+
+import tensorstore as ts
 
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._safetensors.format import (
@@ -12,11 +15,13 @@ from lazyckpt._safetensors.format import (
     SINGLE,
     Header,
     header_length,
+    is_shard_name,
     parse_header,
     parse_index,
 )
 from lazyckpt._storage import paths
-from lazyckpt._storage.sites import Site, register
+from lazyckpt._storage.ranges import Answer
+from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._storage.sites import describe as web_describe
 from lazyckpt._storage.web import WebFiles, cached_fix, local_copy
 
@@ -39,12 +44,46 @@ def listed_over_http(folder: str) -> bool:
 _PREFIX = 1 << 16
 """The bytes of a file over HTTP read first: its header, in one request, for most."""
 
+_EARLY: dict[tuple[str, str], ts.Future[Answer]] = {}
+_EARLY_LOCK = threading.Lock()
+_EARLY_FILES = 256
+"""The most shards whose first bytes are read before the index names them."""
+
+
+def read_early(folder: str, names: Sequence[str]) -> None:
+    """Start reading the first bytes of the shards of a folder on the Hub (its files
+    listed at a pinned commit) while its index is read: their headers then cost no
+    round trip after the index's (`web_headers` takes them). A file the index does
+    not name costs one small read, never waited for."""
+    if not paths.is_web(folder) or not hub_listed(folder):
+        return
+    shards = [
+        name
+        for name in names
+        if is_shard_name(name) and local_copy(paths.join(folder, name)) is None
+    ][:_EARLY_FILES]
+    files = WebFiles(folder)
+    with _EARLY_LOCK:
+        for key in [key for key in _EARLY if key[0] == folder]:
+            del _EARLY[key]
+        for name in shards:
+            _EARLY[folder, name] = files.read(name, byte_range=slice(0, _PREFIX), short=True)
+
 
 def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
     """The headers of files over HTTP, read concurrently in one request each where they
     are under `_PREFIX` bytes (the size that answers give says whether the data is all
     there)."""
-    firsts = [files.read(shard, byte_range=slice(0, _PREFIX), short=True) for shard in shards]
+    with _EARLY_LOCK:
+        early = {shard: _EARLY.pop((folder, shard), None) for shard in shards}
+        for key in [key for key in _EARLY if key[0] == folder]:
+            del _EARLY[key]  # (shards the index does not name)
+    firsts = [
+        files.read(shard, byte_range=slice(0, _PREFIX), short=True)
+        if (found := early[shard]) is None
+        else found
+        for shard in shards
+    ]
     answers = []
     for shard, first in zip(shards, firsts, strict=True):
         answer = first.result()

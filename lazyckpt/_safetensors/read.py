@@ -46,7 +46,7 @@ from lazyckpt._safetensors.format import (
     parse_header,
     parse_index,
 )
-from lazyckpt._safetensors.over_http import listed_over_http, web_headers
+from lazyckpt._safetensors.over_http import listed_over_http, read_early, web_headers
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
 from lazyckpt._storage.sites import hub_listed
@@ -144,6 +144,7 @@ def _files(
         return paths.dirname(path), (paths.basename(path),), None
     names = paths.listdir(path)
     if INDEX in names:
+        read_early(path, names)  # (on the Hub: the shards' headers, while the index is read)
         index = _index(path)
         shards = sorted(set(index[0].values()))
         missing = [shard for shard in shards if shard not in names]
