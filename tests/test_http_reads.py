@@ -155,3 +155,19 @@ def _s3_reads() -> int:
         if metric["name"] == "/tensorstore/kvstore/s3/read":
             total += sum(int(v.get("value", 0)) for v in metric["values"])
     return total
+
+
+def test_a_stream_reads_each_byte_once_in_large_ranges(plain: HubServer) -> None:
+    """`iter_blocks` (behind `stats`, `convert`, `verify`) reads each block by ranges
+    straight into it, as `load` does: each byte once, in requests of 1 MiB or more."""
+    values = tensors()
+    tree, _ = opened(plain, values)
+    plain.clear_log()
+    out = np.zeros_like(values["big"])
+    for _, index, block in lazyckpt.iter_blocks({"big": tree["big"]}, memory_budget=64 * MiB):
+        out[index] = block
+    np.testing.assert_array_equal(out, values["big"])
+    asked = ranges(plain, "model.safetensors")
+    sizes = [b - a for a, b in asked]
+    assert sum(sizes) == 8 * MiB and min(sizes) >= MiB, sizes
+    assert sum(e.bytes_sent for e in plain.log) == 8 * MiB

@@ -461,9 +461,13 @@ def _ts_jobs(
     """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
     stored = stored_array(array)
     box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    # In-memory values, and raw bytes in a local file (straight into place), are read
-    # by the view itself.
-    by_view = stored.inline is not None or stored.raw_file() is not None
+    # In-memory values, and raw bytes (straight into place: a local file's, or ranges
+    # of a remote one's), are read by the view itself.
+    by_view = (
+        stored.inline is not None
+        or stored.raw_file() is not None
+        or stored.remote_raw() is not None
+    )
     opened = None if by_view else stored.open()
     origins = view_origins(mapping, len(stored.shape))
     itemsize = stored.dtype.itemsize
