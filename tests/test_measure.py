@@ -3,6 +3,7 @@ against what the file holds and what the servers saw."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,19 @@ def test_requests_to_the_hub_are_those_the_server_saw(hub: HubServer) -> None:
     assert cost.requests == len(hub.log) > 0
     assert cost.bytes_read == sum(e.bytes_sent for e in hub.log) == 10 * 32 * 4 + (64 + 1) * 32 * 4
     assert f" in {len(hub.log)} requests, " in str(cost)
+
+
+def test_a_read_from_the_hub_draws_its_bytes_per_second(hub: HubServer, capsys: Any) -> None:
+    tqdm = pytest.importorskip("tqdm")
+    files, _ = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    with lazyckpt.measure() as cost:
+        lazyckpt.load(tree, progress=True)
+    last = capsys.readouterr().err.rsplit("\r", 1)[-1]
+    done = tqdm.tqdm.format_sizeof(cost.bytes_read, divisor=1024)  # the bar's total: 32.5k
+    assert last.startswith("lazyckpt load: 100%|") and f" {done}/{done} [" in last
+    assert re.search(r", [\d.]+[kMG]?B/s\]\n$", last)
 
 
 def test_a_bucket_read_counts_tensorstores_requests(s3: Any) -> None:
