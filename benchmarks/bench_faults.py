@@ -45,7 +45,6 @@ def storm() -> dict[str, Any]:
     from safetensors.numpy import save
 
     import lazyckpt
-    from lazyckpt._storage import metrics
     from tests.hostile_server import HostileServer
 
     rng = np.random.default_rng(0)
@@ -61,15 +60,15 @@ def storm() -> dict[str, Any]:
     with HostileServer() as server:
         tree = lazyckpt.open(server.put("model.safetensors", save(values), trick=trick))
         failing.set()
-        before, start = metrics.requests_made(), time.perf_counter()
-        try:
-            lazyckpt.load(tree)
-            outcome = "loaded"
-        except Exception as error:  # noqa: BLE001 - the outcome measured
-            outcome = type(error).__name__
-        seconds = time.perf_counter() - start
-        time.sleep(3)  # reads still running after the error
-        return {"outcome": outcome, "s": seconds, "requests": metrics.requests_made() - before}
+        with lazyckpt.measure() as cost:
+            try:
+                lazyckpt.load(tree)
+                outcome = "loaded"
+            except Exception as error:  # noqa: BLE001 - the outcome measured
+                outcome = type(error).__name__
+            seconds = cost.seconds
+            time.sleep(3)  # reads still running after the error
+        return {"outcome": outcome, "s": seconds, "requests": cost.requests}
 
 
 def endless() -> dict[str, Any]:

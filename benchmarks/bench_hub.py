@@ -77,7 +77,6 @@ def main() -> None:
     import huggingface_hub
 
     import lazyckpt
-    from lazyckpt._storage import metrics
     from tests.hub_server import HubServer
 
     print(
@@ -127,9 +126,9 @@ def main() -> None:
         tree = lazyckpt.open("hf://org/big")
         layer = str(args.files // 2)
         hub.clear_log()
-        before = metrics.bytes_read()
-        table = lazyckpt.stats({"layer": tree["model"]["layers"][layer]})
-        read = metrics.bytes_read() - before
+        with lazyckpt.measure() as cost:
+            table = lazyckpt.stats({"layer": tree["model"]["layers"][layer]})
+        read = cost.bytes_read
         sent = sum(e.bytes_sent for e in hub.log)
         shard = f"model-{int(layer) + 1:05d}-of-{args.files:05d}.safetensors"
         arrays = sum(a.nbytes for _, a in lazyckpt.leaves(tree["model"]["layers"][layer]))

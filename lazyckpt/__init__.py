@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from lazyckpt._explore.summary import summary
     from lazyckpt._explore.verify import Verification, verify
     from lazyckpt._lazy import LazyArray
+    from lazyckpt._measure import ReadCost, measure
     from lazyckpt._open import open  # noqa: A004 - the library's main verb
     from lazyckpt._orbax.layout import items, steps
     from lazyckpt._placement import saved_shardings
@@ -74,6 +75,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Diff": ("lazyckpt._explore.diff", "Diff"),
     "LazyArray": ("lazyckpt._lazy", "LazyArray"),
     "NetworkOptions": ("lazyckpt._storage.network", "NetworkOptions"),
+    "ReadCost": ("lazyckpt._measure", "ReadCost"),
     "SavedSharding": ("lazyckpt._array.sharding", "SavedSharding"),
     "Stats": ("lazyckpt._explore.stats", "Stats"),
     "StatsTable": ("lazyckpt._explore.stats", "StatsTable"),
@@ -90,6 +92,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "leaves": ("lazyckpt._array.tree", "leaves"),
     "load": ("lazyckpt._read", "load"),
     "malloc_tuning": ("lazyckpt._engine.memory", "malloc_tuning"),
+    "measure": ("lazyckpt._measure", "measure"),
     "network_options": ("lazyckpt._storage.network", "network_options"),
     "open": ("lazyckpt._open", "open"),
     "rename": ("lazyckpt._rename", "rename"),
@@ -142,6 +145,7 @@ __all__ = [
     "NoMatchError",
     "NotACheckpointError",
     "QuantizationError",
+    "ReadCost",
     "RenameError",
     "SavedSharding",
     "ShardingError",
@@ -170,6 +174,7 @@ __all__ = [
     "leaves",
     "load",
     "malloc_tuning",
+    "measure",
     "network_options",
     "open",
     "rename",

@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
         "_rename",
         "_dequantize",
         "_convert",
+        "_measure",
     },
     {"_explore"},
     {"_cli"},

@@ -31,6 +31,7 @@ def test_demo_walks_through_open_select_reshard_load(tmp_path: Path) -> None:
     for step in ("1. Save", "2. Open", "3. Select", "4. Slice", "5. Reshard", "6. Load"):
         assert step in out
     assert "values match: True" in out and "equal to saved: True" in out
+    assert out.count(", no network requests, ") == 3  # what open, a slice and device_put read
     assert (
         "kernel  float32[256,128]          128.0 KiB  P('data', 'model')  mesh data=4 model=2"
         in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ def test_tutorial_notebook_runs(tutorial: Any) -> None:
     assert "[100, 200]" in joined  # the steps
     assert 'data-path="params/layers/2/kernel"' in joined  # the summary's HTML
     assert "float32[4096,256]" in joined
+    assert re.search(r"KiB, no network requests, .*\n\d\.\d% of the checkpoint's arrays", joined)
     assert "~ params/layers/0/kernel  value: float32[256,512] -> float32[256,512]" in joined
     assert "P(None, 'model')" in joined  # the placed kernel's sharding
     assert "bfloat16[4096,256]" in joined  # the converted copy

@@ -1,5 +1,5 @@
 """`lazyckpt demo`: write a small sharded checkpoint, then open, inspect, select,
-reshard and load it, printing what each step read from storage."""
+reshard and load it, printing what each step read from storage (`lazyckpt.measure`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import lazyckpt
-from lazyckpt._storage.metrics import bytes_read
 from lazyckpt._text import human_bytes
 
 _DEVICES = 8
@@ -66,10 +65,10 @@ def _walkthrough(path: str) -> None:
     lazyckpt.save(path, state)
     print(f"   wrote {path}\n")
 
-    before = bytes_read()
-    tree = lazyckpt.open(path)
+    with lazyckpt.measure() as cost:
+        tree = lazyckpt.open(path)
     print("2. Open: only metadata is read (the b-tree, the zarr headers, _METADATA).")
-    print(f"   {bytes_read() - before} bytes read, none of them array chunks")
+    print(f"   read {cost}; none of it array chunks")
     print("   lazyckpt.summary(tree) (in a notebook: a collapsible tree):")
     for line in str(lazyckpt.summary(tree)).splitlines():
         print(f"   {line}")
@@ -82,19 +81,19 @@ def _walkthrough(path: str) -> None:
     )
     print(f"   jax.eval_shape on the lazy tree, no data read: {shapes}")
 
-    before = bytes_read()
-    rows = params["params"]["embed"][10:13, :4].get()
+    with lazyckpt.measure() as cost:
+        rows = params["params"]["embed"][10:13, :4].get()
     print("\n4. Slice: embed[10:13, :4] reads only the one chunk that holds those rows.")
     print(
-        f"   {bytes_read() - before} bytes read of {human_bytes(embed.nbytes)} stored;"
+        f"   read {cost} (embed holds {human_bytes(embed.nbytes)});"
         f" values match: {np.array_equal(rows, embed[10:13, :4])}"
     )
 
     print("\n5. Reshard: onto a 2x4 mesh, reusing the saved partition specs by axis name;")
     print("   each device reads only its own shard, replicated arrays are read once.")
     new_mesh = jax.make_mesh((2, 4), ("data", "model"), devices=devices[:_DEVICES])
-    before = bytes_read()
-    on_devices = lazyckpt.device_put(params, lazyckpt.saved_shardings(new_mesh))
+    with lazyckpt.measure() as cost:
+        on_devices = lazyckpt.device_put(params, lazyckpt.saved_shardings(new_mesh))
     placed = on_devices["params"]["dense"]["kernel"]
     print(
         f"   kernel: {placed.sharding.spec} on mesh {dict(new_mesh.shape)}, "
@@ -102,8 +101,8 @@ def _walkthrough(path: str) -> None:
         f"equal to saved: {np.array_equal(np.asarray(placed), kernel)}"
     )
     print(
-        f"   {human_bytes(bytes_read() - before)} read for "
-        f"{human_bytes(sum(a.nbytes for _, a in lazyckpt.leaves(params)))} of params"
+        f"   read {cost} (params hold "
+        f"{human_bytes(sum(a.nbytes for _, a in lazyckpt.leaves(params)))})"
     )
 
     print("\n6. Load to host: the dense layer as NumPy, cast to bfloat16 while reading.")

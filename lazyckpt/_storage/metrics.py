@@ -1,6 +1,6 @@
-"""Bytes read from storage: tensorstore's own counters, and lazyckpt's direct reads
-(`lazyckpt._engine.raw`, and HTTP's `lazyckpt._storage.web`), which tensorstore does not
-see; and the HTTP requests made."""
+"""Bytes read from storage, and requests sent over the network: tensorstore's own
+counters, and lazyckpt's direct reads (`lazyckpt._engine.raw`, and HTTP's
+`lazyckpt._storage.transport` and `web`), which tensorstore does not see."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ _DIRECT = [0]
 _REQUESTS = [0]
 _LOCK = threading.Lock()
 
+_NETWORK_KVSTORES = ("s3", "gcs", "gcs_grpc", "http")
+"""tensorstore's kvstores that read over the network (`file` reads a disk; `ocdbt` and
+`zip` read through another kvstore, which counts the bytes and requests)."""
+
 
 def count_direct(nbytes: int) -> None:
     """Add `nbytes` read from a file without tensorstore."""
@@ -20,14 +24,9 @@ def count_direct(nbytes: int) -> None:
 
 
 def count_request() -> None:
-    """Count one HTTP request made without tensorstore (`lazyckpt._storage.web`)."""
+    """Count one HTTP request made without tensorstore (`lazyckpt._storage.transport`)."""
     with _LOCK:
         _REQUESTS[0] += 1
-
-
-def requests_made() -> int:
-    """HTTP requests made without tensorstore in this process so far."""
-    return _REQUESTS[0]
 
 
 def direct_bytes_read() -> int:
@@ -38,8 +37,25 @@ def direct_bytes_read() -> int:
 
 def bytes_read() -> int:
     """Total bytes read from any kvstore or file in this process so far."""
-    total = _DIRECT[0]
+    return totals()[0]
+
+
+def requests_made() -> int:
+    """Requests sent over the network in this process so far (see `totals`)."""
+    return totals()[1]
+
+
+def totals() -> tuple[int, int]:
+    """Bytes read from any kvstore or file, and requests sent over the network, in this
+    process so far. A request is one answered by lazyckpt's HTTP client (retries
+    included), or one of tensorstore's network reads: a read after it merged nearby ones
+    (`/tensorstore/kvstore/s3/batch_read`, one GET), and each retry of one."""
+    nbytes, requests = _DIRECT[0], _REQUESTS[0]
     for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
-        if metric["name"].endswith("/bytes_read"):
-            total += sum(int(v.get("value", 0)) for v in metric["values"])
-    return total
+        driver, _, name = metric["name"].removeprefix("/tensorstore/kvstore/").partition("/")
+        value = sum(int(v.get("value", 0)) for v in metric["values"])
+        if name == "bytes_read":
+            nbytes += value
+        elif driver in _NETWORK_KVSTORES and name in ("batch_read", "retries"):
+            requests += value
+    return nbytes, requests
