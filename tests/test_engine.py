@@ -194,6 +194,26 @@ def test_progress_auto_is_off_in_ci_and_for_small_reads(
     assert capsys.readouterr().err == ""
 
 
+def test_a_read_that_takes_long_shows_its_bar_late(
+    saved: tuple[Path, Any], capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below `AUTO_MIN_BYTES`, a read shows its bar once it has taken `LATE_SECONDS` (a
+    model over a slow network), from the bytes done by then; a quick one never does."""
+    from lazyckpt._engine import progress
+
+    lazy = lazyckpt.open(saved[0])
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(progress, "AUTO_MIN_BYTES", 1 << 40)
+    monkeypatch.setattr(progress, "LATE_MIN_BYTES", 0)
+    monkeypatch.setattr(progress, "LATE_SECONDS", 1e9)
+    lazyckpt.load(lazy)  # quicker than that: no bar
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "LATE_SECONDS", 0.0)
+    lazyckpt.load(lazy)
+    assert "lazyckpt load: 100%|" in capsys.readouterr().err
+
+
 def test_progress_without_tqdm(saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     lazy = lazyckpt.open(saved[0])
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # (an import of it fails)
@@ -231,7 +251,7 @@ def test_progress_counts_from_many_threads() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert bar._bar.n == 8000
+    assert bar._bar is not None and bar._bar.n == 8000
     bar.close()
 
 
