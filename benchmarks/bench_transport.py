@@ -14,8 +14,16 @@ wrong).
    (the server's log), and peak memory above the baseline over the data.
 2. Hostile servers. tests/hostile_server.py (and the Hub, for the cases about a
    redirect, a commit and the Hub's own client) breaks one rule a case; each client
-   meets each case in a fresh process, killed at `--cap` seconds or 1 GiB resident.
-   Every client gets a 5 s timeout and 2 attempts where it has a setting for them.
+   meets each case in a fresh process, killed at `--cap` seconds or 1 GiB grown.
+   Every client gets a 5 s timeout and 2 attempts where it has a setting for them:
+   lazyckpt `network_options(timeout=5, retries=2)`; obstore `timeout` and
+   `connect_timeout` "5s", `max_retries=1`; fsspec aiohttp's `sock_connect` and
+   `sock_read` 5 s; HfFileSystem `HF_HUB_DOWNLOAD_TIMEOUT=5`; tensorstore (no timeout
+   setting) `http_request_retries.max_retries=2`.
+
+obstore hands each range back as its own `Bytes` (Rust-owned, read-only, zero-copy to
+NumPy): no call reads into a caller's buffer, so every client here pays one copy into
+place.
 """
 
 from __future__ import annotations
