@@ -142,7 +142,7 @@ def healthy() -> dict[str, Any]:
         for _ in range(3):
             start = time.perf_counter()
             futures = [
-                reader.pool(url).submit(reader.read, url, i % 7 * MiB, i % 7 * MiB + MiB)
+                reader.submit(url, reader.read, url, i % 7 * MiB, i % 7 * MiB + MiB)
                 for i in range(200)
             ]
             for future in futures:

@@ -22,8 +22,8 @@ wrong).
    setting) `http_request_retries.max_retries=2`.
 
 obstore hands each range back as its own `Bytes` (Rust-owned, read-only, zero-copy to
-NumPy): no call reads into a caller's buffer, so every client here pays one copy into
-place.
+NumPy): no call reads into a caller's buffer, so every other client here pays one copy
+into place; lazyckpt's transport reads each body into the buffer itself.
 """
 
 from __future__ import annotations
@@ -102,30 +102,27 @@ Operation = Callable[[], list[Any]]
 
 
 def lazyckpt_reader(piece: int, connections: int) -> Callable[[Link], Operation]:
-    """`ranges.client().read` on its own threads (`CONNECTIONS` an origin), each range
-    copied into place on the thread that read it."""
+    """`ranges.client().read` on its own threads (`connections` an origin), each body
+    read by the transport straight into its place in the buffer (`into=`)."""
 
     def setup(link: Link) -> Operation:
         import numpy as np
 
+        import lazyckpt
         from lazyckpt._storage import ranges
 
-        ranges.CONNECTIONS = connections  # (read when its first pool is made)
+        lazyckpt.network_options(connections=connections)
         client = ranges.client()
 
         def operation() -> list[Any]:
             out = [np.empty(size, np.uint8) for size in link.sizes]
-            pool = client.pool(link.cdn_folder)
             done = []
             for name, size, buffer in zip(link.names, link.sizes, out, strict=True):
-                url, pin = f"{link.cdn_folder}/{name}", ranges.Pin()
-
-                def fill(url: str, start: int, stop: int, buffer: Any, pin: Any) -> None:
-                    buffer[start:stop] = np.frombuffer(
-                        client.read(url, start, stop, pin=pin).value, np.uint8
-                    )
-
-                done += [pool.submit(fill, url, a, b, buffer, pin) for a, b in spans(size, piece)]
+                url, pin, view = f"{link.cdn_folder}/{name}", ranges.Pin(), buffer.data
+                done += [
+                    client.submit(url, client.read, url, a, b, pin=pin, into=view[a:b])
+                    for a, b in spans(size, piece)
+                ]
             for future in done:
                 future.result()
             return out
@@ -279,6 +276,7 @@ def tensorstore_http(link: Link) -> Operation:
 READERS: dict[str, Callable[[Link], Operation]] = {
     "lazyckpt 4 MiB x 16": lazyckpt_reader(4 * MiB, 16),
     "lazyckpt 2 MiB x 32": lazyckpt_reader(2 * MiB, 32),
+    "lazyckpt 4 MiB x 64": lazyckpt_reader(4 * MiB, 64),
     "obstore get_ranges (coalesced)": obstore_ranges,
     "obstore get_range_async 4 MiB x 16": obstore_fan_out,
     "fsspec HTTPFileSystem.cat_ranges 4 MiB": fsspec_http,

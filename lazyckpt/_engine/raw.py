@@ -20,10 +20,12 @@ request costs a round trip.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -77,6 +79,20 @@ class Source:
         if self.file is not None:
             return min(PIECE, max(MIN_RUN, held))
         return request_bytes(held)
+
+    def jobs(self, runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
+        """`runs` as jobs of about `piece` bytes: locally, runs grouped and cut into
+        pieces; remotely, one request a job, each run cut on its own into equal
+        requests of at most `piece` bytes, but no fewer than `MIN_REQUEST` (never a
+        sliver of a run left over, nor a request that spans two runs)."""
+        if self.file is not None:
+            yield from _jobs(runs, piece)
+            return
+        for file_at, buffer_at, length in runs:
+            count = min(-(-length // piece), max(1, length // MIN_REQUEST))
+            cuts = [length * i // count for i in range(count + 1)]
+            for low, high in itertools.pairwise(cuts):
+                yield [(file_at + low, buffer_at + low, high - low)]
 
     def read(self, parts: list[Part], buffer: memoryview) -> ts.Future[None]:
         """Read each part of `parts` into `buffer`."""
@@ -139,7 +155,7 @@ def schedule_raw(
         if destination.out_nbytes() == 0:
             continue
         buffer = destination.buffer().reshape(-1).view(np.uint8).data
-        for parts in _jobs(_runs(stored.shape, box, itemsize, found.start), piece):
+        for parts in found.jobs(_runs(stored.shape, box, itemsize, found.start), piece):
             remaining[0] += 1
             work = sum(length for _, _, length in parts)
 
@@ -172,7 +188,7 @@ def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray]
     buffer = out.reshape(-1).view(np.uint8).data
     # All at once: the read holds no more than its result.
     piece = PIECE if found.file is not None else request_bytes(out.nbytes)
-    jobs = list(_jobs(_runs(stored.shape, box, itemsize, found.start), piece))
+    jobs = list(found.jobs(_runs(stored.shape, box, itemsize, found.start), piece))
     reads = [found.read(parts, buffer) for parts in jobs]
     return then(all_of(reads, lambda error: error), lambda _: out.reshape(selection.shape))
 
@@ -278,26 +294,28 @@ def read_remote(
     reads: list[ts.Future[None]] = []
     for file_at, buffer_at, length in parts:
         view = buffer[buffer_at : buffer_at + length]
-        if isinstance(kvstore, WebFiles):
-            reads.append(then(kvstore.read_into(key, file_at, view), _nothing))
-            continue
 
-        def place(
-            result: ts.KvStore.ReadResult, view: memoryview = view, file_at: int = file_at
-        ) -> None:
+        def check(result: Any, view: memoryview = view, file_at: int = file_at) -> None:
+            # (a "missing" answer: a file deleted since the open, on a server that
+            # cannot say it was there)
             if result.state != "value" or len(result.value) != len(view):
                 raise CorruptCheckpointError(
                     f"{stored.store.location}/{key}: {stored.key!r} needs bytes {file_at} to "
-                    f"{file_at + len(view)}, but the file ends before; it was truncated or "
-                    "removed since it was opened, open it again"
+                    f"{file_at + len(view)}, but the file ends before or is gone; it was "
+                    "truncated or removed since it was opened, open it again"
                 )
-            view[:] = result.value
+            if not isinstance(kvstore, WebFiles):  # (over HTTP, read into `view` already)
+                view[:] = result.value
 
-        span = slice(file_at, file_at + length)
-        reads.append(then(kvstore.read(key, byte_range=span), place))
-    # Settled on lazyckpt's threads, never the storage client's: what callers chain on
-    # it (a check that the file is unchanged) may ask the storage again, and would wait
-    # forever on a thread the storage needs.
+        if isinstance(kvstore, WebFiles):
+            reads.append(then(kvstore.read_into(key, file_at, view), check))
+        else:
+            span = slice(file_at, file_at + length)
+            reads.append(then(kvstore.read(key, byte_range=span), check))
+    # Settled, and its error made the array's, on lazyckpt's threads, never the storage
+    # client's: that (`read_error` asks whether the checkpoint changed) and what callers
+    # chain on it (a check that the file is unchanged) may ask the storage again, and
+    # would wait forever on a thread the storage needs.
     promise: ts.Promise[None]
     future: ts.Future[None]
     promise, future = ts.Promise.new()
@@ -306,47 +324,41 @@ def read_remote(
         try:
             done.result()
         except Exception as error:  # noqa: BLE001 - handed to whoever awaits
-            promise.set_exception(error)
+            promise.set_exception(stored.read_error(error))
         else:
             promise.set_result(None)
 
     def hop(done: ts.Future[None]) -> None:
         in_pool(lambda: settle(done))
 
-    all_of(reads, stored.read_error).add_done_callback(hop)
+    all_of(reads, lambda error: error).add_done_callback(hop)
     return future
-
-
-def _nothing(_: object) -> None:
-    return None
 
 
 def all_of(
     futures: Sequence[ts.Future[None]], on_error: Callable[[Exception], Exception]
 ) -> ts.Future[None]:
-    """A future that is done when all of `futures` are; failed as the first of them
-    to fail (`on_error` of its error) as soon as it does."""
+    """A future that is done when all of `futures` are, failed as the first of them
+    that failed (`on_error` of its error): no read is still writing into a buffer
+    when its caller learns of a failure."""
     promise: ts.Promise[None]
     future: ts.Future[None]
     promise, future = ts.Promise.new()
-    state = {"left": len(futures), "settled": False}
+    state: dict[str, Any] = {"left": len(futures), "error": None}
     lock = threading.Lock()
 
     def done(one: ts.Future[None]) -> None:
-        error: Exception | None = None
         try:
             one.result()
         except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
-            error = failed
+            with lock:
+                state["error"] = state["error"] or failed
         with lock:
-            if state["settled"]:
-                return
             state["left"] -= 1
-            if error is None and state["left"]:
+            if state["left"]:
                 return
-            state["settled"] = True  # the last one, or the first failure
-        if error is not None:
-            promise.set_exception(on_error(error))
+        if state["error"] is not None:
+            promise.set_exception(on_error(state["error"]))
         else:
             promise.set_result(None)
 

@@ -44,7 +44,7 @@ def listed_over_http(folder: str) -> bool:
 _PREFIX = 1 << 16
 """The bytes of a file over HTTP read first: its header, in one request, for most."""
 
-_EARLY: dict[tuple[str, str], ts.Future[Answer]] = {}
+_EARLY: dict[tuple[str, str], tuple[WebFiles, ts.Future[Answer]]] = {}
 _EARLY_LOCK = threading.Lock()
 _EARLY_FILES = 256
 """The most shards whose first bytes are read before the index names them."""
@@ -67,7 +67,15 @@ def read_early(folder: str, names: Sequence[str]) -> None:
         for key in [key for key in _EARLY if key[0] == folder]:
             del _EARLY[key]
         for name in shards:
-            _EARLY[folder, name] = files.read(name, byte_range=slice(0, _PREFIX), short=True)
+            read = files.read(name, byte_range=slice(0, _PREFIX), short=True)
+            _EARLY[folder, name] = (files, read)
+
+
+def forget_early(folder: str) -> None:
+    """Drop what `read_early` read of `folder` and no open took (an open that failed)."""
+    with _EARLY_LOCK:
+        for key in [key for key in _EARLY if key[0] == folder]:
+            del _EARLY[key]
 
 
 def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
@@ -81,12 +89,14 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
     firsts = [
         files.read(shard, byte_range=slice(0, _PREFIX), short=True)
         if (found := early[shard]) is None
-        else found
+        else found[1]
         for shard in shards
     ]
     answers = []
     for shard, first in zip(shards, firsts, strict=True):
         answer = first.result()
+        if (found := early[shard]) is not None:
+            files.adopt(shard, found[0])  # (what the early read saw, as this store's)
         if answer.state != "value":
             raise CheckpointNotFoundError(
                 f"{web_describe(paths.join(folder, shard))} does not exist"

@@ -46,7 +46,12 @@ from lazyckpt._safetensors.format import (
     parse_header,
     parse_index,
 )
-from lazyckpt._safetensors.over_http import listed_over_http, read_early, web_headers
+from lazyckpt._safetensors.over_http import (
+    forget_early,
+    listed_over_http,
+    read_early,
+    web_headers,
+)
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
 from lazyckpt._storage.sites import hub_listed
@@ -97,13 +102,16 @@ def is_safetensors_model(path: str) -> bool:
 def open_safetensors(path: str, *, flat: bool = False) -> Mapping[str, object]:
     """The tensors at `path` as a tree of LazyArrays: nested by the `.`-separated parts
     of their names (`model.layers.0.q_proj.weight`), or flat by name."""
-    folder, files, index = _files(path)
-    weight_map = index[0] if index is not None else None
-    tensors = from_one_generation(
-        folder,
-        lambda generation: _tensors(folder, files, weight_map, generation, split=not flat),
-        files,
-    )
+    try:
+        folder, files, index = _files(path)
+        weight_map = index[0] if index is not None else None
+        tensors = from_one_generation(
+            folder,
+            lambda generation: _tensors(folder, files, weight_map, generation, split=not flat),
+            files,
+        )
+    finally:
+        forget_early(path)  # (what an open that failed read early)
     return tensors if flat else nest(tensors, path)
 
 
@@ -123,7 +131,11 @@ def metadata(
     {'step': '3'}
     """
     with paths.session(storage_options):
-        return _metadata(paths.normalize(path))
+        normalized = paths.normalize(path)
+        try:
+            return _metadata(normalized)
+        finally:
+            forget_early(normalized)
 
 
 def _metadata(path: str) -> dict[str, str]:

@@ -65,7 +65,7 @@ def _count(instance: object, attribute: attrs.Attribute[Any], value: object) -> 
         )
 
 
-_COUNTS = {"connections": (1, 256), "request_bytes": (64 << 10, 1 << 30)}
+_COUNTS = {"connections": (1, 256), "request_bytes": (1 << 20, 1 << 30)}
 
 
 def _unversioned(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -113,7 +113,9 @@ connections=32, request_bytes=16777216)
     request_bytes: int = attrs.field(default=16 << 20, validator=_count)
     """The most bytes one request asks for. A tensor is read in requests of up to this
     many bytes, smaller where that keeps every connection busy: the bytes a read may
-    hold in flight (its `memory_budget`) shared among `connections`, at least 1 MiB."""
+    hold in flight (its `memory_budget`) shared among `connections`. A run of bytes is
+    cut into equal requests of at least 1 MiB (below it, a request's round trip costs
+    more than its bytes): one of 1.5 MiB is one request, whatever this says."""
 
     def deadline_for(self, size: int) -> float:
         """Seconds a request for `size` bytes may take, answer and body."""

@@ -25,6 +25,8 @@ import concurrent.futures
 import re
 import threading
 import urllib.parse
+from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 
@@ -41,6 +43,8 @@ from lazyckpt._storage import network
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
 from lazyckpt._storage.transport import Response, Transport
+
+T = TypeVar("T")
 
 _REDIRECTS = 5
 _THREADS = "lazyckpt-web"
@@ -102,21 +106,24 @@ class Client:
         self._lock = threading.Lock()
         self._pools: dict[tuple[str, str], tuple[int, concurrent.futures.ThreadPoolExecutor]] = {}
 
-    def pool(self, url: str) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that read from `url`'s origin: up to `connections` at once
-        (`NetworkOptions`; a change of it takes effect at the origin's next read)."""
+    def submit(
+        self, url: str, fn: Callable[..., T], *args: object, **kwargs: object
+    ) -> concurrent.futures.Future[T]:
+        """Run `fn` on the threads that read from `url`'s origin: up to `connections`
+        at once (`NetworkOptions`; a change of it takes effect at the origin's next
+        read, while what the old threads run still finishes)."""
         origin = _origin(url)
         connections = network.options().connections
-        with self._lock:
+        with self._lock:  # (never submitted to a pool another thread shut down)
             size, found = self._pools.get(origin, (0, None))
             if found is None or size != connections:
                 if found is not None:
-                    found.shutdown(wait=False)  # (what it runs still finishes)
+                    found.shutdown(wait=False)
                 found = concurrent.futures.ThreadPoolExecutor(
                     connections, thread_name_prefix=_THREADS
                 )
                 self._pools[origin] = (connections, found)
-            return found
+            return found.submit(fn, *args, **kwargs)
 
     def read(
         self,
@@ -141,22 +148,19 @@ class Client:
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
             # does (a caller's thread that ends would drop its connections unclosed).
-            return (
-                self.pool(url)
-                .submit(
-                    self.read,
-                    url,
-                    start,
-                    stop,
-                    short=short,
-                    pin=pin,
-                    limit=limit,
-                    halt=halt,
-                    ticket=ticket,
-                    into=into,
-                )
-                .result()
-            )
+            return self.submit(
+                url,
+                self.read,
+                url,
+                start,
+                stop,
+                short=short,
+                pin=pin,
+                limit=limit,
+                halt=halt,
+                ticket=ticket,
+                into=into,
+            ).result()
         pin = pin if pin is not None else Pin()
         registered = site(url)
         headers = {**(registered.headers if registered is not None else {}), **pin.headers}
@@ -197,7 +201,7 @@ class Client:
         its body at most `limit` bytes; redirects followed to http(s), `headers` only
         to `url`'s origin. `named` is how errors name it."""
         if not threading.current_thread().name.startswith(_THREADS):
-            return self.pool(url).submit(self.get, url, headers, limit=limit, named=named).result()
+            return self.submit(url, self.get, url, headers, limit=limit, named=named).result()
         target = url
         for _ in range(_REDIRECTS + 1):
             sent = {"Accept": "application/json", "User-Agent": "lazyckpt"}

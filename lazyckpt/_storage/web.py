@@ -76,6 +76,16 @@ class WebFiles:
         stop = None if byte_range is None else byte_range.stop
         return self._submit(key, start, stop, short=short)
 
+    def adopt(self, key: str, other: WebFiles) -> None:
+        """Take what `other`'s reads of `key` saw (its size, version, that it was
+        there) as this store's own, as if they were its reads: a file's header read
+        for this open before its store was made."""
+        with other._lock:
+            pin = other._pins.get(key)
+        if pin is not None:
+            with self._lock:
+                self._pins.setdefault(key, pin)
+
     def read_into(self, key: str, start: int, into: memoryview) -> ts.Future[Answer]:
         """The bytes of `key` from `start`, read straight into `into` (all of it)."""
         return self._submit(key, start, start + len(into), into=into)
@@ -126,7 +136,7 @@ class WebFiles:
             else:
                 promise.set_result(answer)
 
-        client().pool(url).submit(run)
+        client().submit(url, run)
         return future
 
 
