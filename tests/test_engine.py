@@ -214,6 +214,36 @@ def test_a_read_that_takes_long_shows_its_bar_late(
     assert "lazyckpt load: 100%|" in capsys.readouterr().err
 
 
+def test_a_late_bar_is_never_drawn_after_its_close(
+    capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes counted after `close` (a straggling job) draw no bar that nothing would close."""
+    pytest.importorskip("tqdm")
+    from lazyckpt._engine import progress
+
+    monkeypatch.setattr(progress, "LATE_SECONDS", 0.0)
+    bar = progress.Progress(100, "late", late=True)
+    bar.close()
+    bar.advance(1)
+    assert capsys.readouterr().err == ""
+
+
+def test_remote_requests_cover_each_run_once_without_slivers() -> None:
+    """A remote run is cut on its own into equal requests of at least `MIN_REQUEST`
+    bytes (a shorter run is one request), each byte once; an empty run is none."""
+    from lazyckpt._engine import raw
+
+    source = raw.Source(None, 0, key="k")  # type: ignore[arg-type]  # (jobs reads no array)
+    mib = raw.MIN_REQUEST
+    runs = [(0, 0, 0), (7, 0, 5), (100, 5, 3 * mib + 1), (10**9, 5 + 3 * mib + 1, 2 * mib - 1)]
+    for piece in (mib, 2 * mib, 16 * mib):
+        jobs = [job for [job] in source.jobs(iter(runs), piece)]
+        covered = sorted((at, at + length) for _, at, length in jobs)
+        assert [low for low, _ in covered[1:]] == [high for _, high in covered[:-1]]
+        assert (covered[0][0], covered[-1][1]) == (0, 5 + 5 * mib)
+        assert all(length >= mib for file_at, _, length in jobs if file_at >= 100)
+
+
 def test_progress_without_tqdm(saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     lazy = lazyckpt.open(saved[0])
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # (an import of it fails)

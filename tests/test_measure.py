@@ -50,6 +50,21 @@ def test_after_the_block_the_cost_stays(tmp_path: Path) -> None:
     assert cost.seconds == cost.seconds
 
 
+def test_a_cost_counts_from_its_blocks_start(tmp_path: Path) -> None:
+    """A cost made before its block, or entered again, counts its block's reads only
+    (it counted from `measure()`'s call, and a second block stayed at the first's)."""
+    lazyckpt.save(tmp_path / "w.safetensors", {"w": np.ones(10, np.float32)})
+    tree = lazyckpt.open(tmp_path / "w.safetensors")
+    cost = lazyckpt.measure()
+    lazyckpt.load(tree)  # before the block
+    with cost:
+        pass
+    assert cost.bytes_read == 0
+    with cost:
+        lazyckpt.load(tree)
+    assert cost.bytes_read == 40
+
+
 def test_reads_in_other_threads_count(tmp_path: Path) -> None:
     save_file({"w": np.ones(1024, np.float32)}, tmp_path / "w.safetensors")
     tree = lazyckpt.open(tmp_path / "w.safetensors")
@@ -115,7 +130,8 @@ def test_a_cost_reads_as_a_sentence(
 ) -> None:
     from lazyckpt import _measure
 
-    readings = iter([(0, 0, 100.0), (nbytes, requests, 100.0 + seconds)])
+    start = (0, 0, 100.0)  # (read by `measure()`, then at the block's start)
+    readings = iter([start, start, (nbytes, requests, 100.0 + seconds)])
     monkeypatch.setattr(_measure, "_now", lambda: next(readings))
     with lazyckpt.measure() as cost:
         pass

@@ -57,6 +57,7 @@ class Progress:
         self._lock = threading.Lock()
         self._done = 0
         self._start = time.monotonic()
+        self._closed = False
         self._bar = None if late else self._drawn()
 
     def _drawn(self) -> Any:
@@ -87,6 +88,8 @@ class Progress:
     def advance(self, nbytes: int) -> None:
         with self._lock:
             self._done += nbytes
+            if self._closed:
+                return  # (a late bar drawn now would never be closed)
             if self._bar is None and time.monotonic() - self._start >= LATE_SECONDS:
                 self._bar = self._drawn()  # (from what is done so far)
             elif self._bar is not None:
@@ -94,6 +97,7 @@ class Progress:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._bar is not None:
                 self._bar.close()
 

@@ -89,6 +89,8 @@ class Source:
             yield from _jobs(runs, piece)
             return
         for file_at, buffer_at, length in runs:
+            if length == 0:
+                continue  # (no request: `count` would be 0)
             count = min(-(-length // piece), max(1, length // MIN_REQUEST))
             cuts = [length * i // count for i in range(count + 1)]
             for low, high in itertools.pairwise(cuts):
