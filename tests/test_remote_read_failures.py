@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import lazyckpt
+from lazyckpt._storage import network
 from tests.hub_server import HubServer
 from tests.test_hub import SHARDS, model, up
 
@@ -86,6 +87,7 @@ def test_changing_connections_while_reads_run_fails_no_read(tmp_path: Path) -> N
     from safetensors.numpy import save
 
     values = {f"t{i}": np.full((300_000,), i, dtype=np.float32) for i in range(8)}
+    before = network.options().connections
     errors: list[str] = []
     stop = threading.Event()
     with HubServer(tmp_path / "hub") as server:
@@ -114,7 +116,7 @@ def test_changing_connections_while_reads_run_fails_no_read(tmp_path: Path) -> N
         stop.set()
         for thread in threads:
             thread.join()
-        lazyckpt.network_options(connections=lazyckpt.NetworkOptions().connections)
+        lazyckpt.network_options(connections=before)
     assert errors == []
 
 
