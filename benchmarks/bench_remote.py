@@ -6,6 +6,10 @@ Starts moto's S3 server on 127.0.0.1, uploads the 10,000-array checkpoint of
 bench_open.py (and a 100-array one), and counts the HTTP requests that
 `lazyckpt.open` makes (tensorstore's /tensorstore/http/request_started), with the
 bytes it reads. Orbax's `metadata()` is tried on the same URL.
+
+Then a 64 MiB safetensors model (16 float32 tensors of 4 MiB) in the same bucket:
+`lazyckpt.load` of it after `open`, with its requests, seconds and peak memory over
+the data, against boto3's `get_object` of the file and `safetensors.numpy.load`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_open import make_checkpoint
-from common import in_fresh_process, machine, versions
+from common import in_fresh_process, machine, measure, versions
 
 
 def _requests() -> int:
@@ -67,6 +71,27 @@ def orbax_metadata(url: str, endpoint: str) -> dict[str, Any]:
     return {"requests": _requests() - requests, "seconds": time.perf_counter() - start}
 
 
+def measure_safetensors(url: str, endpoint: str) -> dict[str, Any]:
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    import lazyckpt
+
+    tree = lazyckpt.open(url)
+    requests = _requests()
+    found = measure(lambda: lazyckpt.load(tree))
+    found["requests"] = _requests() - requests
+    return found
+
+
+def boto_safetensors(endpoint: str) -> dict[str, Any]:
+    import boto3
+    from safetensors.numpy import load
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    return measure(
+        lambda: load(client.get_object(Bucket="bench", Key="st/model.safetensors")["Body"].read())
+    )
+
+
 def main() -> None:
     import boto3
     from moto.server import ThreadedMotoServer
@@ -104,8 +129,27 @@ def main() -> None:
             print(f"orbax metadata(): cannot read this store here ({theirs['error']})")
         else:
             print(f"orbax metadata(): {theirs['requests']} requests, {theirs['seconds']:.2f} s")
+        _safetensors(client, endpoint)
     finally:
         server.stop()
+
+
+def _safetensors(client: Any, endpoint: str) -> None:
+    import numpy as np
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(7)
+    tensors = {f"w{i}": rng.standard_normal((1024, 1024), np.float32) for i in range(16)}
+    client.put_object(Bucket="bench", Key="st/model.safetensors", Body=save(tensors))
+    data = 64 << 20
+    ours = in_fresh_process(measure_safetensors, "s3://bench/st/model.safetensors", endpoint)
+    theirs = in_fresh_process(boto_safetensors, endpoint)
+    print(
+        f"\nsafetensors, 64 MiB in s3: lazyckpt.load {ours['seconds']:.2f} s, "
+        f"{ours['requests']} requests, peak {ours['peak_above_baseline'] / data:.2f}x the data; "
+        f"boto3 get_object + safetensors load {theirs['seconds']:.2f} s, "
+        f"peak {theirs['peak_above_baseline'] / data:.2f}x"
+    )
 
 
 if __name__ == "__main__":
