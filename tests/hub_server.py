@@ -34,6 +34,7 @@ import hashlib
 import json
 import re
 import shutil
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -110,8 +111,14 @@ class _HTTPError(Exception):
 class _Listener(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, hub: HubServer, name: Literal["hub", "cdn"]) -> None:
+    def __init__(
+        self, hub: HubServer, name: Literal["hub", "cdn"], tls: ssl.SSLContext | None = None
+    ) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        if tls is not None:  # (each connection's handshake is made by its own thread)
+            self.socket = tls.wrap_socket(
+                self.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.hub = hub
         self.name: Literal["hub", "cdn"] = name
 
@@ -131,8 +138,10 @@ class HubServer:
         valid_tokens: set[str] | None = None,
         lfs_suffixes: tuple[str, ...] = LFS_SUFFIXES,
         same_origin_cdn: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.root = Path(root)
+        self.scheme = "http" if tls is None else "https"
         self.root.mkdir(parents=True, exist_ok=True)
         self.plain_root = self.root / f".{PLAIN}"
         self.valid_tokens: set[str] = set(valid_tokens or ())
@@ -154,8 +163,8 @@ class HubServer:
         self._blobs: dict[Path, _Blob] = {}
         self._lock = threading.Lock()
         self._counter = 0
-        self._hub = _Listener(self, "hub")
-        self._cdn = _Listener(self, "cdn")
+        self._hub = _Listener(self, "hub", tls)
+        self._cdn = _Listener(self, "cdn", tls)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -188,14 +197,14 @@ class HubServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._hub.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._hub.server_address[1]}"
 
     @property
     def cdn(self) -> str:
         return (
             self.endpoint
             if self.same_origin_cdn
-            else f"http://127.0.0.1:{self._cdn.server_address[1]}"
+            else f"{self.scheme}://127.0.0.1:{self._cdn.server_address[1]}"
         )
 
     def plain_url(self, path: str) -> str:
@@ -437,6 +446,12 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Listener
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):  # (TLS: on this connection's thread)
+            self.request.settimeout(30)
+            self.request.do_handshake()
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         pass  # the hub's own log is the record

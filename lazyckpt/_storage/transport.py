@@ -23,6 +23,7 @@ import contextlib
 import http.client
 import io
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -210,6 +211,12 @@ class Transport:
                     answer = self._once(connection, path, headers, options, limit, ranged, into)
             except _Refused as refused:
                 raise too_large(refused.found) from None
+            except ssl.SSLCertVerificationError as error:  # (definite: never retried)
+                raise StorageAccessError(
+                    f"{url}: the TLS certificate of {parts.netloc} could not be verified "
+                    f"({error.verify_message or error.reason}); where the server's CA is a "
+                    "private one, point SSL_CERT_FILE at its certificate"
+                ) from None
             except (http.client.InvalidURL, UnicodeError, ValueError) as error:
                 raise StorageAccessError(
                     f"{target}: not a URL lazyckpt can ask for ({error})"
