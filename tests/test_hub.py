@@ -538,3 +538,57 @@ def test_shard_headers_are_read_while_the_index_is(
     for shard in SHARDS:  # still one redirect and one ranged read a shard
         assert [e.status for e in hub.log if e.path.endswith(shard)] == [302, 206]
     np.testing.assert_array_equal(up(tree, 3).get(), tensors["model.layers.3.mlp.up_proj.weight"])
+
+
+def _folder_files(folder: Path) -> dict[str, bytes]:
+    return {
+        path.relative_to(folder).as_posix(): path.read_bytes()
+        for path in folder.rglob("*")
+        if path.is_file()
+    }
+
+
+def test_an_orbax_checkpoint_on_the_hub_opens_from_the_cache(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Orbax checkpoint (written by Orbax) in a repository, and a CheckpointManager
+    root of two steps: read from the Hugging Face cache once `hf download` put it
+    there, with no request but the revision's; before, a clear error that says so,
+    and no file asked for."""
+    from tests.helpers import orbax_manager_save, orbax_save
+
+    params = {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.int32)}
+    saved = orbax_save(tmp_path / "ckpt", params)
+    root = orbax_manager_save(
+        tmp_path / "run",
+        {step: {"state": ocp.args.StandardSave({"w": params["w"] * step})} for step in (1, 2)},
+    )
+    hub.commit("org/jax-model", {**_folder_files(saved), "README.md": b"# a JAX model"})
+    hub.commit("org/run", {f"train/{k}": v for k, v in _folder_files(root).items()})
+    hub.clear_log()
+    with pytest.raises(lazyckpt.CheckpointNotFoundError) as missing:
+        lazyckpt.open("hf://org/jax-model")
+    assert "holds an Orbax checkpoint" in str(missing.value)
+    assert "`hf download org/jax-model`" in str(missing.value)
+    assert [e.path.split("?")[0] for e in hub.log] == ["/api/models/org/jax-model"]
+    hh.snapshot_download("org/jax-model")
+    hh.snapshot_download("org/run")
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/jax-model")
+    restored = ocp.PyTreeCheckpointer().restore(saved)
+    for name in params:
+        np.testing.assert_array_equal(tree[name].get(), restored[name])
+    assert lazyckpt.steps("hf://org/run/train") == [1, 2]
+    state = lazyckpt.open("hf://org/run/train", step=2, item="state")
+    np.testing.assert_array_equal(state["w"].get(), params["w"] * 2)
+    assert all("/api/" in e.path for e in hub.log)  # the revisions, nothing else
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.clear_log()
+    np.testing.assert_array_equal(lazyckpt.open("hf://org/jax-model")["b"].get(), params["b"])
+    assert hub.log == []
+    # The cache's links into its blobs are its own; a link elsewhere is still refused.
+    snapshot = Path(hh.snapshot_download("org/jax-model"))
+    (tmp_path / "elsewhere").write_bytes(b"{}")
+    (snapshot / "extra.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(lazyckpt.NotACheckpointError, match=r"extra\.json is a symlink"):
+        lazyckpt.open("hf://org/jax-model")

@@ -12,6 +12,10 @@ What it resolves to:
 
 - the folder (or file) in the local Hugging Face cache, where the cache holds every
   safetensors file and index of the folder for that commit: read from disk, no request;
+- an Orbax checkpoint (or a CheckpointManager root, a step, an item): its folder in
+  the cache's snapshot, where the cache holds every file of it (after `hf download`),
+  else a `CheckpointNotFoundError` that says to download it; over HTTP, lazyckpt reads
+  safetensors models only;
 - else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
   `lazyckpt._storage.web` with its file list, the token and the local paths of the
   files the cache does hold (`Site.local`): those are read from disk, the others by
@@ -38,6 +42,9 @@ from lazyckpt._text import printable
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
 _MODEL_FILES = (".safetensors", ".safetensors.index.json")
+_ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "checkpoint")
+"""Files that make a folder an Orbax checkpoint (its tree; the legacy msgpack one), or
+one of the steps or items under it."""
 _FORM = "hf://ORG/NAME[@REVISION][/PATH] (or hf://datasets/ORG/NAME..., hf://spaces/ORG/NAME...)"
 # An organization or repository name as the Hub allows it (huggingface_hub's
 # validate_repo_id), in ASCII: no '%', so nothing decodes into a '/' or a '..'.
@@ -123,6 +130,8 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         )
     inside = [n[len(prefix) :] for n in names if n.startswith(prefix)]
     models = [n for n in inside if "/" not in n and n.endswith(_MODEL_FILES)]
+    if not models and any(posixpath.basename(n) in _ORBAX_FILES for n in inside):
+        return _orbax_in_cache(hub, repo_type, repo_id, commit, folder, inside, shown)
     if not models:
         raise CheckpointNotFoundError(
             f"{shown}: no safetensors files in {folder or 'the repository'} at commit "
@@ -145,6 +154,33 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     return location
 
 
+def _orbax_in_cache(
+    hub: Any,
+    repo_type: str,
+    repo_id: str,
+    commit: str,
+    folder: str,
+    inside: list[str],
+    shown: str,
+) -> str:
+    """The cache's folder of an Orbax checkpoint (or CheckpointManager root) in the
+    repository at `commit`, where the cache holds every file of it; over HTTP, lazyckpt
+    reads safetensors models only."""
+    prefix = f"{folder}/" if folder else ""
+    cached = _cached(hub, repo_type, repo_id, commit, prefix, inside)
+    if len(cached) == len(inside):
+        name = inside[0]
+        return cached[name][: -len(name)].rstrip("/")  # (the snapshot's folder)
+    missing = sorted(set(inside) - set(cached))
+    include = f" --include '{prefix}*'" if prefix else ""
+    raise CheckpointNotFoundError(
+        f"{shown}: {folder or 'the repository'} holds an Orbax checkpoint ({len(inside)} "
+        f"files at commit {commit[:12]}), which lazyckpt reads from the local Hugging Face "
+        f"cache only; the cache lacks {len(missing)} of its files ({missing[:3]}). "
+        f"Download it first (`hf download {repo_id}{include}`), then open it again"
+    )
+
+
 def _offline(
     hub: Any,
     repo_type: str,
@@ -165,12 +201,28 @@ def _offline(
         )
         if isinstance(hit, str):
             found.append(hit)
+    if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
+        snapshot = _snapshot(hub, repo_type, repo_id, revision)
+        if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
+            return os.path.join(snapshot, prefix).rstrip("/")
     if not found:
         raise CheckpointNotFoundError(
             f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
     return found[0] if single else os.path.dirname(found[0])
+
+
+def _snapshot(hub: Any, repo_type: str, repo_id: str, revision: str | None) -> str | None:
+    """The cache's snapshot folder of `revision` (a branch or tag through its refs), or
+    None where it has none."""
+    try:
+        found = hub.snapshot_download(
+            repo_id, revision=revision or "main", repo_type=repo_type, local_files_only=True
+        )
+    except (hub.errors.LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return str(found)
 
 
 def _import() -> Any:

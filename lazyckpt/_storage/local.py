@@ -121,6 +121,7 @@ class LocalFolders:
 
     def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         root = os.path.realpath(folder)
+        blobs = _cache_blobs(root)
         outside, special = [], []
         todo = [folder]
         while todo:
@@ -133,7 +134,8 @@ class LocalFolders:
                 name = os.path.relpath(entry.path, folder)
                 if entry.is_symlink():
                     target = os.path.realpath(entry.path)
-                    if target != root and not target.startswith(root + os.sep):
+                    inside = target == root or target.startswith(root + os.sep)
+                    if not inside and not (blobs and target.startswith(blobs + os.sep)):
                         outside.append((name, target))
                 elif entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
@@ -152,6 +154,20 @@ class LocalFolders:
         for folder, _, files in os.walk(path):
             for name in files:
                 yield os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")
+
+
+def _cache_blobs(root: str) -> str | None:
+    """The blobs folder of the repository, where `root` lies in a snapshot of the
+    Hugging Face cache (`.../models--ORG--NAME/snapshots/COMMIT/...`), whose files are
+    the cache's links into it; None elsewhere."""
+    parts = root.split(os.sep)
+    for at in range(len(parts) - 2, 0, -1):
+        if parts[at] == "snapshots" and parts[at - 1].startswith(_CACHE_REPOS):
+            return os.sep.join([*parts[:at], "blobs"])
+    return None
+
+
+_CACHE_REPOS = ("models--", "datasets--", "spaces--")
 
 
 def open_regular(path: str) -> int | None:
