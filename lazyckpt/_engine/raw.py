@@ -23,7 +23,6 @@ import errno
 import itertools
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import network
-from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.kvstore import all_of, then
 from lazyckpt._storage.local import open_regular
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.web import WebFiles
@@ -334,38 +333,4 @@ def read_remote(
         in_pool(lambda: settle(done))
 
     all_of(reads, lambda error: error).add_done_callback(hop)
-    return future
-
-
-def all_of(
-    futures: Sequence[ts.Future[None]], on_error: Callable[[Exception], Exception]
-) -> ts.Future[None]:
-    """A future that is done when all of `futures` are, failed as the first of them
-    that failed (`on_error` of its error): no read is still writing into a buffer
-    when its caller learns of a failure."""
-    promise: ts.Promise[None]
-    future: ts.Future[None]
-    promise, future = ts.Promise.new()
-    state: dict[str, Any] = {"left": len(futures), "error": None}
-    lock = threading.Lock()
-
-    def done(one: ts.Future[None]) -> None:
-        try:
-            one.result()
-        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
-            with lock:
-                state["error"] = state["error"] or failed
-        with lock:
-            state["left"] -= 1
-            if state["left"]:
-                return
-        if state["error"] is not None:
-            promise.set_exception(on_error(state["error"]))
-        else:
-            promise.set_result(None)
-
-    if not futures:
-        promise.set_result(None)
-    for one in futures:
-        one.add_done_callback(done)
     return future

@@ -4,7 +4,7 @@ the engine (`read_composed`)."""
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import numpy as np
 import tensorstore as ts
@@ -15,7 +15,7 @@ from lazyckpt._engine.fill import decode_into, schedule_fill, windows
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool
 from lazyckpt._engine.stored import stored_array, stores
-from lazyckpt._storage.kvstore import check_unchanged
+from lazyckpt._storage.kvstore import all_of, check_unchanged, ready, then
 
 
 def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
@@ -25,41 +25,19 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     stored = stored_array(array)
     destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
     check_fits(f"reading {array.key!r} {array.shape}", destination.out_nbytes())
-    promise: ts.Promise[np.ndarray]
-    future: ts.Future[np.ndarray]
-    promise, future = ts.Promise.new()
     selection = array.selection
     if 0 in array.shape:
-        promise.set_result(destination.buffer())
-        return future
+        return ready(destination.buffer())
     read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
     indices = list(chunks_in(bounds(selection), stored.chunks))
-    state = {"left": len(indices), "failed": False}
-    lock = threading.Lock()
-
-    def done(job: ts.Future[None]) -> None:
-        try:
-            job.result()
-        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
-            with lock:
-                first, state["failed"] = not state["failed"], True
-            if first:
-                promise.set_exception(error)
-            return
-        with lock:
-            state["left"] -= 1
-            last = state["left"] == 0 and not state["failed"]
-        if last:
-            promise.set_result(destination.buffer())
-
     users = [(destination, selection)]
-    for index in indices:
 
-        def run(index: tuple[int, ...] = index) -> None:
-            decode_into(array, index, users, read_bytes, window)
+    def run(index: tuple[int, ...]) -> None:
+        decode_into(array, index, users, read_bytes, window)
 
-        in_pool(run).add_done_callback(done)
-    return future
+    jobs = [in_pool(functools.partial(run, index)) for index in indices]
+    # Settled once every job ended: none still writes into the result after a failure.
+    return then(all_of(jobs, lambda error: error), lambda _: destination.buffer())
 
 
 def read_composed(array: ArrayView) -> np.ndarray:

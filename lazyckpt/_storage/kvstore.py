@@ -69,6 +69,40 @@ def _forward(done: ts.Future[U], promise: ts.Promise[U]) -> None:
         promise.set_exception(error)
 
 
+def all_of(
+    futures: Sequence[ts.Future[None]], on_error: Callable[[Exception], Exception]
+) -> ts.Future[None]:
+    """A future that is done when all of `futures` are, failed as the first of them
+    that failed (`on_error` of its error): nothing still runs (a read into a
+    buffer) when its caller learns of a failure."""
+    promise: ts.Promise[None]
+    future: ts.Future[None]
+    promise, future = ts.Promise.new()
+    state: dict[str, Any] = {"left": len(futures), "error": None}
+    lock = threading.Lock()
+
+    def done(one: ts.Future[None]) -> None:
+        try:
+            one.result()
+        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
+            with lock:
+                state["error"] = state["error"] or failed
+        with lock:
+            state["left"] -= 1
+            if state["left"]:
+                return
+        if state["error"] is not None:
+            promise.set_exception(on_error(state["error"]))
+        else:
+            promise.set_result(None)
+
+    if not futures:
+        promise.set_result(None)
+    for one in futures:
+        one.add_done_callback(done)
+    return future
+
+
 def ready(value: T) -> ts.Future[T]:
     """A future that already holds `value`."""
     promise: ts.Promise[T]
