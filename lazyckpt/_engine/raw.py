@@ -39,7 +39,7 @@ from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import network
 from lazyckpt._storage.kvstore import all_of, then
-from lazyckpt._storage.local import open_regular
+from lazyckpt._storage.local import open_regular, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.web import WebFiles
 
@@ -264,19 +264,16 @@ def read_parts(
         raise stored.read_error(FileNotFoundError(gone, os.strerror(gone), file))
     try:
         for file_at, buffer_at, length in parts:
-            done = 0
-            while done < length:
-                got = os.preadv(fd, [buffer[buffer_at + done : buffer_at + length]], file_at + done)
-                if got == 0:  # (a changed file is said so by `read_error`)
-                    raise stored.read_error(
-                        CorruptCheckpointError(
-                            f"{file}: {what or repr(stored.key)} needs bytes {file_at} to "
-                            f"{file_at + length}, but the file ends at byte "
-                            f"{file_at + done}; it was truncated since it was opened, open "
-                            "it again"
-                        )
+            done = pread_into(fd, buffer[buffer_at : buffer_at + length], file_at)
+            if done < length:  # (a changed file is said so by `read_error`)
+                raise stored.read_error(
+                    CorruptCheckpointError(
+                        f"{file}: {what or repr(stored.key)} needs bytes {file_at} to "
+                        f"{file_at + length}, but the file ends at byte "
+                        f"{file_at + done}; it was truncated since it was opened, open "
+                        "it again"
                     )
-                done += got
+                )
             count_direct(length)
     except OSError as error:
         raise stored.read_error(error) from None

@@ -27,6 +27,19 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read into all of `view` from `offset`, as `pwrite_all` writes: `os.preadv` may
+    read less than asked. The bytes read: fewer than `len(view)` only where the file
+    ends first."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 class LocalFolders:
     """`lazyckpt._storage.paths.Storage` for local paths: `os` calls, files read only when they
     are regular files (a link to /dev/zero or a FIFO in a checkpoint is refused, never

@@ -24,7 +24,7 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import web_options
-from lazyckpt._storage.local import check_size, open_regular
+from lazyckpt._storage.local import check_size, open_regular, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
 from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
@@ -106,10 +106,7 @@ class WebFiles:
         local = local_copy(f"{self.folder}/{key}")
         if local is not None:  # in the Hugging Face cache: a few system calls, here
             try:
-                answer = read_cached(local, url, start, stop, short=short)
-                if into is not None:
-                    into[: len(answer.value)] = answer.value
-                promise.set_result(answer)
+                promise.set_result(read_cached(local, url, start, stop, short=short, into=into))
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
                 promise.set_exception(error)
             return future
@@ -156,11 +153,12 @@ def read_cached(
     *,
     short: bool = False,
     limit: int = WHOLE_LIMIT,
+    into: memoryview | None = None,
 ) -> Answer:
     """The bytes `[start, stop)` of `file`, the local copy of the file at `url` (the
     whole file, up to `limit` bytes, without a range; with `short`, fewer where it ends
     before `stop`), answered as `Client.read` answers for the file over HTTP, with its
-    size. Read only where it is a regular file (`open_regular`: a FIFO in the cache
+    size; read straight `into` a buffer where one is given. Read only where it is a regular file (`open_regular`: a FIFO in the cache
     would block forever); counted as lazyckpt's direct reads are."""
     fd = open_regular(file)
     if fd is None:
@@ -176,13 +174,11 @@ def read_cached(
             check_size(file, size, limit)
         if high > size and not short:
             raise _short_copy(file, url, size, high)
-        data = bytearray(max(min(high, size) - low, 0))
-        view, done = memoryview(data), 0
-        while done < len(data):
-            got = os.preadv(fd, [view[done:]], low + done)
-            if got == 0:  # shortened since `fstat`
-                raise _short_copy(file, url, low + done, high)
-            done += got
+        wanted = max(min(high, size) - low, 0)
+        data: bytearray | memoryview = bytearray(wanted) if into is None else into[:wanted]
+        done = pread_into(fd, memoryview(data), low)
+        if done < wanted:  # shortened since `fstat`
+            raise _short_copy(file, url, low + done, high)
         count_direct(done)
         return Answer("value", data, size)
     finally:
