@@ -73,11 +73,12 @@ class Source:
     def min_run(self) -> int:
         return MIN_RUN if self.file is not None else MIN_REQUEST
 
-    def piece(self, held: int) -> int:
-        """Bytes per job, where jobs may hold `held` bytes in flight together."""
+    def piece(self, scheduler: Scheduler) -> int:
+        """Bytes per job within `scheduler`'s budget: a local one's share of a block, a
+        remote one's of the connections."""
         if self.file is not None:
-            return min(PIECE, max(MIN_RUN, held))
-        return request_bytes(held)
+            return piece_bytes(scheduler)
+        return request_bytes(scheduler.budget)
 
     def jobs(self, runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
         """`runs` as jobs of about `piece` bytes: locally, runs grouped and cut into
@@ -151,7 +152,7 @@ def schedule_raw(
         for d in destinations
     ):
         return False
-    piece = found.piece(scheduler.block_bytes if found.file else scheduler.budget)
+    piece = found.piece(scheduler)
     for destination, box in zip(destinations, boxes, strict=True):
         if destination.out_nbytes() == 0:
             continue

@@ -64,8 +64,7 @@ def read_early(folder: str, names: Sequence[str]) -> None:
     ][:_EARLY_FILES]
     files = WebFiles(folder)
     with _EARLY_LOCK:
-        for key in [key for key in _EARLY if key[0] == folder]:
-            del _EARLY[key]
+        _drop_early(folder)
         for name in shards:
             read = files.read(name, byte_range=slice(0, _PREFIX), short=True)
             _EARLY[folder, name] = (files, read)
@@ -74,8 +73,13 @@ def read_early(folder: str, names: Sequence[str]) -> None:
 def forget_early(folder: str) -> None:
     """Drop what `read_early` read of `folder` and no open took (an open that failed)."""
     with _EARLY_LOCK:
-        for key in [key for key in _EARLY if key[0] == folder]:
-            del _EARLY[key]
+        _drop_early(folder)
+
+
+def _drop_early(folder: str) -> None:
+    """Drop the early reads of `folder` (`_EARLY_LOCK` held)."""
+    for key in [key for key in _EARLY if key[0] == folder]:
+        del _EARLY[key]
 
 
 def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
@@ -84,8 +88,7 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
     there)."""
     with _EARLY_LOCK:
         early = {shard: _EARLY.pop((folder, shard), None) for shard in shards}
-        for key in [key for key in _EARLY if key[0] == folder]:
-            del _EARLY[key]  # (shards the index does not name)
+        _drop_early(folder)  # (shards the index does not name)
     firsts = [
         files.read(shard, byte_range=slice(0, _PREFIX), short=True)
         if (found := early[shard]) is None
