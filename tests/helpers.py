@@ -363,6 +363,9 @@ def run_cases(cases: list[dict[str, Any]], tmp_path: Path, timeout: int = 240) -
     try:
         result = subprocess.run(
             [sys.executable, "-m", "tests.hostile_child", str(spec)],
+            # The limit is on address space: without this, each thread that first
+            # allocates reserves a 64 MiB malloc arena, and how many do varies by run.
+            env={**os.environ, "MALLOC_ARENA_MAX": "2"},
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -682,7 +682,7 @@ def test_legacy_msgpack_work_is_bounded_by_its_key_paths(
     and 2.9 GB to open: the leaves times the key-path length is bounded, and counted
     before the key paths are built (once 1.2 GB before the refusal: a raw MemoryError
     within 1 GiB)."""
-    monkeypatch.setenv("HOSTILE_MEMORY", str(512 << 20))
+    monkeypatch.setenv("HOSTILE_MEMORY", str(768 << 20))
     cases = []
     for name, leaves in (("amplified", 300_000), ("fine", 1_000)):
         folder = tmp_path / name
