@@ -318,8 +318,11 @@ class HubServer:
 
     # -- protocol ----------------------------------------------------------------------
 
-    def is_lfs(self, path: str) -> bool:
-        return path.endswith(self.lfs_suffixes)
+    def is_lfs(self, path: str, data: bytes = b"") -> bool:
+        """Whether the Hub keeps the file in LFS: by its suffix (a repo's
+        `.gitattributes`), or as its upload does for binary files (a NUL byte in the
+        first 8 KB: an Orbax checkpoint's `manifest.ocdbt` and `d/` files)."""
+        return path.endswith(self.lfs_suffixes) or b"\0" in data[:8192]
 
     def blob(self, file: Path) -> _Blob:
         with self._lock:
@@ -327,7 +330,7 @@ class HubServer:
         if cached is not None:
             return cached
         data = file.read_bytes()
-        if self.is_lfs(file.name):
+        if self.is_lfs(file.name, data):
             sha256 = hashlib.sha256(data).hexdigest()
             pointer = (
                 f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {len(data)}\n"

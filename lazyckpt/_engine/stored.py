@@ -24,6 +24,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int
 
 
@@ -256,9 +257,13 @@ class StoredArray:
             return changed_error(self.store.location)
         if isinstance(error, LazyckptError):
             return error
+        found = relayed(error)  # (a read over HTTP that lazyckpt's client failed)
+        if found is not None:
+            return found
         return CorruptCheckpointError(
             f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
-            f"failed: {error}; the checkpoint's files are missing or damaged, copy it again"
+            f"failed: {shown(error)}; the checkpoint's files are missing or damaged, copy it "
+            "again"
         )
 
 

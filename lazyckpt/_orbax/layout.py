@@ -12,10 +12,13 @@ from lazyckpt._errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
+from lazyckpt._orbax import over_http
 from lazyckpt._orbax.metadata import is_process_folder
+from lazyckpt._orbax.over_http import JSON_ITEM_FILES
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
 from lazyckpt._storage import paths
 from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
+from lazyckpt._storage.sites import listing
 from lazyckpt._text import ascii_int
 
 _STEP_NAME = re.compile(r"(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)")
@@ -92,17 +95,12 @@ def _pytree_items(step_dir: str) -> list[str]:
     )
 
 
-# The file of a JSON item (`ocp.args.JsonSave`): Orbax's v0 JsonCheckpointHandler
-# writes `metadata`, v1's JsonHandler `data.json` (format notes, Folders and levels).
-_JSON_ITEM_FILES = ("metadata", "data.json")
-
-
 def json_item_file(folder: str) -> str | None:
     """The JSON file of a JSON item folder, or None if `folder` is not one."""
     if not paths.isdir(folder) or is_pytree_dir(folder):
         return None
     names = paths.listdir(folder)
-    for name in _JSON_ITEM_FILES:
+    for name in JSON_ITEM_FILES:
         if name in names and paths.isfile(paths.join(folder, name)):
             return paths.join(folder, name)
     return None
@@ -221,6 +219,13 @@ def _step_folder(folder: str, step: int | None) -> str:
 
 def _existing_folder(path: str | os.PathLike[str]) -> str:
     folder = paths.normalize(path)
+    over_http.probe(folder)
+    if paths.is_web(folder) and listing(folder) is None:
+        raise CheckpointNotFoundError(
+            f"{folder}: a folder over plain HTTP has no listing, and no checkpoint files "
+            "were found there by name, so its steps and items cannot be found; open a "
+            "step by its URL (ROOT/STEP), or pass step= to lazyckpt.open"
+        )
     if not paths.isdir(folder):
         raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
     return folder
@@ -235,6 +240,17 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
+    over_http.probe(path)
+    if step is not None and paths.is_web(path) and listing(path) is None:
+        # A CheckpointManager root over plain HTTP: its step found by its default name.
+        step_folder = over_http.step_folder(path, step)
+        if step_folder is None:
+            raise CheckpointNotFoundError(
+                f"{path}: over plain HTTP a folder has no listing, and there is no step "
+                f"folder {path}/{step} (as Orbax names steps by default); open the step's "
+                "folder by its URL"
+            )
+        path, step = step_folder, None
     if not paths.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
     if not paths.isdir(path):

@@ -44,6 +44,7 @@ from lazyckpt._orbax.side_files import key_impls_of, strings_of
 from lazyckpt._orbax.zarr import ZarrInfo, metadata_key, parse_zarr
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, from_one_generation
+from lazyckpt._storage.sites import probed
 
 
 def open_orbax(
@@ -259,12 +260,13 @@ def _open_store(
             else ""
         )
         for needed, what in (("manifest.ocdbt", "root manifest"), ("d", "root data folder")):
-            if needed not in names:
+            # (A folder over plain HTTP lists the files it was probed for, never `d/`.)
+            if needed not in names and not (needed == "d" and probed(location)):
                 raise CorruptCheckpointError(
                     f"OCDBT {what} {location}/{needed} is missing{hint}; the checkpoint "
                     "cannot be read as saved, copy it again"
                 )
-    return Store.open(location, ocdbt=ocdbt, generation=generation)
+    return Store.open(location, ocdbt=ocdbt, generation=generation, drivers=True)
 
 
 def _zarr_infos(

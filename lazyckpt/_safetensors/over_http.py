@@ -37,7 +37,7 @@ def listed_over_http(folder: str) -> bool:
         names = (SINGLE,)
     else:
         return False
-    register(folder, Site(names))
+    register(folder, Site(names, asked=(*names, INDEX, SINGLE)))
     return True
 
 

@@ -13,13 +13,12 @@ What it resolves to:
 - the folder (or file) in the local Hugging Face cache, where the cache holds every
   safetensors file and index of the folder for that commit: read from disk, no request;
 - an Orbax checkpoint (or a CheckpointManager root, a step, an item): its folder in
-  the cache's snapshot, where the cache holds every file of it (after `hf download`),
-  else a `CheckpointNotFoundError` that says to download it; over HTTP, lazyckpt reads
-  safetensors models only;
+  the cache's snapshot, where the cache holds every file of it (after `hf download`);
 - else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
   `lazyckpt._storage.web` with its file list, the token and the local paths of the
   files the cache does hold (`Site.local`): those are read from disk, the others by
-  Range requests.
+  Range requests (an Orbax checkpoint's by tensorstore's drivers, through
+  `lazyckpt._storage.relay`).
 """
 
 from __future__ import annotations
@@ -130,17 +129,21 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         )
     inside = [n[len(prefix) :] for n in names if n.startswith(prefix)]
     models = [n for n in inside if "/" not in n and n.endswith(_MODEL_FILES)]
-    if not models and any(posixpath.basename(n) in _ORBAX_FILES for n in inside):
-        return _orbax_in_cache(hub, repo_type, repo_id, commit, folder, inside, shown)
-    if not models:
+    orbax = not models and any(posixpath.basename(n) in _ORBAX_FILES for n in inside)
+    if not models and not orbax:
         raise CheckpointNotFoundError(
-            f"{shown}: no safetensors files in {folder or 'the repository'} at commit "
-            f"{commit[:12]}; it holds {sorted({n.split('/')[0] for n in inside})[:8]}"
+            f"{shown}: no safetensors files or Orbax checkpoint in {folder or 'the repository'} "
+            f"at commit {commit[:12]}; it holds {sorted({n.split('/')[0] for n in inside})[:8]}"
         )
-    wanted = [posixpath.basename(path)] if path.endswith(".safetensors") else models
+    if path.endswith(".safetensors"):
+        wanted = [posixpath.basename(path)]
+    else:
+        wanted = inside if orbax else models
     cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
     if len(cached) == len(wanted):
         found = cached[wanted[0]]
+        if orbax:  # (the snapshot's folder, whose files link into the cache's blobs)
+            return found[: -len(wanted[0])].rstrip("/")
         return found if path.endswith(".safetensors") else os.path.dirname(found)
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     base = f"{hub.constants.ENDPOINT.rstrip('/')}/{kind}{repo_id}/resolve/{commit}"
@@ -152,33 +155,6 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     if path.endswith(".safetensors"):
         return f"{location}/{posixpath.basename(path)}"
     return location
-
-
-def _orbax_in_cache(
-    hub: Any,
-    repo_type: str,
-    repo_id: str,
-    commit: str,
-    folder: str,
-    inside: list[str],
-    shown: str,
-) -> str:
-    """The cache's folder of an Orbax checkpoint (or CheckpointManager root) in the
-    repository at `commit`, where the cache holds every file of it; over HTTP, lazyckpt
-    reads safetensors models only."""
-    prefix = f"{folder}/" if folder else ""
-    cached = _cached(hub, repo_type, repo_id, commit, prefix, inside)
-    if len(cached) == len(inside):
-        name = inside[0]
-        return cached[name][: -len(name)].rstrip("/")  # (the snapshot's folder)
-    missing = sorted(set(inside) - set(cached))
-    include = f" --include '{prefix}*'" if prefix else ""
-    raise CheckpointNotFoundError(
-        f"{shown}: {folder or 'the repository'} holds an Orbax checkpoint ({len(inside)} "
-        f"files at commit {commit[:12]}), which lazyckpt reads from the local Hugging Face "
-        f"cache only; the cache lacks {len(missing)} of its files ({missing[:3]}). "
-        f"Download it first (`hf download {repo_id}{include}`), then open it again"
-    )
 
 
 def _offline(
@@ -230,6 +206,7 @@ def _import() -> Any:
         import huggingface_hub
         import huggingface_hub.constants
         import huggingface_hub.errors
+        import huggingface_hub.file_download
         import huggingface_hub.utils
     except ImportError:
         raise MissingExtraError(
@@ -323,6 +300,9 @@ def _cached(
 ) -> dict[str, str]:
     """The files of `wanted` that the cache holds at `commit`: their local paths, by
     name (links into the cache's blobs)."""
+    folder = hub.file_download.repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    if not os.path.isdir(os.path.join(hub.constants.HF_HUB_CACHE, folder, "snapshots", commit)):
+        return {}  # (an Orbax checkpoint has thousands of files: none is looked for)
     found = {}
     for name in wanted:
         path = hub.try_to_load_from_cache(

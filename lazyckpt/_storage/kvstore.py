@@ -15,7 +15,7 @@ import attrs
 import tensorstore as ts
 
 from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
-from lazyckpt._storage import paths
+from lazyckpt._storage import paths, relay
 from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
 from lazyckpt._storage.web import WebFiles, is_web
@@ -219,7 +219,11 @@ class Store:
         ocdbt: bool,
         generation: tuple[object, ...] = (),
         files: tuple[str, ...] = paths.GENERATION_FILES,
+        drivers: bool = False,
     ) -> Store:
+        """The store of the checkpoint item at `location`; over HTTP, read by `WebFiles`
+        (safetensors' byte ranges), or with `drivers` by tensorstore's `ocdbt` and
+        `zarr` drivers through lazyckpt's client (Orbax's arrays)."""
         context = ts.Context(
             {
                 "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
@@ -228,12 +232,18 @@ class Store:
                 "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
             }
         )
-        if is_web(location):
-            # Read by lazyckpt's own Range requests; only the safetensors reader opens
-            # such a store, and it calls `read` alone, which `WebFiles` answers alike.
+        if is_web(location) and not drivers:
+            # Read by lazyckpt's own Range requests: the safetensors reader calls `read`
+            # alone, which `WebFiles` answers as tensorstore's kvstores do.
             files_over_http = cast(ts.KvStore, WebFiles(location))
             return cls(location, ocdbt, context, {}, files_over_http, generation, files)
-        base = paths.kvstore_spec(location)
+        if is_web(location):
+            # tensorstore's drivers, reading through lazyckpt's client (`relay`); the
+            # relay serves the folder for as long as the context (held by the store
+            # and by every array opened from it) lives.
+            base = {"driver": "http", "base_url": relay.address(location, context)}
+        else:
+            base = paths.kvstore_spec(location)
         spec = (
             {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#metadata"}
             if ocdbt
@@ -259,13 +269,7 @@ class Store:
         try:
             found = self.kvstore.list(ts.KvStore.KeyRange(start, end)).result()
         except ValueError as error:
-            if self.changed():
-                raise changed_error(self.location) from None
-            raise CorruptCheckpointError(
-                f"{self.location}: listing {prefix!r} in the "
-                f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); the "
-                "checkpoint's files are missing or damaged, copy it again"
-            ) from error
+            raise self._failure(error, f"listing {prefix!r} in", "files") from None
         return [key.decode("utf-8", errors="replace") for key in found]
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -280,15 +284,23 @@ class Store:
             try:
                 result = future.result()
             except ValueError as error:
-                if self.changed():
-                    raise changed_error(self.location) from None
-                raise CorruptCheckpointError(
-                    f"{self.location}: reading {key!r} from the "
-                    f"{'OCDBT database' if self.ocdbt else 'folder'} failed ({error}); "
-                    "the checkpoint's data files are missing or damaged, copy it again"
-                ) from error
+                raise self._failure(error, f"reading {key!r} from", "data files") from None
             results.append(result.value if result.state == "value" else None)
         return results
+
+    def _failure(self, error: Exception, doing: str, files: str) -> LazyckptError:
+        """What a failed listing or read (`doing`) of the store is: a replaced
+        checkpoint, lazyckpt's own error from a read over HTTP, or damaged `files`."""
+        if self.changed():
+            return changed_error(self.location)
+        found = relay.relayed(error)
+        if found is not None:
+            return found
+        return CorruptCheckpointError(
+            f"{self.location}: {doing} the {'OCDBT database' if self.ocdbt else 'folder'} "
+            f"failed ({relay.shown(error)}); the checkpoint's {files} are missing or damaged, "
+            "copy it again"
+        )
 
     def read_many(
         self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch

@@ -12,9 +12,12 @@ _DIRECT = [0]
 _REQUESTS = [0]
 _LOCK = threading.Lock()
 
-_NETWORK_KVSTORES = ("s3", "gcs", "gcs_grpc", "http")
+_NETWORK_KVSTORES = ("s3", "gcs", "gcs_grpc")
 """tensorstore's kvstores that read over the network (`file` reads a disk; `ocdbt` and
 `zip` read through another kvstore, which counts the bytes and requests)."""
+_RELAYED = "http"
+"""The kvstore that lazyckpt's tensorstore reads over HTTP go through: to the relay
+(`lazyckpt._storage.relay`), whose requests lazyckpt's client makes and counts."""
 
 
 def count_direct(nbytes: int) -> None:
@@ -54,6 +57,8 @@ def totals() -> tuple[int, int]:
     for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
         driver, _, name = metric["name"].removeprefix("/tensorstore/kvstore/").partition("/")
         value = sum(int(v.get("value", 0)) for v in metric["values"])
+        if driver == _RELAYED:
+            continue
         if name == "bytes_read":
             nbytes += value
         elif driver in _NETWORK_KVSTORES and name in ("batch_read", "retries"):

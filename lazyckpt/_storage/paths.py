@@ -20,12 +20,19 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
+from lazyckpt._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LazyckptError,
+    StorageAccessError,
+)
 from lazyckpt._storage import web_options
 from lazyckpt._storage.bucket import SCHEMES, BucketFolders
 from lazyckpt._storage.bucket import session as _bucket_session
 from lazyckpt._storage.bucket import storage_error as bucket_error
 from lazyckpt._storage.local import LocalFolders
+from lazyckpt._storage.relay import relayed, shown
+from lazyckpt._storage.sites import hub_listed
 from lazyckpt._storage.web import WebFolders
 from lazyckpt._storage.web import is_web as is_web
 
@@ -115,8 +122,9 @@ _WEB: Storage = WebFolders()
 
 
 def atomic_rename(path: str) -> bool:
-    """Whether saves to `path` publish by renaming a folder into place (see `Storage`)."""
-    return storage(path).atomic_rename
+    """Whether saves to `path` publish by renaming a folder into place (see `Storage`),
+    or as a Hub commit does: whole, so a folder needs no commit marker to be finished."""
+    return storage(path).atomic_rename or hub_listed(path)
 
 
 def is_bucket(path: str) -> bool:
@@ -125,9 +133,17 @@ def is_bucket(path: str) -> bool:
 
 def storage_error(path: str, error: Exception) -> LazyckptError:
     """A clear error for a failed request to remote storage (lazyckpt's own errors,
-    which HTTP reads raise, as they are)."""
+    which HTTP reads raise, as they are, also through tensorstore's drivers)."""
     if isinstance(error, LazyckptError):
         return error
+    found = relayed(error)
+    if found is not None:
+        return found
+    if is_web(path):
+        return StorageAccessError(
+            f"{path}: reading it over HTTP failed ({shown(error)[:300]}); check the URL, "
+            "and try again"
+        )
     return bucket_error(path, error)
 
 

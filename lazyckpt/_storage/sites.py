@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import posixpath
 import threading
+from collections.abc import Iterator
 
 import attrs
 
@@ -24,23 +25,70 @@ class Site:
     """How errors name it (`org/model at revision main (commit 1a2b...)`)."""
     local: dict[str, str] = attrs.field(factory=dict)
     """Local copies of some of its files, by name (in the Hugging Face cache): read from disk."""
+    asked: tuple[str, ...] | None = None
+    """Over plain HTTP, the names a caller asked for, of which `names` are those that
+    were there: the folder may hold others, which no listing shows. None where
+    `names` is the folder's whole listing (the Hub's)."""
+
+    def lacks(self, name: str) -> bool:
+        """Whether the folder is known to hold no file `name` (a path inside it)."""
+        return name not in self.names and (self.asked is None or name in self.asked)
+
+
+def _subfolders(folder: str, site: Site) -> dict[str, Site]:
+    """The sites of every subfolder of `folder`, by URL: the names under each, and the
+    local copies of those."""
+    names: dict[str, list[str]] = {}
+    asked: dict[str, list[str]] = {}
+    local: dict[str, dict[str, str]] = {}
+    for name in site.names:
+        for inner, rest in _folders(name):
+            names.setdefault(inner, []).append(rest)
+            if name in site.local:
+                local.setdefault(inner, {})[rest] = site.local[name]
+    for name in site.asked or ():
+        for inner, rest in _folders(name):
+            asked.setdefault(inner, []).append(rest)
+    return {
+        f"{folder}/{inner}": attrs.evolve(
+            site,
+            names=tuple(under),
+            local=local.get(inner, {}),
+            asked=None if site.asked is None else tuple(asked.get(inner, ())),
+        )
+        for inner, under in names.items()
+    }
+
+
+def _folders(name: str) -> Iterator[tuple[str, str]]:
+    """`(folder, rest)` for each folder on the path `name`: `a/b/c` gives `(a, b/c)`
+    and `(a/b, c)`."""
+    parts = name.split("/")
+    for depth in range(1, len(parts)):
+        yield "/".join(parts[:depth]), "/".join(parts[depth:])
 
 
 _SITES: dict[str, Site] = {}
+_INSIDE: dict[str, Site] = {}
+"""The sites of the subfolders of registered folders (`_subfolders`)."""
 _SITES_LOCK = threading.Lock()
 
 
 def register(folder: str, site: Site) -> None:
-    """Tell the storage which files `folder` holds, and how to ask for them."""
+    """Tell the storage which files `folder` holds (also in its subfolders, by their
+    paths), and how to ask for them."""
     with _SITES_LOCK:
-        _SITES[folder.rstrip("/")] = site
+        folder = folder.rstrip("/")
+        for inner in [inner for inner in _INSIDE if inner.startswith(folder + "/")]:
+            del _INSIDE[inner]
+        _SITES[folder] = site
+        _INSIDE.update(_subfolders(folder, site))
 
 
 def site(path: str) -> Site | None:
-    """The registered folder that holds `path`, or is it."""
+    """The known folder that holds `path`, or is it."""
     folder = path.rstrip("/")
-    with _SITES_LOCK:
-        return _SITES.get(folder) or _SITES.get(posixpath.dirname(folder))
+    return listing(folder) or listing(posixpath.dirname(folder))
 
 
 def hub_listed(folder: str) -> bool:
@@ -51,9 +99,16 @@ def hub_listed(folder: str) -> bool:
 
 
 def listing(folder: str) -> Site | None:
-    """The registered folder `folder`, exactly."""
+    """The known folder `folder`: registered, or inside a registered folder."""
+    folder = folder.rstrip("/")
     with _SITES_LOCK:
-        return _SITES.get(folder.rstrip("/"))
+        return _SITES.get(folder) or _INSIDE.get(folder)
+
+
+def probed(folder: str) -> bool:
+    """Whether `folder` is over plain HTTP, known only by the files a caller probed."""
+    found = listing(folder)
+    return found is not None and found.asked is not None
 
 
 def describe(path: str) -> str:

@@ -215,17 +215,17 @@ class WebFolders:
         return posixpath.dirname(path.rstrip("/"))
 
     def kvstore_spec(self, path: str) -> dict[str, Any]:
-        raise StorageAccessError(
-            f"{path}: over HTTP, lazyckpt reads safetensors models only (not Orbax "
-            "checkpoints); copy the checkpoint to a disk or a bucket"
-        )
+        raise self._read_only(path)  # (reads go through `Store.open`, which knows HTTP)
 
     def listdir(self, path: str) -> list[str]:
         found = listing(path)
         if found is None:
             raise CheckpointNotFoundError(
-                f"{path}: a folder over HTTP has no listing; give the URL of its "
-                "model.safetensors or model.safetensors.index.json"
+                f"{path}: a folder over plain HTTP has no listing, and no checkpoint was "
+                "found there by name; give the URL of the folder that holds an Orbax "
+                "checkpoint's _METADATA (a step's or item's folder, not a "
+                "CheckpointManager root), or a model's model.safetensors or "
+                "model.safetensors.index.json"
             )
         return sorted({name.split("/", 1)[0] for name in found.names})
 
@@ -259,6 +259,9 @@ class WebFolders:
     def read_bytes(self, path: str, limit: int) -> bytes | None:
         # Refused as it streams past the limit: the caller's for its kind of file,
         # never more than `WHOLE_LIMIT` over HTTP (a caller's default is 1 GiB).
+        found = listing(self.dirname(path))
+        if found is not None and found.lacks(self.basename(path)):
+            return None  # (not in the Hub's listing at the pinned commit: no request)
         local = local_copy(path)
         if local is not None:
             answer = read_cached(local, path, limit=min(limit, WHOLE_LIMIT))

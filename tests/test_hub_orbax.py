@@ -1,0 +1,249 @@
+"""Orbax checkpoints on the loopback Hub (`tests/hub_server.py`) and at plain https://
+URLs, written by Orbax itself: the same tree and values as from disk, read lazily
+(counted in requests and bytes), and damaged copies refused as they are on disk."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import lazyckpt
+from lazyckpt import LazyArray
+from tests.helpers import (
+    LAYOUTS,
+    assert_loaded,
+    expected,
+    orbax_save,
+    rich_tree,
+    stored_chunk_bytes,
+    structure,
+)
+from tests.hub_server import HubServer
+from tests.test_legacy import _legacy_checkpoint
+
+pytest.importorskip("huggingface_hub")
+ocp = pytest.importorskip("orbax.checkpoint")
+
+
+def _files(folder: Path, under: str) -> dict[str, bytes]:
+    """The files of `folder`, by their path in a repository under `under`."""
+    return {
+        f"{under}/{file.relative_to(folder).as_posix()}": file.read_bytes()
+        for file in sorted(folder.rglob("*"))
+        if file.is_file()
+    }
+
+
+def _layers(count: int) -> dict[str, Any]:
+    """A model of `count` small layers and one 1 MiB embedding."""
+    rng = np.random.default_rng(0)
+    return {
+        "params": {
+            f"layer_{i}": {"w": rng.standard_normal((16, 16), dtype=np.float32)}
+            for i in range(count)
+        },
+        "embed": rng.standard_normal((256, 1024), dtype=np.float32),
+        "step": 12,
+    }
+
+
+def _chunked_save(path: Path, tree: Any) -> Path:
+    """Orbax's own save, with the embedding in 64 KiB chunks (16 rows each)."""
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=64 << 10), tree)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    return path
+
+
+def _served(hub: HubServer) -> dict[str, int]:
+    """Bytes of data files (`d/`) the server sent since its log was cleared, by file."""
+    sent: dict[str, int] = defaultdict(int)
+    for request in hub.log:
+        if "/d/" in request.path and request.status in (200, 206):
+            sent[request.path.rsplit("/", 1)[1]] += request.bytes_sent
+    return sent
+
+
+def _orbax_restored(path: Path) -> Any:
+    """What Orbax's own restore gives, as host values."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return checkpointer.restore(path)
+
+
+def _assert_values(loaded: Any, restored: Any) -> None:
+    """`loaded` holds Orbax's restored values (its scalars come back as 0-d arrays)."""
+    mine, orbax = (jax.tree_util.tree_flatten_with_path(tree)[0] for tree in (loaded, restored))
+    assert [path for path, _ in mine] == [path for path, _ in orbax]
+    for (path, value), (_, want) in zip(mine, orbax, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(value), np.asarray(want), jax.tree_util.keystr(path)
+        )
+
+
+def test_an_ocdbt_checkpoint_on_the_hub(hub: HubServer, tmp_path: Path) -> None:
+    """The tree is Orbax's metadata's, read in a few requests; a slice reads only its
+    chunks; `load` reads each stored byte at most once and gives Orbax's values."""
+    local = _chunked_save(tmp_path / "ckpt", _layers(20))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/jax/ckpt")
+    opened = len(hub.log)
+    assert opened <= 8, [request.path for request in hub.log]
+    assert sum(_served(hub).values()) < 64 << 10  # its b-tree (20 KiB), none of 1.1 MiB of arrays
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(local).item_metadata.tree
+    for key, leaf in lazyckpt.leaves(tree):
+        if isinstance(leaf, LazyArray):
+            meta = saved["embed"] if key == "embed" else saved["params"][key.split("/")[1]]["w"]
+            assert (leaf.shape, leaf.dtype) == (tuple(meta.shape), meta.dtype), key
+    assert tree["embed"].chunks != tree["embed"].shape
+
+    hub.clear_log()
+    rows = tree["embed"][20:40].get()
+    np.testing.assert_array_equal(rows, _layers(20)["embed"][20:40])
+    chunks = stored_chunk_bytes(local, tree["embed"][20:40])
+    assert chunks <= sum(_served(hub).values()) <= chunks + (32 << 10)  # its chunks, no others
+
+    hub.clear_log()
+    loaded = lazyckpt.load(tree)
+    sizes = {file.name: file.stat().st_size for file in local.rglob("d/*")}
+    for name, sent in _served(hub).items():
+        assert sent <= sizes[name], name
+    _assert_values(loaded, _orbax_restored(local))
+
+
+def test_opening_costs_the_same_requests_for_many_arrays(hub: HubServer, tmp_path: Path) -> None:
+    for count in (4, 400):
+        local = orbax_save(tmp_path / f"ckpt_{count}", _layers(count))
+        hub.commit("org/jax", _files(local, f"ckpt_{count}"))
+    counts = []
+    for count in (4, 400):
+        hub.clear_log()
+        tree = lazyckpt.open(f"hf://org/jax/ckpt_{count}")
+        assert len(tree["params"]) == count
+        counts.append(len(hub.log))
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_layout_reads_as_from_disk(
+    hub: HubServer, tmp_path: Path, mesh: jax.sharding.Mesh, layout: str
+) -> None:
+    tree = rich_tree(mesh)
+    if layout in ("standard_checkpointer", "v1_api"):  # (they refuse strings and scalars)
+        tree = lazyckpt.select(tree, lambda _, v: isinstance(v, jax.Array | np.ndarray))
+    local = LAYOUTS[layout](tmp_path / "ckpt", tree)
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    assert structure(remote) == structure(lazyckpt.open(local))
+    assert_loaded(lazyckpt.load(remote), expected(tree))
+
+
+def test_a_legacy_msgpack_checkpoint(hub: HubServer, tmp_path: Path) -> None:
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4), "n": 3}
+    local = _legacy_checkpoint(tmp_path / "ckpt", tree, aggregated={"b"})
+    hub.commit("org/jax", _files(local, "ckpt"))
+    assert_loaded(lazyckpt.load(lazyckpt.open("hf://org/jax/ckpt")), expected(tree))
+
+
+def _manager_root(root: Path) -> dict[int, dict[str, Any]]:
+    """Two steps of a CheckpointManager (Orbax's default names), with a JSON item."""
+    trees = {step: {"w": np.full((4, 4), step, np.float32)} for step in (1, 2)}
+    with ocp.CheckpointManager(root) as manager:
+        for step, tree in trees.items():
+            items = {"state": ocp.args.StandardSave(tree), "meta": ocp.args.JsonSave({"s": step})}
+            manager.save(step, args=ocp.args.Composite(**items))
+    return trees
+
+
+def test_a_checkpoint_manager_root_on_the_hub(hub: HubServer, tmp_path: Path) -> None:
+    trees = _manager_root(tmp_path / "run")
+    hub.commit("org/jax", _files(tmp_path / "run", "run"))
+    root = "hf://org/jax/run"
+    assert lazyckpt.steps(root) == [1, 2]
+    assert lazyckpt.items(root) == {"meta": "json", "state": "pytree"}
+    assert_loaded(lazyckpt.load(lazyckpt.open(root, item="state")), expected(trees[2]))
+    first = lazyckpt.open(root, step=1, item="state")
+    np.testing.assert_array_equal(first["w"].get(), trees[1]["w"])
+    assert lazyckpt.open(root, step=1, item="meta") == {"s": 1}
+
+
+def test_plain_https_reads_the_names_the_format_gives(hub: HubServer, tmp_path: Path) -> None:
+    """Without a listing: a PyTree folder and a step folder open; a root's step opens
+    by its number; listing a root's steps is a clear error."""
+    local = _chunked_save(tmp_path / "ckpt", _layers(3))
+    trees = _manager_root(tmp_path / "run")
+    for name, data in {**_files(local, "ckpt"), **_files(tmp_path / "run", "run")}.items():
+        hub.add_plain_file(name, data)
+    tree = lazyckpt.open(hub.plain_url("ckpt"))
+    _assert_values(lazyckpt.load(tree), _orbax_restored(local))
+    assert lazyckpt.items(hub.plain_url("run/1")) == {"meta": "json", "state": "pytree"}
+    step = lazyckpt.open(hub.plain_url("run"), step=1, item="state")
+    np.testing.assert_array_equal(step["w"].get(), trees[1]["w"])
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="plain HTTP has no listing"):
+        lazyckpt.steps(hub.plain_url("run"))
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match=r"no step folder .*/run/7"):
+        lazyckpt.open(hub.plain_url("run"), step=7)
+
+
+def _damaged(local: Path, damage: str) -> str:
+    """Damage a copy of the checkpoint at `local`: remove a `d/` file of its arrays, or
+    cut its manifest short; the damaged file's name."""
+    if damage == "missing data file":
+        victim = max(local.rglob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+        victim.unlink()
+    else:
+        victim = local / "manifest.ocdbt"
+        victim.write_bytes(victim.read_bytes()[:40])
+    return victim.name
+
+
+def _failure(action: Any) -> tuple[type[BaseException], str]:
+    with pytest.raises(lazyckpt.LazyckptError) as caught:
+        action()
+    return type(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("damage", ["missing data file", "manifest cut short"])
+def test_a_damaged_repository_fails_as_on_disk(hub: HubServer, tmp_path: Path, damage: str) -> None:
+    local = orbax_save(tmp_path / "ckpt", _layers(3))
+    _damaged(local, damage)
+    hub.commit("org/jax", _files(local, "ckpt"))
+
+    def read(path: str) -> None:
+        lazyckpt.load(lazyckpt.open(path))
+
+    on_disk = _failure(lambda: read(str(local)))
+    on_hub = _failure(lambda: read("hf://org/jax/ckpt"))
+    assert on_hub[0] is on_disk[0] is lazyckpt.CorruptCheckpointError
+    # The same words, naming the checkpoint where it is.
+    remote_words = re.sub(r"\S*ckpt\S*", "PATH", on_hub[1]).replace("local file ", "")
+    local_words = re.sub(r"\S*ckpt\S*", "PATH", on_disk[1]).replace("local file ", "")
+    assert remote_words == local_words, (on_hub[1], on_disk[1])
+
+
+def test_what_the_client_refuses_reaches_the_caller(hub: HubServer, tmp_path: Path) -> None:
+    """A server that fails every attempt, and a file replaced after `open` (at a plain
+    URL): lazyckpt's own errors, not tensorstore's, through the relay."""
+    local = _chunked_save(tmp_path / "ckpt", _layers(3))
+    for name, data in _files(local, "ckpt").items():
+        hub.add_plain_file(name, data)
+    tree = lazyckpt.open(hub.plain_url("ckpt"))
+    hub.fail_next(100, 500)
+    with pytest.raises(lazyckpt.StorageAccessError, match="HTTP 500"):
+        tree["embed"][:4].get()
+    hub.clear_faults()
+    victim = max(local.rglob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+    name = victim.relative_to(tmp_path).as_posix()
+    tree = lazyckpt.open(hub.plain_url("ckpt"))
+    tree["embed"][:1].get()  # (pins the data file's version)
+    hub.add_plain_file(name, victim.read_bytes()[::-1])
+    with pytest.raises(lazyckpt.CheckpointChangedError):
+        tree["embed"][100:].get()
