@@ -185,6 +185,7 @@ def test_plain_https_reads_the_names_the_format_gives(hub: HubServer, tmp_path: 
     tree = lazyckpt.open(hub.plain_url("ckpt"))
     _assert_values(lazyckpt.load(tree), _orbax_restored(local))
     assert lazyckpt.items(hub.plain_url("run/1")) == {"meta": "json", "state": "pytree"}
+    assert lazyckpt.items(hub.plain_url("run"), step=2) == {"meta": "json", "state": "pytree"}
     step = lazyckpt.open(hub.plain_url("run"), step=1, item="state")
     np.testing.assert_array_equal(step["w"].get(), trees[1]["w"])
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="plain HTTP has no listing"):

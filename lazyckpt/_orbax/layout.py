@@ -144,7 +144,7 @@ def steps(
     [1, 2]
     """
     with paths.session(storage_options):
-        root = _existing_folder(path)
+        root, _ = _existing_folder(path)
         found, mixed = _steps_by_prefix(root)
         listed = paths.listdir(root)[:10]
     if mixed:
@@ -184,7 +184,7 @@ def items(
     ({'extra': 'pytree', 'state': 'pytree'}, {'state': 'pytree'})
     """
     with paths.session(storage_options):
-        folder = _existing_folder(path)
+        folder, step = _existing_folder(path, step)
         if is_pytree_dir(folder):
             return {}
         return _kinds(_step_folder(folder, step))
@@ -217,9 +217,28 @@ def _step_folder(folder: str, step: int | None) -> str:
     return found[step]
 
 
-def _existing_folder(path: str | os.PathLike[str]) -> str:
-    folder = paths.normalize(path)
-    over_http.probe(folder)
+def _probed(path: str, step: int | None) -> tuple[str, int | None]:
+    """`path` and `step`, where `path` over plain HTTP was probed for a checkpoint's
+    files (`over_http`); for a CheckpointManager root there, which lists nothing, the
+    folder of `step` by its default name, and no step."""
+    over_http.probe(path)
+    if step is None or not paths.is_web(path) or listing(path) is not None:
+        return path, step
+    found = over_http.step_folder(path, step)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"{path}: over plain HTTP a folder has no listing, and there is no step "
+            f"folder {path}/{step} (as Orbax names steps by default); open the step's "
+            "folder by its URL"
+        )
+    return found, None
+
+
+def _existing_folder(
+    path: str | os.PathLike[str], step: int | None = None
+) -> tuple[str, int | None]:
+    """The folder at `path` (and `step` of it, see `_probed`), which must exist."""
+    folder, step = _probed(paths.normalize(path), step)
     if paths.is_web(folder) and listing(folder) is None:
         raise CheckpointNotFoundError(
             f"{folder}: a folder over plain HTTP has no listing, and no checkpoint files "
@@ -228,7 +247,7 @@ def _existing_folder(path: str | os.PathLike[str]) -> str:
         )
     if not paths.isdir(folder):
         raise CheckpointNotFoundError(f"{folder} is not an existing folder; check the path")
-    return folder
+    return folder, step
 
 
 def locate(path: str, *, step: int | None = None, item: str | None = None) -> str:
@@ -240,17 +259,7 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
-    over_http.probe(path)
-    if step is not None and paths.is_web(path) and listing(path) is None:
-        # A CheckpointManager root over plain HTTP: its step found by its default name.
-        step_folder = over_http.step_folder(path, step)
-        if step_folder is None:
-            raise CheckpointNotFoundError(
-                f"{path}: over plain HTTP a folder has no listing, and there is no step "
-                f"folder {path}/{step} (as Orbax names steps by default); open the step's "
-                "folder by its URL"
-            )
-        path, step = step_folder, None
+    path, step = _probed(path, step)
     if not paths.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
     if not paths.isdir(path):
