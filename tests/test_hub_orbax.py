@@ -132,6 +132,24 @@ def test_opening_costs_the_same_requests_for_many_arrays(hub: HubServer, tmp_pat
     assert counts[0] == counts[1], counts
 
 
+def test_files_in_the_cache_are_read_from_disk(hub: HubServer, tmp_path: Path) -> None:
+    """A checkpoint the cache holds part of: those files are never asked for."""
+    import huggingface_hub
+
+    local = _chunked_save(tmp_path / "ckpt", _layers(3))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    data_file = max(local.rglob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+    cached = ["_METADATA", "manifest.ocdbt", data_file.relative_to(local).as_posix()]
+    for name in cached:
+        huggingface_hub.hf_hub_download("org/jax", f"ckpt/{name}")
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/jax/ckpt")
+    _assert_values(lazyckpt.load(tree), _orbax_restored(local))
+    asked = {request.path.split("/ckpt/", 1)[-1] for request in hub.log}
+    assert not asked & set(cached), asked
+    assert any(name.startswith("d/") for name in asked)  # the root's b-tree, not cached
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_layout_reads_as_from_disk(
     hub: HubServer, tmp_path: Path, mesh: jax.sharding.Mesh, layout: str

@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save
 
 import lazyckpt
-from lazyckpt._storage import metrics, network, paths
+from lazyckpt._storage import metrics, network, paths, relay
 from tests.hostile_server import File, HostileServer, _Handler
 
 ROOT = Path(__file__).parent.parent
@@ -212,6 +212,30 @@ def test_a_server_that_sends_a_byte_a_second_misses_its_deadline(
     # Hang guard, not a timing: the bound the guide states, with room for a busy machine.
     assert time.monotonic() - start < quick.bound() + 30
     assert len(server.requests("model.safetensors")) <= 2 + quick.retries  # (after open's 2)
+
+
+def test_an_orbax_checkpoint_whose_data_file_drips_misses_its_deadline(
+    server: HostileServer, tmp_path: Path
+) -> None:
+    """tensorstore's drivers read an Orbax checkpoint over HTTP through lazyckpt's
+    client (`relay`): a data file that drips fails its reads within their deadlines,
+    as lazyckpt's StorageAccessError, not a wait or tensorstore's error."""
+    from tests.helpers import orbax_save
+
+    local = orbax_save(tmp_path / "ckpt", {"w": np.arange(1 << 20, dtype=np.float32)})
+    for file in sorted(local.rglob("*")):
+        if file.is_file():
+            name = file.relative_to(local).as_posix()
+            dripping = name.startswith("ocdbt.process_") and "/d/" in name
+            server.put(f"ckpt/{name}", file.read_bytes(), trick=_slow_headers if dripping else None)
+    tree = lazyckpt.open(f"{server.url}/ckpt")
+    start = time.monotonic()
+    with lazyckpt.network_options(**QUICK) as quick:  # type: ignore[arg-type]
+        found = outcome(lambda: tree["w"][:8].get())
+    raised(found, lazyckpt.StorageAccessError, r"ckpt/ocdbt.process_0/d/\w+.*kept failing")
+    assert relay._RELAY is not None and relay._RELAY.secret not in str(found)
+    # Hang guard, not a timing: the bound the guide states, with room for a busy machine.
+    assert time.monotonic() - start < quick.bound() + 30
 
 
 def test_network_options_are_checked_and_restored() -> None:
