@@ -24,6 +24,7 @@ within a budget across the whole tree. Two ways:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -71,6 +72,7 @@ from lazyckpt._engine.scheduler import (
 )
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, ts_held
 from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.paths import is_remote
 
 _T = TypeVar("_T")
 
@@ -236,6 +238,7 @@ def _schedule_decoded(
         return
     read_bytes, window = windows(scheduler.budget)
     held = stream_bytes(read_bytes) + window
+    remote = is_remote(stored.store.location)  # (jobs as many as the budget holds)
     every = [bounds(selection) for _, selection in consumers]
     union = tuple(
         (min(b[d][0] for b in every), max(b[d][1] for b in every)) for d in range(len(stored.shape))
@@ -249,7 +252,8 @@ def _schedule_decoded(
         work = box_bytes(inside, stored.dtype.itemsize)
 
         def start(index: tuple[int, ...] = index, users: list[Consumer] = users) -> ts.Future[None]:
-            return in_pool(lambda: decode_into(array, index, users, read_bytes, window))
+            job = functools.partial(decode_into, array, index, users, read_bytes, window)
+            return in_pool(job, waits=remote)
 
         scheduler.submit(start, finished, held=held, work=work)
 

@@ -20,6 +20,7 @@ import tensorstore as ts
 
 from lazyckpt._engine.memory import MemoryGuard, settle_allocator
 from lazyckpt._engine.progress import Progress
+from lazyckpt._storage import network
 
 T = TypeVar("T")
 
@@ -50,6 +51,7 @@ def stream_block(budget: int) -> int:
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_WAITING_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
@@ -58,13 +60,31 @@ def pool_size() -> int:
     return max(2, os.cpu_count() or 1)
 
 
-def in_pool(fn: Callable[[], T]) -> ts.Future[T]:
-    """Run `fn` on the decoding threads; a tensorstore future of its result."""
-    global _POOL
+def waiting_pool_size() -> int:
+    """Threads for jobs that mostly wait on the network: one per connection a server
+    may have (`NetworkOptions.connections`, when the pool starts), at least as many as
+    decode."""
+    return max(pool_size(), network.options().connections)
+
+
+def in_pool(fn: Callable[[], T], *, waits: bool = False) -> ts.Future[T]:
+    """Run `fn` on the decoding threads; a tensorstore future of its result. A job that
+    `waits` on the network for most of its time (decoding a chunk read over HTTP, or
+    from a bucket: a round trip per window) runs on threads of its own, as many as
+    `waiting_pool_size`, so that reads in flight are not held to the cores; callers
+    bound how many such jobs run by the memory each holds."""
+    global _POOL, _WAITING_POOL
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(pool_size(), "lazyckpt-decode")
-        pool = _POOL
+        if waits:
+            if _WAITING_POOL is None:
+                _WAITING_POOL = concurrent.futures.ThreadPoolExecutor(
+                    waiting_pool_size(), "lazyckpt-wait"
+                )
+            pool = _WAITING_POOL
+        else:
+            if _POOL is None:
+                _POOL = concurrent.futures.ThreadPoolExecutor(pool_size(), "lazyckpt-decode")
+            pool = _POOL
     promise: ts.Promise[T]
     future: ts.Future[T]
     promise, future = ts.Promise.new()

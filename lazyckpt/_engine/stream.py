@@ -65,6 +65,7 @@ from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool, stream_block
 from lazyckpt._engine.share import Sharing, by_position, sharings
 from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, ready, then
+from lazyckpt._storage.paths import is_remote
 
 _END = object()
 _SKIP = object()  # a step whose block holds none of the view's elements
@@ -411,7 +412,7 @@ def _decoded_block(
         nbytes = destination.out_nbytes()
         return as_slices(region), destination.buffer(), nbytes
 
-    return lambda: in_pool(fill)
+    return lambda: in_pool(fill, waits=is_remote(stored_array(array).store.location))
 
 
 def _chunk_bands(

@@ -4,18 +4,20 @@ the engine (`read_composed`)."""
 
 from __future__ import annotations
 
-import functools
+import collections
 
 import numpy as np
 import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds, chunks_in
 from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.decode import stream_bytes
 from lazyckpt._engine.fill import decode_into, schedule_fill, windows
 from lazyckpt._engine.memory import Destination, check_fits
-from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool
+from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool, pool_size
 from lazyckpt._engine.stored import stored_array, stores
 from lazyckpt._storage.kvstore import all_of, check_unchanged, ready, then
+from lazyckpt._storage.paths import is_remote
 
 
 def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
@@ -29,13 +31,28 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     if 0 in array.shape:
         return ready(destination.buffer())
     read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
-    indices = list(chunks_in(bounds(selection), stored.chunks))
+    indices = collections.deque(chunks_in(bounds(selection), stored.chunks))
     users = [(destination, selection)]
+    # Workers that take chunks until none is left: as many as the cores, or over a
+    # network as many as the default budget holds streams (each waits a round trip
+    # per window).
+    remote = is_remote(stored.store.location)
+    workers = DEFAULT_MEMORY_BUDGET // (stream_bytes(read_bytes) + window) if remote else 0
+    workers = max(workers, pool_size())
 
-    def run(index: tuple[int, ...]) -> None:
-        decode_into(array, index, users, read_bytes, window)
+    def work() -> None:
+        while True:
+            try:
+                index = indices.popleft()
+            except IndexError:
+                return
+            try:
+                decode_into(array, index, users, read_bytes, window)
+            except BaseException:
+                indices.clear()  # (the read failed: no other worker starts a chunk)
+                raise
 
-    jobs = [in_pool(functools.partial(run, index)) for index in indices]
+    jobs = [in_pool(work, waits=remote) for _ in range(min(workers, len(indices)))]
     # Settled once every job ended: none still writes into the result after a failure.
     return then(all_of(jobs, lambda error: error), lambda _: destination.buffer())
 

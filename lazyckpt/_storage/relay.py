@@ -49,12 +49,14 @@ _KEPT_ERRORS = 1024
 _RANGE = re.compile(r"bytes=([0-9]{1,19})-([0-9]{0,19})", re.ASCII)
 _SUFFIX = re.compile(r"bytes=-([0-9]{1,19})", re.ASCII)
 _ETAG = '"pinned"'
-_KEPT_BYTES = 16 << 20
+_KEPT_BYTES = 4 << 20
 """The most bytes of answers kept for tensorstore's reads that repeat: it reads an
 OCDBT manifest and b-tree nodes at each open of the database and its index, which
 on local disk costs nothing and over a network a round trip each."""
 _KEPT_ANSWER = 1 << 20
-"""The largest answer kept (a b-tree node is a few KiB to a few MiB)."""
+"""The largest answer kept: a b-tree node (18 KiB for 10,000 arrays; more where small
+arrays are inline in it). Windows of chunk data, which are never read twice, are kept
+too where they are this small, within `_KEPT_BYTES`."""
 
 Reply = tuple[int, dict[str, str], bytes | bytearray | memoryview]
 """An answer: status, headers, body."""
@@ -62,6 +64,9 @@ Reply = tuple[int, dict[str, str], bytes | bytearray | memoryview]
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # (a request in flight never holds up the interpreter's exit)
+    request_queue_size = 256
+    """Connections waiting to be accepted: tensorstore opens dozens at once, and the
+    default backlog of 5 left the others to the kernel's retry, a second later."""
     relay: _Relay
 
 
