@@ -4,7 +4,10 @@ URLs, written by Orbax itself: the same tree and values as from disk, read lazil
 
 from __future__ import annotations
 
+import os
 import re
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,10 +18,12 @@ import pytest
 
 import lazyckpt
 from lazyckpt import LazyArray
+from lazyckpt._storage import relay
 from tests.helpers import (
     LAYOUTS,
     assert_loaded,
     expected,
+    handler_save,
     orbax_save,
     rich_tree,
     stored_chunk_bytes,
@@ -162,6 +167,7 @@ def test_every_layout_reads_as_from_disk(
     remote = lazyckpt.open("hf://org/jax/ckpt")
     assert structure(remote) == structure(lazyckpt.open(local))
     assert_loaded(lazyckpt.load(remote), expected(tree))
+    assert lazyckpt.verify(remote).ok  # (a folder per array is listed from the Hub's files)
 
 
 def test_a_legacy_msgpack_checkpoint(hub: HubServer, tmp_path: Path) -> None:
@@ -266,3 +272,89 @@ def test_what_the_client_refuses_reaches_the_caller(hub: HubServer, tmp_path: Pa
     hub.add_plain_file(name, victim.read_bytes()[::-1])
     with pytest.raises(lazyckpt.CheckpointChangedError):
         tree["embed"][100:].get()
+
+
+@pytest.mark.parametrize("ocdbt", [True, False])
+def test_uncompressed_chunks_that_fill_whole_windows(
+    hub: HubServer, tmp_path: Path, ocdbt: bool
+) -> None:
+    """Raw chunks of 4 MiB, decoded by lazyckpt in windows that end where the chunk
+    does: the read past its end (a HEAD in OCDBT, a 416 in a folder) is its end, as
+    on disk."""
+    tree = {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}
+    local = handler_save(use_ocdbt=ocdbt, use_compression=False)(tmp_path / "ckpt", tree)
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    np.testing.assert_array_equal(lazyckpt.load(remote)["w"], tree["w"])
+    np.testing.assert_array_equal(remote["w"][500:510].get(), tree["w"][500:510])
+    assert lazyckpt.verify(remote).ok
+
+
+def test_answers_stream_in_pieces(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks that tensorstore reads whole go through the relay a piece at a time (a
+    piece of 64 KiB here): each piece held while it is sent, no cap on the file."""
+    monkeypatch.setattr(relay, "_PIECE", 64 << 10)
+    tree = {"w": np.random.default_rng(0).standard_normal((512, 1024), dtype=np.float32)}
+    local = _legacy_checkpoint(tmp_path / "ckpt", tree, aggregated=set())  # 512 KiB chunks
+    hub.commit("org/jax", _files(local, "ckpt"))
+    hub.clear_log()
+    np.testing.assert_array_equal(lazyckpt.open("hf://org/jax/ckpt")["w"].get(), tree["w"])
+    pieces = [r for r in hub.log if r.server == "cdn" and "/w/" in r.path and r.status == 206]
+    assert len(pieces) > 8 and all(r.bytes_sent <= 64 << 10 for r in pieces)
+
+
+def test_the_relay_refuses_paths_out_of_the_folder(hub: HubServer) -> None:
+    hub.add_plain_file("ckpt/_METADATA", b"{}")
+    hub.add_plain_file("elsewhere/secret.txt", b"secret")
+    owner = type("Owner", (), {})()
+    base = relay.address(hub.plain_url("ckpt"), owner)
+    hub.clear_log()
+    for key in ("..%2Felsewhere%2Fsecret.txt", "a%2F..%2F..%2Felsewhere%2Fsecret.txt", "%2Fx"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + key, timeout=30)
+        refused.value.close()
+        assert refused.value.code == 403
+    assert hub.log == []
+    with urllib.request.urlopen(base + "_METADATA", timeout=30) as answer:
+        assert answer.read() == b"{}"
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        urllib.request.urlopen(base.replace(base.split("/")[3], "0" * 32) + "_METADATA")
+    wrong.value.close()
+    assert wrong.value.code == 404
+
+
+def test_failures_that_are_not_lazyckpts_are_told_not_retried(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure in the relay that is no LazyckptError (an OSError of the cache) is
+    kept as a StorageAccessError and answered once: tensorstore does not retry it."""
+    local = _chunked_save(tmp_path / "ckpt", _layers(3))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    tree = lazyckpt.open("hf://org/jax/ckpt")
+    calls: list[tuple[str, str | None]] = []
+
+    def broken(files: object, key: str, asked: str | None) -> relay.Reply:
+        calls.append((key, asked))
+        raise PermissionError(13, "Permission denied", "/cache/blob")
+
+    monkeypatch.setattr(relay, "serve", broken)
+    with pytest.raises(lazyckpt.StorageAccessError, match="Permission denied"):
+        tree["embed"][:4].get()
+    assert calls and len(set(calls)) == len(calls)  # (each read asked once)
+
+
+def test_an_http_proxy_never_sees_the_relay(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensorstore's client honours `http_proxy`: the relay's address is kept out of it
+    (`no_proxy`), or every read would go to the proxy with the relay's secret."""
+    local = _chunked_save(tmp_path / "ckpt", _layers(3))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # (nothing listens there)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    tree = lazyckpt.open("hf://org/jax/ckpt")
+    np.testing.assert_array_equal(tree["embed"][:4].get(), _layers(3)["embed"][:4])
+    assert "127.0.0.1" in os.environ["no_proxy"].split(",")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from lazyckpt._errors import StorageAccessError
 from lazyckpt._storage import paths
 from lazyckpt._storage.sites import Site, listing, register
 from lazyckpt._storage.web import WebFiles
@@ -63,10 +64,21 @@ def step_folder(root: str, step: int) -> str | None:
 
 
 def _present(folder: str, names: tuple[str, ...] | list[str]) -> set[str]:
-    """Which of `names` are files in `folder`: asked all at once (one byte of each)."""
+    """Which of `names` are files in `folder`: asked all at once (one byte of each).
+    A name refused (a bucket served over HTTP answers 403 for a missing object where
+    it may not list) counts as missing, unless every name was refused."""
     files = WebFiles(folder)
     asked = {name: files.read(name, byte_range=slice(0, 1), short=True) for name in names}
-    return {name for name, read in asked.items() if read.result().state == "value"}
+    found, refused = set(), []
+    for name, read in asked.items():
+        try:
+            if read.result().state == "value":
+                found.add(name)
+        except StorageAccessError as error:
+            refused.append(error)
+    if refused and len(refused) == len(asked):
+        raise refused[0]
+    return found
 
 
 def _items(folder: str) -> list[str]:

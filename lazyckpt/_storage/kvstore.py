@@ -14,10 +14,16 @@ from typing import Any, TypeVar, cast
 import attrs
 import tensorstore as ts
 
-from lazyckpt._errors import CheckpointChangedError, CorruptCheckpointError, LazyckptError
+from lazyckpt._errors import (
+    CheckpointChangedError,
+    CorruptCheckpointError,
+    LazyckptError,
+    StorageAccessError,
+)
 from lazyckpt._storage import paths, relay
 from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
+from lazyckpt._storage.sites import listing
 from lazyckpt._storage.web import WebFiles, is_web
 
 T = TypeVar("T")
@@ -264,6 +270,8 @@ class Store:
 
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""
+        if is_web(self.location) and not self.ocdbt:
+            return self._listed(prefix)
         start = prefix.encode()
         end = start[:-1] + bytes([start[-1] + 1]) if start else b""
         try:
@@ -271,6 +279,18 @@ class Store:
         except ValueError as error:
             raise self._failure(error, f"listing {prefix!r} in", "files") from None
         return [key.decode("utf-8", errors="replace") for key in found]
+
+    def _listed(self, prefix: str) -> list[str]:
+        """The keys under `prefix` of a folder over HTTP, which tensorstore cannot list:
+        from the Hub's listing at its commit."""
+        found = listing(self.location)
+        if found is None or found.asked is not None:
+            raise StorageAccessError(
+                f"{self.location}: listing {prefix!r} needs the folder's file list, which a "
+                "server over plain HTTP does not give; copy the checkpoint to a disk or a "
+                "bucket to list its files"
+            )
+        return [name for name in found.names if name.startswith(prefix)]
 
     def read_keys(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` (None where missing), read together in one batch."""

@@ -22,6 +22,7 @@ an answer must be:
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import threading
 import urllib.parse
@@ -465,3 +466,13 @@ def client() -> Client:
         if _CLIENT is None:
             _CLIENT = Client()
         return _CLIENT
+
+
+def _forget_in_child() -> None:
+    """In a forked child, which has the client's pools but none of their threads: a
+    client of its own at its first read."""
+    global _CLIENT, _CLIENT_LOCK
+    _CLIENT, _CLIENT_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

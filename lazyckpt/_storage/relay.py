@@ -13,33 +13,45 @@ disk.
 
 - **Who may ask.** The relay listens on 127.0.0.1 only, at a port the system picks,
   and answers only paths that start with a secret made at start-up (`secrets`), so
-  another local user cannot send requests with the caller's token.
-- **What a request becomes.** `GET /SECRET/FOLDER/KEY` with `Range: bytes=A-B` is
-  `WebFiles.read(KEY, bytes A to B+1)` of the registered folder (`serve`); a range past
-  the file's end is a 416, as tensorstore expects of a server; a missing file, a 404.
+  another local user cannot send requests with the caller's token. Each folder has a
+  random id of its own; a key with an empty, `.` or `..` part is refused. `127.0.0.1`
+  is added to `no_proxy`, so that tensorstore's client never sends the relay's
+  requests (and its secret) to an `http_proxy`. A forked child starts a relay of its
+  own.
+- **What a request becomes.** `GET /SECRET/FOLDER/KEY` with `Range: bytes=A-B` is read
+  from the registered folder's `WebFiles` in pieces of `_PIECE` bytes, each sent as it
+  arrives (`serve`), so that an answer holds one piece in memory and its first bytes
+  leave within a round trip. A range past the file's end is a 416, as tensorstore
+  expects of a server; a missing file, a 404; a `HEAD`, what the file's first byte
+  says.
 - **Versions.** Each answer carries the ETag `"pinned"`: the version the folder's
   `WebFiles` pinned at its first answer, which a later answer that disagrees turns into
-  `CheckpointChangedError`. A revalidation (`If-None-Match`) of a file already served is
-  answered 304 without a request.
-- **Errors.** lazyckpt's own error (a deadline, a changed file, a truncated one) is kept
-  here under a fresh id and answered 403 with the id in the body, which tensorstore
-  neither retries nor hides: it quotes the body in its error, and `relayed` gives the
-  original back to whoever maps tensorstore's errors to lazyckpt's.
+  `CheckpointChangedError`.
+- **Errors.** lazyckpt's own error (a deadline, a changed file, a truncated one; any
+  other failure becomes a `StorageAccessError`) is kept here under a fresh id and
+  answered 403 with the id in the body, which tensorstore neither retries nor hides:
+  it quotes the body in its error, and `relayed` gives the original back to whoever
+  maps tensorstore's errors to lazyckpt's. An error after an answer began (its later
+  pieces) closes the connection, and the request tensorstore makes again gets the 403.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
+import os
 import re
 import secrets
 import threading
 import urllib.parse
 import weakref
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
-from lazyckpt._errors import LazyckptError
+import tensorstore as ts
+
+from lazyckpt._errors import LazyckptError, StorageAccessError
+from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.web import WebFiles
 
 _ERROR_MARK = "lazyckpt-relayed-error-"
@@ -49,6 +61,8 @@ _KEPT_ERRORS = 1024
 _RANGE = re.compile(r"bytes=([0-9]{1,19})-([0-9]{0,19})", re.ASCII)
 _SUFFIX = re.compile(r"bytes=-([0-9]{1,19})", re.ASCII)
 _ETAG = '"pinned"'
+_PIECE = 4 << 20
+"""The bytes of an answer read from the server at once (and held while they are sent)."""
 _KEPT_BYTES = 4 << 20
 """The most bytes of answers kept for tensorstore's reads that repeat: it reads an
 OCDBT manifest and b-tree nodes at each open of the database and its index, which
@@ -58,8 +72,15 @@ _KEPT_ANSWER = 1 << 20
 arrays are inline in it). Windows of chunk data, which are never read twice, are kept
 too where they are this small, within `_KEPT_BYTES`."""
 
-Reply = tuple[int, dict[str, str], bytes | bytearray | memoryview]
-"""An answer: status, headers, body."""
+
+class Reply(NamedTuple):
+    """An answer to one request: its body is `first`, then `rest` as it is read."""
+
+    status: int
+    headers: dict[str, str]
+    length: int
+    first: bytes | bytearray | memoryview = b""
+    rest: Iterator[bytes | bytearray | memoryview] = iter(())
 
 
 class _Server(ThreadingHTTPServer):
@@ -71,19 +92,19 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Relay:
-    """The relay's listener and the folders it serves, by number."""
+    """The relay's listener, the folders it serves by id, and the errors it kept."""
 
     def __init__(self) -> None:
         self.secret = secrets.token_hex(16)
         self.folders: dict[str, WebFiles] = {}
-        self.served: dict[str, set[str]] = {}
         self.errors: collections.OrderedDict[str, LazyckptError] = collections.OrderedDict()
+        self.failed: dict[tuple[str, str], str] = {}
+        """Error ids of keys whose answer failed after it began, by folder and key."""
         self.kept: collections.OrderedDict[tuple[str, str, str | None], Reply] = (
             collections.OrderedDict()
         )
         self.kept_bytes = 0
         self.lock = threading.Lock()
-        self.numbers = itertools.count()
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.relay = self
         threading.Thread(
@@ -92,40 +113,42 @@ class _Relay:
 
     def address(self, files: WebFiles, owner: object) -> str:
         """The base URL at which tensorstore reads `files`, for as long as `owner` lives."""
-        number = str(next(self.numbers))
+        _bypass_proxies()  # (at each open: the environment may have changed since)
+        folder = secrets.token_hex(8)
         with self.lock:
-            self.folders[number] = files
-            self.served[number] = set()
-        weakref.finalize(owner, self.forget, number)
+            self.folders[folder] = files
+        weakref.finalize(owner, self.forget, folder)
         port = self.server.server_address[1]
-        return f"http://127.0.0.1:{port}/{self.secret}/{number}/"
+        return f"http://127.0.0.1:{port}/{self.secret}/{folder}/"
 
-    def forget(self, number: str) -> None:
+    def forget(self, folder: str) -> None:
         with self.lock:
-            self.folders.pop(number, None)
-            self.served.pop(number, None)
-            for asked in [asked for asked in self.kept if asked[0] == number]:
-                self.kept_bytes -= len(self.kept.pop(asked)[2])
+            self.folders.pop(folder, None)
+            for asked in [asked for asked in self.kept if asked[0] == folder]:
+                self.kept_bytes -= self.kept.pop(asked).length
+            for failed in [failed for failed in self.failed if failed[0] == folder]:
+                del self.failed[failed]
 
-    def answer(self, number: str, files: WebFiles, key: str, asked: str | None) -> Reply:
+    def answer(self, folder: str, files: WebFiles, key: str, asked: str | None) -> Reply:
         """`serve`'s answer, or the same answer kept from before: the folder's files are
         pinned to one version, so an answer never goes stale."""
         with self.lock:
-            reply = self.kept.get((number, key, asked))
+            reply = self.kept.get((folder, key, asked))
             if reply is not None:
-                self.kept.move_to_end((number, key, asked))
+                self.kept.move_to_end((folder, key, asked))
                 return reply
         reply = serve(files, key, asked)
-        body = reply[2]
-        if len(body) <= _KEPT_ANSWER:
-            body = bytes(body)  # (not a view of a buffer that a later read reuses)
-            with self.lock:
-                if number in self.folders and (number, key, asked) not in self.kept:
-                    self.kept[number, key, asked] = (reply[0], reply[1], body)
-                    self.kept_bytes += len(body)
-                while self.kept_bytes > _KEPT_BYTES:
-                    self.kept_bytes -= len(self.kept.popitem(last=False)[1][2])
-        return reply[0], reply[1], body
+        if reply.length > _KEPT_ANSWER or len(reply.first) != reply.length:
+            return reply
+        # (A copy: not a view of a buffer that a later read reuses.)
+        reply = reply._replace(first=bytes(reply.first), rest=iter(()))
+        with self.lock:
+            if folder in self.folders and (folder, key, asked) not in self.kept:
+                self.kept[folder, key, asked] = reply
+                self.kept_bytes += reply.length
+            while self.kept_bytes > _KEPT_BYTES:
+                self.kept_bytes -= self.kept.popitem(last=False)[1].length
+        return reply
 
     def keep(self, error: LazyckptError) -> str:
         """An id under which `relayed` finds `error`."""
@@ -135,6 +158,15 @@ class _Relay:
             while len(self.errors) > _KEPT_ERRORS:
                 self.errors.popitem(last=False)
         return found
+
+
+def _bypass_proxies() -> None:
+    """Add 127.0.0.1 to `no_proxy` (and `NO_PROXY`): tensorstore's client (curl) reads
+    them at each request, and would send the relay's to an `http_proxy` otherwise."""
+    for name in ("no_proxy", "NO_PROXY"):
+        hosts = [host.strip() for host in os.environ.get(name, "").split(",") if host.strip()]
+        if "127.0.0.1" not in hosts and "*" not in hosts:
+            os.environ[name] = ",".join([*hosts, "127.0.0.1"])
 
 
 _RELAY: _Relay | None = None
@@ -149,6 +181,16 @@ def _relay() -> _Relay:
         return _RELAY
 
 
+def _forget_in_child() -> None:
+    """In a forked child, which has the relay's socket but not its thread: a relay of
+    its own at its first read."""
+    global _RELAY, _RELAY_LOCK
+    _RELAY, _RELAY_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def address(folder: str, owner: object) -> str:
     """The base URL of a tensorstore `http` kvstore that reads the files of `folder`
     (an http(s):// URL) through lazyckpt's client, pinned for as long as `owner` (the
@@ -160,11 +202,11 @@ def shown(error: BaseException) -> str:
     """The text of a tensorstore error, with each relay address in it replaced by the
     URL of the folder it reads (the relay's port and secret mean nothing to a reader)."""
     text = str(error)
-    if _RELAY is None:
-        return text
     relay = _RELAY
+    if relay is None:
+        return text
     port = relay.server.server_address[1]
-    pattern = re.compile(rf"http://127\.0\.0\.1:{port}/{relay.secret}/([0-9]+)/")
+    pattern = re.compile(rf"http://127\.0\.0\.1:{port}/{relay.secret}/([0-9a-f]+)/")
 
     def folder(match: re.Match[str]) -> str:
         with relay.lock:
@@ -177,10 +219,11 @@ def shown(error: BaseException) -> str:
 def relayed(error: BaseException) -> LazyckptError | None:
     """lazyckpt's own error behind a tensorstore error from a relayed read, if it is one."""
     match = _ERROR_ID.search(str(error))
-    if match is None or _RELAY is None:
+    relay = _RELAY
+    if match is None or relay is None:
         return None
-    with _RELAY.lock:
-        return _RELAY.errors.get(match[1])
+    with relay.lock:
+        return relay.errors.get(match[1])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -191,69 +234,151 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # (every request would be written to stderr)
 
     def do_GET(self) -> None:
+        self._relay(body=True)
+
+    def do_HEAD(self) -> None:
+        self._relay(body=False)
+
+    def _relay(self, *, body: bool) -> None:
         relay = self.server.relay
         parts = self.path.split("?", 1)[0].split("/", 3)
         if len(parts) < 4 or not secrets.compare_digest(parts[1], relay.secret):
-            self._send(404, {}, b"")
+            self._send(Reply(404, {}, 0))
             return
+        folder, key = parts[2], urllib.parse.unquote(parts[3])
         with relay.lock:
-            files = relay.folders.get(parts[2])
-            served = relay.served.get(parts[2])
-        if files is None or served is None:
-            self._send(404, {}, b"")
-            return
-        key = urllib.parse.unquote(parts[3])
-        if key in served and self.headers.get("If-None-Match") == _ETAG:
-            self._send(304, {"ETag": _ETAG}, b"")
+            files = relay.folders.get(folder)
+            failed = relay.failed.get((folder, key))
+        if failed is not None:
+            self._send(_failure(failed))
             return
         try:
-            status, headers, body = relay.answer(parts[2], files, key, self.headers.get("Range"))
-        except LazyckptError as error:
-            self._send(403, {}, (_ERROR_MARK + relay.keep(error)).encode())
+            if files is None:
+                raise StorageAccessError(
+                    "a read of a checkpoint over HTTP went on after its tree was closed; "
+                    "open it again"
+                )
+            if any(part in ("", ".", "..") for part in key.split("/")):
+                raise StorageAccessError(f"{files.folder}: {key!r} is not a file's name in it")
+            if body:
+                reply = relay.answer(folder, files, key, self.headers.get("Range"))
+            else:  # (a HEAD: what the file's first byte says, its status and size)
+                reply = _head(relay.answer(folder, files, key, "bytes=0-0"))
+        except Exception as error:  # noqa: BLE001 - kept, and handed to tensorstore's reader
+            self._send(_failure(relay.keep(_as_ours(error, files, key))))
             return
-        if status in (200, 206):
-            served.add(key)
-        self._send(status, headers, body)
+        self._send(reply, body=body, failed=(folder, key))
 
-    def _send(
-        self, status: int, headers: dict[str, str], body: bytes | bytearray | memoryview
-    ) -> None:
+    def _send(self, reply: Reply, *, body: bool = True, failed: tuple[str, str] = ("", "")) -> None:
+        relay = self.server.relay
         try:
-            self.send_response(status)
-            for name, value in headers.items():
+            self.send_response(reply.status)
+            for name, value in reply.headers.items():
                 self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(reply.length))
             self.end_headers()
-            self.wfile.write(body)
+            if not body:
+                return
+            self.wfile.write(reply.first)
+            pieces = reply.rest
+            while True:
+                try:
+                    piece = next(pieces, None)
+                except Exception as error:  # noqa: BLE001 - the next request is told
+                    with relay.lock:
+                        relay.failed[failed] = relay.keep(_as_ours(error, None, failed[1]))
+                    self.close_connection = True  # (the answer stops short: tensorstore asks again)
+                    return
+                if piece is None:
+                    return
+                self.wfile.write(piece)
         except OSError:
             self.close_connection = True  # tensorstore gave up on the request
 
 
+def _head(first: Reply) -> Reply:
+    """The answer to a HEAD of a file, from the answer to a GET of its first byte."""
+    if first.status == 404:
+        return first
+    # The size after the '/' of `bytes 0-0/SIZE`, or of `bytes */0` for an empty file.
+    size = int(first.headers["Content-Range"].rsplit("/", 1)[1])
+    return Reply(200, {"ETag": _ETAG}, size)
+
+
+def _failure(error_id: str) -> Reply:
+    body = (_ERROR_MARK + error_id).encode()
+    return Reply(403, {}, len(body), body)
+
+
+def _as_ours(error: BaseException, files: WebFiles | None, key: str) -> LazyckptError:
+    """`error` as lazyckpt's own: as it is, or a `StorageAccessError` naming the file."""
+    if isinstance(error, LazyckptError):
+        return error
+    where = f"{files.folder}/{key}" if files is not None else key
+    return StorageAccessError(f"{where}: reading it failed ({error!r}); try again")
+
+
 def serve(files: WebFiles, key: str, asked: str | None) -> Reply:
-    """The status, headers and body that answer a GET of `key` with the Range header
-    `asked` (None: the whole file), read through `files`."""
-    if asked is None:
-        answer = files.read(key).result()
-        if answer.state != "value":
-            return 404, {}, b""
-        return 200, {"ETag": _ETAG}, answer.value
-    wanted = _wanted(asked.strip())
+    """The answer to a GET of `key` with the Range header `asked` (None: the whole
+    file), read through `files` a piece at a time: the first piece before the answer
+    starts, which says the file's size, the others as they are sent."""
+    wanted = (0, None) if asked is None else _wanted(asked.strip())
     if wanted is None:
-        return 416, {}, b""
+        return Reply(416, {}, 0)
     start, stop = wanted
     if start < 0:  # the last bytes (a zarr3 shard's index): the file's size first
-        head = files.read(key, byte_range=slice(0, 1), short=True).result()
-        if head.state != "value" or head.size is None:
-            return 404, {}, b""
-        start, stop = max(head.size + start, 0), head.size
-    answer = files.read(key, byte_range=slice(start, stop), short=True).result()
+        size = files.size(key)
+        if size is None:
+            head = files.read(key, byte_range=slice(0, 1), short=True).result()
+            if head.state != "value":
+                return Reply(404, {}, 0)
+            size = _size(head, files, key)
+        start, stop = max(size + start, 0), size
+    first_stop = start + _PIECE if stop is None else min(stop, start + _PIECE)
+    first = files.read(key, byte_range=slice(start, first_stop), short=True).result()
+    if first.state != "value":
+        return Reply(404, {}, 0)
+    size = _size(first, files, key)
+    end = size if stop is None else min(stop, size)
+    if asked is None:
+        return Reply(200, {"ETag": _ETAG}, size, first.value, _pieces(files, key, first_stop, end))
+    if start >= size:
+        return Reply(416, {"Content-Range": f"bytes */{size}"}, 0)
+    headers = {"ETag": _ETAG, "Content-Range": f"bytes {start}-{end - 1}/{size}"}
+    return Reply(206, headers, end - start, first.value, _pieces(files, key, first_stop, end))
+
+
+def _size(answer: Answer, files: WebFiles, key: str) -> int:
+    if answer.size is None:
+        raise StorageAccessError(
+            f"{files.folder}/{key}: the server does not say the file's size (its "
+            "Content-Range ends in '/*'), which reading it in pieces needs; download it"
+        )
+    return answer.size
+
+
+def _pieces(
+    files: WebFiles, key: str, start: int, stop: int
+) -> Iterator[bytes | bytearray | memoryview]:
+    """The bytes `[start, stop)` of `key`, a piece at a time, the next one asked for
+    while the last is sent."""
+    ahead: ts.Future[Answer] | None = None
+    for low in range(start, stop, _PIECE):
+        read = files.read(key, byte_range=slice(low, min(low + _PIECE, stop)))
+        if ahead is not None:
+            yield _whole(ahead.result(), files, key)
+        ahead = read
+    if ahead is not None:
+        yield _whole(ahead.result(), files, key)
+
+
+def _whole(answer: Answer, files: WebFiles, key: str) -> bytes | bytearray | memoryview:
+    """A later piece's bytes, which the file's first answer said are there."""
     if answer.state != "value":
-        return 404, {}, b""
-    size = answer.size if answer.size is not None else "*"
-    if not answer.value:
-        return 416, {"Content-Range": f"bytes */{size}"}, b""
-    last = start + len(answer.value) - 1
-    return 206, {"ETag": _ETAG, "Content-Range": f"bytes {start}-{last}/{size}"}, answer.value
+        raise StorageAccessError(
+            f"{files.folder}/{key}: it is gone since its first bytes were read"
+        )
+    return answer.value
 
 
 def _wanted(asked: str) -> tuple[int, int | None] | None:

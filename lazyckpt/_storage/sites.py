@@ -79,8 +79,10 @@ def register(folder: str, site: Site) -> None:
     paths), and how to ask for them."""
     with _SITES_LOCK:
         folder = folder.rstrip("/")
-        for inner in [inner for inner in _INSIDE if inner.startswith(folder + "/")]:
-            del _INSIDE[inner]
+        # What was known of its subfolders is superseded (a step probed before its root).
+        for known in (_INSIDE, _SITES):
+            for inner in [inner for inner in known if inner.startswith(folder + "/")]:
+                del known[inner]
         _SITES[folder] = site
         _INSIDE.update(_subfolders(folder, site))
 

@@ -76,6 +76,12 @@ class WebFiles:
         stop = None if byte_range is None else byte_range.stop
         return self._submit(key, start, stop, short=short)
 
+    def size(self, key: str) -> int | None:
+        """The size of `key` as its first answer in this store said, if it answered."""
+        with self._lock:
+            pin = self._pins.get(key)
+        return pin.size if pin is not None else None
+
     def adopt(self, key: str, other: WebFiles) -> None:
         """Take what `other`'s reads of `key` saw (its size, version, that it was
         there) as this store's own, as if they were its reads: a file's header read
