@@ -45,12 +45,12 @@ def _files(folder: Path, under: str) -> dict[str, bytes]:
     }
 
 
-def _layers(count: int) -> dict[str, Any]:
-    """A model of `count` small layers and one 1 MiB embedding."""
+def _layers(count: int, side: int = 16) -> dict[str, Any]:
+    """A model of `count` small layers (`side` x `side`) and one 1 MiB embedding."""
     rng = np.random.default_rng(0)
     return {
         "params": {
-            f"layer_{i}": {"w": rng.standard_normal((16, 16), dtype=np.float32)}
+            f"layer_{i}": {"w": rng.standard_normal((side, side), dtype=np.float32)}
             for i in range(count)
         },
         "embed": rng.standard_normal((256, 1024), dtype=np.float32),
@@ -125,8 +125,9 @@ def test_an_ocdbt_checkpoint_on_the_hub(hub: HubServer, tmp_path: Path) -> None:
 
 
 def test_opening_costs_the_same_requests_for_many_arrays(hub: HubServer, tmp_path: Path) -> None:
+    """4 arrays or 400 (of 4 KiB: not inline in the b-tree, whose nodes stay small)."""
     for count in (4, 400):
-        local = orbax_save(tmp_path / f"ckpt_{count}", _layers(count))
+        local = orbax_save(tmp_path / f"ckpt_{count}", _layers(count, side=32))
         hub.commit("org/jax", _files(local, f"ckpt_{count}"))
     counts = []
     for count in (4, 400):

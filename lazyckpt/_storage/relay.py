@@ -26,7 +26,8 @@ disk.
   says.
 - **Versions.** Each answer carries the ETag `"pinned"`: the version the folder's
   `WebFiles` pinned at its first answer, which a later answer that disagrees turns into
-  `CheckpointChangedError`.
+  `CheckpointChangedError`. A revalidation (`If-None-Match`) of a file that answered
+  is a 304, with no request.
 - **Errors.** lazyckpt's own error (a deadline, a changed file, a truncated one; any
   other failure becomes a `StorageAccessError`) is kept here under a fresh id and
   answered 403 with the id in the body, which tensorstore neither retries nor hides:
@@ -67,10 +68,11 @@ _KEPT_BYTES = 4 << 20
 """The most bytes of answers kept for tensorstore's reads that repeat: it reads an
 OCDBT manifest and b-tree nodes at each open of the database and its index, which
 on local disk costs nothing and over a network a round trip each."""
-_KEPT_ANSWER = 1 << 20
-"""The largest answer kept: a b-tree node (18 KiB for 10,000 arrays; more where small
-arrays are inline in it). Windows of chunk data, which are never read twice, are kept
-too where they are this small, within `_KEPT_BYTES`."""
+_KEPT_ANSWER = 256 << 10
+"""The largest answer kept, less one byte: a b-tree node (18 KiB for 10,000 arrays),
+not a window of a chunk that lazyckpt decodes (at least 256 KiB, never read twice),
+which would push the nodes out. A node larger than this (one that holds hundreds of
+small arrays inline) may be asked for twice."""
 
 
 class Reply(NamedTuple):
@@ -104,6 +106,8 @@ class _Relay:
             collections.OrderedDict()
         )
         self.kept_bytes = 0
+        self.served: set[tuple[str, str]] = set()
+        """Keys that answered, by folder: pinned, so a revalidation is answered 304."""
         self.lock = threading.Lock()
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.relay = self
@@ -128,6 +132,7 @@ class _Relay:
                 self.kept_bytes -= self.kept.pop(asked).length
             for failed in [failed for failed in self.failed if failed[0] == folder]:
                 del self.failed[failed]
+            self.served -= {served for served in self.served if served[0] == folder}
 
     def answer(self, folder: str, files: WebFiles, key: str, asked: str | None) -> Reply:
         """`serve`'s answer, or the same answer kept from before: the folder's files are
@@ -138,7 +143,7 @@ class _Relay:
                 self.kept.move_to_end((folder, key, asked))
                 return reply
         reply = serve(files, key, asked)
-        if reply.length > _KEPT_ANSWER or len(reply.first) != reply.length:
+        if reply.length >= _KEPT_ANSWER or len(reply.first) != reply.length:
             return reply
         # (A copy: not a view of a buffer that a later read reuses.)
         reply = reply._replace(first=bytes(reply.first), rest=iter(()))
@@ -249,8 +254,14 @@ class _Handler(BaseHTTPRequestHandler):
         with relay.lock:
             files = relay.folders.get(folder)
             failed = relay.failed.get((folder, key))
+            served = (folder, key) in relay.served
         if failed is not None:
             self._send(_failure(failed))
+            return
+        if served and self.headers.get("If-None-Match") == _ETAG:
+            # tensorstore revalidates an OCDBT manifest at each open of an array: the
+            # file is pinned to the version it answered with, so it has not changed.
+            self._send(Reply(304, {"ETag": _ETAG}, 0), body=False)
             return
         try:
             if files is None:
@@ -267,6 +278,9 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as error:  # noqa: BLE001 - kept, and handed to tensorstore's reader
             self._send(_failure(relay.keep(_as_ours(error, files, key))))
             return
+        if reply.status in (200, 206):
+            with relay.lock:
+                relay.served.add((folder, key))
         self._send(reply, body=body, failed=(folder, key))
 
     def _send(self, reply: Reply, *, body: bool = True, failed: tuple[str, str] = ("", "")) -> None:
