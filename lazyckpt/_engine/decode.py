@@ -58,6 +58,12 @@ def stream_bytes(read_bytes: int) -> int:
     return 3 * read_bytes + (1 << 20)
 
 
+def job_bytes(read_bytes: int, window: int) -> int:
+    """Host bytes one decoding job holds: its chunk stream, and its scratch slab of
+    `window` bytes."""
+    return stream_bytes(read_bytes) + window
+
+
 _HEADER_BYTES = 64  # a zstd frame header is at most 18 bytes
 
 

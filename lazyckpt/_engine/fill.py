@@ -59,7 +59,7 @@ from lazyckpt._array.geometry import (
 )
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.view import ArrayView
-from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, stream_bytes
+from lazyckpt._engine.decode import READ_BYTES, ChunkStream, decodes, job_bytes
 from lazyckpt._engine.lower import ByArray, lower
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.raw import schedule_raw
@@ -237,7 +237,7 @@ def _schedule_decoded(
     if not consumers:
         return
     read_bytes, window = windows(scheduler.budget)
-    held = stream_bytes(read_bytes) + window
+    held = job_bytes(read_bytes, window)
     remote = is_remote(stored.store.location)  # (jobs as many as the budget holds)
     every = [bounds(selection) for _, selection in consumers]
     union = tuple(

@@ -57,7 +57,7 @@ from lazyckpt._engine.bands import (
     view_region,
     widened,
 )
-from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
+from lazyckpt._engine.decode import ChunkStream, decodes, job_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import Progress
@@ -248,7 +248,7 @@ def _jobs(
         return
     read_bytes, window = windows(budget)
     window = min(window, block)
-    held = stream_bytes(read_bytes) + window + block
+    held = job_bytes(read_bytes, window) + block
     if mapping is None and grid is None:
         # Strided: the box around the view, streamed as a unit-stride view (each stored
         # chunk decoded once), each of its blocks cut down to the view's elements.

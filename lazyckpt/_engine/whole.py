@@ -11,7 +11,7 @@ import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds, chunks_in
 from lazyckpt._array.view import ArrayView
-from lazyckpt._engine.decode import stream_bytes
+from lazyckpt._engine.decode import job_bytes
 from lazyckpt._engine.fill import decode_into, schedule_fill, windows
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool, pool_size
@@ -37,7 +37,7 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     # network as many as the default budget holds streams (each waits a round trip
     # per window).
     remote = is_remote(stored.store.location)
-    workers = DEFAULT_MEMORY_BUDGET // (stream_bytes(read_bytes) + window) if remote else 0
+    workers = DEFAULT_MEMORY_BUDGET // job_bytes(read_bytes, window) if remote else 0
     workers = max(workers, pool_size())
 
     def work() -> None:

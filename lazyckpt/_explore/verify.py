@@ -35,7 +35,7 @@ from lazyckpt._array.geometry import (
     split_dim,
 )
 from lazyckpt._array.tree import Select, selected
-from lazyckpt._engine.decode import ChunkStream, decodes, stream_bytes
+from lazyckpt._engine.decode import ChunkStream, decodes, job_bytes
 from lazyckpt._engine.fill import windows
 from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.progress import shown
@@ -226,7 +226,7 @@ def verify(
                 box = chunk_box(index, stored.chunks)
                 nbytes = _chunk_bytes(stored, box)
                 if decoded:
-                    held = stream_bytes(read_bytes) + window
+                    held = job_bytes(read_bytes, window)
                     start = _decode_start(stored, index, read_bytes, window)
                 else:
                     check_fits(f"a stored chunk of {stored.key!r}", nbytes)

@@ -22,7 +22,6 @@ an answer must be:
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 import threading
 import urllib.parse
@@ -41,6 +40,7 @@ from lazyckpt._errors import (
     warn,
 )
 from lazyckpt._storage import network
+from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
 from lazyckpt._storage.transport import Response, Transport
@@ -456,23 +456,8 @@ def _origin(url: str) -> tuple[str, str]:
     return parts.scheme, parts.netloc
 
 
-_CLIENT: Client | None = None
-_CLIENT_LOCK = threading.Lock()
+_CLIENT = PerProcess(Client)
 
 
 def client() -> Client:
-    global _CLIENT
-    with _CLIENT_LOCK:
-        if _CLIENT is None:
-            _CLIENT = Client()
-        return _CLIENT
-
-
-def _forget_in_child() -> None:
-    """In a forked child, which has the client's pools but none of their threads: a
-    client of its own at its first read."""
-    global _CLIENT, _CLIENT_LOCK
-    _CLIENT, _CLIENT_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+    return _CLIENT.get()

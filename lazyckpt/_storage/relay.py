@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import tensorstore as ts
 
 from lazyckpt._errors import LazyckptError, StorageAccessError
+from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.web import WebFiles
 
@@ -174,40 +175,21 @@ def _bypass_proxies() -> None:
             os.environ[name] = ",".join([*hosts, "127.0.0.1"])
 
 
-_RELAY: _Relay | None = None
-_RELAY_LOCK = threading.Lock()
-
-
-def _relay() -> _Relay:
-    global _RELAY
-    with _RELAY_LOCK:
-        if _RELAY is None:
-            _RELAY = _Relay()
-        return _RELAY
-
-
-def _forget_in_child() -> None:
-    """In a forked child, which has the relay's socket but not its thread: a relay of
-    its own at its first read."""
-    global _RELAY, _RELAY_LOCK
-    _RELAY, _RELAY_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+_RELAY = PerProcess(_Relay)
 
 
 def address(folder: str, owner: object) -> str:
     """The base URL of a tensorstore `http` kvstore that reads the files of `folder`
     (an http(s):// URL) through lazyckpt's client, pinned for as long as `owner` (the
     store that reads them) lives."""
-    return _relay().address(WebFiles(folder), owner)
+    return _RELAY.get().address(WebFiles(folder), owner)
 
 
 def shown(error: BaseException) -> str:
     """The text of a tensorstore error, with each relay address in it replaced by the
     URL of the folder it reads (the relay's port and secret mean nothing to a reader)."""
     text = str(error)
-    relay = _RELAY
+    relay = _RELAY.made()
     if relay is None:
         return text
     port = relay.server.server_address[1]
@@ -224,7 +206,7 @@ def shown(error: BaseException) -> str:
 def relayed(error: BaseException) -> LazyckptError | None:
     """lazyckpt's own error behind a tensorstore error from a relayed read, if it is one."""
     match = _ERROR_ID.search(str(error))
-    relay = _RELAY
+    relay = _RELAY.made()
     if match is None or relay is None:
         return None
     with relay.lock:
