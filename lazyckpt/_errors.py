@@ -65,6 +65,13 @@ class UnsupportedCheckpointError(LazyckptError, ValueError):
     __module__ = "lazyckpt"
 
 
+class UnsafePickleError(LazyckptError, ValueError):
+    """A pickle names a global that is not a tensor, storage, dtype or plain container:
+    refused before anything in it ran."""
+
+    __module__ = "lazyckpt"
+
+
 class NoMatchError(LazyckptError, KeyError):
     """A path pattern or predicate selected nothing."""
 

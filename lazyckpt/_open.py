@@ -16,6 +16,7 @@ from lazyckpt._orbax.read import listed_arrays, open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths
 from lazyckpt._storage.publish import SWAP_SUFFIX, interrupted_overwrite
+from lazyckpt._weights.read import is_weights, open_weights
 
 
 def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
@@ -80,6 +81,13 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                         "without step= and item="
                     )
                 return open_safetensors(where, flat=flat)
+            if is_weights(where):
+                if step is not None or item is not None:
+                    raise NotACheckpointError(
+                        f"{where} holds weight files, which have no steps or items; open "
+                        "it without step= and item="
+                    )
+                return open_weights(where, flat=flat)
             tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
         except (CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError):
             staged = interrupted_overwrite(where)

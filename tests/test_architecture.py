@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"_storage"},
     {"_engine"},
     {"_lazy", "_html"},
-    {"_orbax", "_safetensors"},
+    {"_orbax", "_safetensors", "_weights"},
     {"_open", "_save"},
     {
         "_read",

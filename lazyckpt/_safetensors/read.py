@@ -152,7 +152,7 @@ def _files(
     """The folder, the files that make up the model (the index first where there is
     one), and the index's weight map and metadata (None without an index)."""
     if path.endswith(SUFFIX) and not paths.isdir(path):
-        _check_plain(path)
+        check_plain(path)
         return paths.dirname(path), (paths.basename(path),), None
     names = paths.listdir(path)
     if INDEX in names:
@@ -166,7 +166,7 @@ def _files(
                 "download or copy the model again"
             )
         for shard in shards:
-            _check_plain(paths.join(path, shard))
+            check_plain(paths.join(path, shard))
         return path, (INDEX, *shards), index
     found = sorted(name for name in names if name.endswith(SUFFIX))
     shards = [name for name in found if is_shard_name(name)]
@@ -177,7 +177,7 @@ def _files(
         )
     if SINGLE in found or len(found) == 1:
         name = SINGLE if SINGLE in found else found[0]
-        _check_plain(paths.join(path, name))
+        check_plain(paths.join(path, name))
         return path, (name,), None
     raise CorruptCheckpointError(
         f"{path} holds several safetensors files {found[:5]} but no {INDEX} saying which "
@@ -185,7 +185,7 @@ def _files(
     )
 
 
-def _check_plain(file: str) -> None:
+def check_plain(file: str) -> None:
     """A model's file must be a plain file (or a link to one, as the Hugging Face cache
     makes): a FIFO would block the read forever, a device never end."""
     if paths.isfile(file):

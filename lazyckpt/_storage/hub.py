@@ -41,6 +41,20 @@ from lazyckpt._text import printable
 SCHEME = "hf://"
 _KINDS = {"datasets": "dataset", "spaces": "space"}
 _MODEL_FILES = (".safetensors", ".safetensors.index.json")
+_WEIGHT_FILES = (".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack", ".index.json")
+"""Weight files of other formats (PyTorch, NumPy, flax msgpack), read where a folder
+has no safetensors."""
+_FILES = (*_MODEL_FILES, *_WEIGHT_FILES)
+_OFFLINE = (
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+    "flax_model.msgpack.index.json",
+    "flax_model.msgpack",
+)
+"""What a model folder is found by in the cache, offline, after its safetensors index."""
+_SINGLE = (".safetensors", ".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
+"""A file that is a model by itself."""
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "checkpoint")
 """Files that make a folder an Orbax checkpoint (its tree; the legacy msgpack one), or
 one of the steps or items under it."""
@@ -110,41 +124,43 @@ def resolve(url: str) -> str:
 def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path: str) -> str:
     hub.utils.validate_repo_id(repo_id)  # huggingface_hub's own rules, before any request
     shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
-    if path and not path.endswith(_MODEL_FILES) and "." in posixpath.basename(path):
+    if path and not path.endswith(_FILES) and "." in posixpath.basename(path):
         raise CheckpointNotFoundError(
-            f"{shown}: {path!r} is not a safetensors file or index; give the folder, "
-            "a .safetensors file or model.safetensors.index.json"
+            f"{shown}: {path!r} is not a weight file or index; give the folder, a "
+            ".safetensors file, model.safetensors.index.json, or a .bin, .pt, .pth, "
+            ".npz, .npy or .msgpack file"
         )
-    folder = posixpath.dirname(path) if path.endswith(_MODEL_FILES) else path
+    folder = posixpath.dirname(path) if path.endswith(_FILES) else path
     prefix = f"{folder}/" if folder else ""
     if hub.constants.HF_HUB_OFFLINE:
         return _offline(hub, repo_type, repo_id, revision, path, prefix, shown)
     token = hub.get_token()
     endpoint = hub.constants.ENDPOINT.rstrip("/")
     commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
-    if path.endswith(_MODEL_FILES) and path not in names:
+    if path.endswith(_FILES) and path not in names:
         raise CheckpointNotFoundError(
             f"{shown}: no file {path!r} at commit {commit[:12]}; it holds "
-            f"{[n for n in names if n.endswith(_MODEL_FILES)][:8]}"
+            f"{[n for n in names if n.endswith(_FILES)][:8]}"
         )
     inside = [n[len(prefix) :] for n in names if n.startswith(prefix)]
     models = [n for n in inside if "/" not in n and n.endswith(_MODEL_FILES)]
+    if not models:  # (only where there is no safetensors form: it is read instead)
+        models = [n for n in inside if "/" not in n and n.endswith(_WEIGHT_FILES)]
     orbax = not models and any(posixpath.basename(n) in _ORBAX_FILES for n in inside)
     if not models and not orbax:
         raise CheckpointNotFoundError(
             f"{shown}: no safetensors files or Orbax checkpoint in {folder or 'the repository'} "
             f"at commit {commit[:12]}; it holds {sorted({n.split('/')[0] for n in inside})[:8]}"
         )
-    if path.endswith(".safetensors"):
+    wanted = inside if orbax else models
+    if path.endswith(_SINGLE):
         wanted = [posixpath.basename(path)]
-    else:
-        wanted = inside if orbax else models
     cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
     if len(cached) == len(wanted):
         found = cached[wanted[0]]
         if orbax:  # (the snapshot's folder, whose files link into the cache's blobs)
             return found[: -len(wanted[0])].rstrip("/")
-        return found if path.endswith(".safetensors") else os.path.dirname(found)
+        return found if path.endswith(_SINGLE) else os.path.dirname(found)
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     base = f"{hub.constants.ENDPOINT.rstrip('/')}/{kind}{repo_id}/resolve/{commit}"
     location = "/".join([base, *(p for p in folder.split("/") if p)])
@@ -152,7 +168,7 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
     site = sites.Site(tuple(inside), headers, (commit,), described, local=cached)
     sites.register(location, site)
-    if path.endswith(".safetensors"):
+    if path.endswith(_SINGLE):
         return f"{location}/{posixpath.basename(path)}"
     return location
 
@@ -168,10 +184,11 @@ def _offline(
 ) -> str:
     """With `HF_HUB_OFFLINE` set: the cache's folder for `revision` (a branch or tag
     through the cache's refs, as `huggingface_hub` resolves it offline)."""
-    single = path.endswith(".safetensors")
+    single = path.endswith(_SINGLE)
     probe = path if single else prefix + "model.safetensors.index.json"
     found = []
-    for name in (probe,) if single else (probe, prefix + "model.safetensors"):
+    names = (probe,) if single else (probe, *(prefix + name for name in _OFFLINE))
+    for name in names:
         hit = hub.try_to_load_from_cache(
             repo_id, name, revision=revision or "main", repo_type=repo_type
         )

@@ -1,0 +1,131 @@
+"""One weight file's bytes, read by range through its folder's `Store`: the reads the
+formats of this package parse their tables from (a zip's directory, a pickle, `.npy`
+headers, msgpack), each checked for length so that a short file is a
+`CorruptCheckpointError` naming it, never a parse of fewer bytes than declared."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import tensorstore as ts
+
+from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
+from lazyckpt._storage import paths
+from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._storage.web import WebFiles
+
+MAX_OFFSET = 1 << 62
+"""Past any file's end: a declared offset beyond it is damage, not a large file."""
+
+
+@attrs.frozen
+class File:
+    """The file `key` of `store`'s folder; `path` is how errors name it."""
+
+    store: Store
+    key: str
+    path: str
+
+    def read(self, start: int, stop: int, what: str) -> bytes:
+        """The bytes `[start, stop)`, all of them."""
+        return self.reads([(start, stop)], what)[0]
+
+    def reads(self, spans: Sequence[tuple[int, int]], what: str) -> list[bytes]:
+        """The bytes of each `(start, stop)` span, read concurrently."""
+        futures = [self._read(start, stop, what) for start, stop in spans]
+        return [future.result() for future in futures]
+
+    def read_short(self, start: int, n: int) -> bytes:
+        """Up to `n` bytes from `start` (fewer where the file ends first)."""
+        kvstore = self.store.kvstore
+        self.store.check_files([self.key])
+        if isinstance(kvstore, WebFiles):
+            answer = kvstore.read(self.key, byte_range=slice(start, start + n), short=True)
+            return self._value(answer, f"bytes from {start}")
+        try:
+            return self._value(
+                kvstore.read(self.key, byte_range=slice(start, start + n)), f"bytes from {start}"
+            )
+        except _Short:  # fewer than `n` remain: read to the end, which is nearer
+            try:
+                return self._value(
+                    kvstore.read(self.key, byte_range=slice(start, None)), f"bytes from {start}"
+                )
+            except _Short:  # (past the end)
+                return b""
+
+    def head(self, n: int) -> bytes:
+        """Up to `n` bytes from the start (fewer where the file is shorter)."""
+        return self.read_short(0, n)
+
+    def tail(self, n: int) -> bytes:
+        """Up to `n` bytes at the end (the whole file where it is shorter)."""
+        kvstore = self.store.kvstore
+        self.store.check_files([self.key])
+        if isinstance(kvstore, WebFiles):
+            self.head(1)
+            size = kvstore.size(self.key)
+            if size is None:
+                raise CorruptCheckpointError(f"{self.path}: the server did not say its size")
+            return self.read(max(0, size - n), size, "its end")
+        try:
+            return self._value(kvstore.read(self.key, byte_range=slice(-n, None)), "its end")
+        except _Short:  # shorter than `n`
+            return self._value(kvstore.read(self.key), "its end")
+
+    def _value(self, future: ts.Future[ts.KvStore.ReadResult], what: str) -> bytes:
+        try:
+            result = future.result()
+        except LazyckptError:
+            raise
+        except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            if "OUT_OF_RANGE" in str(error):
+                raise _Short from None
+            raise self._failed(error, what) from None
+        if result.state != "value":
+            raise CheckpointNotFoundError(f"{self.path} does not exist; check the path")
+        return bytes(result.value)
+
+    def _read(self, start: int, stop: int, what: str) -> ts.Future[bytes]:
+        if not 0 <= start <= stop <= MAX_OFFSET:
+            raise CorruptCheckpointError(
+                f"{self.path}: {what} is declared at bytes {start} to {stop}; the file's "
+                "tables are damaged, download or copy it again"
+            )
+
+        def value(result: ts.KvStore.ReadResult) -> bytes:
+            if result.state != "value":
+                raise CheckpointNotFoundError(f"{self.path} does not exist; check the path")
+            if len(result.value) != stop - start:
+                raise self._short(start, stop, what)
+            return bytes(result.value)
+
+        if start == stop:
+            return ready(b"")
+        self.store.check_files([self.key])
+        read = self.store.kvstore.read(self.key, byte_range=slice(start, stop))
+        return then(read, value, lambda error: self._failed(error, what, (start, stop)))
+
+    def _failed(
+        self, error: Exception, what: str, span: tuple[int, int] | None = None
+    ) -> LazyckptError:
+        if isinstance(error, LazyckptError):
+            return error
+        if "OUT_OF_RANGE" in str(error) and span is not None:
+            return self._short(*span, what)
+        if self.store.changed():
+            return changed_error(self.store.location)
+        if paths.is_remote(self.path):
+            return paths.storage_error(self.path, error)
+        return CorruptCheckpointError(f"{self.path}: reading {what} failed ({error})")
+
+    def _short(self, start: int, stop: int, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path} is too short for {what} (bytes {start} to {stop}); the file is "
+            "truncated, download or copy it again"
+        )
+
+
+class _Short(Exception):
+    """A whole-range read past the file's end (tensorstore's OUT_OF_RANGE)."""

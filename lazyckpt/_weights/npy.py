@@ -1,0 +1,195 @@
+"""NumPy's `.npy` and `.npz` files, read by their headers, with no pickle.
+
+A `.npy` file is `\\x93NUMPY`, a version, a header length, and a header that is a
+Python dict literal (`{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4)}`)
+padded to 64 bytes; the array's raw bytes follow. A `.npz` file is a zip archive of
+`.npy` members, stored (`np.savez`) or deflated (`np.savez_compressed`). big_vision
+saves its checkpoints so, each member named by its parameter's `/`-separated path.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import struct
+import zlib
+from typing import Any
+
+import attrs
+import numpy as np
+
+from lazyckpt._array.selection import Selection
+from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors.read import contiguous_chunks
+from lazyckpt._weights import zips
+from lazyckpt._weights.arrays import Place, c_strides, lazy
+from lazyckpt._weights.deflated import DeflatedArray, Inflater
+from lazyckpt._weights.files import File
+
+MAGIC = b"\x93NUMPY"
+HEADER_LIMIT = 10_000
+"""The longest header read, as `numpy.load` allows by default."""
+_DESCR = re.compile(r"[<>|=]?(?:[fiuc][1-9][0-9]?|b1|\?)")
+_FIX = "the file is damaged, download or copy it again"
+
+
+@attrs.frozen
+class Header:
+    """A `.npy` header: the array's dtype (as stored), shape and order, and the length
+    of the header (where the data starts)."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    fortran: bool
+    length: int
+
+
+def header(data: bytes, where: str) -> Header | None:
+    """The header at the start of `data`; None where `data` is too short to hold it."""
+    if data[:6] != MAGIC:
+        raise CorruptCheckpointError(f"{where}: no .npy magic (\\x93NUMPY) at its start; {_FIX}")
+    if len(data) < 10:
+        return None
+    major = data[6]
+    if major not in (1, 2, 3):
+        raise UnsupportedCheckpointError(
+            f"{where}: .npy format version {major}.{data[7]}, which lazyckpt does not read "
+            "(1, 2 and 3 it does)"
+        )
+    size, skip = (struct.unpack_from("<H", data, 8)[0], 10) if major == 1 else (0, 12)
+    if major != 1:
+        if len(data) < 12:
+            return None
+        size = struct.unpack_from("<I", data, 8)[0]
+    if size > HEADER_LIMIT:
+        raise CorruptCheckpointError(
+            f"{where}: its .npy header declares {size} bytes, over numpy's {HEADER_LIMIT}; {_FIX}"
+        )
+    if len(data) < skip + size:
+        return None
+    text = data[skip : skip + size].decode("utf-8" if major == 3 else "latin1", "replace")
+    try:
+        fields = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        fields = None
+    if not (isinstance(fields, dict) and set(fields) == {"descr", "fortran_order", "shape"}):
+        raise CorruptCheckpointError(
+            f"{where}: its .npy header {text.strip()[:120]!r} is not a dict of descr, "
+            f"fortran_order and shape; {_FIX}"
+        )
+    descr, shape = fields["descr"], fields["shape"]
+    if descr in ("|O", "O", "<O", ">O"):
+        raise UnsafePickleError(
+            f"{where} holds Python objects (dtype object), which numpy stores as a "
+            "pickle (allow_pickle=True); lazyckpt runs no pickle. Save numeric arrays"
+        )
+    if not isinstance(descr, str) or not _DESCR.fullmatch(descr):
+        raise UnsupportedCheckpointError(
+            f"{where}: dtype {str(descr)[:80]!r}, which lazyckpt does not read from .npy "
+            "(numbers and bools it does; a bfloat16 array numpy saves as raw void bytes: "
+            "save it as float32, or as safetensors)"
+        )
+    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
+        raise CorruptCheckpointError(f"{where}: its .npy shape {shape!r} is not sizes; {_FIX}")
+    if not isinstance(fields["fortran_order"], bool):
+        raise CorruptCheckpointError(f"{where}: its .npy fortran_order is not a bool; {_FIX}")
+    return Header(np.dtype(descr), shape, fields["fortran_order"], skip + size)
+
+
+def place(file: File, start: int, head: Header, available: int, where: str) -> Place:
+    """Where an array whose `.npy` header `head` starts at `start` of `file` lies;
+    `available` is how many bytes its file or member holds."""
+    nbytes = math.prod(head.shape) * head.dtype.itemsize
+    if head.length + nbytes > available:
+        raise CorruptCheckpointError(
+            f"{where}: its header declares {head.shape} of {head.dtype} ({nbytes} bytes) "
+            f"but {available - head.length} follow; {_FIX}"
+        )
+    stride = c_strides(head.shape[::-1])[::-1] if head.fortran else c_strides(head.shape)
+    return Place(file, start + head.length, max(math.prod(head.shape), 1), 0, head.shape, stride)
+
+
+def open_npy(file: File, name: str, path: tuple[str, ...]) -> LazyArray:
+    """A `.npy` file as one array."""
+    data = file.head(4096)
+    head = header(data, file.path)
+    if head is None:
+        head = header(file.head(HEADER_LIMIT + 12), file.path)
+    if head is None:
+        raise CorruptCheckpointError(f"{file.path}: its .npy header is cut short; {_FIX}")
+    nbytes = math.prod(head.shape) * head.dtype.itemsize
+    if nbytes:  # (that the file holds them: its last byte)
+        file.read(head.length + nbytes - 1, head.length + nbytes, "the end of its data")
+    return lazy(name, path, head.dtype, place(file, 0, head, head.length + nbytes, file.path))
+
+
+def open_npz(file: File, found: dict[str, zips.Member]) -> dict[str, LazyArray]:
+    """The arrays of a `.npz` archive by member name without `.npy`."""
+    members = {name: m for name, m in found.items() if name.endswith(".npy")}
+    others = sorted(set(found) - set(members))
+    if others:
+        raise CorruptCheckpointError(
+            f"{file.path}: a .npz archive holds .npy members only; it also holds "
+            f"{others[:5]}; not an np.savez file"
+        )
+    starts = zips.data_starts(file, members.values(), extra=512)
+    out: dict[str, LazyArray] = {}
+    for name, member in members.items():
+        key = name[: -len(".npy")]
+        where = f"{file.path}: member {name!r}"
+        start, first = starts[name]
+        if member.method == zips.DEFLATED:
+            out[key] = _deflated(file, member, start, key, where)
+            continue
+        if member.method != zips.STORED:
+            raise UnsupportedCheckpointError(
+                f"{where} uses zip compression method {member.method}; lazyckpt reads "
+                "stored and deflated members"
+            )
+        head = header(first, where) or header(
+            file.read(start, start + min(member.size, HEADER_LIMIT + 12), where), where
+        )
+        if head is None:
+            raise CorruptCheckpointError(f"{where}: its .npy header is cut short; {_FIX}")
+        out[key] = lazy(
+            key, tuple(key.split("/")), head.dtype, place(file, start, head, member.size, where)
+        )
+    return out
+
+
+def _deflated(file: File, member: zips.Member, start: int, key: str, where: str) -> LazyArray:
+    inflater = Inflater(file, start, member.packed, member.size, member.name)
+    try:
+        first = zlib.decompressobj(-15).decompress(
+            file.read(start, start + min(member.packed, 1 << 16), where), HEADER_LIMIT + 12
+        )
+    except zlib.error as error:
+        raise CorruptCheckpointError(f"{where} does not inflate ({error}); {_FIX}") from None
+    head = header(first, where)
+    if head is None:
+        raise CorruptCheckpointError(f"{where}: its .npy header is cut short; {_FIX}")
+    nbytes = math.prod(head.shape) * head.dtype.itemsize
+    if head.length + nbytes != member.size:
+        raise CorruptCheckpointError(
+            f"{where}: its header declares {head.shape} of {head.dtype} ({nbytes} bytes) "
+            f"but the member inflates to {member.size - head.length}; {_FIX}"
+        )
+    shape = head.shape[::-1] if head.fortran else head.shape
+    stored = DeflatedArray(
+        file.store,
+        key,
+        file.key,
+        "deflated",
+        shape,
+        head.dtype,
+        contiguous_chunks(shape, head.dtype.itemsize),
+        False,
+        inflater=inflater,
+        offset=head.length,
+    )
+    array = LazyArray(
+        tuple(key.split("/")), stored, Selection.full(shape), head.dtype.newbyteorder("=")
+    )
+    return attrs.evolve(array.T, path=array.path) if head.fortran and len(shape) > 1 else array

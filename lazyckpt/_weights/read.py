@@ -1,0 +1,229 @@
+"""Weight files that are neither Orbax nor safetensors, opened lazily: PyTorch's
+`torch.save` files (`pytorch_model.bin`, sharded with `pytorch_model.bin.index.json`;
+`consolidated.00.pth`; `*.pt`), flax's msgpack (`flax_model.msgpack`) and NumPy's
+`.npy` / `.npz`. A file is known by its first bytes, whatever its name.
+
+Each tensor is a `LazyArray` over the bytes where the file keeps it (`arrays`), read
+by range like a safetensors tensor. Names nest as the writers meant them: a state
+dict's dotted names by `.` (`model.layers.0.mlp.up_proj.weight`, as its safetensors
+form), an `.npz`'s flattened names by `/` (big_vision's `params/img/...`), and the
+keys of nested dicts as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from lazyckpt._array.tree import PathClash, nested
+from lazyckpt._errors import CorruptCheckpointError, NotACheckpointError
+from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors.format import parse_index
+from lazyckpt._safetensors.read import check_plain
+from lazyckpt._storage import paths
+from lazyckpt._storage.kvstore import Store, from_one_generation
+from lazyckpt._storage.sites import Site, hub_listed, register
+from lazyckpt._weights import flax_msgpack, npy, zips
+from lazyckpt._weights import torch as torch_files
+from lazyckpt._weights.arrays import Place, lazy
+from lazyckpt._weights.files import File
+from lazyckpt._weights.unpickle import Tensor
+
+SUFFIXES = (".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
+"""The names of the files this package reads (any name is read by its content)."""
+INDEXES = ("pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
+SINGLES = ("pytorch_model.bin", "flax_model.msgpack")
+_HEAD = 1 << 16
+_LIMIT = 64 << 20
+
+
+def is_weights(path: str) -> bool:
+    """Whether `path` is a weight file of these formats, or a folder of them."""
+    if path.endswith(SUFFIXES) and paths.isfile(path):
+        return True
+    if paths.is_web(path) and not hub_listed(path):
+        return _probed(path)  # (at each open: its files may have changed)
+    if not paths.isdir(path):
+        return False
+    names = paths.listdir(path)
+    return "_METADATA" not in names and any(_weight_name(name) for name in names)
+
+
+def _probed(folder: str) -> bool:
+    """Whether a folder over plain HTTP, which lists nothing, serves a model of these
+    formats: a Hugging Face index (and the shards it names) or a single model file,
+    then registered as its files."""
+    names: tuple[str, ...] = ()
+    for index in INDEXES:
+        file = paths.join(folder, index)
+        text = paths.read_text(file, _LIMIT)
+        if text is not None:
+            names = (index, *sorted(set(parse_index(file, text)[0].values())))
+            break
+    else:
+        names = next(((s,) for s in SINGLES if paths.isfile(paths.join(folder, s))), ())
+    if names:
+        register(folder, Site(names, asked=(*names, *INDEXES, *SINGLES)))
+    return bool(names)
+
+
+def _weight_name(name: str) -> bool:
+    return name.endswith(SUFFIXES) or name in INDEXES
+
+
+def open_weights(path: str, *, flat: bool = False) -> Any:
+    """The tensors at `path` (a file, or a folder of them) as a tree of LazyArrays, or
+    flat by name."""
+    folder, files, weight_map = _files(path)
+    read = lambda generation: _read(folder, files, weight_map, generation, path)  # noqa: E731
+    entries = from_one_generation(folder, read, files)
+    if flat:
+        return {name: leaf for _, leaf, name in entries}
+    try:
+        return nested(entries)
+    except PathClash as clash:
+        raise CorruptCheckpointError(
+            f"{path}: names {clash.first!r} and {clash.second!r} cannot both be nested (one "
+            "is a prefix of the other); open it with flat=True"
+        ) from None
+
+
+def _files(path: str) -> tuple[str, tuple[str, ...], dict[str, str] | None]:
+    """The folder, the files to read (an index first), and the index's weight map."""
+    if not paths.isdir(path):
+        check_plain(path)
+        return paths.dirname(path), (paths.basename(path),), None
+    names = paths.listdir(path)
+    for index in INDEXES:
+        if index in names:
+            file = paths.join(path, index)
+            text = paths.read_text(file, _LIMIT)
+            if text is None:
+                raise CorruptCheckpointError(f"{file} cannot be read")
+            weight_map, _ = parse_index(file, text)
+            shards = sorted(set(weight_map.values()))
+            missing = [shard for shard in shards if shard not in names]
+            if missing:
+                raise CorruptCheckpointError(
+                    f"{file} names shards that are not in the folder: {missing[:5]}; "
+                    "download or copy the model again"
+                )
+            for shard in shards:
+                check_plain(paths.join(path, shard))
+            return path, (index, *shards), weight_map
+    for single in SINGLES:
+        if single in names:
+            check_plain(paths.join(path, single))
+            return path, (single,), None
+    found = sorted(name for name in names if name.endswith(SUFFIXES))
+    if not found:
+        raise NotACheckpointError(f"{path} holds no weight files ({', '.join(SUFFIXES)})")
+    for name in found:
+        check_plain(paths.join(path, name))
+    return path, tuple(found), None
+
+
+Entry = tuple[tuple[str, ...], object, str]
+
+
+def _read(
+    folder: str,
+    files: tuple[str, ...],
+    weight_map: dict[str, str] | None,
+    generation: tuple[object, ...],
+    path: str,
+) -> list[Entry]:
+    store = Store.open(folder, ocdbt=False, generation=generation, files=files)
+    shards = [name for name in files if name not in INDEXES]
+    several = weight_map is None and len(shards) > 1
+    # A Hugging Face model saves a tied weight (lm_head.weight, the embedding's
+    # storage) under both names in .bin, once in safetensors: open it as the latter.
+    model = weight_map is not None or files == ("pytorch_model.bin",)
+    tied: set[str] | None = set() if model else None
+    entries: list[Entry] = []
+    for shard in shards:
+        file = File(store, shard, paths.join(folder, shard))
+        for parts, leaf, name in _entries(file, tied):
+            if weight_map is not None and weight_map.get(name) != shard:
+                continue  # the index places it elsewhere (or nowhere), as transformers does
+            if several:  # files without an index (consolidated.00.pth, ...): by file
+                stem = shard.rsplit(".", 1)[0]
+                parts, name = (stem, *parts), f"{stem}/{name}"
+            entries.append((parts, leaf, name))
+    if weight_map is not None:
+        named = {name for _, _, name in entries} | (tied or set())
+        missing = [name for name in weight_map if name not in named]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{path}: its index places {missing[:3]} ({len(missing)} in all) in shards "
+                "that do not hold them; download or copy the model again"
+            )
+    return entries
+
+
+def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
+    """Each tensor (and plain value) of one file: its key path, leaf and flat name.
+    With `tied`, a torch tensor that is an earlier one again (the same elements of the
+    same storage) is left out, its name added to `tied`."""
+    head = file.head(_HEAD)
+    if head[:4] == zips.MAGIC:
+        found = zips.members(file)
+        if any(name.endswith("/data.pkl") for name in found):
+            yield from _torch(file, torch_files.read_zip(file, found), tied)
+        else:
+            for name, array in npy.open_npz(file, found).items():
+                yield array.path, array, name  # type: ignore[misc]
+    elif head[:6] == npy.MAGIC:
+        name = file.key.rsplit(".", 1)[0]
+        yield (name,), npy.open_npy(file, name, (name,)), name
+    elif torch_files.is_legacy(head):
+        yield from _torch(file, torch_files.read_legacy(file, head), tied)
+    elif flax_msgpack.is_msgpack_map(head):
+        tree, end = flax_msgpack.read_flax(file)
+        if end:
+            file.read(end - 1, end, "the end of its data")
+        for parts, leaf in _walk(flax_msgpack.lazy_tree(file, tree), ()):
+            yield parts, leaf, "/".join(parts)
+    else:
+        raise NotACheckpointError(
+            f"{file.path} is not a weight file lazyckpt reads: expected a torch.save file, "
+            f"a .npy or .npz file or flax msgpack, found bytes {head[:8]!r}"
+        )
+
+
+def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Iterator[Entry]:
+    seen: set[Tensor] = set()
+    for parts, leaf in _walk(saved.tree, (), split=True):
+        name = ".".join(parts)
+        if isinstance(leaf, Tensor):
+            if tied is not None and leaf in seen:
+                tied.add(name)
+                continue
+            seen.add(leaf)
+            storage = saved.storages[leaf.storage.key]
+            dtype = torch_files.element_dtype(leaf.dtype.numpy, saved.big_endian)
+            capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
+            place = Place(
+                file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride
+            )
+            yield parts, lazy(name, parts, dtype, place), name
+        else:
+            yield parts, leaf, name
+
+
+def _walk(
+    tree: Any, path: tuple[str, ...], *, split: bool = False
+) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """The leaves of plain containers with their key paths; a state dict's `.`-joined
+    names split into their parts (`split`)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            parts = tuple(str(key).split(".")) if split and isinstance(key, str) else (str(key),)
+            yield from _walk(value, (*path, *parts), split=split)
+    elif isinstance(tree, list | tuple) and not isinstance(tree, LazyArray):
+        for i, value in enumerate(tree):
+            yield from _walk(value, (*path, str(i)), split=split)
+    elif path:
+        yield path, tree
+    else:
+        yield ("value",), tree

@@ -1,0 +1,208 @@
+"""`torch.save` files read as tables of tensors, without torch and without running
+their pickle: the zip format (PyTorch 1.6 and later: `pytorch_model.bin`,
+`consolidated.00.pth`, `*.pt`) and the legacy one before it.
+
+A zip file holds `ARCHIVE/data.pkl`, the pickled object whose tensors name their
+storages by key, and each storage's bytes as the stored member `ARCHIVE/data/KEY`
+(`ARCHIVE/byteorder` says little or big endian). A legacy file is a run of pickles
+(magic number, protocol version, system information, the object, the sorted storage
+keys), then each storage in that order as an 8-byte little-endian element count and
+its little-endian bytes: where each starts follows from the counts alone.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._weights import zips
+from lazyckpt._weights.files import File
+from lazyckpt._weights.unpickle import (
+    PICKLE_LIMIT,
+    Storage,
+    Truncated,
+    plain,
+    unpickle,
+)
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+_FIRST_READ = 1 << 20
+
+
+@attrs.frozen
+class Saved:
+    """What a torch file holds: the unpickled object (its tensors as `Tensor`s), the
+    byte where each storage's elements start, and whether they are big-endian."""
+
+    tree: Any
+    starts: Mapping[str, int]
+    storages: Mapping[str, Storage]
+    big_endian: bool = False
+
+
+def is_legacy(head: bytes) -> bool:
+    """Whether `head` starts a legacy `torch.save` file (a pickle of its magic number)."""
+    return head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05") and (
+        LEGACY_MAGIC.to_bytes(10, "little") in head[:16]
+    )
+
+
+def read_zip(file: File, found: dict[str, zips.Member]) -> Saved:
+    """The table of a `torch.save` zip whose members are `found`."""
+    pickles = [name for name in found if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1 or any(name.endswith("/constants.pkl") for name in found):
+        kind = "a TorchScript archive" if pickles else "no torch.save archive"
+        raise UnsupportedCheckpointError(
+            f"{file.path} is a zip file but {kind} (expected one ARCHIVE/data.pkl; found "
+            f"{sorted(found)[:5]}); lazyckpt reads files written by torch.save"
+        )
+    prefix = pickles[0][: -len("data.pkl")]
+    data = _member(file, found[pickles[0]], PICKLE_LIMIT)
+    tree, storages = _unpickled(data, file.path)
+    order = found.get(prefix + "byteorder")
+    big = order is not None and _member(file, order, 16).strip() == b"big"
+    wanted = {}
+    for key, storage in storages.items():
+        member = found.get(f"{prefix}data/{key}")
+        if member is None:
+            raise CorruptCheckpointError(
+                f"{file.path}: its pickle names storage {key!r} but the archive has no "
+                f"{prefix}data/{key}; the file is damaged, download or copy it again"
+            )
+        if member.method != zips.STORED:
+            raise UnsupportedCheckpointError(
+                f"{file.path}: storage member {member.name!r} is compressed, which "
+                "torch.save never writes (the archive was repacked); unzip it and zip it "
+                "again without compression (zip -0), or load and save it with torch"
+            )
+        nbytes = storage.numel * storage.dtype.numpy.itemsize
+        if member.size != nbytes:
+            raise CorruptCheckpointError(
+                f"{file.path}: storage {key!r} holds {member.size} bytes but its pickle "
+                f"declares {storage.numel} elements of {storage.dtype.name} ({nbytes} "
+                "bytes); the file is damaged, download or copy it again"
+            )
+        wanted[key] = member
+    starts = zips.data_starts(file, wanted.values())
+    return Saved(tree, {key: starts[m.name][0] for key, m in wanted.items()}, storages, big)
+
+
+def _member(file: File, member: zips.Member, limit: int) -> bytes:
+    """A small member's bytes, inflated where it is compressed."""
+    if member.size > limit or member.packed > limit:
+        raise CorruptCheckpointError(
+            f"{file.path}: member {member.name!r} declares {member.size} bytes, over the "
+            f"{limit} lazyckpt reads of it; the file is damaged or hostile"
+        )
+    start, _ = zips.data_starts(file, [member])[member.name]
+    data = file.read(start, start + member.packed, f"member {member.name!r}")
+    if member.method == zips.DEFLATED:
+        inflater = zlib.decompressobj(-15)
+        try:
+            data = inflater.decompress(data, limit + 1)
+        except zlib.error as error:
+            raise CorruptCheckpointError(
+                f"{file.path}: member {member.name!r} does not inflate ({error}); the file "
+                "is damaged, download or copy it again"
+            ) from None
+    elif member.method != zips.STORED:
+        raise UnsupportedCheckpointError(
+            f"{file.path}: member {member.name!r} uses zip compression method "
+            f"{member.method}; lazyckpt reads stored and deflated members"
+        )
+    if len(data) != member.size:
+        raise CorruptCheckpointError(
+            f"{file.path}: member {member.name!r} holds {len(data)} bytes, not the "
+            f"{member.size} its directory declares; download or copy it again"
+        )
+    return data
+
+
+def _unpickled(data: bytes, path: str) -> tuple[Any, dict[str, Storage]]:
+    try:
+        return unpickle(io.BytesIO(data), path)
+    except Truncated:
+        raise CorruptCheckpointError(
+            f"{path}: its pickle ends early; the file is damaged, download or copy it again"
+        ) from None
+
+
+def read_legacy(file: File, head: bytes) -> Saved:
+    """The table of a legacy (pre-zip) `torch.save` file that starts with `head`."""
+    data = head
+    while True:
+        stream = io.BytesIO(data)
+        try:
+            magic, protocol, info = (plain(stream, file.path) for _ in range(3))
+            if magic != LEGACY_MAGIC or protocol != _LEGACY_PROTOCOL:
+                raise CorruptCheckpointError(
+                    f"{file.path}: expected torch's magic number and protocol {_LEGACY_PROTOCOL}"
+                    f", found {magic!r} and {protocol!r}; not a torch.save file"
+                )
+            tree, storages = unpickle(stream, file.path)
+            keys = plain(stream, file.path)
+            break
+        except Truncated:
+            if len(data) < len(head) or len(data) >= PICKLE_LIMIT:  # (the file ended)
+                raise CorruptCheckpointError(
+                    f"{file.path}: its pickles end early, within the first {len(data)} "
+                    "bytes; the file is damaged, download or copy it again"
+                ) from None
+            data += _more(file, len(data), 2 * len(data))
+    if not isinstance(info, dict) or not isinstance(keys, list) or set(keys) != set(storages):
+        raise CorruptCheckpointError(
+            f"{file.path}: its storage list {str(keys)[:80]} does not match the storages "
+            "its pickle names; the file is damaged, download or copy it again"
+        )
+    at = stream.tell()
+    starts: dict[str, int] = {}
+    for key in keys:
+        storage = storages[key]
+        starts[key] = at + 8
+        at += 8 + storage.numel * storage.dtype.numpy.itemsize
+    _check_counts(file, storages, starts, at)
+    return Saved(tree, starts, storages, big_endian=False)
+
+
+def _more(file: File, start: int, stop: int) -> bytes:
+    """Bytes `[start, stop)`, fewer where the file ends first."""
+    return file.head(stop)[start:]
+
+
+def _check_counts(
+    file: File, storages: dict[str, Storage], starts: dict[str, int], end: int
+) -> None:
+    """Each storage's 8-byte element count is the pickle's, and the file reaches `end`:
+    a place computed from a damaged count would read other bytes as values."""
+    keys = list(starts)
+    spans = [(starts[key] - 8, starts[key]) for key in keys]
+    if end > 0:
+        spans.append((end - 1, end))
+    counts = file.reads(spans, "a storage's element count")
+    for key, count in zip(keys, counts, strict=False):
+        found = struct.unpack("<q", count)[0]
+        if found != storages[key].numel:
+            raise CorruptCheckpointError(
+                f"{file.path}: storage {key!r} declares {found} elements where its pickle "
+                f"says {storages[key].numel}; the file is damaged, download or copy it again"
+            )
+
+
+def element_dtype(dtype: np.dtype[Any], big_endian: bool) -> np.dtype[Any]:
+    """`dtype` in the byte order the file stores it in."""
+    if not big_endian or dtype.itemsize == 1:
+        return dtype
+    if dtype.kind not in "biufc":
+        raise UnsupportedCheckpointError(
+            f"a big-endian torch file holds {dtype.name}, which lazyckpt reads in "
+            "little-endian files only; save it again on a little-endian machine"
+        )
+    return dtype.newbyteorder(">")

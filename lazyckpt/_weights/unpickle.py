@@ -1,0 +1,283 @@
+"""PyTorch's pickles read without running them and without torch.
+
+`torch.save` pickles the saved object with each tensor as a call of
+`torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` and each storage
+as a persistent id (`("storage", FloatStorage, key, location, numel)`). This
+unpickler resolves only the globals of that documented shape (the tensor and
+parameter rebuilds, storage types, dtypes, `torch.Size`, `OrderedDict`, plain
+containers) to lazyckpt's own stand-ins, which record where each tensor's elements
+are. Any other global is refused by name before anything runs: pickle calls only
+what `find_class` returns, and here that is never a callable of the file's choosing.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from typing import Any
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
+
+PICKLE_LIMIT = 256 << 20
+"""The largest pickle read: a pickle holds names and shapes, never tensor data."""
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "uint64": np.dtype("<u8"),
+    "bool": np.dtype("?"),
+    "complex64": np.dtype("<c8"),
+    "complex128": np.dtype("<c16"),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "float4_e2m1fn_x2": np.dtype("u1"),  # two FP4 codes a byte: read as its bytes
+}
+_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+}
+_STORAGES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+    "UntypedStorage": "uint8",
+}
+
+
+@attrs.frozen
+class DType:
+    """A torch dtype named in the pickle (`torch.float8_e4m3fn`)."""
+
+    name: str
+
+    @property
+    def numpy(self) -> np.dtype[Any]:
+        return DTYPES[self.name]
+
+
+@attrs.frozen
+class StorageType:
+    """A storage class (`torch.FloatStorage`), which says its elements' dtype."""
+
+    dtype: DType
+
+
+@attrs.frozen
+class Storage:
+    """A storage of the file: its key (`data/<key>` in a zip), element dtype and count."""
+
+    key: str
+    dtype: DType
+    numel: int
+
+
+@attrs.frozen
+class Tensor:
+    """Where a tensor's elements are: `offset`, `shape` and `stride` in elements of
+    `dtype` within `storage`."""
+
+    storage: Storage
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: DType
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or not all(type(v) is int for v in value):
+        raise ValueError(f"{what} {value!r} is not a tuple of ints")
+    return tuple(value)
+
+
+def _tensor(storage: object, offset: object, size: object, stride: object, *rest: object) -> Tensor:
+    if not isinstance(storage, Storage) or type(offset) is not int:
+        raise ValueError(f"a tensor of storage {storage!r} at offset {offset!r}")
+    dtype = next((r for r in rest if isinstance(r, DType)), storage.dtype)
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise ValueError(f"size {shape} and stride {strides} differ in length")
+    return Tensor(storage, offset, shape, strides, dtype)
+
+
+def _parameter(data: object, *_: object) -> object:
+    return data
+
+
+def _from_type(function: object, _type: object, args: object, _state: object) -> object:
+    if (function is not _tensor and function is not _parameter) or not isinstance(args, tuple):
+        raise ValueError(f"a tensor subclass rebuilt by {function!r}")
+    return function(*args)
+
+
+def _size(*args: object) -> tuple[int, ...]:
+    return _ints(args[0] if args else (), "torch.Size")
+
+
+def _encode(text: object, encoding: object = "latin1") -> bytes:
+    # Protocol 2 pickles bytes as `_codecs.encode(text, "latin1")`.
+    if not isinstance(text, str) or encoding != "latin1":
+        raise ValueError("_codecs.encode of anything but latin1 text")
+    return text.encode("latin1")
+
+
+def _device(*args: object) -> str:
+    return ":".join(str(a) for a in args)
+
+
+class _Marker:
+    """A class named only as a tensor subclass's type (`torch.nn.Parameter`)."""
+
+
+_GLOBALS: dict[tuple[str, str], object] = {
+    ("torch._utils", "_rebuild_tensor"): _tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _tensor,
+    ("torch._utils", "_rebuild_tensor_v3"): _tensor,
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
+    ("torch.tensor", "_rebuild_from_type_v2"): _from_type,
+    ("torch.nn.parameter", "Parameter"): _Marker,
+    ("torch", "Tensor"): _Marker,
+    ("torch", "Size"): _size,
+    ("torch", "device"): _device,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): _encode,
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, path: str) -> None:
+        super().__init__(stream)
+        self.path = path
+        self.storages: dict[str, Storage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if module in ("torch", "torch.storage") and name in _STORAGES:
+            return StorageType(DType(_STORAGES[name]))
+        if module == "torch" and _ALIASES.get(name, name) in DTYPES:
+            return DType(_ALIASES.get(name, name))
+        if module == "torch" and name.startswith("Q") and name.endswith("Storage"):
+            raise UnsupportedCheckpointError(
+                f"{self.path} holds quantized tensors ({module}.{name}), which lazyckpt "
+                "does not read; dequantize them with torch and save again"
+            )
+        raise UnsafePickleError(
+            f"{self.path}: its pickle names the global {module}.{name}, which is not a "
+            "tensor, storage, dtype or plain container; lazyckpt runs no pickle and "
+            "refused it before anything ran. If you trust the file, load it with torch "
+            "and save its tensors (a state dict) again"
+        )
+
+    def persistent_load(self, pid: Any) -> Storage:
+        if not (
+            isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] in ("storage", b"storage")
+        ):
+            kind = pid[0] if isinstance(pid, tuple) and pid else pid
+            raise UnsafePickleError(
+                f"{self.path}: its pickle refers to a saved {kind!r}, not a storage (a "
+                "whole nn.Module saved by torch.save(model)); save model.state_dict() instead"
+            )
+        _, kind, key, _location, numel, *view = pid
+        if view and view[0] is not None:
+            raise UnsupportedCheckpointError(
+                f"{self.path}: storage {key!r} is a view of another storage (legacy "
+                "torch.save of storage slices), which lazyckpt does not read; load it "
+                "with torch and save it again"
+            )
+        if not isinstance(kind, StorageType) or type(numel) is not int or numel < 0:
+            raise ValueError(f"storage {key!r} of type {kind!r} and {numel!r} elements")
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        storage = self.storages.setdefault(key, Storage(key, kind.dtype, numel))
+        return storage
+
+
+def unpickle(stream: io.BytesIO, path: str) -> tuple[Any, dict[str, Storage]]:
+    """The object the torch pickle at `stream`'s position holds, its tensors as
+    `Tensor`s, and its storages by key; `stream` is left after it. `path` names the
+    file in errors. Raises `Truncated` where the stream ends within it."""
+    unpickler = _Unpickler(stream, path)
+    return _loaded(unpickler, path), unpickler.storages
+
+
+def plain(stream: io.BytesIO, path: str) -> Any:
+    """The pickle at `stream`'s position, of plain values only (no global at all):
+    the legacy format's magic number, version, system information and key list."""
+    return _loaded(_Plain(stream, path), path)
+
+
+class Truncated(Exception):
+    """The data ended within a pickle: read more of the file and try again."""
+
+
+def _loaded(unpickler: pickle.Unpickler, path: str) -> Any:
+    try:
+        return unpickler.load()
+    except (UnsafePickleError, UnsupportedCheckpointError):
+        raise
+    except EOFError:
+        raise Truncated from None
+    except pickle.UnpicklingError as error:
+        if "truncated" in str(error):
+            raise Truncated from None
+        raise _damaged(path, error) from None
+    except Exception as error:  # noqa: BLE001 - a damaged pickle fails in many ways
+        raise _damaged(path, error) from None
+
+
+def _damaged(path: str, error: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: its pickle does not read as a torch state ({type(error).__name__}: "
+        f"{str(error)[:200]}); the file is damaged or not written by torch.save"
+    )
+
+
+class _Plain(pickle.Unpickler):
+    """Plain values only: no global at all."""
+
+    def __init__(self, stream: io.BytesIO, path: str) -> None:
+        super().__init__(stream)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafePickleError(
+            f"{self.path}: its header pickle names the global {module}.{name}; a torch "
+            "file's header holds plain values only, refused before anything ran"
+        )

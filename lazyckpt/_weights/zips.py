@@ -1,0 +1,171 @@
+"""Zip archives read by byte ranges: the central directory from the file's end, then
+each member's local header, which says where its data starts. What `torch.save`
+(`archive/data.pkl`, `archive/data/0`, ...) and `np.savez` (`name.npy`, ...) write.
+
+Python's `zipfile` wants a seekable file and reads a member whole; here a member is a
+span of the file (stored) or a deflate stream (compressed), and its data is read
+later, by range, by the engine."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+import attrs
+
+from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._weights.files import File
+
+MAGIC = b"PK\x03\x04"
+STORED, DEFLATED = 0, 8
+_END = struct.Struct("<4s4H2LH")  # end of central directory
+_END64_LOCATOR = struct.Struct("<4sLQL")
+_END64 = struct.Struct("<4sQ2H2L4Q")
+_ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory entry
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header
+_TAIL = (1 << 16) + _END.size + _END64_LOCATOR.size
+"""Enough of the end to hold the end records behind the longest comment."""
+_MAX_MEMBERS = 1 << 20
+_FIX = "the archive is damaged, download or copy it again"
+
+
+@attrs.frozen
+class Member:
+    """One member: where its local header starts, how it is stored, its sizes, and
+    where the archive's directory starts (no member's bytes lie past it)."""
+
+    name: str
+    header: int
+    method: int
+    packed: int
+    size: int
+    bound: int
+
+
+def members(file: File) -> dict[str, Member]:
+    """The members of the zip archive `file`, by name, from its central directory."""
+    tail = file.tail(_TAIL)
+    at = tail.rfind(b"PK\x05\x06")
+    while at >= 0 and at + _END.size + _comment(tail, at) != len(tail):
+        at = tail.rfind(b"PK\x05\x06", 0, at)  # (the signature's bytes inside a comment)
+    if at < 0:
+        raise CorruptCheckpointError(
+            f"{file.path}: no zip end record in its last {len(tail)} bytes; the file is "
+            "truncated or not a zip archive, download or copy it again"
+        )
+    _, disk, _, _, count, size, offset, _ = _END.unpack_from(tail, at)
+    before = at - _END64_LOCATOR.size
+    if before >= 0 and tail[before : before + 4] == b"PK\x06\x07":
+        _, _, where, _ = _END64_LOCATOR.unpack_from(tail, before)
+        record = file.read(where, where + _END64.size, "its zip64 end record")
+        sig, _, _, _, disk, _, _, count, size, offset = _END64.unpack(record)
+        if sig != b"PK\x06\x06":
+            raise CorruptCheckpointError(f"{file.path}: no zip64 end record at {where}; {_FIX}")
+    if disk != 0:
+        raise UnsupportedCheckpointError(
+            f"{file.path} is one part of a zip archive split across files; join the parts "
+            "into one archive first"
+        )
+    if count > _MAX_MEMBERS or size > count * (_ENTRY.size + 3 * (1 << 16)):
+        raise CorruptCheckpointError(
+            f"{file.path}: its zip directory declares {count} members in {size} bytes; {_FIX}"
+        )
+    directory = file.read(offset, offset + size, "its zip directory")
+    found: dict[str, Member] = {}
+    for member in _entries(file, directory, count, offset):
+        found[member.name] = member
+    return found
+
+
+def _comment(tail: bytes, at: int) -> int:
+    if at + _END.size > len(tail):
+        return 1 << 20  # (cut short: no record fits here)
+    return int(_END.unpack_from(tail, at)[-1])
+
+
+def _entries(file: File, directory: bytes, count: int, bound: int) -> Iterable[Member]:
+    at = 0
+    for _ in range(count):
+        if at + _ENTRY.size > len(directory) or directory[at : at + 4] != b"PK\x01\x02":
+            raise CorruptCheckpointError(
+                f"{file.path}: its zip directory ends early (at byte {at}); {_FIX}"
+            )
+        fields = _ENTRY.unpack_from(directory, at)
+        flags, method = fields[3], fields[4]
+        packed, size, name_length, extra_length, comment_length = fields[8:13]
+        header = fields[16]
+        start = at + _ENTRY.size
+        raw_name = directory[start : start + name_length]
+        extra = directory[start + name_length : start + name_length + extra_length]
+        at = start + name_length + extra_length + comment_length
+        name = raw_name.decode("utf-8" if flags & 0x800 else "cp437", "replace")
+        if flags & 0x1:
+            raise UnsupportedCheckpointError(
+                f"{file.path}: zip member {name!r} is encrypted; lazyckpt reads plain "
+                "archives only, decrypt it first"
+            )
+        size, packed, header = _zip64(file, name, extra, size, packed, header)
+        if header + packed > bound:
+            raise CorruptCheckpointError(
+                f"{file.path}: zip member {name!r} is declared at bytes {header} to "
+                f"{header + packed}, past the archive's directory at {bound}; {_FIX}"
+            )
+        yield Member(name, header, method, packed, size, bound)
+
+
+def _zip64(
+    file: File, name: str, extra: bytes, size: int, packed: int, header: int
+) -> tuple[int, int, int]:
+    """The sizes and offset, from the zip64 extra field where the entry says 0xFFFFFFFF."""
+    full = 0xFFFFFFFF
+    if full not in (size, packed, header):
+        return size, packed, header
+    at = 0
+    while at + 4 <= len(extra):
+        kind, length = struct.unpack_from("<2H", extra, at)
+        if kind == 0x0001:
+            values = list(struct.unpack_from(f"<{length // 8}Q", extra, at + 4))
+            out = []
+            for value in (size, packed, header):
+                out.append(values.pop(0) if value == full and values else value)
+            return out[0], out[1], out[2]
+        at += 4 + length
+    raise CorruptCheckpointError(
+        f"{file.path}: zip member {name!r} needs a zip64 field that it lacks; {_FIX}"
+    )
+
+
+def data_starts(
+    file: File, found: Iterable[Member], *, extra: int = 0
+) -> dict[str, tuple[int, bytes]]:
+    """Where each member's data starts, read from its local header, with the first
+    `extra` bytes of its data (fewer where the member is shorter), all read
+    concurrently: a `.npy` member's header comes with its local header."""
+    chosen = list(found)
+    slack = 4 + 64 + extra  # torch pads each local header to 64 bytes; the name follows
+    spans = [
+        (m.header, min(m.bound, m.header + _LOCAL.size + len(m.name.encode()) + slack))
+        for m in chosen
+    ]
+    heads = file.reads(spans, "a zip member's local header") if chosen else []
+    out: dict[str, tuple[int, bytes]] = {}
+    for member, head in zip(chosen, heads, strict=True):
+        if len(head) < _LOCAL.size or head[:4] != MAGIC:
+            raise CorruptCheckpointError(
+                f"{file.path}: zip member {member.name!r} has no local header at byte "
+                f"{member.header}; {_FIX}"
+            )
+        *_, name_length, extra_length = _LOCAL.unpack_from(head)
+        start = member.header + _LOCAL.size + name_length + extra_length
+        skip = _LOCAL.size + name_length + extra_length
+        wanted = min(extra, member.packed)
+        if start + member.packed > member.bound:
+            raise CorruptCheckpointError(
+                f"{file.path}: zip member {member.name!r}'s data (bytes {start} to "
+                f"{start + member.packed}) runs past the archive's directory; {_FIX}"
+            )
+        data = head[skip : skip + wanted]
+        if len(data) < wanted:
+            data = file.read(start, start + wanted, f"the start of zip member {member.name!r}")
+        out[member.name] = (start, data)
+    return out

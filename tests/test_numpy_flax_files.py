@@ -1,0 +1,169 @@
+"""NumPy's `.npy` / `.npz` files (big_vision's checkpoints) and flax's msgpack
+(`flax.serialization.to_bytes`, Hugging Face's `flax_model.msgpack`), opened lazily,
+each written here by its own writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import lazyckpt
+
+RNG = np.random.default_rng(0)
+
+
+def _big_vision() -> dict[str, np.ndarray]:
+    """A flattened parameter dict as big_vision saves it: `/`-separated names."""
+    return {
+        "params/img/embedding/kernel": RNG.standard_normal((4, 4, 3, 16), dtype=np.float32),
+        "params/img/embedding/bias": RNG.standard_normal(16, dtype=np.float32),
+        "params/img/Transformer/encoderblock_0/MlpBlock_0/Dense_0/kernel": RNG.standard_normal(
+            (16, 64), dtype=np.float32
+        ),
+        "params/txt/Embed_0/embedding": RNG.standard_normal((300, 16)).astype(np.float16),
+        "params/t": np.array(10.0, dtype=np.float32),
+        "params/fortran": np.asfortranarray(RNG.standard_normal((5, 7, 3))),
+        "params/mask": RNG.integers(0, 2, 33).astype(bool),
+        "params/ids": RNG.integers(-9, 9, (3, 4)).astype(np.int8),
+        "params/empty": np.zeros((0, 3), np.float32),
+    }
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["savez", "savez_compressed"])
+def test_an_npz_of_flattened_names_nests_like_orbax_keys(tmp_path: Path, compressed: bool) -> None:
+    arrays = _big_vision()
+    path = tmp_path / "params.npz"
+    (np.savez_compressed if compressed else np.savez)(path, **arrays)
+    tree = lazyckpt.open(path)
+    assert tree["params"]["img"]["embedding"]["kernel"].shape == (4, 4, 3, 16)
+    flat = lazyckpt.open(path, flat=True)
+    assert sorted(flat) == sorted(arrays)
+    for name, want in arrays.items():
+        got = flat[name]
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+        np.testing.assert_array_equal(got.get(), want, err_msg=name)
+        if want.ndim:
+            np.testing.assert_array_equal(got[-2:].get(), want[-2:], err_msg=name)
+
+
+def test_rows_of_a_stored_npz_member_read_those_rows(tmp_path: Path) -> None:
+    embedding = RNG.standard_normal((4096, 64), dtype=np.float32)
+    path = tmp_path / "params.npz"
+    np.savez(path, **{"params/embedding": embedding})
+    array = lazyckpt.open(path)["params"]["embedding"]
+    with lazyckpt.measure() as cost:
+        rows = lazyckpt.load(array[100:103])
+    np.testing.assert_array_equal(rows, embedding[100:103])
+    assert cost.bytes_read == 3 * 64 * 4
+
+
+def test_a_compressed_npz_streams_each_member_once_within_the_budget(tmp_path: Path) -> None:
+    # 8 MiB that inflate from a deflate stream: saved again with a 1 MiB budget, in
+    # order, each compressed byte is read once (no restart from the stream's start).
+    big = np.repeat(RNG.standard_normal((64, 1024), dtype=np.float32), 32, axis=0)
+    path = tmp_path / "params.npz"
+    np.savez_compressed(path, **{"params/big": big, "params/small": np.arange(5)})
+    packed = path.stat().st_size
+    tree = lazyckpt.open(path)
+    with lazyckpt.measure() as cost:
+        lazyckpt.save(tmp_path / "out.safetensors", tree, memory_budget="1MiB")
+    assert cost.bytes_read <= packed * 1.05
+    saved = lazyckpt.open(tmp_path / "out.safetensors")
+    np.testing.assert_array_equal(saved["params"]["big"].get(), big)
+    # A read out of order (the end, then the start) still gives the right rows.
+    array = lazyckpt.open(path)["params"]["big"]
+    np.testing.assert_array_equal(array[-3:].get(), big[-3:])
+    np.testing.assert_array_equal(array[:3].get(), big[:3])
+
+
+def test_a_single_npy_file_opens_as_one_array(tmp_path: Path) -> None:
+    values = RNG.standard_normal((6, 5), dtype=np.float32).T  # Fortran order on disk
+    np.save(tmp_path / "w.npy", values)
+    tree = lazyckpt.open(tmp_path / "w.npy")
+    np.testing.assert_array_equal(tree["w"].get(), values)
+
+
+def test_object_arrays_are_refused_by_name_without_unpickling(tmp_path: Path) -> None:
+    path = tmp_path / "objects.npz"
+    np.savez(path, fine=np.arange(3), bad=np.array([{"x": 1}, None], dtype=object))
+    with pytest.raises(lazyckpt.UnsafePickleError, match=r"objects\.npz.*bad\.npy.*allow_pickle"):
+        lazyckpt.open(path)
+
+
+def test_damaged_npy_headers_say_what_is_wrong(tmp_path: Path) -> None:
+    np.save(tmp_path / "w.npy", np.arange(100, dtype=np.int64))
+    data = (tmp_path / "w.npy").read_bytes()
+    (tmp_path / "cut.npy").write_bytes(data[:-8])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.npy.*too short"):
+        lazyckpt.open(tmp_path / "cut.npy")
+    (tmp_path / "bad.npy").write_bytes(data[:10] + b"{'descr': __import__('os')" + data[36:])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"bad\.npy.*header"):
+        lazyckpt.open(tmp_path / "bad.npy")
+
+
+class _Model(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Dense(32, name="up")(x)
+        x = nn.LayerNorm(name="norm")(x)
+        return nn.Dense(4, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, name="down")(x)
+
+
+def _flax_state() -> dict[str, Any]:
+    params = _Model().init(jax.random.key(0), jnp.ones((1, 16)))
+    return {
+        **params,
+        "step": np.int64(7),
+        "scale": np.float32(0.5),
+        "fp8": np.arange(8, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn),
+        "name": "run",
+    }
+
+
+def test_flax_msgpack_opens_lazily_with_flax_s_own_values(tmp_path: Path) -> None:
+    state = _flax_state()
+    path = tmp_path / "flax_model.msgpack"
+    path.write_bytes(flax.serialization.to_bytes(state))
+    reference = flax.serialization.msgpack_restore(path.read_bytes())
+    tree = lazyckpt.open(path)
+    kernel = tree["params"]["up"]["kernel"]
+    assert (kernel.shape, kernel.dtype) == ((16, 32), np.float32)
+    assert tree["params"]["down"]["kernel"].dtype == ml_dtypes.bfloat16
+    assert (tree["step"], tree["scale"], tree["name"]) == (7, 0.5, "run")
+    for name, want in lazyckpt.leaves(reference):
+        got = dict(lazyckpt.leaves(tree))[name]
+        if isinstance(got, lazyckpt.LazyArray):
+            np.testing.assert_array_equal(got.get(), want, err_msg=name)
+    with lazyckpt.measure() as cost:
+        row = lazyckpt.load(kernel[3])
+    np.testing.assert_array_equal(row, reference["params"]["up"]["kernel"][3])
+    assert cost.bytes_read == 32 * 4
+
+
+def test_flax_s_chunked_arrays_join_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # flax splits arrays over MAX_CHUNK_SIZE bytes into flat pieces; a smaller limit
+    # makes its own writer split this one.
+    monkeypatch.setattr(flax.serialization, "MAX_CHUNK_SIZE", 1000)
+    table = RNG.standard_normal((50, 30), dtype=np.float32)
+    path = tmp_path / "big.msgpack"
+    path.write_bytes(flax.serialization.to_bytes({"embed": table, "b": np.ones(3)}))
+    assert b"__msgpack_chunked_array__" in path.read_bytes()
+    tree = lazyckpt.open(path)
+    assert tree["embed"].shape == (50, 30)
+    np.testing.assert_array_equal(tree["embed"].get(), table)
+    np.testing.assert_array_equal(tree["embed"][17:19, 5].get(), table[17:19, 5])
+
+
+def test_damaged_msgpack_says_where(tmp_path: Path) -> None:
+    data = flax.serialization.to_bytes({"w": np.arange(100, dtype=np.float32)})
+    (tmp_path / "cut.msgpack").write_bytes(data[:-50])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.msgpack"):
+        lazyckpt.open(tmp_path / "cut.msgpack")

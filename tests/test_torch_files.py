@@ -1,0 +1,346 @@
+"""PyTorch's `torch.save` files, opened without torch: the zip format and the legacy
+one, Hugging Face's sharded `pytorch_model.bin`, and hostile pickles refused unrun.
+
+The files under tests/fixtures/torch were written by torch itself
+(`tests/fixtures/torch/make.py`, versions in VERSIONS.txt); each tensor's bytes as
+torch read them back are in `state_expected.npz`."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import lazyckpt
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torch"
+DTYPES = {
+    "bfloat16": ml_dtypes.bfloat16,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+}
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _expected(folder: Path) -> dict[str, np.ndarray]:
+    """torch's own values of `state()`, from the bytes it wrote out beside the files."""
+    shapes = json.loads((folder / "state_expected.json").read_text())
+    raw = np.load(folder / "state_expected.npz")
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        out[name] = raw[name].view(DTYPES.get(dtype, np.dtype(dtype))).reshape(shape)
+    return out
+
+
+def _check_state(path: Path, expected: dict[str, np.ndarray]) -> None:
+    tree = lazyckpt.open(path)
+    assert sorted(tree) == sorted(expected)
+    for name, want in expected.items():
+        array = tree[name]
+        assert isinstance(array, lazyckpt.LazyArray), name
+        assert (array.shape, array.dtype) == (want.shape, want.dtype), name
+        got = np.asarray(array.get())
+        assert got.tobytes() == want.tobytes(), name
+
+
+@pytest.mark.parametrize("name", ["state.pt", "state_legacy.pt"])
+def test_every_layout_and_dtype_reads_as_torch_wrote_it(name: str) -> None:
+    # Shared storages (tied, rows at an offset), a transposed and a permuted tensor,
+    # strided slices (qkv split, w[::2, 1::3]), a Parameter, 0-d, empty, bfloat16,
+    # float8, unsigned and complex: in the zip format and the legacy one.
+    _check_state(FIXTURES / name, _expected(FIXTURES))
+
+
+def test_views_of_a_strided_tensor_read_only_their_rows() -> None:
+    tree = lazyckpt.open(FIXTURES / "state.pt")
+    want = _expected(FIXTURES)
+    for name in ("transposed", "every_other", "k", "permuted"):
+        array = tree[name]
+        np.testing.assert_array_equal(array[1:3].get(), want[name][1:3])
+        np.testing.assert_array_equal(array[..., -1].get(), want[name][..., -1])
+
+
+def test_a_training_checkpoint_nests_by_its_keys_and_keeps_plain_values() -> None:
+    tree = lazyckpt.open(FIXTURES / "checkpoint.pth")
+    assert tree["model"]["0"]["weight"].shape == (8, 4)
+    assert tree["optimizer"]["state"]["0"]["exp_avg"].shape == (8, 4)
+    assert tree["optimizer"]["param_groups"]["0"]["lr"] == 0.001
+    assert (tree["epoch"], tree["best_loss"], tree["name"]) == (3, 0.25, "run-7")
+    flat = lazyckpt.open(FIXTURES / "checkpoint.pth", flat=True)
+    assert flat["model.2.bias"].shape == (2,)
+    params = lazyckpt.select(tree, "model/**")
+    assert sorted(dict(lazyckpt.leaves(params))) == [
+        "model/0/bias",
+        "model/0/weight",
+        "model/2/bias",
+        "model/2/weight",
+    ]
+
+
+def test_a_sharded_bin_folder_opens_as_its_safetensors_form() -> None:
+    # transformers saved the same model both ways; the tied lm_head.weight is in the
+    # .bin index and files, and left out of safetensors: it opens as the latter.
+    bin_tree = lazyckpt.open(FIXTURES / "gpt2_bin", flat=True)
+    reference = load_file(FIXTURES / "gpt2_safetensors" / "model.safetensors")
+    assert sorted(bin_tree) == sorted(reference)
+    for name, want in reference.items():
+        np.testing.assert_array_equal(bin_tree[name].get(), want, err_msg=name)
+    nested = lazyckpt.open(FIXTURES / "gpt2_bin")
+    assert nested["transformer"]["h"]["1"]["attn"]["c_attn"]["weight"].shape == (32, 96)
+
+
+def test_a_few_rows_read_a_few_rows() -> None:
+    wte = lazyckpt.open(FIXTURES / "gpt2_bin")["transformer"]["wte"]["weight"]
+    with lazyckpt.measure() as cost:
+        rows = lazyckpt.load(wte[10:13])
+    assert cost.bytes_read == 3 * 32 * 4
+    reference = load_file(FIXTURES / "gpt2_safetensors" / "model.safetensors")
+    np.testing.assert_array_equal(rows, reference["transformer.wte.weight"][10:13])
+    transposed = lazyckpt.open(FIXTURES / "state.pt")["transposed"]  # (8, 6), rows strided
+    with lazyckpt.measure() as cost:
+        lazyckpt.load(transposed[:, 2])  # one stored row of the (6, 8) storage
+    assert cost.bytes_read == 8 * 4
+
+
+@pytest.mark.parametrize("to", ["safetensors", "orbax"])
+def test_convert_a_bin_folder_streams_to_what_transformers_wrote(tmp_path: Path, to: str) -> None:
+    out = tmp_path / "out"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lazyckpt._cli.main",
+            "convert",
+            str(FIXTURES / "gpt2_bin"),
+            str(out),
+            "--to",
+            to,
+            "--memory-budget",
+            "64KiB",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    converted = lazyckpt.open(out, flat=True)
+    reference = load_file(FIXTURES / "gpt2_safetensors" / "model.safetensors")
+    names = {name.replace("/", "."): leaf for name, leaf in lazyckpt.leaves(converted)}
+    assert sorted(names) == sorted(reference)
+    for name, want in reference.items():
+        np.testing.assert_array_equal(names[name].get(), want, err_msg=name)
+    if to == "safetensors":  # the safetensors library reads lazyckpt's file as its own
+        assert sorted(load_file(out / "model.safetensors")) == sorted(reference)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (a heavy, optional check)")
+def test_fixtures_regenerate_and_transformers_loads_the_conversion(tmp_path: Path) -> None:
+    # With torch installed: what torch writes today reads as torch reads it, and
+    # transformers loads the converted safetensors model with the same logits.
+    subprocess.run(
+        [sys.executable, str(FIXTURES / "make.py"), str(tmp_path)], check=True, capture_output=True
+    )
+    for name in ("state.pt", "state_legacy.pt"):
+        _check_state(tmp_path / name, _expected(tmp_path))
+    lazyckpt.convert(tmp_path / "gpt2_bin", tmp_path / "st", to="safetensors")
+    shutil.copy(tmp_path / "gpt2_bin" / "config.json", tmp_path / "st")
+    import torch  # type: ignore[import-not-found, unused-ignore]
+    from transformers import GPT2LMHeadModel  # type: ignore[import-not-found, unused-ignore]
+
+    ids = torch.arange(12)[None] % 96
+    before = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2_bin").eval()(ids).logits
+    after = GPT2LMHeadModel.from_pretrained(tmp_path / "st").eval()(ids).logits
+    assert torch.equal(before, after)
+
+
+class _Call:
+    """Pickles as a call of `function(*args)`: what a hostile file hides in a pickle."""
+
+    def __init__(self, function: Any, *args: Any) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.function, self.args
+
+
+def _torch_zip(path: Path, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", payload)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return path
+
+
+def _legacy(path: Path, payload: bytes) -> Path:
+    head = io.BytesIO()
+    for value in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(value, head, protocol=2)
+    path.write_bytes(head.getvalue() + payload + pickle.dumps([], protocol=2))
+    return path
+
+
+@pytest.mark.parametrize("form", [_torch_zip, _legacy], ids=["zip", "legacy"])
+@pytest.mark.parametrize(
+    ("function", "shown"),
+    [
+        (os.system, "posix.system"),
+        (eval, "builtins.eval"),
+        (subprocess.Popen, "subprocess.Popen"),
+        (shutil.rmtree, "shutil.rmtree"),
+    ],
+    ids=["os.system", "eval", "subprocess", "rmtree"],
+)
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_a_hostile_pickle_is_refused_and_never_runs(
+    tmp_path: Path, form: Any, function: Any, shown: str, protocol: int
+) -> None:
+    marker = tmp_path / "ran"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    args = {
+        "posix.system": (f"touch {marker}",),
+        "builtins.eval": (f"open({str(marker)!r}, 'w')",),
+        "subprocess.Popen": (["touch", str(marker)],),
+        "shutil.rmtree": (str(victim),),
+    }[shown]
+    # The call hides inside a state dict, after a plain tensor-free entry.
+    payload = pickle.dumps({"fine": 1, "w": _Call(function, *args)}, protocol=protocol)
+    path = form(tmp_path / "model.bin", payload)
+    with pytest.raises(lazyckpt.UnsafePickleError, match=rf"model\.bin.*{shown.split('.')[-1]}"):
+        lazyckpt.open(path)
+    assert not marker.exists() and victim.exists()
+
+
+def test_a_whole_module_saved_with_torch_save_is_refused_by_name(tmp_path: Path) -> None:
+    # torch.save(model) pickles the module's class as a global, then its state.
+    payload = b"\x80\x02ctorch.nn.modules.linear\nLinear\n)\x81}b."
+    path = _torch_zip(tmp_path / "model.pt", payload)
+    with pytest.raises(lazyckpt.UnsafePickleError, match=r"torch\.nn\.modules\.linear\.Linear"):
+        lazyckpt.open(path)
+
+
+def test_damaged_and_foreign_files_say_what_is_wrong(tmp_path: Path) -> None:
+    data = (FIXTURES / "state.pt").read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.pt.*zip end record"):
+        lazyckpt.open(cut)
+    legacy = (FIXTURES / "state_legacy.pt").read_bytes()
+    short = tmp_path / "short.pt"
+    short.write_bytes(legacy[:-10])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"short\.pt.*too short"):
+        lazyckpt.open(short)
+    repacked = tmp_path / "repacked.pt"
+    with (
+        zipfile.ZipFile(FIXTURES / "state.pt") as source,
+        zipfile.ZipFile(repacked, "w", zipfile.ZIP_DEFLATED) as target,
+    ):
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info.filename))
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"repacked\.pt.*compressed"):
+        lazyckpt.open(repacked)
+    script = tmp_path / "script.pt"
+    with zipfile.ZipFile(script, "w") as archive:
+        archive.writestr("m/data.pkl", pickle.dumps({}))
+        archive.writestr("m/constants.pkl", pickle.dumps(()))
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match="TorchScript"):
+        lazyckpt.open(script)
+    other = tmp_path / "notes.bin"
+    other.write_bytes(b"hello, this is not a checkpoint")
+    with pytest.raises(lazyckpt.NotACheckpointError, match=r"notes\.bin"):
+        lazyckpt.open(other)
+
+
+def _bin_files() -> dict[str, bytes]:
+    folder = FIXTURES / "gpt2_bin"
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def _check_gpt2(tree: Any) -> None:
+    reference = load_file(FIXTURES / "gpt2_safetensors" / "model.safetensors")
+    flat = {name.replace("/", "."): leaf for name, leaf in lazyckpt.leaves(tree)}
+    assert sorted(flat) == sorted(reference)
+    np.testing.assert_array_equal(
+        flat["transformer.h.1.mlp.c_fc.weight"][3:5].get(),
+        reference["transformer.h.1.mlp.c_fc.weight"][3:5],
+    )
+    loaded = lazyckpt.load(tree)
+    for name, want in reference.items():
+        np.testing.assert_array_equal(
+            dict(lazyckpt.leaves(loaded))[name.replace(".", "/")], want, err_msg=name
+        )
+
+
+def test_a_bin_model_on_the_hub_and_over_plain_https(hub: Any) -> None:
+    files = _bin_files()
+    # A repository with both forms reads safetensors; one with .bin only reads that.
+    hub.commit("org/gpt2-bin", files)
+    hub.clear_log()
+    tree = lazyckpt.open("hf://org/gpt2-bin")
+    _check_gpt2(tree)
+    assert "config.json" not in {e.path.rsplit("/", 1)[-1] for e in hub.log}
+    single = lazyckpt.open("hf://org/gpt2-bin/pytorch_model-00003-of-00003.bin", flat=True)
+    assert "transformer.ln_f.weight" in single
+    for name, data in files.items():
+        hub.add_plain_file(f"plain/{name}", data)
+    _check_gpt2(lazyckpt.open(hub.plain_url("plain")))
+    hub.add_plain_file("one/state.pt", (FIXTURES / "state.pt").read_bytes())
+    remote = lazyckpt.open(hub.plain_url("one/state.pt"))
+    want = _expected(FIXTURES)
+    np.testing.assert_array_equal(remote["every_other"].get(), want["every_other"])
+
+
+def test_a_bin_model_in_a_bucket(s3: Any, tmp_path: Path) -> None:
+    for name, data in _bin_files().items():
+        s3.put_object(Bucket="ckpts", Key=f"gpt2-bin/{name}", Body=data)
+    s3.put_object(Bucket="ckpts", Key="legacy.pt", Body=(FIXTURES / "state_legacy.pt").read_bytes())
+    _check_gpt2(lazyckpt.open("s3://ckpts/gpt2-bin"))
+    want = _expected(FIXTURES)
+    remote = lazyckpt.open("s3://ckpts/legacy.pt")
+    np.testing.assert_array_equal(remote["permuted"].get(), want["permuted"])
+
+
+def test_every_verb_works_on_a_bin_model(tmp_path: Path) -> None:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tree = lazyckpt.open(FIXTURES / "gpt2_bin")
+    reference = lazyckpt.open(FIXTURES / "gpt2_safetensors")
+    assert not lazyckpt.diff(tree, reference, values=True)
+    blocks = lazyckpt.select(tree, "transformer/h/*/mlp/**")
+    stacked = lazyckpt.stack_layers(blocks, "transformer/h")
+    fc = stacked["transformer"]["h"]["mlp"]["c_fc"]["weight"]
+    assert fc.shape == (2, 32, 128)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    placed = lazyckpt.device_put(fc, NamedSharding(mesh, P(None, "x", "y")))
+    want = np.stack(
+        [reference["transformer"]["h"][str(i)]["mlp"]["c_fc"]["weight"].get() for i in range(2)]
+    )
+    np.testing.assert_array_equal(np.asarray(placed), want)
+    table = lazyckpt.stats(tree, "transformer/wte/**", memory_budget="4KiB")
+    wte = reference["transformer"]["wte"]["weight"].get()
+    assert table["transformer/wte/weight"].min == pytest.approx(float(wte.min()))
+    assert table["transformer/wte/weight"].max == pytest.approx(float(wte.max()))
+    cast = lazyckpt.convert(FIXTURES / "gpt2_bin", tmp_path / "bf16", to="orbax", dtype="bfloat16")
+    half = lazyckpt.open(cast)
+    assert half["transformer"]["wte"]["weight"].dtype == ml_dtypes.bfloat16
+    fp8 = lazyckpt.open(FIXTURES / "state.pt")["float8_e4m3fn"]
+    scale = lazyckpt.open(FIXTURES / "state.pt")["scalar"]
+    values = lazyckpt.dequantize_fp8(
+        fp8[None], scale[None, None], block_size=(1, 8), dtype=np.float32
+    )
+    np.testing.assert_allclose(
+        values.get()[0], np.asarray(fp8.get(), np.float32) * 2.5, rtol=0, atol=0
+    )
