@@ -110,9 +110,13 @@ def main() -> None:
                     f"{fmt_bytes(run['bytes_read']):>10}  peak +{fmt_bytes(run['peak_above_baseline'])}"
                 )
             ours = best["lazyckpt"]["seconds"]
-            print(f"{title:10} lazyckpt vs torch.load(mmap=True): {ratio(best['mmap']['seconds'], ours)}")
+            print(
+                f"{title:10} lazyckpt vs torch.load(mmap=True): {ratio(best['mmap']['seconds'], ours)}"
+            )
             if "read" in best:
-                print(f"{title:10} lazyckpt vs torch.load():          {ratio(best['read']['seconds'], ours)}")
+                print(
+                    f"{title:10} lazyckpt vs torch.load():          {ratio(best['read']['seconds'], ours)}"
+                )
 
 
 if __name__ == "__main__":

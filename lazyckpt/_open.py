@@ -28,7 +28,8 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     allow_outside_links: bool = False,
     flat: bool = False,
 ) -> Any:
-    """Open an Orbax checkpoint, or safetensors files, as a pytree of `LazyArray`s.
+    """Open an Orbax checkpoint, safetensors files, or PyTorch, NumPy or flax weight
+    files, as a pytree of `LazyArray`s.
 
     Reads metadata, and the small stored arrays of strings and Python scalars,
     which come back as their values; every other array is a `LazyArray`, read only
@@ -46,7 +47,12 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
             `https://` URL whose server answers Range requests. Safetensors names
             (`model.layers.0.mlp.up_proj.weight`) nest by their `.`-separated parts;
             each tensor's header is read, none of its data; symlinks are followed
-            (the Hugging Face cache links files to its blobs).
+            (the Hugging Face cache links files to its blobs). Or a `torch.save`
+            file (`.bin`, `.pt`, `.pth`), a `pytorch_model.bin` folder (sharded with
+            its index), a flax msgpack file, or an `.npz` / `.npy` file, read
+            without torch and without running a pickle: a pickle that names any
+            global but a tensor's, a storage's or a plain container's is an
+            `UnsafePickleError`, raised before anything runs.
         step: The step of a CheckpointManager root (default: the latest committed).
         item: The item of a step folder (see `lazyckpt.items`); a JSON item
             (`ocp.args.JsonSave`) opens as its value. Default: `state`, `default` or

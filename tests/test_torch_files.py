@@ -344,3 +344,19 @@ def test_every_verb_works_on_a_bin_model(tmp_path: Path) -> None:
     np.testing.assert_allclose(
         values.get()[0], np.asarray(fp8.get(), np.float32) * 2.5, rtol=0, atol=0
     )
+
+
+def test_a_small_bin_shard_on_the_hub_opens_in_one_read(hub: Any) -> None:
+    # Its first 64 KiB hold all of a small shard: the pickle, the zip directory and
+    # every local header come from that one ranged read (a large shard adds its
+    # end, then its storages' local headers, read at once).
+    hub.commit("org/gpt2-bin", _bin_files())
+    hub.clear_log()
+    lazyckpt.open("hf://org/gpt2-bin")
+    reads: dict[str, int] = {}
+    for e in hub.log:
+        if e.status == 206:
+            name = e.path.rsplit("/", 1)[-1]
+            reads[name] = reads.get(name, 0) + 1
+    shards = [f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3)]
+    assert reads == dict.fromkeys(shards, 1)

@@ -11,6 +11,12 @@ from collections.abc import Sequence
 from lazyckpt import _sizes as sizes
 from lazyckpt._errors import LazyckptError, SizeError
 
+_PATH = (
+    "an Orbax checkpoint folder, step folder or manager root; a safetensors file or "
+    "model folder; a PyTorch (.bin, .pt, .pth), NumPy (.npz, .npy) or flax msgpack "
+    "file or model folder. Local, s3://, gs://, hf://ORG/NAME or https://"
+)
+
 
 def parse_size(text: str) -> int:
     """Bytes from a SIZE flag, as the API reads sizes (`lazyckpt._sizes`); a bad one
@@ -35,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, summary: str, *, source: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=summary, description=summary)
         if source:
-            sub.add_argument("path", help="checkpoint folder, step folder or manager root")
+            sub.add_argument("path", help=_PATH)
             sub.add_argument("--step", type=int, help="step of a CheckpointManager root")
             sub.add_argument("--item", help="item of a step folder (state, params, ...)")
         return sub

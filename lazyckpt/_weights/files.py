@@ -21,11 +21,20 @@ MAX_OFFSET = 1 << 62
 
 @attrs.frozen
 class File:
-    """The file `key` of `store`'s folder; `path` is how errors name it."""
+    """The file `key` of `store`'s folder; `path` is how errors name it. `known`
+    holds its first bytes where they were read already (all of it, `whole`): reads
+    within them are not made again."""
 
     store: Store
     key: str
     path: str
+    known: bytes = attrs.field(default=b"", repr=False)
+    whole: bool = False
+
+    def knowing(self, n: int) -> File:
+        """This file, its first `n` bytes read (a small file's all)."""
+        head = self.read_short(0, n)
+        return attrs.evolve(self, known=head, whole=len(head) < n)
 
     def read(self, start: int, stop: int, what: str) -> bytes:
         """The bytes `[start, stop)`, all of them."""
@@ -38,6 +47,8 @@ class File:
 
     def read_short(self, start: int, n: int) -> bytes:
         """Up to `n` bytes from `start` (fewer where the file ends first)."""
+        if start + n <= len(self.known) or self.whole:
+            return self.known[start : start + n]
         kvstore = self.store.kvstore
         self.store.check_files([self.key])
         if isinstance(kvstore, WebFiles):
@@ -61,11 +72,15 @@ class File:
 
     def tail(self, n: int) -> bytes:
         """Up to `n` bytes at the end (the whole file where it is shorter)."""
+        if self.whole:
+            return self.known[-n:]
         kvstore = self.store.kvstore
         self.store.check_files([self.key])
         if isinstance(kvstore, WebFiles):
-            self.head(1)
             size = kvstore.size(self.key)
+            if size is None:
+                self.head(1)
+                size = kvstore.size(self.key)
             if size is None:
                 raise CorruptCheckpointError(f"{self.path}: the server did not say its size")
             return self.read(max(0, size - n), size, "its end")
@@ -101,8 +116,10 @@ class File:
                 raise self._short(start, stop, what)
             return bytes(result.value)
 
-        if start == stop:
-            return ready(b"")
+        if stop <= len(self.known) or start == stop:
+            return ready(self.known[start:stop] if stop <= len(self.known) else b"")
+        if self.whole:
+            raise self._short(start, stop, what)
         self.store.check_files([self.key])
         read = self.store.kvstore.read(self.key, byte_range=slice(start, stop))
         return then(read, value, lambda error: self._failed(error, what, (start, stop)))

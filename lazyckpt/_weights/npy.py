@@ -125,8 +125,9 @@ def open_npy(file: File, name: str, path: tuple[str, ...]) -> LazyArray:
     return lazy(name, path, head.dtype, place(file, 0, head, head.length + nbytes, file.path))
 
 
-def open_npz(file: File, found: dict[str, zips.Member]) -> dict[str, LazyArray]:
-    """The arrays of a `.npz` archive by member name without `.npy`."""
+def open_npz(file: File, found: dict[str, zips.Member], head: bytes = b"") -> dict[str, LazyArray]:
+    """The arrays of a `.npz` archive by member name without `.npy`; `head` is the
+    file's first bytes, read already."""
     members = {name: m for name, m in found.items() if name.endswith(".npy")}
     others = sorted(set(found) - set(members))
     if others:
@@ -134,7 +135,7 @@ def open_npz(file: File, found: dict[str, zips.Member]) -> dict[str, LazyArray]:
             f"{file.path}: a .npz archive holds .npy members only; it also holds "
             f"{others[:5]}; not an np.savez file"
         )
-    starts = zips.data_starts(file, members.values(), extra=512)
+    starts = zips.data_starts(file, members.values(), extra=512, head=head)
     out: dict[str, LazyArray] = {}
     for name, member in members.items():
         key = name[: -len(".npy")]
@@ -148,13 +149,13 @@ def open_npz(file: File, found: dict[str, zips.Member]) -> dict[str, LazyArray]:
                 f"{where} uses zip compression method {member.method}; lazyckpt reads "
                 "stored and deflated members"
             )
-        head = header(first, where) or header(
+        npy = header(first, where) or header(
             file.read(start, start + min(member.size, HEADER_LIMIT + 12), where), where
         )
-        if head is None:
+        if npy is None:
             raise CorruptCheckpointError(f"{where}: its .npy header is cut short; {_FIX}")
         out[key] = lazy(
-            key, tuple(key.split("/")), head.dtype, place(file, start, head, member.size, where)
+            key, tuple(key.split("/")), npy.dtype, place(file, start, npy, member.size, where)
         )
     return out
 

@@ -165,13 +165,14 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
     """Each tensor (and plain value) of one file: its key path, leaf and flat name.
     With `tied`, a torch tensor that is an earlier one again (the same elements of the
     same storage) is left out, its name added to `tied`."""
-    head = file.head(_HEAD)
+    file = file.knowing(_HEAD)
+    head = file.known
     if head[:4] == zips.MAGIC:
         found = zips.members(file)
         if any(name.endswith("/data.pkl") for name in found):
-            yield from _torch(file, torch_files.read_zip(file, found), tied)
+            yield from _torch(file, torch_files.read_zip(file, found, head), tied)
         else:
-            for name, array in npy.open_npz(file, found).items():
+            for name, array in npy.open_npz(file, found, head).items():
                 yield array.path, array, name  # type: ignore[misc]
     elif head[:6] == npy.MAGIC:
         name = file.key.rsplit(".", 1)[0]

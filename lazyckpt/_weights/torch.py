@@ -55,8 +55,9 @@ def is_legacy(head: bytes) -> bool:
     )
 
 
-def read_zip(file: File, found: dict[str, zips.Member]) -> Saved:
-    """The table of a `torch.save` zip whose members are `found`."""
+def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Saved:
+    """The table of a `torch.save` zip whose members are `found`; `head` is the file's
+    first bytes, read already (where torch writes `data.pkl`)."""
     pickles = [name for name in found if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1 or any(name.endswith("/constants.pkl") for name in found):
         kind = "a TorchScript archive" if pickles else "no torch.save archive"
@@ -65,10 +66,10 @@ def read_zip(file: File, found: dict[str, zips.Member]) -> Saved:
             f"{sorted(found)[:5]}); lazyckpt reads files written by torch.save"
         )
     prefix = pickles[0][: -len("data.pkl")]
-    data = _member(file, found[pickles[0]], PICKLE_LIMIT)
+    data = _member(file, found[pickles[0]], PICKLE_LIMIT, head)
     tree, storages = _unpickled(data, file.path)
     order = found.get(prefix + "byteorder")
-    big = order is not None and _member(file, order, 16).strip() == b"big"
+    big = order is not None and _member(file, order, 16, head).strip() == b"big"
     wanted = {}
     for key, storage in storages.items():
         member = found.get(f"{prefix}data/{key}")
@@ -91,19 +92,22 @@ def read_zip(file: File, found: dict[str, zips.Member]) -> Saved:
                 "bytes); the file is damaged, download or copy it again"
             )
         wanted[key] = member
-    starts = zips.data_starts(file, wanted.values())
+    starts = zips.data_starts(file, wanted.values(), head=head)
     return Saved(tree, {key: starts[m.name][0] for key, m in wanted.items()}, storages, big)
 
 
-def _member(file: File, member: zips.Member, limit: int) -> bytes:
+def _member(file: File, member: zips.Member, limit: int, head: bytes = b"") -> bytes:
     """A small member's bytes, inflated where it is compressed."""
     if member.size > limit or member.packed > limit:
         raise CorruptCheckpointError(
             f"{file.path}: member {member.name!r} declares {member.size} bytes, over the "
             f"{limit} lazyckpt reads of it; the file is damaged or hostile"
         )
-    start, _ = zips.data_starts(file, [member])[member.name]
-    data = file.read(start, start + member.packed, f"member {member.name!r}")
+    start, _ = zips.data_starts(file, [member], head=head)[member.name]
+    end = start + member.packed
+    data = head[start:end] if end <= len(head) else b""
+    if len(data) != member.packed:
+        data = file.read(start, end, f"member {member.name!r}")
     if member.method == zips.DEFLATED:
         inflater = zlib.decompressobj(-15)
         try:
@@ -151,12 +155,13 @@ def read_legacy(file: File, head: bytes) -> Saved:
             keys = plain(stream, file.path)
             break
         except Truncated:
-            if len(data) < len(head) or len(data) >= PICKLE_LIMIT:  # (the file ended)
+            more = b"" if len(data) >= PICKLE_LIMIT else _more(file, len(data), 2 * len(data))
+            if not more:  # (the file ended, or the pickles are past any real size)
                 raise CorruptCheckpointError(
                     f"{file.path}: its pickles end early, within the first {len(data)} "
                     "bytes; the file is damaged, download or copy it again"
                 ) from None
-            data += _more(file, len(data), 2 * len(data))
+            data += more
     if not isinstance(info, dict) or not isinstance(keys, list) or set(keys) != set(storages):
         raise CorruptCheckpointError(
             f"{file.path}: its storage list {str(keys)[:80]} does not match the storages "
@@ -174,7 +179,7 @@ def read_legacy(file: File, head: bytes) -> Saved:
 
 def _more(file: File, start: int, stop: int) -> bytes:
     """Bytes `[start, stop)`, fewer where the file ends first."""
-    return file.head(stop)[start:]
+    return file.read_short(start, stop - start)
 
 
 def _check_counts(

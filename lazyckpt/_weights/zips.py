@@ -26,6 +26,7 @@ _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
 _TAIL = (1 << 16) + _END.size + _END64_LOCATOR.size
 """Enough of the end to hold the end records behind the longest comment."""
 _MAX_MEMBERS = 1 << 20
+_ENDS = (b"PK\x06\x06", b"PK\x05\x06")
 _FIX = "the archive is damaged, download or copy it again"
 
 
@@ -55,9 +56,15 @@ def members(file: File) -> dict[str, Member]:
         )
     _, disk, _, _, count, size, offset, _ = _END.unpack_from(tail, at)
     before = at - _END64_LOCATOR.size
+    # Where the tail starts in the file: the directory ends where the end records
+    # begin (a zip writer puts nothing between), which a suffix read does not say.
+    tail_start = offset + size - at
     if before >= 0 and tail[before : before + 4] == b"PK\x06\x07":
         _, _, where, _ = _END64_LOCATOR.unpack_from(tail, before)
-        record = file.read(where, where + _END64.size, "its zip64 end record")
+        tail_start = where - before + _END64.size
+        record = _slice(tail, where - tail_start, _END64.size)
+        if record is None or record[:4] != b"PK\x06\x06":
+            record = file.read(where, where + _END64.size, "its zip64 end record")
         sig, _, _, _, disk, _, _, count, size, offset = _END64.unpack(record)
         if sig != b"PK\x06\x06":
             raise CorruptCheckpointError(f"{file.path}: no zip64 end record at {where}; {_FIX}")
@@ -70,11 +77,22 @@ def members(file: File) -> dict[str, Member]:
         raise CorruptCheckpointError(
             f"{file.path}: its zip directory declares {count} members in {size} bytes; {_FIX}"
         )
-    directory = file.read(offset, offset + size, "its zip directory")
+    # Mostly read with the end: taken from it where it starts with an entry and the
+    # end records follow it.
+    directory = _slice(tail, offset - tail_start, size + 4)
+    if directory is None or directory[:4] != b"PK\x01\x02" or directory[-4:] not in _ENDS:
+        directory = file.read(offset, offset + size + 4, "its zip directory")
     found: dict[str, Member] = {}
     for member in _entries(file, directory, count, offset):
         found[member.name] = member
     return found
+
+
+def _slice(data: bytes, start: int, size: int) -> bytes | None:
+    """`size` bytes of `data` from `start`, or None where they are not all in it."""
+    if start < 0 or start + size > len(data):
+        return None
+    return data[start : start + size]
 
 
 def _comment(tail: bytes, at: int) -> int:
@@ -136,18 +154,21 @@ def _zip64(
 
 
 def data_starts(
-    file: File, found: Iterable[Member], *, extra: int = 0
+    file: File, found: Iterable[Member], *, extra: int = 0, head: bytes = b""
 ) -> dict[str, tuple[int, bytes]]:
     """Where each member's data starts, read from its local header, with the first
     `extra` bytes of its data (fewer where the member is shorter), all read
-    concurrently: a `.npy` member's header comes with its local header."""
+    concurrently: a `.npy` member's header comes with its local header. What lies in
+    `head`, the file's first bytes as read already, is not read again."""
     chosen = list(found)
     slack = 4 + 64 + extra  # torch pads each local header to 64 bytes; the name follows
     spans = [
         (m.header, min(m.bound, m.header + _LOCAL.size + len(m.name.encode()) + slack))
         for m in chosen
     ]
-    heads = file.reads(spans, "a zip member's local header") if chosen else []
+    far = [span for span in spans if span[1] > len(head)]
+    read = iter(file.reads(far, "a zip member's local header") if far else [])
+    heads = [head[start:stop] if stop <= len(head) else next(read) for start, stop in spans]
     out: dict[str, tuple[int, bytes]] = {}
     for member, head in zip(chosen, heads, strict=True):
         if len(head) < _LOCAL.size or head[:4] != MAGIC:
