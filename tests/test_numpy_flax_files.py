@@ -34,6 +34,8 @@ def _big_vision() -> dict[str, Any]:
         "params/mask": RNG.integers(0, 2, 33).astype(bool),
         "params/ids": RNG.integers(-9, 9, (3, 4)).astype(np.int8),
         "params/empty": np.zeros((0, 3), np.float32),
+        "params/big_endian": np.arange(12, dtype=">i8").reshape(3, 4),
+        "params/big_endian_t": np.arange(6, dtype=">f4").reshape(2, 3).T,
     }
 
 
@@ -48,7 +50,7 @@ def test_an_npz_of_flattened_names_nests_like_orbax_keys(tmp_path: Path, compres
     assert sorted(flat) == sorted(arrays)
     for name, want in arrays.items():
         got = flat[name]
-        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+        assert (got.shape, got.dtype) == (want.shape, want.dtype.newbyteorder("=")), name
         np.testing.assert_array_equal(got.get(), want, err_msg=name)
         if want.ndim:
             np.testing.assert_array_equal(got[-2:].get(), want[-2:], err_msg=name)
@@ -84,6 +86,17 @@ def test_a_compressed_npz_streams_each_member_once_within_the_budget(tmp_path: P
     array = lazyckpt.open(path)["params"]["big"]
     np.testing.assert_array_equal(array[-3:].get(), big[-3:])
     np.testing.assert_array_equal(array[:3].get(), big[:3])
+
+
+def test_a_whole_deflated_member_is_inflated_once(tmp_path: Path) -> None:
+    # tensorstore asks for its 16 chunks together, in any order: one pass serves all.
+    values = RNG.standard_normal((2048, 2048), dtype=np.float32)  # 16 MiB, incompressible
+    path = tmp_path / "params.npz"
+    np.savez_compressed(path, w=values)
+    array = lazyckpt.open(path)["w"]
+    with lazyckpt.measure() as cost:
+        np.testing.assert_array_equal(array.get(), values)
+    assert cost.bytes_read <= path.stat().st_size * 2  # (10x before: a restart a chunk)
 
 
 def test_a_single_npy_file_opens_as_one_array(tmp_path: Path) -> None:
@@ -127,6 +140,7 @@ def _flax_state() -> dict[str, Any]:
         "scale": np.float32(0.5),
         "fp8": np.arange(8, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn),
         "name": "run",
+        "complex": 1 + 2j,
     }
 
 
@@ -139,7 +153,7 @@ def test_flax_msgpack_opens_lazily_with_flax_s_own_values(tmp_path: Path) -> Non
     kernel = tree["params"]["up"]["kernel"]
     assert (kernel.shape, kernel.dtype) == ((16, 32), np.float32)
     assert tree["params"]["down"]["kernel"].dtype == ml_dtypes.bfloat16
-    assert (tree["step"], tree["scale"], tree["name"]) == (7, 0.5, "run")
+    assert (tree["step"], tree["scale"], tree["name"], tree["complex"]) == (7, 0.5, "run", 1 + 2j)
     for name, want in lazyckpt.leaves(reference):
         got = dict(lazyckpt.leaves(tree))[name]
         if isinstance(got, lazyckpt.LazyArray):
@@ -175,8 +189,8 @@ def test_damaged_msgpack_says_where(tmp_path: Path) -> None:
 @pytest.mark.parametrize("compressed", [False, True], ids=["savez", "savez_compressed"])
 def test_converting_an_npz_stays_within_the_memory_budget(tmp_path: Path, compressed: bool) -> None:
     """96 MiB in three 32 MiB members to safetensors at a 16 MiB budget, in a fresh
-    process: it grew by 8 MiB (stored) and 41 MiB (deflated) here; holding one member
-    whole would take 32 MiB more, the model 96 MiB."""
+    process: it grew by 8 MiB (stored) and 45-48 MiB (deflated: the inflater keeps its
+    last 4 MiB) here; holding one member whole would take 32 MiB more."""
     from tests.helpers import rss_probe
 
     rng = np.random.default_rng(0)
@@ -189,7 +203,7 @@ def test_converting_an_npz_stays_within_the_memory_budget(tmp_path: Path, compre
     budget = 16 << 20
     out = tmp_path / "out"
     probe = rss_probe(path, "export", budget, str(out))
-    assert probe["peak"] < budget + (40 << 20), probe
+    assert probe["peak"] < budget + (48 << 20), probe
     saved = lazyckpt.open(out, flat=True)
     for name, want in arrays.items():
         np.testing.assert_array_equal(saved[name.replace("/", ".")][-5:].get(), want[-5:])

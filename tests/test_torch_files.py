@@ -56,7 +56,7 @@ def _check_state(path: Path, expected: dict[str, np.ndarray]) -> None:
         assert got.tobytes() == want.tobytes(), name
 
 
-@pytest.mark.parametrize("name", ["state.pt", "state_legacy.pt"])
+@pytest.mark.parametrize("name", ["state.pt", "state_legacy.pt", "state_legacy_p4.pt"])
 def test_every_layout_and_dtype_reads_as_torch_wrote_it(name: str) -> None:
     # Shared storages (tied, rows at an offset), a transposed and a permuted tensor,
     # strided slices (qkv split, w[::2, 1::3]), a Parameter, 0-d, empty, bfloat16,
@@ -67,7 +67,7 @@ def test_every_layout_and_dtype_reads_as_torch_wrote_it(name: str) -> None:
 def test_views_of_a_strided_tensor_read_only_their_rows() -> None:
     tree = lazyckpt.open(FIXTURES / "state.pt")
     want = _expected(FIXTURES)
-    for name in ("transposed", "every_other", "k", "permuted"):
+    for name in ("transposed", "every_other", "k", "permuted", "stepped", "channels_last"):
         array = tree[name]
         np.testing.assert_array_equal(array[1:3].get(), want[name][1:3])
         np.testing.assert_array_equal(array[..., -1].get(), want[name][..., -1])
@@ -151,7 +151,7 @@ def test_fixtures_regenerate_and_transformers_loads_the_conversion(tmp_path: Pat
     subprocess.run(
         [sys.executable, str(FIXTURES / "make.py"), str(tmp_path)], check=True, capture_output=True
     )
-    for name in ("state.pt", "state_legacy.pt"):
+    for name in ("state.pt", "state_legacy.pt", "state_legacy_p4.pt"):
         _check_state(tmp_path / name, _expected(tmp_path))
     lazyckpt.convert(tmp_path / "gpt2_bin", tmp_path / "st", to="safetensors")
     shutil.copy(tmp_path / "gpt2_bin" / "config.json", tmp_path / "st")
@@ -360,3 +360,78 @@ def test_a_small_bin_shard_on_the_hub_opens_in_one_read(hub: Any) -> None:
             reads[name] = reads.get(name, 0) + 1
     shards = [f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3)]
     assert reads == dict.fromkeys(shards, 1)
+
+
+def test_an_expanded_tensor_is_refused_with_its_fix() -> None:
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"'expanded'.*contiguous"):
+        lazyckpt.open(FIXTURES / "expanded.pt")
+
+
+def _shared(depth: int) -> bytes:
+    """A pickle whose list holds the one before it twice, `depth` times: 2**depth
+    leaves from a few hundred bytes (the memo lets a pickle refer to a value again)."""
+    out = b"\x80\x02K\x01q\x00"  # the int 1, memo 0
+    for i in range(depth):
+        out += b"]q%c(h%ch%ce" % (i + 1, i, i)  # [memo i, memo i] as memo i + 1
+    return out + b"."
+
+
+@pytest.mark.parametrize(
+    ("payload", "error", "match"),
+    [
+        (_shared(40), lazyckpt.CorruptCheckpointError, "repeats or holds itself"),
+        (
+            b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R.",
+            lazyckpt.UnsafePickleError,
+            "bytearray",
+        ),
+        # BUILD that would set attributes on an object lazyckpt made.
+        (
+            b"\x80\x02ctorch\nSize\n)R}X\x01\x00\x00\x00xK\x01sb.",
+            lazyckpt.CorruptCheckpointError,
+            "state set on",
+        ),
+        # A dict keyed by nested tuples: hashing them is where the time would go.
+        (
+            b"\x80\x02}(K\x01K\x02\x86K\x03\x85\x86K\x00u.",
+            lazyckpt.CorruptCheckpointError,
+            "not a plain value",
+        ),
+        # A size of -1 would read the bytes before its storage.
+        (
+            b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00"
+            b"storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQK\x00J"
+            b"\xff\xff\xff\xff\x85K\x01\x85\x89)tRs.",
+            lazyckpt.CorruptCheckpointError,
+            "not a tuple of sizes",
+        ),
+    ],
+    ids=["shared-lists", "bytearray", "build", "tuple-keys", "negative-size"],
+)
+def test_hostile_pickles_fail_fast_and_clearly(
+    tmp_path: Path, payload: bytes, error: type[Exception], match: str
+) -> None:
+    path = _torch_zip(tmp_path / "model.bin", payload)
+    with zipfile.ZipFile(path, "a") as archive:  # the storage the last one names
+        archive.writestr("archive/data/0", b"\x00" * 16)
+    with pytest.raises(error, match=match):
+        lazyckpt.open(path)
+
+
+def test_files_that_are_no_weight_file_say_so(tmp_path: Path) -> None:
+    plain = tmp_path / "notes.pt"
+    plain.write_bytes(pickle.dumps({"not": "a tensor file"}, protocol=4))
+    with pytest.raises(lazyckpt.NotACheckpointError, match=r"notes\.pt"):
+        lazyckpt.open(plain)
+    (tmp_path / "junk.bin").write_bytes(b"\x80" + b"\xff" * 100)
+    with pytest.raises(lazyckpt.NotACheckpointError, match=r"junk\.bin"):
+        lazyckpt.open(tmp_path / "junk.bin")
+
+
+def test_two_entries_of_one_name_are_refused(tmp_path: Path) -> None:
+    # {"a.b": 1, "a": {"b": 2}}: both are the name "a.b", flat or nested.
+    payload = pickle.dumps({"a.b": 1, "a": {"b": 2}}, protocol=2)
+    path = _torch_zip(tmp_path / "twice.pt", payload)
+    for flat in (False, True):
+        with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"two entries are named 'a\.b'"):
+            lazyckpt.open(path, flat=flat)

@@ -179,7 +179,8 @@ class StoredArray:
 
     def _check(self, opened: ts.TensorStore) -> ts.TensorStore:
         found = (tuple(opened.shape), opened.dtype.numpy_dtype)
-        if found != (self.shape, self.dtype):
+        # (tensorstore holds values in native byte order, whatever the stored order)
+        if found != (self.shape, self.dtype.newbyteorder("=")):
             raise CorruptCheckpointError(
                 f"{self.store.location}: array {self.key!r} changed on disk: expected "
                 f"shape {self.shape} and dtype {self.dtype}, found {found[0]} and {found[1]}; "

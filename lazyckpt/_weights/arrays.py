@@ -14,8 +14,11 @@ import numpy as np
 from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
 from lazyckpt._safetensors.read import RangeArray, contiguous_chunks
 from lazyckpt._weights.files import File
+
+_FIX = "the file is damaged, download or copy it again"
 
 
 @attrs.frozen
@@ -37,6 +40,9 @@ def lazy(name: str, path: tuple[str, ...], dtype: np.dtype[Any], place: Place) -
     `place`, reading nothing."""
     shape, stride = place.shape, place.stride
     size = math.prod(shape)
+    where = f"{place.file.path}: tensor {name!r} (shape {shape}, strides {stride}"
+    if math.prod(max(n, 1) for n in shape) * dtype.itemsize > MAX_BYTES or len(shape) > MAX_RANK:
+        raise CorruptCheckpointError(f"{where}) is larger than any array; {_FIX}")
     if size and (
         min(stride, default=0) < 0
         or place.offset < 0
@@ -44,21 +50,28 @@ def lazy(name: str, path: tuple[str, ...], dtype: np.dtype[Any], place: Place) -
         >= place.capacity
     ):
         raise CorruptCheckpointError(
-            f"{place.file.path}: tensor {name!r} (shape {shape}, strides {stride}, offset "
-            f"{place.offset}) reaches past its storage of {place.capacity} elements; the "
-            "file is damaged, download or copy it again"
+            f"{where}, offset {place.offset}) reaches past its storage of {place.capacity} "
+            f"elements; {_FIX}"
         )
     kept = [d for d in range(len(shape)) if shape[d] != 1]
+    if size and any(stride[d] == 0 for d in kept):
+        raise UnsupportedCheckpointError(
+            f"{where}) repeats its elements (a stride of 0: an expanded tensor); lazyckpt "
+            "reads each element from its own place. Save it with .contiguous() (or .clone())"
+        )
     order = sorted(kept, key=lambda d: -stride[d])
+    start = place.start + place.offset * dtype.itemsize
     if not size or _c_order([shape[d] for d in order], [stride[d] for d in order]):
         inner = tuple(shape[d] for d in order) if size else shape
-        array = _raw(name, path, dtype, place, place.start + place.offset * dtype.itemsize, inner)
+        array = _raw(name, path, dtype, place, start, inner)
         if size and order != kept:  # stored transposed: a view of the stored order
             array = array.transpose([order.index(d) for d in kept])
         return _restored(array, path, shape, kept if size else list(range(len(shape))))
-    base = _strided(name, place, [shape[d] for d in order], [stride[d] for d in order])
-    storage = _raw(name, path, dtype, place, place.start, base[0])
-    array = storage[base[1]]
+    # A slice of a larger tensor: a view of its storage.
+    first, base, index = _strided(
+        where, place, [shape[d] for d in order], [stride[d] for d in order]
+    )
+    array = _raw(name, path, dtype, place, place.start + first * dtype.itemsize, base)[index]
     if order != kept:
         array = array.transpose([order.index(d) for d in kept])
     return _restored(array, path, shape, kept)
@@ -106,18 +119,36 @@ def _restored(
 
 
 def _strided(
-    name: str, place: Place, shape: list[int], stride: list[int]
-) -> tuple[tuple[int, ...], tuple[int | slice, ...]]:
-    """The storage as a C-order array, and the index that picks the tensor from it,
-    for strides in decreasing order (a slice of a larger tensor: `qkv[:, :d]`,
-    `w[::2, 1::3]`): element `i` is at `offset + sum(i * stride)`. Each stride that
-    divides the one before splits the storage's rows further; the last may step."""
-    base = [place.capacity // stride[0]]
-    index: list[int | slice] = [
-        slice(place.offset // stride[0], place.offset // stride[0] + shape[0])
-    ]
-    unit, rest = stride[0], place.offset % stride[0]
-    fits = index[0].stop <= base[0]  # type: ignore[union-attr]
+    where: str, place: Place, shape: list[int], stride: list[int]
+) -> tuple[int, tuple[int, ...], tuple[int | slice, ...]]:
+    """The storage as a C-order array from some element, that element, and the index
+    that picks the tensor from the array, for strides in decreasing order (a slice of
+    a larger tensor: `qkv[:, :d]`, `w[::2, 1::3]`, `x[::2]`). Element `i` of the tensor
+    is at `offset + sum(i * stride)`. The storage's rows are taken from its start
+    where the tensor fits them, else from the tensor's first element."""
+    for first in (0, place.offset):
+        found = _grid(place.capacity - first, place.offset - first, shape, stride)
+        if found is not None:
+            return first, *found
+    raise UnsupportedCheckpointError(
+        f"{where}, offset {place.offset} in a storage of {place.capacity} elements) "
+        "interleaves its dimensions in a way no view of a C-order array describes; save "
+        "it with .contiguous() (or .clone())"
+    )
+
+
+def _grid(
+    capacity: int, offset: int, shape: list[int], stride: list[int]
+) -> tuple[tuple[int, ...], tuple[int | slice, ...]] | None:
+    """`capacity` elements as rows of `stride[0]`, each stride that divides the one
+    before splitting them further and the last stepping within its row, with the
+    index of the tensor at `offset`; None where the tensor does not fit them."""
+    if len(shape) == 1 and offset == 0:  # one dimension: a step through the storage
+        return (capacity,), (slice(0, (shape[0] - 1) * stride[0] + 1, stride[0]),)
+    base = [capacity // stride[0]]
+    index: list[int | slice] = [slice(offset // stride[0], offset // stride[0] + shape[0])]
+    fits = offset // stride[0] + shape[0] <= base[0]
+    unit, rest = stride[0], offset % stride[0]
     for d in range(1, len(shape)):
         n, step = shape[d], stride[d]
         if unit % step == 0:
@@ -131,19 +162,11 @@ def _strided(
             fits = fits and rest + (n - 1) * step < unit
             unit, rest = 1, 0
         else:
-            fits = False
-            break
-    if fits and unit > 1:
+            return None
+    if unit > 1:
         base.append(unit)
         index.append(rest)
-    if not fits:
-        raise UnsupportedCheckpointError(
-            f"{place.file.path}: tensor {name!r} (shape {tuple(shape)}) is stored with strides "
-            f"{tuple(stride)} at offset {place.offset}, whose elements overlap, repeat or "
-            "interleave (an expanded tensor); lazyckpt reads tensors laid out as slices "
-            "of a storage. Save it with .contiguous() (or .clone())"
-        )
-    return tuple(base), tuple(index)
+    return (tuple(base), tuple(index)) if fits else None
 
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

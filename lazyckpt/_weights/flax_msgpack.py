@@ -18,14 +18,15 @@ import attrs
 import numpy as np
 
 from lazyckpt._array import compose
-from lazyckpt._array.tree import MAX_DEPTH
-from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._weights.arrays import Place, c_strides, lazy
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import DTYPES
 
 WINDOW = 1 << 20
+_DEPTH = 64
+"""The deepest a flax state nests (a model's modules nest a few levels)."""
 _NAMES = {dtype.name: dtype for dtype in DTYPES.values()} | {"bool": np.dtype("?")}
 _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}  # bin, str
 _EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4}
@@ -35,8 +36,8 @@ _FIX = "the file is damaged, download or copy it again"
 
 
 def is_msgpack_map(head: bytes) -> bool:
-    """Whether `head` starts with an msgpack map (flax saves a dict)."""
-    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+    """Whether `head` starts with a non-empty msgpack map (flax saves a dict)."""
+    return bool(head) and (0x81 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 @attrs.frozen
@@ -74,8 +75,8 @@ class _Walk:
         return int.from_bytes(self.take(size), "big")
 
     def value(self, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise self.fail(f"nests deeper than {MAX_DEPTH} levels")
+        if depth > _DEPTH:
+            raise self.fail(f"nests deeper than {_DEPTH} levels")
         b = self.take(1)[0]
         if b <= 0x7F:
             return b
@@ -106,7 +107,7 @@ class _Walk:
         if b in _EXT or 0xD4 <= b <= 0xD8:
             n = self.number(_EXT[b]) if b in _EXT else 1 << (b - 0xD4)
             code = struct.unpack(">b", self.take(1))[0]
-            return self.ext(code, n)
+            return self.ext(code, n, depth + 1)
         raise self.fail(f"type byte {b:#x}")
 
     def text(self, n: int) -> str:
@@ -115,7 +116,7 @@ class _Walk:
         except UnicodeDecodeError:
             raise self.fail("string that is not UTF-8") from None
 
-    def ext(self, code: int, n: int) -> Any:
+    def ext(self, code: int, n: int, depth: int) -> Any:
         end = self.pos + n
         if code not in (1, 2, 3):
             raise UnsupportedCheckpointError(
@@ -123,21 +124,21 @@ class _Walk:
                 "flax.serialization does not write (1 ndarray, 2 complex, 3 numpy scalar)"
             )
         if code == 2:
-            found = self.value(MAX_DEPTH)
+            found = self.value(depth)
             if not (isinstance(found, list) and len(found) == 2):
                 raise self.fail("complex that is not [real, imag]")
             value: Any = complex(*found)
         else:
-            value = self.ndarray(code == 3)
+            value = self.ndarray(code == 3, depth)
         if self.pos != end:
             raise self.fail(f"ext payload of {n} bytes that holds {self.pos - end + n}")
         return value
 
-    def ndarray(self, scalar: bool) -> Any:
+    def ndarray(self, scalar: bool, depth: int) -> Any:
         if self.take(1) != b"\x93":
             raise self.fail("ndarray that is not [shape, dtype, bytes]")
-        shape = self.value(MAX_DEPTH - 1)
-        name = self.value(MAX_DEPTH)
+        shape = self.value(depth)
+        name = self.value(depth)
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise self.fail(f"ndarray shape {str(shape)[:60]}")
         dtype = _NAMES.get(name) if isinstance(name, str) else None
@@ -207,4 +208,8 @@ def _joined(file: File, tree: dict[str, Any], path: tuple[str, ...]) -> LazyArra
         )
     dtype = parts[0].dtype
     flat = composed(path, compose.Concat((total,), dtype, tuple(parts), 0), dtype)
-    return attrs.evolve(flat.reshape(tuple(dims)), path=path)
+    try:
+        joined = flat.reshape(tuple(dims))
+    except LazyckptError as error:
+        raise CorruptCheckpointError(f"{file.path}: chunked array {name!r}: {error}") from None
+    return attrs.evolve(joined, path=path)

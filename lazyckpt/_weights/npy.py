@@ -22,6 +22,7 @@ import numpy as np
 from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
 from lazyckpt._safetensors.read import contiguous_chunks
 from lazyckpt._weights import zips
 from lazyckpt._weights.arrays import Place, c_strides, lazy
@@ -91,8 +92,15 @@ def header(data: bytes, where: str) -> Header | None:
             "(numbers and bools it does; a bfloat16 array numpy saves as raw void bytes: "
             "save it as float32, or as safetensors)"
         )
-    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
-        raise CorruptCheckpointError(f"{where}: its .npy shape {shape!r} is not sizes; {_FIX}")
+    if not (
+        isinstance(shape, tuple)
+        and len(shape) <= MAX_RANK
+        and all(type(n) is int and n >= 0 for n in shape)
+        and math.prod(max(n, 1) for n in shape) * np.dtype(descr).itemsize <= MAX_BYTES
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: its .npy shape {str(shape)[:80]} is not the sizes of an array; {_FIX}"
+        )
     if not isinstance(fields["fortran_order"], bool):
         raise CorruptCheckpointError(f"{where}: its .npy fortran_order is not a bool; {_FIX}")
     return Header(np.dtype(descr), shape, fields["fortran_order"], skip + size)

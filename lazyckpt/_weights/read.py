@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lazyckpt._array.tree import PathClash, nested
-from lazyckpt._errors import CorruptCheckpointError, NotACheckpointError
-from lazyckpt._lazy import LazyArray
+from lazyckpt._errors import CorruptCheckpointError, NotACheckpointError, UnsupportedCheckpointError
 from lazyckpt._safetensors.format import parse_index
 from lazyckpt._safetensors.read import check_plain
 from lazyckpt._storage import paths
@@ -27,7 +26,7 @@ from lazyckpt._weights import flax_msgpack, npy, zips
 from lazyckpt._weights import torch as torch_files
 from lazyckpt._weights.arrays import Place, lazy
 from lazyckpt._weights.files import File
-from lazyckpt._weights.unpickle import Tensor
+from lazyckpt._weights.unpickle import DType, Tensor
 
 SUFFIXES = (".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
 """The names of the files this package reads (any name is read by its content)."""
@@ -77,8 +76,16 @@ def open_weights(path: str, *, flat: bool = False) -> Any:
     folder, files, weight_map = _files(path)
     read = lambda generation: _read(folder, files, weight_map, generation, path)  # noqa: E731
     entries = from_one_generation(folder, read, files)
+    by_name: dict[str, Any] = {}
+    for _, leaf, name in entries:
+        if by_name.setdefault(name, leaf) is not leaf:
+            raise CorruptCheckpointError(
+                f"{path}: two entries are named {name!r} (a key with dots and nested keys "
+                "spelling the same name, or keys 1 and '1'); lazyckpt cannot tell them "
+                "apart, save them under distinct names"
+            )
     if flat:
-        return {name: leaf for _, leaf, name in entries}
+        return by_name
     try:
         return nested(entries)
     except PathClash as clash:
@@ -181,9 +188,13 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
         yield from _torch(file, torch_files.read_legacy(file, head), tied)
     elif flax_msgpack.is_msgpack_map(head):
         tree, end = flax_msgpack.read_flax(file)
-        if end:
-            file.read(end - 1, end, "the end of its data")
-        for parts, leaf in _walk(flax_msgpack.lazy_tree(file, tree), ()):
+        file.read(end - 1, end, "the end of its data")
+        if file.read_short(end, 1):
+            raise NotACheckpointError(
+                f"{file.path} is not a flax msgpack file: bytes follow its map at byte {end} "
+                "(flax writes one map and nothing after)"
+            )
+        for parts, leaf in _walk(flax_msgpack.lazy_tree(file, tree), file.path):
             yield parts, leaf, "/".join(parts)
     else:
         raise NotACheckpointError(
@@ -194,7 +205,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
 
 def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Iterator[Entry]:
     seen: set[Tensor] = set()
-    for parts, leaf in _walk(saved.tree, (), split=True):
+    for parts, leaf in _walk(saved.tree, file.path, split=True, limit=saved.nodes):
         name = ".".join(parts)
         if isinstance(leaf, Tensor):
             if tied is not None and leaf in seen:
@@ -202,29 +213,51 @@ def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Itera
                 continue
             seen.add(leaf)
             storage = saved.storages[leaf.storage.key]
-            dtype = torch_files.element_dtype(leaf.dtype.numpy, saved.big_endian)
+            dtype = torch_files.element_dtype(leaf.dtype.numpy, saved.big_endian, file.path)
             capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
             place = Place(
                 file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride
             )
             yield parts, lazy(name, parts, dtype, place), name
-        else:
+        elif isinstance(leaf, DType):  # a dtype saved as a value
+            yield parts, leaf.numpy, name
+        elif isinstance(leaf, _PLAIN):
             yield parts, leaf, name
+        else:  # a bare storage, a class
+            raise UnsupportedCheckpointError(
+                f"{file.path}: {name!r} is a {type(leaf).__name__}, not a tensor or a plain "
+                "value; lazyckpt reads tensors, numbers, strings and containers of them"
+            )
+
+
+_PLAIN = (str, int, float, complex, bool, bytes, type(None), dict, list, tuple)
+_DEPTH = 64
+"""The deepest a weight file's tree nests (state dicts nest a few levels)."""
 
 
 def _walk(
-    tree: Any, path: tuple[str, ...], *, split: bool = False
+    tree: Any, where: str, *, split: bool = False, limit: int = 1 << 62
 ) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """The leaves of plain containers with their key paths; a state dict's `.`-joined
-    names split into their parts (`split`)."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            parts = tuple(str(key).split(".")) if split and isinstance(key, str) else (str(key),)
-            yield from _walk(value, (*path, *parts), split=split)
-    elif isinstance(tree, list | tuple) and not isinstance(tree, LazyArray):
-        for i, value in enumerate(tree):
-            yield from _walk(value, (*path, str(i)), split=split)
-    elif path:
-        yield path, tree
-    else:
-        yield ("value",), tree
+    """The leaves of plain containers with their key paths, in order; a state dict's
+    `.`-joined names split into their parts (`split`); empty containers are leaves.
+    At most `limit` nodes: a pickle's memo lets a container hold another twice, so a
+    small file can describe a tree too large to walk (or one that holds itself)."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        limit -= 1
+        if limit < 0 or len(path) > _DEPTH:
+            raise CorruptCheckpointError(
+                f"{where}: its tree repeats or holds itself, or nests deeper than {_DEPTH} "
+                "levels; the file is damaged or hostile, not a checkpoint"
+            )
+        children: list[tuple[tuple[str, ...], Any]] = []
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                named = split and isinstance(key, str)
+                children.append(((*path, *(key.split(".") if named else (str(key),))), value))
+        elif isinstance(node, list | tuple) and node:
+            children = [((*path, str(i)), value) for i, value in enumerate(node)]
+        else:
+            yield path or ("value",), node
+        stack.extend(reversed(children))

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError, UnsupportedCheckpointError
 from lazyckpt._weights import zips
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import (
@@ -46,13 +46,20 @@ class Saved:
     starts: Mapping[str, int]
     storages: Mapping[str, Storage]
     big_endian: bool = False
+    nodes: int = 1 << 62
+    """The most nodes its tree can have without repeating itself: one per byte of
+    its pickle (each value takes at least one)."""
 
 
 def is_legacy(head: bytes) -> bool:
-    """Whether `head` starts a legacy `torch.save` file (a pickle of its magic number)."""
-    return head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05") and (
-        LEGACY_MAGIC.to_bytes(10, "little") in head[:16]
-    )
+    """Whether `head` starts a legacy `torch.save` file: a pickle of its magic number
+    (after a frame header, in protocols 4 and 5)."""
+    if head[:1] != b"\x80":
+        return False
+    try:
+        return bool(plain(io.BytesIO(head), "") == LEGACY_MAGIC)
+    except (Truncated, LazyckptError):
+        return False
 
 
 def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Saved:
@@ -93,7 +100,8 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
             )
         wanted[key] = member
     starts = zips.data_starts(file, wanted.values(), head=head)
-    return Saved(tree, {key: starts[m.name][0] for key, m in wanted.items()}, storages, big)
+    starts_at = {key: starts[m.name][0] for key, m in wanted.items()}
+    return Saved(tree, starts_at, storages, big, nodes=len(data) + 16)
 
 
 def _member(file: File, member: zips.Member, limit: int, head: bytes = b"") -> bytes:
@@ -162,7 +170,12 @@ def read_legacy(file: File, head: bytes) -> Saved:
                     "bytes; the file is damaged, download or copy it again"
                 ) from None
             data += more
-    if not isinstance(info, dict) or not isinstance(keys, list) or set(keys) != set(storages):
+    if (
+        not isinstance(info, dict)
+        or not isinstance(keys, list)
+        or not all(isinstance(key, str) for key in keys)
+        or set(keys) != set(storages)
+    ):
         raise CorruptCheckpointError(
             f"{file.path}: its storage list {str(keys)[:80]} does not match the storages "
             "its pickle names; the file is damaged, download or copy it again"
@@ -174,7 +187,7 @@ def read_legacy(file: File, head: bytes) -> Saved:
         starts[key] = at + 8
         at += 8 + storage.numel * storage.dtype.numpy.itemsize
     _check_counts(file, storages, starts, at)
-    return Saved(tree, starts, storages, big_endian=False)
+    return Saved(tree, starts, storages, big_endian=False, nodes=at + 16)
 
 
 def _more(file: File, start: int, stop: int) -> bytes:
@@ -201,13 +214,13 @@ def _check_counts(
             )
 
 
-def element_dtype(dtype: np.dtype[Any], big_endian: bool) -> np.dtype[Any]:
-    """`dtype` in the byte order the file stores it in."""
+def element_dtype(dtype: np.dtype[Any], big_endian: bool, path: str) -> np.dtype[Any]:
+    """`dtype` in the byte order the file `path` stores it in."""
     if not big_endian or dtype.itemsize == 1:
         return dtype
     if dtype.kind not in "biufc":
         raise UnsupportedCheckpointError(
-            f"a big-endian torch file holds {dtype.name}, which lazyckpt reads in "
-            "little-endian files only; save it again on a little-endian machine"
+            f"{path} is a big-endian torch file that holds {dtype.name}, which lazyckpt "
+            "reads in little-endian files only; save it again on a little-endian machine"
         )
     return dtype.newbyteorder(">")

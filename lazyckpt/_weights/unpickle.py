@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import ml_dtypes
@@ -116,8 +116,10 @@ class Tensor:
 
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or not all(type(v) is int for v in value):
-        raise ValueError(f"{what} {value!r} is not a tuple of ints")
+    if not isinstance(value, tuple | list) or not all(
+        type(v) is int and 0 <= v < 1 << 62 for v in value
+    ):
+        raise ValueError(f"{what} {str(value)[:80]} is not a tuple of sizes")
     return tuple(value)
 
 
@@ -139,6 +141,13 @@ def _from_type(function: object, _type: object, args: object, _state: object) ->
     if (function is not _tensor and function is not _parameter) or not isinstance(args, tuple):
         raise ValueError(f"a tensor subclass rebuilt by {function!r}")
     return function(*args)
+
+
+def _ordered_dict(*args: object) -> collections.OrderedDict[Any, Any]:
+    # torch pickles an OrderedDict empty, its items set after (checked there).
+    if args:
+        raise ValueError("an OrderedDict rebuilt from arguments")
+    return collections.OrderedDict()
 
 
 def _size(*args: object) -> tuple[int, ...]:
@@ -172,18 +181,82 @@ _GLOBALS: dict[tuple[str, str], object] = {
     ("torch", "Tensor"): _Marker,
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): bytearray,
+    ("collections", "OrderedDict"): _ordered_dict,
     ("_codecs", "encode"): _encode,
 }
 
 
-class _Unpickler(pickle.Unpickler):
+_UNREAD_DTYPES = ("complex32", "chalf", "bits", "qint", "quint", "uint1", "int1", "int2")
+"""torch dtypes that lazyckpt does not read (their names start so)."""
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _scalar_key(key: object) -> bool:
+    """A key whose hash is cheap: a scalar, or a tuple of scalars. (Hashing nested
+    tuples that share parts, which a pickle's memo allows, takes exponential time.)"""
+    return isinstance(key, _SCALARS) or (
+        type(key) is tuple and all(isinstance(k, _SCALARS) for k in key)
+    )
+
+
+class _Guarded(pickle._Unpickler):
+    """Python's own unpickler (its opcodes one by one, in Python), with the opcodes
+    that could cost more than the pickle's size, or change an object lazyckpt made,
+    checked first: dict keys and set items must be scalars, and BUILD (an object's
+    state set after it is made) applies only to an `OrderedDict`, whose attributes
+    (a state dict's `_metadata`) are dropped."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # (the values since the last mark)
+
     def __init__(self, stream: io.BytesIO, path: str) -> None:
         super().__init__(stream)
         self.path = path
+
+    def _keys(self, keys: Any) -> None:
+        if not all(_scalar_key(k) for k in keys):
+            raise ValueError("a dict key or set item that is not a plain value")
+
+    def load_setitem(self) -> None:
+        self._keys([self.stack[-2]])
+        pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
+
+    def load_setitems(self) -> None:
+        self._keys(self.stack[::2])  # (since the mark: this unpickler starts a new stack)
+        pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
+
+    def load_dict(self) -> None:
+        self._keys(self.stack[::2])  # (since the mark: this unpickler starts a new stack)
+        pickle._Unpickler.load_dict(self)  # type: ignore[attr-defined]
+
+    def load_additems(self) -> None:
+        self._keys(self.stack)
+        pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
+
+    def load_frozenset(self) -> None:
+        self._keys(self.stack)
+        pickle._Unpickler.load_frozenset(self)  # type: ignore[attr-defined]
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        if type(self.stack[-1]) is not collections.OrderedDict or not isinstance(state, dict):
+            raise ValueError(f"state set on a {type(self.stack[-1]).__name__}")
+        del state  # (a state dict's `_metadata`: versions of its modules)
+
+    for _opcode, _name in (
+        (pickle.SETITEM, "load_setitem"),
+        (pickle.SETITEMS, "load_setitems"),
+        (pickle.DICT, "load_dict"),
+        (pickle.ADDITEMS, "load_additems"),
+        (pickle.FROZENSET, "load_frozenset"),
+        (pickle.BUILD, "load_build"),
+    ):
+        dispatch[_opcode[0]] = locals()[_name]
+
+
+class _Unpickler(_Guarded):
+    def __init__(self, stream: io.BytesIO, path: str) -> None:
+        super().__init__(stream, path)
         self.storages: dict[str, Storage] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -198,6 +271,17 @@ class _Unpickler(pickle.Unpickler):
             raise UnsupportedCheckpointError(
                 f"{self.path} holds quantized tensors ({module}.{name}), which lazyckpt "
                 "does not read; dequantize them with torch and save again"
+            )
+        if module == "torch" and name.startswith(_UNREAD_DTYPES):
+            raise UnsupportedCheckpointError(
+                f"{self.path} holds tensors of dtype torch.{name}, which lazyckpt does not "
+                "read; convert them with torch (to float32, say) and save again"
+            )
+        if module.startswith("torch") and name.startswith("_rebuild_"):
+            raise UnsupportedCheckpointError(
+                f"{self.path} holds tensors rebuilt by {module}.{name} (sparse, quantized, "
+                "meta, nested or subclass tensors), which lazyckpt does not read; save "
+                "them as dense tensors (.to_dense(), .dequantize()) with torch"
             )
         raise UnsafePickleError(
             f"{self.path}: its pickle names the global {module}.{name}, which is not a "
@@ -247,7 +331,7 @@ class Truncated(Exception):
     """The data ended within a pickle: read more of the file and try again."""
 
 
-def _loaded(unpickler: pickle.Unpickler, path: str) -> Any:
+def _loaded(unpickler: _Guarded, path: str) -> Any:
     try:
         return unpickler.load()
     except (UnsafePickleError, UnsupportedCheckpointError):
@@ -269,12 +353,8 @@ def _damaged(path: str, error: Exception) -> CorruptCheckpointError:
     )
 
 
-class _Plain(pickle.Unpickler):
+class _Plain(_Guarded):
     """Plain values only: no global at all."""
-
-    def __init__(self, stream: io.BytesIO, path: str) -> None:
-        super().__init__(stream)
-        self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
         raise UnsafePickleError(

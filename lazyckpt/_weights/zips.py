@@ -141,7 +141,7 @@ def _zip64(
     at = 0
     while at + 4 <= len(extra):
         kind, length = struct.unpack_from("<2H", extra, at)
-        if kind == 0x0001:
+        if kind == 0x0001 and at + 4 + length <= len(extra):
             values = list(struct.unpack_from(f"<{length // 8}Q", extra, at + 4))
             out = []
             for value in (size, packed, header):
