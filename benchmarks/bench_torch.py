@@ -11,7 +11,8 @@ float32 tensors of 32 MiB (`model.layers.N.mlp.up_proj.weight`).
   weights_only=True)`, then each tensor copied out of the map (`.clone()`, what a
   caller that keeps the values needs once the file may change); also `torch.load`
   without mmap, which reads the file whole. lazyckpt: `load(open(path))`.
-- `one`: open, then one tensor in memory.
+- `one`: open, then one tensor in memory (torch: `torch.load` with and without mmap,
+  then the tensor cloned).
 
 Each measurement runs in a fresh process, cold (the file's pages dropped from the
 page cache with `posix_fadvise(DONTNEED)` first) and warm (the file read once
@@ -99,8 +100,7 @@ def main() -> None:
             runs: dict[str, list[dict[str, Any]]] = {"mmap": [], "read": [], "lazyckpt": []}
             for _ in range(args.repeat):
                 runs["mmap"].append(in_fresh_process(_torch, str(path), case, cold, True))
-                if case == "full":
-                    runs["read"].append(in_fresh_process(_torch, str(path), case, cold, False))
+                runs["read"].append(in_fresh_process(_torch, str(path), case, cold, False))
                 runs["lazyckpt"].append(in_fresh_process(_lazyckpt, str(path), case, cold))
             best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items() if v}
             title = f"{'cold' if cold else 'warm'} {case}"
