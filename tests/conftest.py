@@ -21,6 +21,10 @@ from jax.sharding import PartitionSpec as P
 from lazyckpt._storage.metrics import bytes_read
 from tests.helpers import CREDENTIALS, ZARR_FORMATS, orbax_save, reference_tree, refuse_data_reads
 
+# The scripts that wrote the fixtures need their writers (torch), which are not test
+# dependencies; `--doctest-modules` would import them.
+collect_ignore = ["fixtures"]
+
 # The same examples on every run, so that a run on a clean machine tries what the last
 # one did (one clean-clone run met hypothesis's "inconsistent data generation" in a
 # test whose draws depend only on earlier draws, not reproduced since). To explore new

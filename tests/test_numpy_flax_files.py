@@ -207,3 +207,15 @@ def test_converting_an_npz_stays_within_the_memory_budget(tmp_path: Path, compre
     saved = lazyckpt.open(out, flat=True)
     for name, want in arrays.items():
         np.testing.assert_array_equal(saved[name.replace("/", ".")][-5:].get(), want[-5:])
+
+
+def test_a_hugging_face_flax_folder_opens_its_msgpack(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    state = _flax_state()
+    (folder / "flax_model.msgpack").write_bytes(flax.serialization.to_bytes(state))
+    (folder / "config.json").write_text('{"model_type": "toy"}')
+    tree = lazyckpt.open(folder)
+    np.testing.assert_array_equal(
+        tree["params"]["up"]["kernel"].get(), state["params"]["up"]["kernel"]
+    )
