@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from lazyckpt._safetensors.read import metadata as safetensors_metadata
     from lazyckpt._save import save
     from lazyckpt._storage.network import NetworkOptions, network_options
-    from lazyckpt._surgery import concat, stack, stack_layers, unstack, unstack_layers
+    from lazyckpt._surgery import concat, stack, stack_layers, take, unstack, unstack_layers
 
 # Everything but the errors is imported on first use (PEP 562): `import lazyckpt`, and so
 # `lazyckpt --help`, does not wait seconds for jax. Keep this table and the imports above as one.
@@ -106,6 +106,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "stats": ("lazyckpt._explore.stats", "stats"),
     "steps": ("lazyckpt._orbax.layout", "steps"),
     "summary": ("lazyckpt._explore.summary", "summary"),
+    "take": ("lazyckpt._surgery", "take"),
     "unstack": ("lazyckpt._surgery", "unstack"),
     "unstack_layers": ("lazyckpt._surgery", "unstack_layers"),
     "verify": ("lazyckpt._explore.verify", "verify"),
@@ -189,6 +190,7 @@ __all__ = [
     "stats",
     "steps",
     "summary",
+    "take",
     "unstack",
     "unstack_layers",
     "verify",

@@ -15,7 +15,8 @@ import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
-from lazyckpt._array import compose
+from lazyckpt._array import compose, gather
+from lazyckpt._array.gather import is_advanced
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._array.sharding import SavedSharding
@@ -140,6 +141,11 @@ class LazyArray:
         return self.shape[0]
 
     def __getitem__(self, index: Index) -> LazyArray:
+        if is_advanced(index):
+            try:
+                return self._gathered(gather.plan(index, self.shape))
+            except LazyIndexError as error:
+                raise LazyIndexError(f"{self.key} (shape {self.shape}): {error}") from None
         try:
             if self.key_impl:
                 # Index the keys; their trailing key-data dimension stays whole.
@@ -155,6 +161,42 @@ class LazyArray:
             if isinstance(dim, NewAxis):
                 result = result._new_axis(at, dim.count)
         return result
+
+    def _gathered(self, plan: gather.Gather) -> LazyArray:
+        """The view of an advanced index, made of basic views of this array: the runs
+        of consecutive picks along one axis joined (`x[[3, 4, 9]]` is `x[3:5]` and
+        `x[9:10]`), or the picked elements of several axes stacked."""
+        self._composable("indexing with arrays")
+        base = self[plan.basic]
+        rest = [n for d, n in enumerate(base.shape) if d not in plan.axes]
+        shape = (*rest[: plan.at], *plan.shape, *rest[plan.at :])
+        if len(plan.axes) == 1:
+            axis = plan.axes[0]
+            before = (slice(None),) * axis
+            pieces = [base[(*before, slice(s, s + n))] for s, n in gather.runs(plan.picks[:, 0])]
+            if len(pieces) == 1:
+                joined = pieces[0]
+            elif not pieces:
+                joined = base[(*before, slice(0, 0))]
+            else:
+                size = (*base.shape[:axis], len(plan.picks), *base.shape[axis + 1 :])
+                node = compose.Concat(size, self.dtype, tuple(pieces), axis)
+                joined = composed(self.path, node, self.dtype)
+            return attrs.evolve(joined.reshape(shape), path=self.path)
+        parts = tuple(
+            base[
+                tuple(
+                    int(pick[plan.axes.index(d)]) if d in plan.axes else slice(None)
+                    for d in range(base.ndim)
+                )
+            ]
+            for pick in plan.picks
+        )
+        stacked_shape = (*rest[: plan.at], len(parts), *rest[plan.at :])
+        if not parts:
+            return attrs.evolve(base[(slice(0, 0),) * base.ndim].reshape(shape), path=self.path)
+        stack = compose.Stack(stacked_shape, self.dtype, parts, plan.at)
+        return attrs.evolve(composed(self.path, stack, self.dtype).reshape(shape), path=self.path)
 
     def _composed(self, found: ArrayView | compose.Node) -> LazyArray:
         if isinstance(found, compose.Node):

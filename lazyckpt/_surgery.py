@@ -1,4 +1,5 @@
-"""Lazy checkpoint surgery: `stack`, `concat` and `unstack` of LazyArrays, as views.
+"""Lazy checkpoint surgery: `stack`, `concat`, `unstack` and `take` of LazyArrays, as
+views.
 
 They read nothing: a conversion (per-layer arrays into a scanned stack and back,
 fused q/k/v, transposed kernels) is ordinary Python over lazy arrays, and only the
@@ -39,6 +40,36 @@ def unstack(array: LazyArray, axis: int = 0) -> list[LazyArray]:
     axis %= array.ndim
     before = (slice(None),) * axis
     return [array[(*before, i)] for i in range(array.shape[axis])]
+
+
+def take(array: LazyArray, indices: Any, axis: int | None = None) -> LazyArray:
+    """The elements of `array` at `indices` along `axis`, as `np.take`: a view that
+    reads only the stored chunks (or, in safetensors and other raw files, the byte
+    ranges) of what it picks. Indices may repeat, be negative and come in any order or
+    shape; `axis=None` picks from the array flattened. The same as
+    `array[(slice(None),) * axis + (indices,)]`.
+
+    Args:
+        array: A LazyArray (a view too).
+        indices: Integers: a list, a NumPy or jax array, or one int.
+        axis: The dimension to pick along; None for the flattened array.
+
+    >>> embed = lazyckpt.open(path)["params"]["w"]             # (8, 8)
+    >>> kept = lazyckpt.take(embed, [5, 0, 5], axis=0)          # reads rows 0 and 5
+    >>> kept.shape, float(kept.get()[0, 1])
+    ((3, 8), 41.0)
+    """
+    if axis is None:
+        return array.reshape(-1)[np.asarray(indices)]
+    if not -array.ndim <= axis < array.ndim:
+        raise LazyIndexError(f"{array.key} (shape {array.shape}): no axis {axis} to take along")
+    index = np.asarray(indices)
+    if index.dtype == bool:
+        raise LazyIndexError(
+            f"{array.key}: take() picks by integer indices; index with a mask instead "
+            "(array[:, mask])"
+        )
+    return array[(slice(None),) * (axis % array.ndim) + (index if index.ndim else int(index),)]
 
 
 def _name(operation: str, arrays: Sequence[LazyArray]) -> tuple[str]:

@@ -37,7 +37,13 @@ _END = "----- end of block -----"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "page", ["use-cases/flax.md", "use-cases/surgery.md", "use-cases/dequantize.md"]
+    "page",
+    [
+        "use-cases/flax.md",
+        "use-cases/surgery.md",
+        "use-cases/dequantize.md",
+        "use-cases/gather.md",
+    ],
 )
 def test_recipe_runs_and_prints_what_it_shows(page: str, tmp_path: Path) -> None:
     """Every python block of the page runs, in order, in one fresh process; a text

@@ -156,9 +156,8 @@ def expand(index: Index, ndim: int) -> list[int | slice | None]:
 
 
 _BASIC = (
-    "a LazyArray takes basic indexing only (ints, 0-d integer arrays, slices, Ellipsis, "
-    "None); integer-array and boolean-mask indexing are not supported yet: read the array "
-    "with .get() and index the NumPy result"
+    "a LazyArray takes ints, slices, Ellipsis, None, and integer arrays, lists or "
+    "boolean masks (NumPy's indexing)"
 )
 
 

@@ -118,22 +118,44 @@ _IndexPart = int | slice | EllipsisType | None
 
 
 def _split_index(text: str) -> tuple[str, str]:
+    """`name[index]` as its name and index text; the index's `[` is the one that
+    matches the final `]` (lists of picks nest their own)."""
     text = text.strip()
     if text.endswith("]") and "[" in text:
-        start = text.rindex("[")
-        return text[:start], text[start + 1 : -1]
+        depth = 0
+        for at in range(len(text) - 1, -1, -1):
+            depth += {"]": 1, "[": -1}.get(text[at], 0)
+            if depth == 0:
+                return text[:at], text[at + 1 : -1]
     return text, ""
 
 
-def parse_index(text: str) -> tuple[_IndexPart, ...]:
-    """A NumPy basic index from its text, without eval.
+def _parts(text: str) -> list[str]:
+    """`text` split at its commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for at, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:at])
+            start = at + 1
+    return [*parts, text[start:]]
+
+
+def parse_index(text: str) -> tuple[_IndexPart | list[int], ...]:
+    """A NumPy index from its text, without eval: ints, slices, `...`, None, and lists
+    of ints that pick (`[3, 17, 42]`).
 
     >>> parse_index("0:3, :8"), parse_index("-1, ..., None, ::2")
     ((slice(0, 3, None), slice(None, 8, None)), (-1, Ellipsis, None, slice(None, None, 2)))
+    >>> parse_index("[3, 17, -1], :8")
+    ([3, 17, -1], slice(None, 8, None))
     """
-    out: list[_IndexPart] = []
-    for part in (p.strip() for p in text.split(",")):
-        if part == "...":
+    out: list[_IndexPart | list[int]] = []
+    for part in (p.strip() for p in _parts(text)):
+        if part.startswith("[") and part.endswith("]"):
+            inner = part[1:-1].strip()
+            out.append([_integer(p, text) for p in inner.split(",")] if inner else [])
+        elif part == "...":
             out.append(Ellipsis)
         elif part in ("None", "newaxis", "np.newaxis"):
             out.append(None)
@@ -154,7 +176,7 @@ def _integer(part: str, text: str) -> int:
     if number is None:
         raise LazyckptError(
             f"index {shown(text)}: {shown(part.strip())} is not an integer (up to 18 "
-            "digits); use ints, slices (a:b:c), ... or None"
+            "digits); use ints, slices (a:b:c), lists of ints ([3, 17]), ... or None"
         )
     return -number if part.strip().startswith("-") else number
 

@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
 
     show = command("show", "print a few values: lazyckpt show PATH 'params/embed[0:3, :8]'")
     dequantizing(show)
-    show.add_argument("key", help="key path, with an optional NumPy-style index")
+    show.add_argument(
+        "key",
+        help="key path, with an optional NumPy-style index: ints, slices, ..., None, and "
+        "lists of ints that pick rows ('embed[[3, 17, 42], :8]')",
+    )
 
     stats = command("stats", "min, max, mean, std, NaN and Inf counts, read chunk by chunk")
     selecting(stats)

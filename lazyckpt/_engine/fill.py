@@ -375,6 +375,29 @@ def _schedule_whole(
         scheduler.submit(view.read, copy, held=view.nbytes * HELD, work=view.nbytes)
 
 
+def _blocks(boxes: Sequence[Box], stored: StoredArray, block_bytes: int) -> Iterator[Box]:
+    """Blocks of whole stored chunks that cover `boxes`: of the box around them all, or,
+    where they are sparse in it (rows picked far apart: `x[[3, 3900]]`), of the
+    chunks around each, each chunk once where boxes share it."""
+    itemsize = stored.dtype.itemsize
+    union = tuple(
+        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(stored.shape))
+    )
+    around = {
+        tuple(
+            (lo // c * c, min(-(-hi // c) * c, n))
+            for (lo, hi), c, n in zip(box, stored.chunks, stored.shape, strict=True)
+        )
+        for box in boxes
+        if all(hi > lo for lo, hi in box)
+    }
+    volume = sum(math.prod(hi - lo for lo, hi in box) for box in around)
+    if volume >= math.prod(hi - lo for lo, hi in union):
+        around = {union}
+    for region in sorted(around):
+        yield from chunk_blocks(region, stored.chunks, itemsize, block_bytes)
+
+
 def _schedule_blocks(
     array: ArrayView,
     mapping: Sequence[tuple[int, int] | None],
@@ -416,10 +439,7 @@ def _schedule_blocks(
                 write = _direct_read(stored, opened, destination, block, box)
                 scheduler.submit(write, finished, held=ts_held(stored, block), work=nbytes)
         return
-    union = tuple(
-        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(array_box))
-    )
-    for block in chunk_blocks(union, stored.chunks, itemsize, scheduler.block_bytes):
+    for block in _blocks(boxes, stored, scheduler.block_bytes):
         consumers = [
             (t, b, part)
             for t, b in zip(destinations, boxes, strict=True)

@@ -1,0 +1,192 @@
+"""NumPy's advanced indexing (integer arrays and boolean masks) planned without data.
+
+`x[[3, 17, 42]]`, `x[:, mask]`, `x[idx, :, jdx]`: an index with arrays (lists, NumPy
+or jax arrays) picks elements rather than ranges. NumPy's rules decide the result's
+shape: the index arrays (and any ints beside them) broadcast together to one shape
+`B`; a mask counts as the integer arrays of its `nonzero()`; where the advanced
+indices are next to each other, `B` takes their place in the result, and where a
+slice, `...` or None separates them, `B` comes first.
+
+`plan` turns such an index into a `Gather`: the basic index to apply first (every
+advanced position kept whole), which of its result's dimensions the picks index, the
+picks themselves, and where `B` goes. `LazyArray` builds the view from it, out of
+basic views of the array, so a read reads only the chunks the picked elements touch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+
+from lazyckpt._errors import LazyIndexError
+
+MAX_PICKS = 1 << 24
+"""The most elements (rows, experts...) one index may pick: each is a view of its own."""
+
+
+@attrs.frozen
+class Gather:
+    """An advanced index, planned: `x[index]` is `x[basic]` with `picks` taken along
+    its dimensions `axes`, the picks' shape `shape` placed at result dimension `at`."""
+
+    basic: tuple[int | slice | None, ...]
+    axes: tuple[int, ...]
+    picks: np.ndarray = attrs.field(eq=False)
+    """One row per element picked, in C order of `shape`: its index on each axis."""
+    shape: tuple[int, ...]
+    at: int
+
+
+def is_advanced(index: object) -> bool:
+    """Whether `index` holds an array or list (an advanced index), not only basic items."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(_is_array(item) for item in items)
+
+
+def _is_array(item: object) -> bool:
+    if isinstance(item, list):
+        return True
+    shape = getattr(item, "shape", None)
+    dtype = getattr(item, "dtype", None)
+    # A 0-d integer array is an int (basic); a 0-d bool array is a mask.
+    return (
+        isinstance(shape, tuple)
+        and dtype is not None
+        and (bool(shape) or np.dtype(dtype).kind == "b")
+    )
+
+
+def plan(index: object, shape: tuple[int, ...]) -> Gather:
+    """The `Gather` of `index` on an array of `shape`."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    converted: list[Any] = []
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            converted.append(item)
+        elif _is_array(item):
+            converted.append(_array(item))
+        else:
+            converted.append(item)  # an int: basic indexing checks it
+    consumed = sum(
+        item.ndim if isinstance(item, np.ndarray) and item.dtype == bool else 1
+        for item in converted
+        if item is not None and item is not Ellipsis
+    )
+    if consumed > len(shape):
+        raise LazyIndexError(
+            f"too many indices: the array is {len(shape)}-dimensional but {consumed} were given"
+        )
+    if sum(item is Ellipsis for item in converted) > 1:
+        raise LazyIndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in [i for i in converted if not isinstance(i, np.ndarray)]:
+        at = next(i for i, item in enumerate(converted) if item is Ellipsis)
+        converted[at : at + 1] = [slice(None)] * (len(shape) - consumed)
+    else:
+        converted += [slice(None)] * (len(shape) - consumed)
+    return _planned(converted, shape)
+
+
+def _array(item: object) -> np.ndarray:
+    """An index array as NumPy's: integers (any width) or a mask; never floats."""
+    try:
+        array = np.asarray(item)
+    except (ValueError, TypeError) as error:
+        raise LazyIndexError(f"an index list that is not an array of ints ({error})") from None
+    if array.dtype == bool:
+        return array
+    if array.size == 0 and array.dtype.kind == "f":  # `[]`: NumPy takes it as ints
+        return array.astype(np.intp)
+    if array.dtype.kind not in "iu":
+        raise LazyIndexError(
+            f"an index array of dtype {array.dtype}; index arrays hold integers (or bools, a mask)"
+        )
+    return array
+
+
+def _planned(items: list[Any], shape: tuple[int, ...]) -> Gather:
+    basic: list[int | slice | None] = []
+    axes: list[int] = []
+    arrays: list[np.ndarray] = []
+    spots: list[int] = []  # where in `items` each advanced index stood
+    dim = 0  # the next dimension of the array
+    kept = 0  # the next dimension of the basic result
+    for spot, item in enumerate(items):
+        if item is None:
+            basic.append(None)
+            kept += 1
+            continue
+        if isinstance(item, slice):
+            basic.append(item)
+            dim, kept = dim + 1, kept + 1
+            continue
+        if isinstance(item, np.ndarray) and item.dtype == bool:
+            if not item.ndim:
+                raise LazyIndexError(
+                    "a 0-d boolean index (NumPy reads it as a mask of no axes); use None "
+                    "for a new axis, or a mask of the axes' shape"
+                )
+            found = shape[dim : dim + item.ndim]
+            if item.shape != found:
+                raise LazyIndexError(
+                    f"a boolean mask of shape {item.shape} for axes {dim} to "
+                    f"{dim + item.ndim - 1}, of shape {found}; a mask has the shape of "
+                    "the axes it picks from"
+                )
+            for picks in item.nonzero():
+                arrays.append(picks)
+                axes.append(kept)
+                spots.append(spot)
+                basic.append(slice(None))
+                dim, kept = dim + 1, kept + 1
+            continue
+        array = np.asarray(item)
+        if array.dtype.kind not in "iu" or array.dtype == bool:
+            raise LazyIndexError(f"unsupported index {item!r}; use ints, slices or int arrays")
+        size = shape[dim]
+        if array.size and (array.min() < -size or array.max() >= size):
+            bad = array[(array < -size) | (array >= size)].flat[0]
+            raise LazyIndexError(
+                f"index {bad} is out of bounds for axis {dim} of size {size}; use indices "
+                f"in [{-size}, {size})"
+            )
+        arrays.append(np.where(array < 0, array + size, array).astype(np.int64))
+        axes.append(kept)
+        spots.append(spot)
+        basic.append(slice(None))
+        dim, kept = dim + 1, kept + 1
+    try:
+        broadcast = np.broadcast_arrays(*arrays)
+    except ValueError:
+        shapes = ", ".join(str(a.shape) for a in arrays)
+        raise LazyIndexError(
+            f"index arrays of shapes {shapes} do not broadcast together; give arrays of one "
+            "shape (or that broadcast, as NumPy's rules say)"
+        ) from None
+    together = broadcast[0].shape if broadcast else ()
+    count = math.prod(together)
+    if count > MAX_PICKS:
+        raise LazyIndexError(
+            f"an index that picks {count} elements, over the {MAX_PICKS} one view may pick; "
+            "pick fewer (a slice reads a range), or read the array and index the result"
+        )
+    rows: np.ndarray = np.stack([b.reshape(-1) for b in broadcast], axis=1)
+    adjacent = all(b - a <= 1 for a, b in itertools.pairwise(spots))
+    at = axes[0] - sum(1 for a in axes if a < axes[0]) if adjacent else 0
+    return Gather(tuple(basic), tuple(axes), rows, together, at)
+
+
+def runs(picks: np.ndarray) -> Iterator[tuple[int, int]]:
+    """`(start, length)` of the runs of consecutive indices in `picks`, in order:
+    `[3, 4, 5, 9, 9]` is `(3, 3), (9, 1), (9, 1)`."""
+    if not len(picks):
+        return
+    breaks = np.flatnonzero(np.diff(picks) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(picks)]])
+    for begin, end in zip(starts.tolist(), stops.tolist(), strict=True):
+        yield int(picks[begin]), end - begin
