@@ -239,13 +239,17 @@ def _schedule_decoded(
     read_bytes, window = windows(scheduler.budget)
     held = job_bytes(read_bytes, window)
     remote = is_remote(stored.store.location)  # (jobs as many as the budget holds)
-    every = [bounds(selection) for _, selection in consumers]
-    union = tuple(
-        (min(b[d][0] for b in every), max(b[d][1] for b in every)) for d in range(len(stored.shape))
-    )
-    for index in chunks_in(union, stored.chunks):
+    # The chunks each consumer's box touches: a chunk's users are found among those
+    # that touch it, not among all (thousands of picked rows: `x[rows]`).
+    touching: dict[tuple[int, ...], list[int]] = {}
+    for k, (_, selection) in enumerate(consumers):
+        for index in chunks_in(bounds(selection), stored.chunks):
+            touching.setdefault(index, []).append(k)
+    for index in sorted(touching):
         inside = clip(chunk_box(index, stored.chunks), stored.shape)
-        users = [(t, s) for t, s in consumers if piece(s, inside) is not None]
+        users = [
+            consumers[k] for k in touching[index] if piece(consumers[k][1], inside) is not None
+        ]
         if not users:
             continue
         remaining[0] += 1

@@ -143,7 +143,7 @@ def schedule_raw(
     boxes = [to_stored(array, mapping, d.region) for d in destinations]
     if any(not _long_runs(stored.shape, box, itemsize, found.min_run) for box in boxes):
         return False
-    if any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
+    if _overlap(boxes):
         return False  # overlapping boxes: the chunked path reads what they share once
     # Bytes land in the buffer in C order: it must be C-contiguous (a composed view's
     # part may be given a transposed view of its parent's buffer) and of this dtype.
@@ -170,6 +170,21 @@ def schedule_raw(
             # its way to a device), reads must not run ahead of what frees it.
             scheduler.submit(start_job, finished, held=work, work=work)
     return True
+
+
+def _overlap(boxes: Sequence[Box]) -> bool:
+    """Whether two of `boxes` overlap: swept along their first dimension, so that
+    thousands of picked rows (`x[rows]`) cost a comparison each, not one a pair."""
+    if not boxes or not boxes[0]:
+        return len(boxes) > 1
+    order = sorted(boxes, key=lambda box: box[0][0])
+    for k, box in enumerate(order):
+        for other in order[k + 1 :]:
+            if other[0][0] >= box[0][1]:
+                break
+            if intersect(box, other):
+                return True
+    return False
 
 
 def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray] | None:
