@@ -55,7 +55,7 @@ def _make(root: Path) -> None:
 def _peer(root: str, case: str, layout: str) -> dict[str, Any]:
     import numpy as np
 
-    shape, name = CASES[case]
+    _, name = CASES[case]
     index = _index(case)
     if layout == "safetensors":
         from safetensors import safe_open
