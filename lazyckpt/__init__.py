@@ -12,7 +12,7 @@ LazyArray('params/w', shape=(8, 8), dtype=float32, chunks=(2, 4), sharding=Named
 array([ 8.,  9., 10., 11.], dtype=float32)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import importlib
 from typing import TYPE_CHECKING

@@ -50,6 +50,15 @@ def test_help_and_argument_errors_import_no_jax(args: tuple[str, ...]) -> None:
     assert "usage: lazyckpt" in result.stdout + result.stderr
 
 
+def test_version_answers_without_jax() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"lazyckpt {lazyckpt.__version__}" and lines[-1] == "[]"
+
+
 def test_import_lazyckpt_imports_no_jax_until_a_verb_is_used() -> None:
     script = (
         "import sys, lazyckpt\n"

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Sequence
 
 # The standard library and lazyckpt's own errors and sizes only: see main.
+from lazyckpt import __version__
 from lazyckpt import _sizes as sizes
 from lazyckpt._errors import LazyckptError, SizeError
 
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="lazyckpt", description="Open JAX checkpoints lazily; read only what you ask for."
     )
     parser.add_argument("--traceback", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"lazyckpt {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str, *, source: bool = True) -> argparse.ArgumentParser:
