@@ -36,3 +36,10 @@ def test_every_public_name_is_documented() -> None:
     assert len(documented) == len(set(documented))
     assert sorted(documented) == sorted(n for n in lazyckpt.__all__ if n != "__version__")
     assert "`lazyckpt.__version__`" in api
+
+
+def test_the_changelog_has_the_version_being_released() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog
+    heading = re.search(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    assert heading is not None and heading.group(1) == lazyckpt.__version__
