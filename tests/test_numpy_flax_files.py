@@ -219,3 +219,19 @@ def test_a_hugging_face_flax_folder_opens_its_msgpack(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         tree["params"]["up"]["kernel"].get(), state["params"]["up"]["kernel"]
     )
+
+
+def test_threads_reading_one_deflated_member_get_its_bytes(tmp_path: Path) -> None:
+    import concurrent.futures
+
+    values = RNG.standard_normal((1024, 2048), dtype=np.float32)  # 8 MiB, 2 marks
+    path = tmp_path / "params.npz"
+    np.savez_compressed(path, w=values)
+    array = lazyckpt.open(path)["w"]
+    cuts = [(slice(a, a + 97), 7 * (a % 5)) for a in range(0, 1000, 61)]
+
+    def read(cut: tuple[slice, int]) -> bool:
+        return bool(np.array_equal(array[cut[0], cut[1]].get(), values[cut[0], cut[1]]))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(read, cuts[::-1] + cuts))

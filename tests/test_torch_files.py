@@ -435,3 +435,18 @@ def test_two_entries_of_one_name_are_refused(tmp_path: Path) -> None:
     for flat in (False, True):
         with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"two entries are named 'a\.b'"):
             lazyckpt.open(path, flat=flat)
+
+
+def test_a_legacy_pickle_larger_than_the_first_read() -> None:
+    tree = lazyckpt.open(FIXTURES / "many_legacy.pt", flat=True)
+    assert len(tree) == 1200
+    np.testing.assert_array_equal(tree["model.layers.1199.mlp.up_proj.weight"].get(), [1199, 1199])
+
+
+def test_a_memoized_dag_in_a_device_name_fails_fast(tmp_path: Path) -> None:
+    # torch.device(x) where x is a list holding the one before it twice, 30 deep:
+    # printing it would take 2**30 steps.
+    payload = _shared(30)[:-1] + b"\x85q\x7fctorch\ndevice\nh\x7fR."
+    path = _torch_zip(tmp_path / "device.pt", payload)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="torch.device"):
+        lazyckpt.open(path)

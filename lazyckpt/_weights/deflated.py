@@ -67,12 +67,13 @@ class Inflater:
         # the last `KEEP_BYTES` it inflated, for reads a little behind it.
         self._at: tuple[int, int, Any, bytes] = (0, 0, zlib.decompressobj(-15), b"")
         self._recent: collections.deque[bytes] = collections.deque()  # its last pieces
+        self._recent_end = 0  # where they end (a pass adds to them before it ends)
 
     def read(self, low: int, high: int) -> bytes:
         """The inflated bytes `[low, high)`."""
         wanted = _Wanted(low, high)
         with self._lock:
-            if self._kept() <= low and high <= self._at[0]:
+            if self._kept() <= low and high <= self._recent_end:
                 return self._from_recent(low, high)
             self._waiting.append(wanted)
             while wanted.filled < high - low and wanted.error is None:
@@ -86,6 +87,10 @@ class Inflater:
                     for other in self._waiting:
                         other.error = error
                     self._waiting.clear()
+                    # (the inflater moved on without the pass's end: start again)
+                    self._recent.clear()
+                    self._recent_end = 0
+                    self._at = (0, 0, self._marks[0][2].copy(), b"")
                 finally:
                     self._busy = False
                     self._lock.notify_all()
@@ -99,8 +104,8 @@ class Inflater:
         kept = self._kept()
         for wanted in self._waiting:  # what the last pass kept
             at = wanted.low + wanted.filled
-            if kept <= at < self._at[0]:
-                wanted.data += self._from_recent(at, min(self._at[0], wanted.high))
+            if kept <= at < self._recent_end:
+                wanted.data += self._from_recent(at, min(self._recent_end, wanted.high))
         self._waiting = [w for w in self._waiting if w.filled < w.high - w.low]
         if not self._waiting:
             return
@@ -134,6 +139,7 @@ class Inflater:
                     wanted.data += piece[at - done : at - done + take]
             self._waiting = [w for w in self._waiting if w.filled < w.high - w.low]
             self._recent.append(piece)
+            self._recent_end = end
             while sum(map(len, self._recent)) - len(self._recent[0]) >= KEEP_BYTES:
                 self._recent.popleft()
             done = end
@@ -145,10 +151,11 @@ class Inflater:
         self._at = (done, position, inflater, pending)
         if done >= self.size:  # (read to its end: nothing is behind to keep for)
             self._recent.clear()
+            self._recent_end = 0
 
     def _kept(self) -> int:
         """Where what the last pass kept starts."""
-        return self._at[0] - sum(map(len, self._recent))
+        return self._recent_end - sum(map(len, self._recent))
 
     def _from_recent(self, low: int, high: int) -> bytes:
         """Bytes `[low, high)` of what the last pass kept."""
@@ -163,9 +170,11 @@ class Inflater:
     def _resume(self, low: int) -> tuple[int, int, Any, bytes]:
         """Where to inflate from to reach `low`: where the last pass left off, if not
         past `low`, else the nearest kept copy before it."""
-        if self._at[0] <= low:
-            return self._at
+        if self._at[0] <= low:  # (a copy: a pass that fails leaves `_at` as it was)
+            done, position, inflater, pending = self._at
+            return done, position, inflater.copy(), pending
         self._recent.clear()
+        self._recent_end = 0
         done, position, inflater = self._marks[
             bisect.bisect_right([m[0] for m in self._marks], low) - 1
         ]

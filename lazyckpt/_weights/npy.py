@@ -32,7 +32,7 @@ from lazyckpt._weights.files import File
 MAGIC = b"\x93NUMPY"
 HEADER_LIMIT = 10_000
 """The longest header read, as `numpy.load` allows by default."""
-_DESCR = re.compile(r"[<>|=]?(?:[fiuc][1-9][0-9]?|b1|\?)")
+_DESCR = re.compile(r"[<>|=]?(?:f[248]|c(?:8|16)|[iu][1248]|b1|\?)")
 _FIX = "the file is damaged, download or copy it again"
 
 

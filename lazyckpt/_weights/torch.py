@@ -162,8 +162,12 @@ def read_legacy(file: File, head: bytes) -> Saved:
             tree, storages = unpickle(stream, file.path)
             keys = plain(stream, file.path)
             break
-        except Truncated:
+        except (Truncated, CorruptCheckpointError) as error:
+            # Bytes cut inside a field fail in many ways (a short struct, a cut
+            # string): while the file holds more, read more and parse again.
             more = b"" if len(data) >= PICKLE_LIMIT else _more(file, len(data), 2 * len(data))
+            if not more and isinstance(error, CorruptCheckpointError):
+                raise
             if not more:  # (the file ended, or the pickles are past any real size)
                 raise CorruptCheckpointError(
                     f"{file.path}: its pickles end early, within the first {len(data)} "
@@ -177,7 +181,7 @@ def read_legacy(file: File, head: bytes) -> Saved:
         or set(keys) != set(storages)
     ):
         raise CorruptCheckpointError(
-            f"{file.path}: its storage list {str(keys)[:80]} does not match the storages "
+            f"{file.path}: its storage list (a {type(keys).__name__}) does not match the storages "
             "its pickle names; the file is damaged, download or copy it again"
         )
     at = stream.tell()

@@ -116,20 +116,26 @@ class Tensor:
 
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or not all(
-        type(v) is int and 0 <= v < 1 << 62 for v in value
+    # Messages name types, never values: a pickle's memo can make a value whose text
+    # is exponentially larger than the file.
+    if (
+        not isinstance(value, tuple | list)
+        or len(value) > _MAX_RANK
+        or not all(type(v) is int and 0 <= v < 1 << 62 for v in value)
     ):
-        raise ValueError(f"{what} {str(value)[:80]} is not a tuple of sizes")
+        raise ValueError(f"a {what} (a {type(value).__name__}) that is not a tuple of sizes")
     return tuple(value)
 
 
 def _tensor(storage: object, offset: object, size: object, stride: object, *rest: object) -> Tensor:
     if not isinstance(storage, Storage) or type(offset) is not int:
-        raise ValueError(f"a tensor of storage {storage!r} at offset {offset!r}")
+        raise ValueError(
+            f"a tensor of a {type(storage).__name__} at an offset of {type(offset).__name__}"
+        )
     dtype = next((r for r in rest if isinstance(r, DType)), storage.dtype)
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     if len(shape) != len(strides):
-        raise ValueError(f"size {shape} and stride {strides} differ in length")
+        raise ValueError(f"a size of {len(shape)} and a stride of {len(strides)} dimensions")
     return Tensor(storage, offset, shape, strides, dtype)
 
 
@@ -139,7 +145,7 @@ def _parameter(data: object, *_: object) -> object:
 
 def _from_type(function: object, _type: object, args: object, _state: object) -> object:
     if (function is not _tensor and function is not _parameter) or not isinstance(args, tuple):
-        raise ValueError(f"a tensor subclass rebuilt by {function!r}")
+        raise ValueError(f"a tensor subclass rebuilt by a {type(function).__name__}")
     return function(*args)
 
 
@@ -155,13 +161,16 @@ def _size(*args: object) -> tuple[int, ...]:
 
 
 def _encode(text: object, encoding: object = "latin1") -> bytes:
-    # Protocol 2 pickles bytes as `_codecs.encode(text, "latin1")`.
-    if not isinstance(text, str) or encoding != "latin1":
-        raise ValueError("_codecs.encode of anything but latin1 text")
+    # Protocol 2 pickles bytes as `_codecs.encode(text, "latin1")`: short values
+    # (a state's `_metadata`), never a copy per reference of a large one.
+    if not isinstance(text, str) or encoding != "latin1" or len(text) > 1 << 16:
+        raise ValueError("_codecs.encode of anything but short latin1 text")
     return text.encode("latin1")
 
 
 def _device(*args: object) -> str:
+    if len(args) > 2 or not all(type(a) in (str, int) and len(str(a)) < 64 for a in args):
+        raise ValueError("a torch.device of other than a short name and an index")
     return ":".join(str(a) for a in args)
 
 
@@ -188,14 +197,16 @@ _GLOBALS: dict[tuple[str, str], object] = {
 
 _UNREAD_DTYPES = ("complex32", "chalf", "bits", "qint", "quint", "uint1", "int1", "int2")
 """torch dtypes that lazyckpt does not read (their names start so)."""
-_SCALARS = (str, int, float, bool, bytes, type(None))
+_MAX_RANK = 64
+_ENCODED = 16 << 20
 
 
 def _scalar_key(key: object) -> bool:
-    """A key whose hash is cheap: a scalar, or a tuple of scalars. (Hashing nested
-    tuples that share parts, which a pickle's memo allows, takes exponential time.)"""
-    return isinstance(key, _SCALARS) or (
-        type(key) is tuple and all(isinstance(k, _SCALARS) for k in key)
+    """A key a state dict uses: a number, or a name of at most 1,024 characters. (A
+    tuple's hash takes exponential time where its parts share, which a pickle's memo
+    allows, and each long key again becomes a key path's parts.)"""
+    return isinstance(key, int | float | bool | type(None)) or (
+        isinstance(key, str) and len(key) <= 1024
     )
 
 
@@ -258,8 +269,20 @@ class _Unpickler(_Guarded):
     def __init__(self, stream: io.BytesIO, path: str) -> None:
         super().__init__(stream, path)
         self.storages: dict[str, Storage] = {}
+        self._encoded = 0
+
+    def _encode(self, *args: object) -> bytes:
+        """`_codecs.encode`, at most `_ENCODED` bytes in all: each call makes a copy,
+        and a pickle can call it again and again on one memoized string."""
+        out = _encode(*args)
+        self._encoded += len(out)
+        if self._encoded > _ENCODED:
+            raise ValueError(f"more than {_ENCODED} bytes of encoded text")
+        return out
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):
+            return self._encode
         found = _GLOBALS.get((module, name))
         if found is not None:
             return found
@@ -295,11 +318,14 @@ class _Unpickler(_Guarded):
             isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] in ("storage", b"storage")
         ):
             kind = pid[0] if isinstance(pid, tuple) and pid else pid
+            shown = repr(kind)[:40] if isinstance(kind, str | bytes) else type(kind).__name__
             raise UnsafePickleError(
-                f"{self.path}: its pickle refers to a saved {kind!r}, not a storage (a "
+                f"{self.path}: its pickle refers to a saved {shown}, not a storage (a "
                 "whole nn.Module saved by torch.save(model)); save model.state_dict() instead"
             )
         _, kind, key, _location, numel, *view = pid
+        if not isinstance(key, str | bytes) or len(key) > 256:
+            raise ValueError(f"a storage key of type {type(key).__name__}")
         if view and view[0] is not None:
             raise UnsupportedCheckpointError(
                 f"{self.path}: storage {key!r} is a view of another storage (legacy "
@@ -307,8 +333,10 @@ class _Unpickler(_Guarded):
                 "with torch and save it again"
             )
         if not isinstance(kind, StorageType) or type(numel) is not int or numel < 0:
-            raise ValueError(f"storage {key!r} of type {kind!r} and {numel!r} elements")
-        key = key.decode() if isinstance(key, bytes) else str(key)
+            raise ValueError(
+                f"storage {key!r} of a {type(kind).__name__} and {type(numel).__name__} elements"
+            )
+        key = key.decode("latin1") if isinstance(key, bytes) else key
         storage = self.storages.setdefault(key, Storage(key, kind.dtype, numel))
         return storage
 
