@@ -173,14 +173,14 @@ class LazyArray:
         if len(plan.axes) == 1:
             axis = plan.axes[0]
             before = (slice(None),) * axis
-            pieces = [base[(*before, slice(s, s + n))] for s, n in gather.runs(plan.picks[:, 0])]
+            pieces = [base[(*before, piece)] for piece in gather.runs(plan.picks[:, 0])]
             if len(pieces) == 1:
                 joined = pieces[0]
             elif not pieces:
                 joined = base[(*before, slice(0, 0))]
             else:
                 size = (*base.shape[:axis], len(plan.picks), *base.shape[axis + 1 :])
-                node = compose.Concat(size, self.dtype, tuple(pieces), axis)
+                node = gather.Picked(size, self.dtype, tuple(pieces), axis)
                 joined = composed(self.path, node, self.dtype)
             return attrs.evolve(joined.reshape(shape), path=self.path)
         parts = tuple(
@@ -195,7 +195,7 @@ class LazyArray:
         stacked_shape = (*rest[: plan.at], len(parts), *rest[plan.at :])
         if not parts:
             return attrs.evolve(base[(slice(0, 0),) * base.ndim].reshape(shape), path=self.path)
-        stack = compose.Stack(stacked_shape, self.dtype, parts, plan.at)
+        stack = gather.PickedStack(stacked_shape, self.dtype, parts, plan.at)
         return attrs.evolve(composed(self.path, stack, self.dtype).reshape(shape), path=self.path)
 
     def _composed(self, found: ArrayView | compose.Node) -> LazyArray:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 import lazyckpt
+from lazyckpt._array import gather
 from tests import strategies
 from tests.helpers import orbax_save
 
@@ -205,3 +206,27 @@ def test_the_command_line_shows_picked_rows(
     assert str(np.float32(table[17, 1]))[:6] in shown
     assert main(["show", str(safetensors_path), "embed[[3, 9000]]"]) == 1
     assert "index 9000 is out of bounds for axis 0 of size 4096" in capsys.readouterr().err
+
+
+def test_streaming_verbs_read_each_chunk_of_picked_rows_once(
+    embedding: tuple[Path, Path, np.ndarray], tmp_path: Path
+) -> None:
+    # Rows picked in runs are streamed in blocks of the view, not run by run: a chunk
+    # that holds many runs is read once a block (here the view is one block).
+    orbax_path, _, table = embedding
+    keep = np.sort(np.random.default_rng(2).choice(2048, 600, replace=False))  # 8 chunks
+    assert len(list(gather.runs(keep))) > 300  # hundreds of pieces
+    lazy = lazyckpt.open(orbax_path)["embed"][keep]
+    stored = sum(p.stat().st_size for p in orbax_path.rglob("*") if p.is_file())
+    for name, verb in {
+        "stats": lambda: lazyckpt.stats({"e": lazy}),
+        "iter_blocks": lambda: list(lazyckpt.iter_blocks({"e": lazy})),
+        "save safetensors": lambda: lazyckpt.save(
+            tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors", {"e": lazy}
+        ),
+    }.items():
+        with lazyckpt.measure() as cost:
+            verb()
+        assert cost.bytes_read <= stored * 0.55, name
+    many = lazyckpt.open(orbax_path)["embed"][np.arange(1, 4096, 2)]  # every other row
+    np.testing.assert_array_equal(many.get(), table[1::2])

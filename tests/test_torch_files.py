@@ -448,5 +448,5 @@ def test_a_memoized_dag_in_a_device_name_fails_fast(tmp_path: Path) -> None:
     # printing it would take 2**30 steps.
     payload = _shared(30)[:-1] + b"\x85q\x7fctorch\ndevice\nh\x7fR."
     path = _torch_zip(tmp_path / "device.pt", payload)
-    with pytest.raises(lazyckpt.CorruptCheckpointError, match="torch.device"):
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"torch\.device"):
         lazyckpt.open(path)

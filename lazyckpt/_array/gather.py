@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
+from lazyckpt._array.compose import Concat, Node, Part, Stack
+from lazyckpt._array.selection import Stored
 from lazyckpt._errors import LazyIndexError
 
 MAX_PICKS = 1 << 24
@@ -180,13 +182,58 @@ def _planned(items: list[Any], shape: tuple[int, ...]) -> Gather:
     return Gather(tuple(basic), tuple(axes), rows, together, at)
 
 
-def runs(picks: np.ndarray) -> Iterator[tuple[int, int]]:
-    """`(start, length)` of the runs of consecutive indices in `picks`, in order:
-    `[3, 4, 5, 9, 9]` is `(3, 3), (9, 1), (9, 1)`."""
-    if not len(picks):
-        return
-    breaks = np.flatnonzero(np.diff(picks) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(picks)]])
-    for begin, end in zip(starts.tolist(), stops.tolist(), strict=True):
-        yield int(picks[begin]), end - begin
+def runs(picks: np.ndarray) -> Iterator[slice]:
+    """Slices that together pick `picks`, in order: runs of consecutive indices
+    (either way), and longer progressions of a small step (a mask keeping every other
+    row): `[3, 4, 5, 9, 9]` is `3:6, 9:10, 9:10`. Fewer pieces make a cheaper view."""
+    count = len(picks)
+    values = picks.tolist()
+    i = 0
+    while i < count:
+        step = values[i + 1] - values[i] if i + 1 < count else 1
+        j = i + 1
+        while j < count and values[j] - values[j - 1] == step:
+            j += 1
+        length = j - i
+        if step == 0 or not (abs(step) == 1 or (length >= 8 and abs(step) <= 4)):
+            step, length = 1, 1
+        stop = values[i] + step * length
+        yield slice(values[i], stop if stop >= 0 else None, step)
+        i += length
+
+
+@attrs.frozen(eq=False)
+class Picked(Concat):
+    """Pieces of one array picked by index (`x[[3, 4, 9]]`), joined along `axis`.
+    Streamed in blocks of the view, each filled through the engine, so that a stored
+    chunk that several pieces share is read once a block, not once a piece."""
+
+    def stream_parts(self, grid: tuple[int, ...] | None, block: int) -> None:
+        return None
+
+    def take(self, items: Sequence[Stored]) -> Part | Node:
+        found = super().take(items)
+        if type(found) is Concat:
+            return Picked(found.shape, found.dtype, found.arrays, found.axis)
+        return found
+
+    def describe(self) -> str:
+        return f"{len(self.arrays)} pieces picked along axis {self.axis}"
+
+
+@attrs.frozen(eq=False)
+class PickedStack(Stack):
+    """Elements picked by several index arrays (`x[rows, cols]`), stacked; streamed
+    as `Picked` is."""
+
+    def stream_parts(self, grid: tuple[int, ...] | None, block: int) -> None:
+        return None
+
+    def take(self, items: Sequence[Stored]) -> Part | Node:
+        found = super().take(items)
+        if type(found) is Stack:
+            return PickedStack(found.shape, found.dtype, found.arrays, found.axis)
+        return found
+
+    def describe(self) -> str:
+        return f"{len(self.arrays)} elements picked"

@@ -384,3 +384,49 @@ def covered_range(entry: Range, start: int, stop: int) -> tuple[int, int]:
         first = (entry.start - stop) // step + 1
         last = (entry.start - start) // step + 1
     return max(0, first), min(entry.count, last)
+
+
+def covering_blocks(
+    boxes: Sequence[Box],
+    chunks: Sequence[int],
+    shape: Sequence[int],
+    itemsize: int,
+    budget: int,
+) -> Iterator[Box]:
+    """Blocks of whole chunks (`chunk_blocks`) that cover `boxes`: of the box around
+    them all, or, where they are sparse in it (rows picked far apart: `x[[3, 3900]]`),
+    of the chunks around each, each chunk once where boxes share it."""
+    union = tuple(
+        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(shape))
+    )
+    around = {
+        tuple(
+            (lo // c * c, min(-(-hi // c) * c, n))
+            for (lo, hi), c, n in zip(box, chunks, shape, strict=True)
+        )
+        for box in boxes
+        if all(hi > lo for lo, hi in box)
+    }
+    volume = sum(math.prod(hi - lo for lo, hi in box) for box in around)
+    if volume >= math.prod(hi - lo for lo, hi in union):
+        around = {union}
+    for region in sorted(around):
+        yield from chunk_blocks(region, chunks, itemsize, budget)
+
+
+class BoxIndex:
+    """Boxes by where they start along the first dimension, to find those that a box
+    may touch without trying them all (thousands of picked rows)."""
+
+    def __init__(self, boxes: Sequence[Box]) -> None:
+        self.order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0] if boxes[i] else 0)
+        self.starts = [boxes[i][0][0] if boxes[i] else 0 for i in self.order]
+        self.reach = max((b[0][1] - b[0][0] for b in boxes if b), default=0)
+
+    def touching(self, box: Box) -> list[int]:
+        """The indices, in order, of the boxes that may intersect `box`."""
+        if not box:
+            return list(range(len(self.order)))
+        low = bisect.bisect_left(self.starts, box[0][0] - self.reach + 1)
+        high = bisect.bisect_left(self.starts, box[0][1])
+        return sorted(self.order[low:high])

@@ -37,6 +37,7 @@ import tensorstore as ts
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import (
     Box,
+    BoxIndex,
     Index,
     Spans,
     as_slices,
@@ -46,6 +47,7 @@ from lazyckpt._array.geometry import (
     chunk_box,
     chunks_in,
     clip,
+    covering_blocks,
     fitted,
     in_view,
     intersect,
@@ -379,29 +381,6 @@ def _schedule_whole(
         scheduler.submit(view.read, copy, held=view.nbytes * HELD, work=view.nbytes)
 
 
-def _blocks(boxes: Sequence[Box], stored: StoredArray, block_bytes: int) -> Iterator[Box]:
-    """Blocks of whole stored chunks that cover `boxes`: of the box around them all, or,
-    where they are sparse in it (rows picked far apart: `x[[3, 3900]]`), of the
-    chunks around each, each chunk once where boxes share it."""
-    itemsize = stored.dtype.itemsize
-    union = tuple(
-        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(stored.shape))
-    )
-    around = {
-        tuple(
-            (lo // c * c, min(-(-hi // c) * c, n))
-            for (lo, hi), c, n in zip(box, stored.chunks, stored.shape, strict=True)
-        )
-        for box in boxes
-        if all(hi > lo for lo, hi in box)
-    }
-    volume = sum(math.prod(hi - lo for lo, hi in box) for box in around)
-    if volume >= math.prod(hi - lo for lo, hi in union):
-        around = {union}
-    for region in sorted(around):
-        yield from chunk_blocks(region, stored.chunks, itemsize, block_bytes)
-
-
 def _schedule_blocks(
     array: ArrayView,
     mapping: Sequence[tuple[int, int] | None],
@@ -443,12 +422,15 @@ def _schedule_blocks(
                 write = _direct_read(stored, opened, destination, block, box)
                 scheduler.submit(write, finished, held=ts_held(stored, block), work=nbytes)
         return
-    for block in _blocks(boxes, stored, scheduler.block_bytes):
+    near = BoxIndex(boxes)
+    cover = covering_blocks(boxes, stored.chunks, stored.shape, itemsize, scheduler.block_bytes)
+    for block in cover:
         consumers = [
-            (t, b, part)
-            for t, b in zip(destinations, boxes, strict=True)
-            if (part := intersect(block, b)) is not None
+            (destinations[i], boxes[i], part)
+            for i in near.touching(block)
+            if (part := intersect(block, boxes[i])) is not None
         ]
+
         if not consumers:
             continue
         remaining[0] += 1

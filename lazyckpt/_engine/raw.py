@@ -19,6 +19,7 @@ request costs a round trip.
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import math
@@ -30,7 +31,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.geometry import Box, bounds, intersect, product, to_stored
+from lazyckpt._array.geometry import Box, bounds, box_bytes, intersect, product, to_stored
 from lazyckpt._array.selection import Range, Selection
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import Destination, result_empty
@@ -143,8 +144,9 @@ def schedule_raw(
     boxes = [to_stored(array, mapping, d.region) for d in destinations]
     if any(not _long_runs(stored.shape, box, itemsize, found.min_run) for box in boxes):
         return False
-    if _overlap(boxes):
-        return False  # overlapping boxes: the chunked path reads what they share once
+    shared = _shared(boxes) * itemsize
+    if shared > max(1 << 20, sum(box_bytes(box, itemsize) for box in boxes) // 8):
+        return False  # boxes that share much: the chunked path reads what they share once
     # Bytes land in the buffer in C order: it must be C-contiguous (a composed view's
     # part may be given a transposed view of its parent's buffer) and of this dtype.
     if any(
@@ -172,19 +174,24 @@ def schedule_raw(
     return True
 
 
-def _overlap(boxes: Sequence[Box]) -> bool:
-    """Whether two of `boxes` overlap: swept along their first dimension, so that
-    thousands of picked rows (`x[rows]`) cost a comparison each, not one a pair."""
+def _shared(boxes: Sequence[Box]) -> int:
+    """How many elements `boxes` share, pair by pair (a repeated row counts once per
+    repeat): swept along their first dimension, so that thousands of picked rows
+    (`x[rows]`) cost a comparison each, not one a pair."""
     if not boxes or not boxes[0]:
-        return len(boxes) > 1
-    order = sorted(boxes, key=lambda box: box[0][0])
+        return len(boxes) - 1 if boxes else 0
+    counts = collections.Counter(boxes)  # (a row picked again and again: once here)
+    shared = sum((n - 1) * math.prod(high - low for low, high in box) for box, n in counts.items())
+    order = sorted(counts, key=lambda box: box[0][0])
     for k, box in enumerate(order):
-        for other in order[k + 1 :]:
+        for j in range(k + 1, len(order)):
+            other = order[j]
             if other[0][0] >= box[0][1]:
                 break
-            if intersect(box, other):
-                return True
-    return False
+            both = intersect(box, other)
+            if both is not None:
+                shared += math.prod(high - low for low, high in both)
+    return shared
 
 
 def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray] | None:
