@@ -9,6 +9,7 @@ final `save`, `device_put` or `load` reads, each stored chunk once.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,10 @@ def take(array: LazyArray, indices: Any, axis: int | None = None) -> LazyArray:
     """
     if axis is None:
         return array.reshape(-1)[np.asarray(indices)]
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise LazyIndexError(f"{array.key}: take() takes an int axis, not {axis!r}") from None
     if not -array.ndim <= axis < array.ndim:
         raise LazyIndexError(f"{array.key} (shape {array.shape}): no axis {axis} to take along")
     index = np.asarray(indices)

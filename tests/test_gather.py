@@ -230,3 +230,15 @@ def test_streaming_verbs_read_each_chunk_of_picked_rows_once(
         assert cost.bytes_read <= stored * 0.55, name
     many = lazyckpt.open(orbax_path)["embed"][np.arange(1, 4096, 2)]  # every other row
     np.testing.assert_array_equal(many.get(), table[1::2])
+
+
+def test_a_view_of_too_many_pieces_is_refused_before_it_is_made(
+    zoo: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gather, "MAX_PIECES", 4)
+    u8 = zoo["opened"]["safetensors"]["u8"]
+    assert u8[[0, 1, 2, 9, 20, 21]].shape == (6,)  # 3 runs
+    with pytest.raises(lazyckpt.LazyIndexError, match=r"u8 \(shape \(30,\)\): .* makes 5 runs"):
+        u8[[0, 2, 9, 20, 27]]
+    with pytest.raises(lazyckpt.LazyIndexError, match="take\\(\\) takes an int axis"):
+        lazyckpt.take(u8, [1], axis=0.0)  # type: ignore[arg-type]

@@ -28,7 +28,10 @@ from lazyckpt._array.selection import Stored
 from lazyckpt._errors import LazyIndexError
 
 MAX_PICKS = 1 << 24
-"""The most elements (rows, experts...) one index may pick: each is a view of its own."""
+"""The most elements (rows, experts...) one index may pick."""
+MAX_PIECES = 1 << 17
+"""The most views a picked view is made of (a run of rows is one; each costs about
+1.5 KB and a share of every read's planning)."""
 
 
 @attrs.frozen
@@ -180,6 +183,16 @@ def _planned(items: list[Any], shape: tuple[int, ...]) -> Gather:
     adjacent = all(b - a <= 1 for a, b in itertools.pairwise(spots))
     at = axes[0] - sum(1 for a in axes if a < axes[0]) if adjacent else 0
     return Gather(tuple(basic), tuple(axes), rows, together, at)
+
+
+def check_pieces(count: int, what: str) -> None:
+    """Refuse a view of more than `MAX_PIECES` pieces before it is made."""
+    if count > MAX_PIECES:
+        raise LazyIndexError(
+            f"an index that makes {count} {what}, over the {MAX_PIECES} views one picked "
+            "view may hold; pick in fewer pieces (sorted indices make runs), or read the "
+            "array (or a slice around the picks) and index the result"
+        )
 
 
 def runs(picks: np.ndarray) -> Iterator[slice]:
