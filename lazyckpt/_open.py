@@ -80,20 +80,18 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     with gc_paused(), paths.session(storage_options):
         where = paths.normalize(path)
         try:
-            if is_safetensors(where):
+            for holds, kind, read in (
+                (is_safetensors, "safetensors", open_safetensors),
+                (is_weights, "weight files", open_weights),
+            ):
+                if not holds(where):
+                    continue
                 if step is not None or item is not None:
                     raise NotACheckpointError(
-                        f"{where} holds safetensors, which have no steps or items; open it "
+                        f"{where} holds {kind}, which have no steps or items; open it "
                         "without step= and item="
                     )
-                return open_safetensors(where, flat=flat)
-            if is_weights(where):
-                if step is not None or item is not None:
-                    raise NotACheckpointError(
-                        f"{where} holds weight files, which have no steps or items; open "
-                        "it without step= and item="
-                    )
-                return open_weights(where, flat=flat)
+                return read(where, flat=flat)
             tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
         except (CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError):
             staged = interrupted_overwrite(where)

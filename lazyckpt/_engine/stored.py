@@ -9,7 +9,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -164,6 +164,30 @@ class StoredArray:
         """The array as a TensorStore, through its zarr driver: what a subclass for
         another format replaces."""
         return ts.open(self._spec(), context=self.store.context, open=True)
+
+    def open_virtual(self, read_chunk: Callable[..., ts.Future[None]]) -> ts.Future[ts.TensorStore]:
+        """The array as tensorstore's virtual chunks on its grid, each filled by
+        `read_chunk(domain, array, parameters)`: for a format whose bytes lazyckpt reads
+        itself (raw ranges of a file, an inflated stream)."""
+        return ready(
+            ts.virtual_chunked(
+                read_chunk,
+                dtype=ts.dtype(self.dtype.newbyteorder("=").name),
+                shape=self.shape,
+                chunk_layout=ts.ChunkLayout(read_chunk_shape=self.chunks),
+                context=self.store.context,
+            )
+        )
+
+    def chunk_bytes(self, domain: ts.IndexDomain, origin: int) -> tuple[int, int]:
+        """The bytes that the elements of `domain` span, in C order, where element 0
+        is at byte `origin`: from its first element to one past its last."""
+        low = tuple(d.inclusive_min for d in domain)
+        high = tuple(d.exclusive_max - 1 for d in domain)
+        first = int(np.ravel_multi_index(low, self.shape)) if self.shape else 0
+        last = int(np.ravel_multi_index(high, self.shape)) if self.shape else 0
+        size = self.dtype.itemsize
+        return origin + first * size, origin + (last + 1) * size
 
     def _spec(self) -> dict[str, object]:
         kvstore = dict(self.store.kvstore_spec)

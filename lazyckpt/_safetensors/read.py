@@ -53,7 +53,7 @@ from lazyckpt._safetensors.over_http import (
     web_headers,
 )
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, ready, then
+from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, then
 from lazyckpt._storage.sites import hub_listed
 from lazyckpt._storage.web import WebFiles, local_copy
 from lazyckpt._text import printable
@@ -367,31 +367,14 @@ class RangeArray(StoredArray):
         return self.name, self.start
 
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
-        return ready(
-            ts.virtual_chunked(
-                self._read_chunk,
-                dtype=ts.dtype(self.dtype.newbyteorder("=").name),
-                shape=self.shape,
-                chunk_layout=ts.ChunkLayout(read_chunk_shape=self.chunks),
-                context=self.store.context,
-            )
-        )
-
-    def _span(self, low: Sequence[int], high: Sequence[int]) -> tuple[int, int]:
-        """The file's bytes from element `low` to element `high` (inclusive), C order."""
-        first = int(np.ravel_multi_index(tuple(low), self.shape)) if self.shape else 0
-        last = int(np.ravel_multi_index(tuple(high), self.shape)) if self.shape else 0
-        size = self.dtype.itemsize
-        return self.start + first * size, self.start + (last + 1) * size
+        return self.open_virtual(self._read_chunk)
 
     def _read_chunk(
         self, domain: ts.IndexDomain, array: np.ndarray, _: ts.VirtualChunkedReadParameters
     ) -> ts.Future[None]:
         """Fill one chunk of the grid from its byte range. Returns a future instead of
         waiting: a storage client whose threads all waited here would never answer."""
-        low = [d.inclusive_min for d in domain]
-        high = [d.exclusive_max - 1 for d in domain]
-        start, stop = self._span(low, high)
+        start, stop = self.chunk_bytes(domain, self.start)
 
         def fill(result: ts.KvStore.ReadResult) -> None:
             if result.state != "value" or len(result.value) != stop - start:

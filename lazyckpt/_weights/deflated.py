@@ -25,7 +25,7 @@ import tensorstore as ts
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._storage.kvstore import ready, then
+from lazyckpt._storage.kvstore import then
 from lazyckpt._weights.files import File
 
 PIECE = 1 << 20
@@ -195,27 +195,14 @@ class DeflatedArray(StoredArray):
     offset: int = 0
 
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
-        return ready(
-            ts.virtual_chunked(
-                self._read_chunk,
-                dtype=ts.dtype(self.dtype.newbyteorder("=").name),
-                shape=self.shape,
-                chunk_layout=ts.ChunkLayout(read_chunk_shape=self.chunks),
-                context=self.store.context,
-            )
-        )
+        return self.open_virtual(self._read_chunk)
 
     def _read_chunk(
         self, domain: ts.IndexDomain, array: np.ndarray, _: ts.VirtualChunkedReadParameters
     ) -> ts.Future[None]:
         assert self.inflater is not None
         inflater = self.inflater
-        low = [d.inclusive_min for d in domain]
-        high = [d.exclusive_max - 1 for d in domain]
-        size = self.dtype.itemsize
-        first = int(np.ravel_multi_index(tuple(low), self.shape)) if self.shape else 0
-        last = int(np.ravel_multi_index(tuple(high), self.shape)) if self.shape else 0
-        start, stop = self.offset + first * size, self.offset + (last + 1) * size
+        start, stop = self.chunk_bytes(domain, self.offset)
 
         def fill(data: bytes) -> None:
             array[...] = np.frombuffer(data, self.dtype).reshape(array.shape)
