@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import quant
 from lazyckpt._array.compose import sources
+from lazyckpt._array.dtypes import issubdtype
 from lazyckpt._array.tree import children, rebuild
 from lazyckpt._errors import QuantizationError, StorageAccessError, json_or_corrupt
 from lazyckpt._lazy import LazyArray, composed
@@ -45,7 +46,7 @@ def dequantize_fp8(
     scale: LazyArray,
     *,
     block_size: Sequence[int] = DEFAULT_BLOCK,
-    dtype: DTypeLike = jnp.bfloat16,
+    dtype: DTypeLike = ml_dtypes.bfloat16,
 ) -> LazyArray:
     """The dense view of a block-scaled weight: `weight * scale` of its block, worked
     out in float32 as a read asks for it, then cast to `dtype`. Reads nothing.
@@ -101,7 +102,7 @@ def dequantize_fp8(
                 f"and {scale.shape}); pass the block size the model was quantized with "
                 "(config.json's quantization_config.weight_block_size)"
             )
-    if not jnp.issubdtype(scale.dtype, jnp.floating):
+    if not issubdtype(scale.dtype, np.floating):
         raise QuantizationError(
             f"{where}: the scale is {scale.dtype}, expected a float dtype (float32, "
             "bfloat16, float8_e8m0fnu)"
@@ -112,7 +113,7 @@ def dequantize_fp8(
 
 
 def dequantize_mxfp4(
-    blocks: LazyArray, scales: LazyArray, *, dtype: DTypeLike = jnp.bfloat16
+    blocks: LazyArray, scales: LazyArray, *, dtype: DTypeLike = ml_dtypes.bfloat16
 ) -> LazyArray:
     """The dense view of MXFP4 weights: 32 E2M1 codes per block times their block's
     E8M0 scale (`2 ** (s - 127)`), read as `[..., G * 32]`. Reads nothing.
@@ -136,7 +137,10 @@ def dequantize_mxfp4(
             f"{where}: MXFP4 blocks are uint8 [..., G, 16] or float4_e2m1fn [..., G, 32], "
             f"found {blocks.dtype} {list(blocks.shape)}"
         )
-    if scales.dtype not in (np.uint8, jnp.float8_e8m0fnu) or scales.shape != blocks.shape[:-1]:
+    if (
+        scales.dtype not in (np.uint8, ml_dtypes.float8_e8m0fnu)
+        or scales.shape != blocks.shape[:-1]
+    ):
         raise QuantizationError(
             f"{where}: MXFP4 scales are uint8 or float8_e8m0fnu of the blocks' shape "
             f"without its last dimension, {list(blocks.shape[:-1])}; found {scales.dtype} "
@@ -150,7 +154,7 @@ def dequantize_mxfp4(
 def dequantize(
     tree: Any,
     *,
-    dtype: DTypeLike = jnp.bfloat16,
+    dtype: DTypeLike = ml_dtypes.bfloat16,
     block_size: Sequence[int] | None = None,
 ) -> Any:
     """`tree` with each quantized weight replaced by the lazy view of its dense values,
@@ -256,7 +260,7 @@ def _check_unpaired(key: str, array: LazyArray, arrays: dict[str, LazyArray]) ->
     if (
         key.endswith(_MX_SCALES)
         and key[: -len(_MX_SCALES)] + _MX_BLOCKS not in arrays
-        and array.dtype in (np.uint8, jnp.float8_e8m0fnu)
+        and array.dtype in (np.uint8, ml_dtypes.float8_e8m0fnu)
     ):
         blocks = array.key[: -len(_MX_SCALES)] + _MX_BLOCKS
         raise QuantizationError(
@@ -268,7 +272,7 @@ def _check_unpaired(key: str, array: LazyArray, arrays: dict[str, LazyArray]) ->
         suffix is not None
         and key[: -len(suffix)].endswith("weight")
         and key[: -len(suffix)] not in arrays
-        and jnp.issubdtype(array.dtype, jnp.floating)
+        and issubdtype(array.dtype, np.floating)
     ):
         raise QuantizationError(
             f"{array.key}: a weight's scale without its weight "
@@ -278,7 +282,7 @@ def _check_unpaired(key: str, array: LazyArray, arrays: dict[str, LazyArray]) ->
 
 
 def _is_mx_blocks(array: LazyArray) -> bool:
-    width = {np.dtype(np.uint8): quant.CODES // 2, np.dtype(jnp.float4_e2m1fn): quant.CODES}
+    width = {np.dtype(np.uint8): quant.CODES // 2, np.dtype(ml_dtypes.float4_e2m1fn): quant.CODES}
     return array.ndim >= 2 and width.get(np.dtype(array.dtype)) == array.shape[-1]
 
 
@@ -360,7 +364,7 @@ def _dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
         raise QuantizationError(
             f"{where}: dtype={dtype!r} is not a dtype; dequantize to bfloat16, float16 or float32"
         ) from None
-    if not jnp.issubdtype(out, jnp.floating):
+    if not issubdtype(out, np.floating):
         raise QuantizationError(
             f"{where}: dtype={out} is not a floating-point dtype; dequantize to bfloat16, "
             "float16 or float32"

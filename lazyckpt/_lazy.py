@@ -1,21 +1,25 @@
-"""`LazyArray`: a stored array known from metadata, read only when asked."""
+"""`LazyArray`: a stored array known from metadata, read only when asked.
+
+Making, slicing and reading one needs no jax; typed PRNG keys, which only jax has,
+import it (jax's extended dtypes cannot exist before it is imported).
+"""
 
 from __future__ import annotations
 
 import functools
 import math
 import operator
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import attrs
-import jax
-import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import compose, gather
+from lazyckpt._array.dtypes import finfo, issubdtype
 from lazyckpt._array.gather import is_advanced
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
@@ -35,7 +39,8 @@ def _dtype(value: Any) -> Any:
     """A NumPy dtype, or a JAX extended dtype (typed PRNG keys) as it is."""
     if isinstance(value, np.dtype):
         return value  # the common case, and cheap: opening 10,000 arrays makes 10,000
-    if jnp.issubdtype(value, jax.dtypes.extended):
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.dtypes.issubdtype(value, jax.dtypes.extended):
         return value
     return np.dtype(value)
 
@@ -44,6 +49,8 @@ def _dtype(value: Any) -> Any:
 def key_dtype(impl: str) -> tuple[Any, tuple[int, ...]]:
     """The dtype of typed PRNG keys of implementation `impl`, and the shape of one
     key's data, computed abstractly (no device work)."""
+    import jax
+
     key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
     data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
     return key.dtype, tuple(data.shape)
@@ -358,9 +365,13 @@ class LazyArray:
         if isinstance(stored, compose.Node):
             return ready(read_composed(self))
         if self.key_impl:
+            import jax
+
             impl = self.key_impl
             keys = self._key_data().read()
-            return then(keys, lambda data: jax.random.wrap_key_data(jnp.asarray(data), impl=impl))
+            return then(
+                keys, lambda data: jax.random.wrap_key_data(jax.numpy.asarray(data), impl=impl)
+            )
         store = stored.store
         if decodes(stored):
             # Decoded by lazyckpt, cast as it is copied.
@@ -432,25 +443,20 @@ def exact(source: DTypeLike, dest: DTypeLike) -> bool:
     source, dest = np.dtype(source), np.dtype(dest)
     if source == dest or source == np.bool_:
         return True
-    if jnp.issubdtype(dest, jnp.complexfloating):  # parts are cast alike
+    if issubdtype(dest, np.complexfloating):  # parts are cast alike
         dest = np.dtype(f"f{dest.itemsize // 2}")
-        if jnp.issubdtype(source, jnp.complexfloating):
+        if issubdtype(source, np.complexfloating):
             source = np.dtype(f"f{source.itemsize // 2}")
-    integer, floating = jnp.issubdtype(source, jnp.integer), jnp.issubdtype(source, jnp.floating)
-    if integer and jnp.issubdtype(dest, jnp.integer):
+    integer, floating = issubdtype(source, np.integer), issubdtype(source, np.floating)
+    if integer and issubdtype(dest, np.integer):
         return bool(np.can_cast(source, dest, "safe"))
-    if integer and jnp.issubdtype(dest, jnp.floating):
-        bits = 8 * source.itemsize - int(jnp.issubdtype(source, jnp.signedinteger))
-        return bool(int(_finfo(dest).nmant) + 1 >= bits)
-    if floating and jnp.issubdtype(dest, jnp.floating):
-        a, b = _finfo(source), _finfo(dest)
+    if integer and issubdtype(dest, np.floating):
+        bits = 8 * source.itemsize - int(issubdtype(source, np.signedinteger))
+        return bool(int(finfo(dest).nmant) + 1 >= bits)
+    if floating and issubdtype(dest, np.floating):
+        a, b = finfo(source), finfo(dest)
         return bool(b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp)
     return False
-
-
-def _finfo(dtype: np.dtype[Any]) -> jnp.finfo:
-    """`jnp.finfo`, which knows bfloat16 and the float8 types (untyped in jax)."""
-    return jnp.finfo(dtype)  # type: ignore[no-untyped-call]
 
 
 def composed(path: tuple[str | int, ...], node: compose.Node, dtype: np.dtype[Any]) -> LazyArray:

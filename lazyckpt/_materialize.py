@@ -1,18 +1,15 @@
 """Reading the placements of a matched tree: each onto its sharding, or into a NumPy
-array; shared by `load` and `device_put`."""
+array; shared by `load` and `device_put`. jax is imported only where an array goes to
+devices, whose sharding has imported it: `load` never does."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import jax
 import numpy as np
-from jax.sharding import Sharding
 
 from lazyckpt._array.geometry import Box
-from lazyckpt._array.tree import map_leaves
-from lazyckpt._broadcast import agree_read, broadcastable
-from lazyckpt._broadcast import put as broadcast_put
+from lazyckpt._array.tree import leaf_values, map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import shown
@@ -26,7 +23,11 @@ from lazyckpt._storage import multihost
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._target import Placement
 
-ReadResult = Destination | np.ndarray | jax.Array
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Sharding
+
+ReadResult: TypeAlias = "Destination | np.ndarray | jax.Array"
 """What a placement's read leaves: a filled host buffer, or an array (typed PRNG keys,
 shards placed on devices)."""
 
@@ -43,7 +44,7 @@ def materialize(
     with `broadcast`, arrays replicated across processes are each read once by the
     job and spread by JAX (`_broadcast`). Its callers, `load` and `device_put`, pause
     the garbage collector around it (`gc_paused`)."""
-    placements = [leaf for leaf in jax.tree_util.tree_leaves(plan) if isinstance(leaf, Placement)]
+    placements = [leaf for leaf in leaf_values(plan) if isinstance(leaf, Placement)]
     total = stored_bytes(p.array for p in placements)
     with shown(progress, total, label) as bar:
         on_devices = [p for p in placements if p.sharding is not None]
@@ -54,7 +55,7 @@ def materialize(
                 "every process must call device_put with the same tree, the same shardings "
                 "and the same broadcast=",
             )
-        spread = [p for p in on_devices if broadcast and multihost.count() > 1 and broadcastable(p)]
+        spread = _spread(on_devices) if broadcast else []
         for placement in spread:  # (a sharding that cannot lay it out fails on every process)
             assert placement.sharding is not None
             _regions(placement.array, placement.sharding)
@@ -70,11 +71,22 @@ def materialize(
                 raise
             failure = error  # (raised once every process knows, before any collective)
         if spread:
+            from lazyckpt._broadcast import agree_read, put
+
             agree_read(failure, [p.array.key for p in spread])
-            results.update(broadcast_put(spread, budget, bar))
+            results.update(put(spread, budget, bar))
     # Everything was read from the checkpoints as they were opened, or it is refused.
     check_unchanged(stores(p.array for p in placements))
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
+
+
+def _spread(on_devices: list[Placement]) -> list[Placement]:
+    """The placements to place by broadcast, in a run of several processes."""
+    if not on_devices or multihost.count() == 1:
+        return []
+    from lazyckpt._broadcast import broadcastable  # (jax's: the shardings imported it)
+
+    return [p for p in on_devices if broadcastable(p)]
 
 
 def _read_here(
@@ -126,6 +138,8 @@ def _put_small(
         batch, placements = placements[:count], placements[count:]
         values = read_small([p.array for p in batch], scheduler)
         scheduler.drain()
+        import jax  # (the shardings imported it)
+
         placed = jax.device_put(values, [p.sharding for p in batch])
         for placement, array in zip(batch, placed, strict=True):
             results[id(placement)] = array
@@ -138,9 +152,11 @@ def _result(results: dict[int, ReadResult], placement: Placement) -> np.ndarray 
 
 
 def _describe(placement: Placement) -> str:
+    from jax.sharding import NamedSharding  # (the shardings imported it)
+
     array, sharding = placement.array, placement.sharding
     layout = repr(sharding)
-    if isinstance(sharding, jax.sharding.NamedSharding):
+    if isinstance(sharding, NamedSharding):
         layout = f"{dict(sharding.mesh.shape)} {sharding.spec} {[d.id for d in sharding.mesh.devices.flat]}"
     return f"{array.key}|{array.shape}|{array.dtype}|{layout}"
 
@@ -182,6 +198,8 @@ def _schedule_put(
     placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, ReadResult]
 ) -> None:
     """Fill one host buffer per distinct region, then hand them to the devices."""
+    import jax  # (the sharding imported it)
+
     array = placement.array
     regions = _regions(array, sharding)
     if array.key_impl:

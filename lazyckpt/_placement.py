@@ -1,17 +1,23 @@
 """Where the caller puts arrays: a saved partition spec on a new mesh, and the
-shardings, devices and partition specs a target may name."""
+shardings, devices and partition specs a target may name.
+
+Placing takes jax, which the caller's mesh, shardings or devices have imported: this
+module imports it only when it makes a sharding, so that reading to host never does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TypeAlias
-
-import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias, TypeGuard
 
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import ShardingError, SingleDeviceWarning, warn
 from lazyckpt._lazy import LazyArray
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 
 def saved_shardings(
@@ -33,6 +39,8 @@ def saved_shardings(
     ...
     lazyckpt.ShardingError: params/w: the saved partition spec P('x', 'y') uses mesh axes ['y'] that the given mesh (axes ['x']) lacks; name the mesh axes as saved, or pass explicit shardings
     """
+    from jax.sharding import NamedSharding, PartitionSpec
+
     default = NamedSharding(mesh, fallback if fallback is not None else PartitionSpec())
     warned = fallback is not None  # the caller chose what such arrays get
 
@@ -62,30 +70,24 @@ def saved_shardings(
     return choose
 
 
-def saved_from_one_device(arrays: Iterable[object]) -> str | None:
-    """The devices (`cpu:0`) of a single-device save: where every array among `arrays`
-    whose sharding was recorded was saved from one device, so that there is no
-    sharding to reuse; else None."""
-    devices = set()
-    for array in arrays:
-        if isinstance(array, LazyArray) and array.sharding is not None:
-            if array.sharding.kind != "SingleDeviceSharding":
-                return None
-            devices.add(array.sharding.device or "a device")
-    return ", ".join(sorted(devices)) if devices else None
-
-
 def _location(array: LazyArray) -> str:
     """The checkpoint `array` was opened from, as a prefix to its key path."""
     stored = array.sources[0].stored
     return f"{stored.store.location}: " if isinstance(stored, StoredArray) else ""
 
 
-Layout: TypeAlias = Sharding | jax.Device | PartitionSpec
+Layout: TypeAlias = "Sharding | jax.Device | PartitionSpec"
 """What a caller may name as an array's place: a Sharding, one Device, or a
 PartitionSpec on the current (or given) mesh."""
 
-LAYOUTS = (Sharding, jax.Device, PartitionSpec)
+
+def is_layout(value: object) -> TypeGuard[Layout]:
+    """Whether `value` is a `Layout`: a jax object, which cannot exist before jax is
+    imported."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(
+        value, jax.sharding.Sharding | jax.Device | jax.sharding.PartitionSpec
+    )
 
 
 def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
@@ -96,6 +98,9 @@ def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
     `jax.set_mesh`), is laid out on `mesh`, else on the mesh set by `jax.set_mesh`;
     None means the default device, as `jax.device_put(x)` does.
     """
+    import jax
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
     if layout is None:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(layout, jax.Device):
@@ -110,6 +115,9 @@ def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
 
 def _concrete_mesh(where: str, mesh: Mesh | None, abstract: AbstractMesh | None) -> Mesh:
     """`mesh`, or the mesh of `jax.set_mesh`; it must have the abstract mesh's axes."""
+    import jax
+    from jax.sharding import Mesh
+
     found = mesh if mesh is not None else jax.sharding.get_mesh()
     what = (
         f"a NamedSharding on an AbstractMesh {dict(abstract.shape)}"

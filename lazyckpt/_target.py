@@ -16,32 +16,33 @@ collected, then reported at once in one `TreeMismatchError`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import attrs
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, Sharding
-from jax.typing import DTypeLike
 
-from lazyckpt._array.tree import Path, keystr, map_leaves, path_of, subtree
+from lazyckpt._array.dtypes import issubdtype
+from lazyckpt._array.tree import Path, flatten, keystr, map_leaves, map_with_path, subtree
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, key_dtype
-from lazyckpt._placement import LAYOUTS, Layout, resolve
+from lazyckpt._placement import Layout, is_layout, resolve
 from lazyckpt._text import Detail, fold
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh, Sharding
+    from jax.typing import DTypeLike
 
 Missing = Literal["error", "keep"] | Callable[[str, Any], object]
 
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
-_ARRAYS = (jax.ShapeDtypeStruct, jax.Array, np.ndarray)
 _VALUES = (bool, int, float, complex, str, np.generic)
-TargetArray = jax.ShapeDtypeStruct | jax.Array | np.ndarray
-"""A target leaf restored as an array (one of `_ARRAYS`)."""
+TargetArray: TypeAlias = "jax.ShapeDtypeStruct | jax.Array | np.ndarray"
+"""A target leaf restored as an array (see `_is_array`)."""
 TargetValue = bool | int | float | complex | str | np.generic
 """A target leaf restored as a value of its type (one of `_VALUES`)."""
-_TARGET_LEAVES = (*LAYOUTS, *_ARRAYS, *_VALUES)
 _MAX_LINES = 20
 _SUBTREE_LINES = 3  # a subtree missing on one side takes one line once it would take more
 # Per kind of difference: how the headline counts one, and several; how a line starts.
@@ -70,6 +71,21 @@ class Placement:
     sharding: Sharding | None
 
 
+def _is_array(leaf: object) -> TypeGuard[TargetArray]:
+    """Whether a target leaf is restored as an array: a NumPy array, or a jax one
+    (which cannot exist before jax is imported: a target of NumPy arrays needs no jax)."""
+    if isinstance(leaf, np.ndarray):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
+
+
+def _is_key_dtype(dtype: DTypeLike) -> bool:
+    """Whether `dtype` is a dtype of jax's typed PRNG keys (none before jax is imported)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 def host(tree: object) -> object:
     """`tree` with every LazyArray marked for reading to host memory."""
     return map_leaves(lambda x: Placement(x, None) if isinstance(x, LazyArray) else x, tree)
@@ -93,10 +109,9 @@ def match(
     if missing not in ("error", "keep") and not callable(missing):
         raise ValueError(f"missing={missing!r}: expected 'error', 'keep' or a function")
     matcher = _Matcher(tree, partial, missing, lossy_casts, mesh, to_host)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
-    restored = [matcher.restore(path_of(key_path), leaf) for key_path, leaf in flat]
+    restored = map_with_path(matcher.restore, target, none_is_leaf=True)
     matcher.check()
-    return jax.tree_util.tree_unflatten(treedef, restored)
+    return restored
 
 
 def _norm(path: Path) -> tuple[str, ...]:
@@ -104,9 +119,11 @@ def _norm(path: Path) -> tuple[str, ...]:
 
 
 def _describe(leaf: object) -> str:
-    if isinstance(leaf, LazyArray | jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+    if isinstance(leaf, LazyArray) or _is_array(leaf):
         return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
-    text = repr(leaf) if not isinstance(leaf, Sharding) else type(leaf).__name__
+    jax = sys.modules.get("jax")
+    sharding = jax is not None and isinstance(leaf, jax.sharding.Sharding)
+    text = type(leaf).__name__ if sharding else repr(leaf)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -128,10 +145,8 @@ class _Matcher:
         self.lossy_casts = lossy_casts
         self.mesh = mesh
         self.to_host = to_host
-        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
         self.leaves: dict[tuple[str, ...], tuple[Path, object]] = {}
-        for key_path, leaf in flat:
-            path = path_of(key_path)
+        for path, leaf in flatten(tree):
             self.leaves[_norm(path)] = (path, leaf)
         self.prefixes = {norm[:i] for norm in self.leaves for i in range(len(norm))}
         self.used: set[tuple[str, ...]] = set()
@@ -145,15 +160,14 @@ class _Matcher:
         norm = _norm(path)
         self.target_prefixes.update(norm[:i] for i in range(len(norm) + 1))
         where = keystr(path)
-        if not isinstance(want, _TARGET_LEAVES) and want is not None:
+        if not (want is None or is_layout(want) or _is_array(want) or isinstance(want, _VALUES)):
             return self._problem(
                 "kind",
                 where or "(the root)",
                 f"the target leaf is a {type(want).__name__}; expected a ShapeDtypeStruct, "
                 "jax.Array, NumPy array, Sharding, Device, PartitionSpec, None or a scalar",
             )
-        is_layout = want is None or isinstance(want, LAYOUTS)
-        if is_layout and norm in self.prefixes:
+        if (want is None or is_layout(want)) and norm in self.prefixes:
             return self._subtree(path, norm, want)
         found = self._find(norm)
         if found is None:
@@ -165,10 +179,11 @@ class _Matcher:
         where = where or (leaf.key if isinstance(leaf, LazyArray) else "") or "(the root)"
         if want is None:
             return leaf
-        if isinstance(want, LAYOUTS):
+        if is_layout(want):
             return self._place(where, leaf, want)
-        if isinstance(want, _ARRAYS):
+        if _is_array(want):
             return self._array(where, leaf, want)
+        assert isinstance(want, _VALUES)  # (the kinds checked first)
         return self._value(where, leaf, want)
 
     def _find(self, norm: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -218,6 +233,8 @@ class _Matcher:
             value = self._scalar(where, leaf, dtype)
             if value is None or self.to_host or isinstance(want, np.ndarray):
                 return value
+            import jax  # (`want` is a jax object)
+
             return jax.device_put(value, resolve(where, getattr(want, "sharding", None), self.mesh))
         return self._kind(where, want, leaf)
 
@@ -234,7 +251,7 @@ class _Matcher:
     def _cast(self, where: str, leaf: LazyArray, dtype: DTypeLike) -> Any:
         if leaf.dtype == dtype:
             return leaf
-        keys = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        keys = _is_key_dtype(dtype)
         if keys or leaf.key_impl or not (self.lossy_casts or lossless(leaf.dtype, dtype)):
             return self._problem("dtype", where, _versus(dtype, leaf.dtype))
         return leaf.astype(dtype)
@@ -334,7 +351,7 @@ def _as_keys(leaf: LazyArray, dtype: DTypeLike, shape: tuple[int, ...]) -> LazyA
     """Typed PRNG keys of `dtype` and `shape` read from the raw uint32 key data that
     `leaf` holds (checkpoints that do not record the key implementation); None when
     that is not what `leaf` is."""
-    if leaf.key_impl or leaf.dtype != np.uint32 or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if leaf.key_impl or leaf.dtype != np.uint32 or not _is_key_dtype(dtype):
         return None
     for impl in _KEY_IMPLS:
         key, data_shape = key_dtype(impl)
@@ -384,9 +401,9 @@ def _by_subtree(
 def lossless(source: DTypeLike, dest: DTypeLike) -> bool:
     """Whether casting `source` to `dest` leaves values as they are, up to rounding of
     floating-point numbers (float32 to bfloat16 restores mixed-precision models)."""
-    if jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(dest, jnp.floating):
-        return True
     try:
+        if issubdtype(source, np.floating) and issubdtype(dest, np.floating):
+            return True
         return bool(np.can_cast(source, dest, "safe"))
-    except TypeError:
+    except TypeError:  # (a dtype NumPy does not know: jax's typed PRNG keys)
         return False

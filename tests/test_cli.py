@@ -59,15 +59,17 @@ def test_version_answers_without_jax() -> None:
     assert lines[0] == f"lazyckpt {lazyckpt.__version__}" and lines[-1] == "[]"
 
 
-def test_import_lazyckpt_imports_no_jax_until_a_verb_is_used() -> None:
+def test_import_lazyckpt_imports_no_jax_until_a_verb_that_needs_it() -> None:
     script = (
         "import sys, lazyckpt\n"
         "print('jax' in sys.modules, lazyckpt.LazyckptError.__name__)\n"
-        "lazyckpt.open\n"
+        "lazyckpt.open, lazyckpt.load, lazyckpt.select\n"
+        "print('jax' in sys.modules)\n"
+        "lazyckpt.device_put\n"
         "print('jax' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.stdout.split() == ["False", "LazyckptError", "True"], result.stderr
+    assert result.stdout.split() == ["False", "LazyckptError", "False", "True"], result.stderr
 
 
 def test_every_public_name_resolves_and_the_lazy_table_matches_the_imports() -> None:

@@ -1,20 +1,26 @@
 """Saved shardings: how an array was laid out over devices when it was saved, as
-plain data that needs none of those devices, and its placement on the caller's."""
+plain data that needs none of those devices, and its placement on the caller's.
+
+Reading one needs no jax: jax is imported only to place an array on devices (`on`,
+`on_saved_devices`, `spec`), which the caller's mesh or devices have imported already.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from lazyckpt._errors import ShardingError
 from lazyckpt._text import ascii_int
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -46,6 +52,8 @@ class SavedSharding:
     @property
     def spec(self) -> PartitionSpec:
         """The saved partition spec as a `jax.sharding.PartitionSpec`."""
+        from jax.sharding import PartitionSpec
+
         return PartitionSpec(*self.partition_spec)
 
     @property
@@ -74,17 +82,22 @@ class SavedSharding:
                 f"{missing} that the given mesh (axes {list(mesh.axis_names)}) lacks; "
                 "name the mesh axes as saved, or pass explicit shardings"
             )
+        from jax.sharding import NamedSharding
+
         return NamedSharding(mesh, self.spec)
 
     def on_saved_devices(self) -> Sharding | None:
         """This sharding on the devices it was saved from, as Orbax restores an array
         whose target names no sharding; None unless this run has all of them."""
+        import jax
+
         by_id = {device.id: device for device in jax.devices()}
         if self.kind == "NamedSharding" and self.device_ids:
             if not all(i in by_id for i in self.device_ids):
                 return None
             devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.mesh_shape)
-            return NamedSharding(Mesh(devices, self.axis_names), self.spec)
+            mesh = jax.sharding.Mesh(devices, self.axis_names)
+            return jax.sharding.NamedSharding(mesh, self.spec)
         if self.kind == "SingleDeviceSharding" and self.device:
             number = device_id(self.device)
             device = by_id.get(number) if number is not None else None
@@ -123,6 +136,20 @@ class SavedSharding:
         if self.mesh_shape:
             return f"{self.kind}(shape={self.mesh_shape})"
         return f"{self.kind}()"
+
+
+def saved_from_one_device(arrays: Iterable[object]) -> str | None:
+    """The devices (`cpu:0`) of a single-device save: where every array among `arrays`
+    whose sharding was recorded (a LazyArray's `sharding`) was saved from one device,
+    so that there is no sharding to reuse; else None."""
+    devices = set()
+    for array in arrays:
+        sharding = getattr(array, "sharding", None)
+        if isinstance(sharding, SavedSharding):
+            if sharding.kind != "SingleDeviceSharding":
+                return None
+            devices.add(sharding.device or "a device")
+    return ", ".join(sorted(devices)) if devices else None
 
 
 _LAST_NUMBER = re.compile(r"[^0-9]*([0-9]+)")

@@ -6,18 +6,20 @@ import base64
 import functools
 import json
 import math
-from typing import Any
-
-import jax
-from jax.sharding import NamedSharding
+from typing import TYPE_CHECKING, Any
 
 from lazyckpt._array.sharding import SavedSharding, SpecEntry, device_id, named_json, spec_str
 from lazyckpt._errors import CorruptCheckpointError, json_or_corrupt
 
+if TYPE_CHECKING:
+    import jax
+
 
 def sharding_entry(sharding: jax.sharding.Sharding) -> str:
     """The `_sharding` entry for a live sharding; "" (unknown) for kinds Orbax skips."""
-    if isinstance(sharding, NamedSharding):
+    import jax  # (the sharding's own: opening a checkpoint never comes here)
+
+    if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
         spec = tuple(
             entry if entry is None or isinstance(entry, str) else tuple(entry)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -46,9 +46,9 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": np.dtype(jnp.bfloat16),
-    "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
-    "F8_E5M2": np.dtype(jnp.float8_e5m2),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -58,12 +58,12 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
-    "F8_E4M3FNUZ": np.dtype(jnp.float8_e4m3fnuz),
-    "F8_E5M2FNUZ": np.dtype(jnp.float8_e5m2fnuz),
-    "F8_E8M0": np.dtype(jnp.float8_e8m0fnu),  # MX scales: 2 ** (s - 127)
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # MX scales: 2 ** (s - 127)
     "C64": np.dtype("<c8"),
 }
-PACKED: dict[str, np.dtype[Any]] = {"F4": np.dtype(jnp.float4_e2m1fn)}
+PACKED: dict[str, np.dtype[Any]] = {"F4": np.dtype(ml_dtypes.float4_e2m1fn)}
 """Dtypes of fewer than 8 bits, packed (F4: two values per byte, low nibble first):
 read, unpacked one value per byte, but not written."""
 _UNREAD = {"F6_E2M3": "6-bit floats", "F6_E3M2": "6-bit floats"}

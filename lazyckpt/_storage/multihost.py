@@ -5,15 +5,17 @@ check that all processes asked for the same thing: a process with a different tr
 sharding would otherwise hang a collective or build an inconsistent array. The
 checks are small collectives over JAX's own runtime (gloo on CPU), made only when
 there is more than one process.
+
+A run that has not imported jax has not initialized `jax.distributed` either: it is one
+process, and asks jax nothing (reading a checkpoint to host never imports jax).
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from lazyckpt._errors import TreeMismatchError
 
@@ -21,14 +23,18 @@ _TEXT_BYTES = 4096
 
 
 def count() -> int:
-    return int(jax.process_count())
+    jax = sys.modules.get("jax")
+    return 1 if jax is None else int(jax.process_count())
 
 
 def index() -> int:
-    return int(jax.process_index())
+    jax = sys.modules.get("jax")
+    return 0 if jax is None else int(jax.process_index())
 
 
 def _allgather(values: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils  # (more than one process: jax is imported)
+
     return np.asarray(multihost_utils.process_allgather(values))
 
 
@@ -68,6 +74,8 @@ def broadcast_text(text: str) -> str:
     buffer = np.zeros(_TEXT_BYTES + 4, np.uint8)
     buffer[:4] = np.frombuffer(np.array([len(data)], np.int32).tobytes(), np.uint8)
     buffer[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    from jax.experimental import multihost_utils
+
     received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
     size = int(np.frombuffer(received[:4].tobytes(), np.int32)[0])
     return bytes(received[4 : 4 + size]).decode()
