@@ -14,6 +14,7 @@ from numpy.typing import DTypeLike
 
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
 from lazyckpt._dequantize import dequantize as dequantized
+from lazyckpt._display import as_given
 from lazyckpt._errors import CheckpointExistsError, LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
@@ -69,7 +70,7 @@ class ConversionPlan:
             rows.append((a.name, a.dtype, shape, human_bytes(a.nbytes), place or "scalar"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
-            f"would write {self.destination} ({self.format}): {len(self.arrays)} "
+            f"would write {as_given(self.destination)} ({self.format}): {len(self.arrays)} "
             f"array{'' if len(self.arrays) == 1 else 's'}, "
             f"{human_bytes(self.nbytes)}"
         ]

@@ -9,11 +9,19 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lazyckpt._display import as_given
+
 
 class LazyckptError(Exception):
     """Base class of every error lazyckpt raises on purpose."""
 
     __module__ = "lazyckpt"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Paths as the user gave them (`hf://org/name@1a2b3c4`, not the URL it was
+        # resolved to), and URLs without their query strings (a signature), whatever
+        # made the message: `lazyckpt._display`.
+        super().__init__(*(as_given(a) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class CheckpointNotFoundError(LazyckptError, FileNotFoundError):
@@ -197,11 +205,12 @@ _WITHIN = ("lazyckpt", "jax", "contextlib")
 
 def warn(message: str, category: type[Warning]) -> None:
     """Warn, pointing at the caller's own line: the first frame outside lazyckpt, and
-    outside what calls lazyckpt back (jax's tree functions, contextlib's decorators)."""
+    outside what calls lazyckpt back (jax's tree functions, contextlib's decorators);
+    paths in `message` as the user gave them (`lazyckpt._display.as_given`)."""
     level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_WITHIN):
         level, frame = level + 1, frame.f_back  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(as_given(message), category, stacklevel=level)
 
 
 _F = TypeVar("_F", bound=Callable[..., object])

@@ -157,6 +157,9 @@ class HubServer:
         self.plain_validators: tuple[str, ...] = ("ETag", "Last-Modified")
         """What plain files are served with (as nginx serves static files), and checked
         against `If-Match` and `If-Unmodified-Since`."""
+        self.cdn_query = ""
+        """A query string the redirects to the CDN carry (`X-Amz-Signature=...`, as the
+        Hub's signed addresses do); the CDN ignores it."""
         self.repos: dict[str, Repo] = {}
         self._log: list[Request] = []
         self._faults: list[_Fault] = []
@@ -549,6 +552,7 @@ class _Handler(BaseHTTPRequestHandler):
         if blob.sha256 is None:
             return self._send_file(file, {**commit, "ETag": f'"{blob.git_oid}"'})
         location = f"{self.hub.cdn}/cdn/{repo_id}/{sha}/{quote(path)}"
+        location += f"?{self.hub.cdn_query}" if self.hub.cdn_query else ""
         headers = {
             **commit,
             "ETag": f'"{blob.git_oid}"',

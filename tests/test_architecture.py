@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lazyckpt"
 
 LAYERS: list[set[str]] = [
-    {"_errors", "_text", "_sizes"},
+    {"_errors", "_text", "_sizes", "_display"},
     {"_array"},
     {"_storage"},
     {"_engine"},

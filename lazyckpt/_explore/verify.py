@@ -35,6 +35,7 @@ from lazyckpt._array.geometry import (
     split_dim,
 )
 from lazyckpt._array.tree import Select, selected
+from lazyckpt._display import as_given
 from lazyckpt._engine.decode import ChunkStream, decodes, job_bytes
 from lazyckpt._engine.fill import windows
 from lazyckpt._engine.memory import check_fits
@@ -423,7 +424,6 @@ def _tensorstore_start(stored: StoredArray, index: tuple[int, ...]) -> Callable[
 
 def _short(stored: StoredArray, message: str) -> str:
     """`message` without the checkpoint's location and the advice, which the report
-    gives once."""
-    prefix = f"{stored.store.location}: "
-    message = message.removeprefix(prefix)
+    gives once. (Messages show the location as the user gave it: `lazyckpt._display`.)"""
+    message = message.removeprefix(f"{as_given(stored.store.location)}: ")
     return message.split("; the checkpoint", 1)[0]

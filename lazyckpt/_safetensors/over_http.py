@@ -146,11 +146,11 @@ def _length(file: str, first: bytes, size: int | None) -> int:
 
 def _truncated(file: str, found: str) -> CorruptCheckpointError:
     """`file` is shorter than its header says: over HTTP, or its copy in the Hugging
-    Face cache, which then is named, and the fix for it."""
+    Face cache, whose blob the fix names."""
     local = local_copy(file)
     if local is None:
         return CorruptCheckpointError(f"{web_describe(file)} {found}; the file is truncated")
     return CorruptCheckpointError(
-        f"{local}, the Hugging Face cache's copy of {web_describe(file)}, {found}; the "
-        f"cached file is truncated: {cached_fix(local)}"
+        f"{web_describe(file)}: its copy in the Hugging Face cache {found}; the cached "
+        f"file is truncated: {cached_fix(local)}"
     )

@@ -19,6 +19,9 @@ What it resolves to:
   files the cache does hold (`Site.local`): those are read from disk, the others by
   Range requests (an Orbax checkpoint's by tensorstore's drivers, through
   `lazyckpt._storage.relay`).
+
+Messages show neither place, but the `hf://` path of the commit
+(`hf://ORG/NAME@1a2b3c4/PATH`): both are registered with `lazyckpt._display`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import re
 import urllib.parse
 from typing import Any
 
+from lazyckpt import _display
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     MissingExtraError,
@@ -137,6 +141,7 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     token = hub.get_token()
     endpoint = hub.constants.ENDPOINT.rstrip("/")
     commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
+    _name(hub, repo_type, repo_id, commit)
     if path.endswith(_FILES) and path not in names:
         raise CheckpointNotFoundError(
             f"{shown}: no file {path!r} at commit {commit[:12]}; it holds "
@@ -161,8 +166,7 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         if orbax:  # (the snapshot's folder, whose files link into the cache's blobs)
             return found[: -len(wanted[0])].rstrip("/")
         return found if path.endswith(_SINGLE) else os.path.dirname(found)
-    kind = "" if repo_type == "model" else f"{repo_type}s/"
-    base = f"{hub.constants.ENDPOINT.rstrip('/')}/{kind}{repo_id}/resolve/{commit}"
+    base = _resolve_url(hub, repo_type, repo_id, commit)
     location = "/".join([base, *(p for p in folder.split("/") if p)])
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
@@ -194,9 +198,11 @@ def _offline(
         )
         if isinstance(hit, str):
             found.append(hit)
+            _name(hub, repo_type, repo_id, _commit_of(hub, hit, repo_type, repo_id))
     if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
         snapshot = _snapshot(hub, repo_type, repo_id, revision)
         if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
+            _name(hub, repo_type, repo_id, os.path.basename(snapshot))
             return os.path.join(snapshot, prefix).rstrip("/")
     if not found:
         raise CheckpointNotFoundError(
@@ -204,6 +210,40 @@ def _offline(
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
     return found[0] if single else os.path.dirname(found[0])
+
+
+def _kind(repo_type: str) -> str:
+    """The part of a path that names the kind of repository: `datasets/`, `spaces/`,
+    or none for a model."""
+    return "" if repo_type == "model" else f"{repo_type}s/"
+
+
+def _resolve_url(hub: Any, repo_type: str, repo_id: str, commit: str) -> str:
+    """Where the files of `commit` are asked for: `ENDPOINT/ORG/NAME/resolve/COMMIT`."""
+    endpoint = hub.constants.ENDPOINT.rstrip("/")
+    return f"{endpoint}/{_kind(repo_type)}{repo_id}/resolve/{commit}"
+
+
+def _snapshots(hub: Any, repo_type: str, repo_id: str) -> str:
+    """The cache's folder of the repository's snapshots, one per commit."""
+    folder = hub.file_download.repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    return os.path.join(hub.constants.HF_HUB_CACHE, folder, "snapshots")
+
+
+def _name(hub: Any, repo_type: str, repo_id: str, commit: str) -> None:
+    """Show the places `commit` of the repository is read from, its `resolve/` URL and
+    its snapshot folder in the cache, as the `hf://` path they are
+    (`hf://ORG/NAME@1a2b3c4`) in every message: `lazyckpt._display`."""
+    shown = _display.hub_name(_kind(repo_type), repo_id, commit)
+    _display.register(_resolve_url(hub, repo_type, repo_id, commit), shown)
+    snapshot = os.path.join(_snapshots(hub, repo_type, repo_id), commit)
+    for place in {snapshot, os.path.abspath(snapshot)}:
+        _display.register(place, shown)
+
+
+def _commit_of(hub: Any, file: str, repo_type: str, repo_id: str) -> str:
+    """The commit of a file of the cache's snapshots (`.../snapshots/COMMIT/...`)."""
+    return os.path.relpath(file, _snapshots(hub, repo_type, repo_id)).split(os.sep)[0]
 
 
 def _snapshot(hub: Any, repo_type: str, repo_id: str, revision: str | None) -> str | None:
@@ -319,8 +359,7 @@ def _cached(
     name (links into the cache's blobs), from one walk of the commit's snapshot folder
     (an Orbax checkpoint has thousands of files: asking the cache for each took 3 s
     for 50,000)."""
-    folder = hub.file_download.repo_folder_name(repo_id=repo_id, repo_type=repo_type)
-    root = os.path.join(hub.constants.HF_HUB_CACHE, folder, "snapshots", commit, prefix)
+    root = os.path.join(_snapshots(hub, repo_type, repo_id), commit, prefix)
     present: set[str] = set()
     for parent, _, files in os.walk(root):
         inner = os.path.relpath(parent, root).replace(os.sep, "/")

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 import attrs
 import tensorstore as ts
 
+from lazyckpt._display import given_repr
 from lazyckpt._errors import (
     CheckpointChangedError,
     CorruptCheckpointError,
@@ -156,7 +157,7 @@ def check_unchanged(stores: Iterable[Store]) -> None:
 class Store:
     """Where one PyTree item's arrays live, and the context used to read them."""
 
-    location: str
+    location: str = attrs.field(repr=given_repr)
     ocdbt: bool
     context: ts.Context = attrs.field(repr=False)
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)

@@ -218,8 +218,14 @@ class Transport:
                     "private one, point SSL_CERT_FILE at its certificate"
                 ) from None
             except (http.client.InvalidURL, UnicodeError, ValueError) as error:
+                # Named by `url`, not by `target`: a redirect's (a signed CDN address)
+                # is never shown, nor a query string that `error` quotes.
+                detail = (
+                    str(error).replace(f"?{parts.query}", "?...") if parts.query else str(error)
+                )
                 raise StorageAccessError(
-                    f"{target}: not a URL lazyckpt can ask for ({error})"
+                    f"{url}: its address, or one it was redirected to, is not a URL "
+                    f"lazyckpt can ask for ({detail[:200]})"
                 ) from None
             except Late as late:
                 last = (

@@ -169,8 +169,8 @@ def read_cached(
     fd = open_regular(file)
     if fd is None:
         raise CheckpointChangedError(
-            f"{describe(url)}: its copy in the Hugging Face cache, {file}, is gone since "
-            "the model was opened; open it again"
+            f"{describe(url)}: its copy in the Hugging Face cache is gone since the model "
+            "was opened; open it again"
         )
     try:
         size = os.fstat(fd).st_size
@@ -192,9 +192,11 @@ def read_cached(
 
 
 def _short_copy(file: str, url: str, size: int, needed: int) -> CorruptCheckpointError:
+    # (Not named by its path in the cache, which messages show as the hf:// path it
+    # is: `cached_fix` names its blob, the file to delete.)
     return CorruptCheckpointError(
-        f"{file}, the Hugging Face cache's copy of {describe(url)}, holds {size} bytes, "
-        f"fewer than the {needed} needed; the cached file is truncated: {cached_fix(file)}"
+        f"{describe(url)}: its copy in the Hugging Face cache holds {size} bytes, fewer "
+        f"than the {needed} needed; the cached file is truncated: {cached_fix(file)}"
     )
 
 

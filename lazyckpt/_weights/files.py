@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import attrs
 import tensorstore as ts
 
+from lazyckpt._display import given_repr
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
@@ -27,7 +28,7 @@ class File:
 
     store: Store
     key: str
-    path: str
+    path: str = attrs.field(repr=given_repr)
     known: bytes = attrs.field(default=b"", repr=False)
     whole: bool = False
 

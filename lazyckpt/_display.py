@@ -1,0 +1,92 @@
+"""Paths shown as the user gave them, in every message lazyckpt makes.
+
+An `hf://ORG/NAME` path is read from the place it resolves to (`lazyckpt._storage.hub`):
+`https://ENDPOINT/ORG/NAME/resolve/COMMIT`, or a snapshot folder of the Hugging Face
+cache. Neither is what the user wrote, and the text of errors, warnings and reports
+is made far below the verb that knows what that was. So the resolver registers each
+place with the name to show for it (`hf://ORG/NAME@1a2b3c4`, the commit's first 7
+hex digits), and `as_given` puts that name where the place appears in a text: a file
+inside it keeps its path (`hf://ORG/NAME@1a2b3c4/sub/model.safetensors`).
+
+`as_given` also hides what a URL may carry as a credential: the query string (a
+signature, `?X-Amz-Signature=...`, `?token=...`; a signed CDN address) and fragment
+are shown as `?...`, and a user name and password as `...@`. The rest of the URL
+stays, so that a message still says which file it is about.
+
+`LazyckptError` and `warn` (`lazyckpt._errors`) pass their messages through
+`as_given`, the command line its output: messages made anywhere are covered. This
+module imports the standard library only (the command line's parser imports it).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+_SHORT = 7
+"""Hex digits of a commit shown, as `git log --oneline` shows them."""
+
+_NAMES: dict[str, str] = {}
+_LOCK = threading.Lock()
+_PLACES: re.Pattern[str] | None = None
+"""Every registered place, longest first, where it is not followed by more of a name
+(the commit folder `abc` is not a prefix of `abcd`); None where none is."""
+
+# A URL: its scheme, its user name and password (up to '@', before the host ends),
+# its host and path, then its query string or fragment: up to a space or a character
+# no URL holds unescaped (a quote, '<', '>', '\', '^', '`', '{', '|', '}').
+_URL = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
+    r"(?P<user>[^\s/?#@\"<>\\^`{|}]*@)?"
+    r"(?P<rest>[^\s?#\"<>\\^`{|}]*)"
+    r"(?P<query>[?#][^\s\"<>\\^`{|}]*)?"
+)
+_AFTER = re.compile(r"[')\],.;:!]*\Z")
+"""Punctuation that ends a query as the message's own (`'URL?x=1', which ...`)."""
+
+
+def register(place: str, shown: str) -> None:
+    """Show `place` (a URL or a local folder, without a trailing '/') as `shown`
+    wherever it appears in a message."""
+    global _PLACES
+    with _LOCK:
+        _NAMES[place.rstrip("/")] = shown
+        ordered = sorted(_NAMES, key=len, reverse=True)
+        _PLACES = re.compile(f"(?:{'|'.join(map(re.escape, ordered))})(?![\\w.~%+-])")
+
+
+def hub_name(kind: str, repo_id: str, commit: str) -> str:
+    """How a Hub repository at `commit` is shown: `hf://ORG/NAME@1a2b3c4` (`kind`:
+    `""`, `"datasets/"` or `"spaces/"`)."""
+    return f"hf://{kind}{repo_id}@{commit[:_SHORT]}"
+
+
+def as_given(text: str) -> str:
+    """`text` with each registered place shown by its name, and URLs without their
+    query string, fragment or password.
+
+    >>> register("https://hub.test/org/m/resolve/c0ffee", "hf://org/m@c0ffee0")
+    >>> as_given("https://hub.test/org/m/resolve/c0ffee/w.safetensors: gone")
+    'hf://org/m@c0ffee0/w.safetensors: gone'
+    >>> as_given("'https://u:pw@cdn.example/x.bin?X-Amz-Signature=secret', which failed")
+    "'https://...@cdn.example/x.bin?...', which failed"
+    """
+    places = _PLACES
+    if places is not None:
+        text = places.sub(lambda match: _NAMES[match[0]], text)
+    return _URL.sub(_plain, text) if "://" in text else text
+
+
+def given_repr(value: object) -> str:
+    """`repr` of a path as `as_given` shows it: for the `repr=` of an attrs field."""
+    return repr(as_given(value)) if isinstance(value, str) else repr(value)
+
+
+def _plain(match: re.Match[str]) -> str:
+    user, query = match["user"], match["query"] or ""
+    after = _AFTER.search(query)
+    kept = after[0] if after is not None else ""
+    hidden = query[: len(query) - len(kept)]
+    if len(hidden) > 1:  # (a bare '?' hides nothing: `?...` stays as it is)
+        query = f"{hidden[0]}...{kept}"
+    return f"{match['scheme']}{'...@' if user else ''}{match['rest']}{query}"
