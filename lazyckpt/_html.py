@@ -84,15 +84,20 @@ def key_cell(name: str, depth: int) -> str:
 _KEY_EM = 18
 
 
-def array_row(key: str, name: str, array: Shaped, depth: int = 1, kind: str = "") -> str:
+def array_row(
+    key: str, name: str, array: Shaped, depth: int = 1, kind: str = "", count: int = 1
+) -> str:
+    """One array's row; with `count`, the row of that many siblings alike (`32 x`)."""
     spec, mesh = spec_of(array)
     chunks = getattr(array, "chunks", None)
     chunks_text = "chunks " + "x".join(str(n) for n in chunks) if chunks else ""
     typed = f"{kind} {array_type(array)}" if kind else array_type(array)
+    if count > 1:
+        typed = f"{count:,} x {typed}"
     return (
         f'<div class="row leaf" data-path="{key}">{key_cell(name, depth)}'
         f'<span class="t">{html.escape(typed)}</span>'
-        f'<span class="n">{human_bytes(array_nbytes(array))}</span>'
+        f'<span class="n">{human_bytes(count * array_nbytes(array))}</span>'
         f'<span class="s">{html.escape(spec)}</span><span class="m">{html.escape(mesh)}</span>'
         f'<span class="c">{chunks_text}</span></div>'
     )

@@ -96,9 +96,11 @@ Detail = tuple[tuple[str, str], ...]
 """What a report says about one key path, as `(label, value)` fields: a field whose
 values differ along a folded run says so on its own (`checkpoint varies: ...`)."""
 
-_NUMBER = re.compile(r"([0-9]{1,18})")  # (ASCII digits, fewer than int() refuses)
+_NUMBER = re.compile(r"([0-9]{1,18})")
+_DIGITS = re.compile("[0-9]+")  # (ASCII digits, fewer than int() refuses)
 _SHOWN_RUNS = 6  # runs of numbers written out before the rest are elided
-_SHOWN_VALUES = 3  # distinct values of a field listed before it just "varies"
+_SHOWN_VALUES = 3
+_STEPPED_RUN = 4  # numbers a step apart written `first..last..step`, from this many  # distinct values of a field listed before it just "varies"
 
 
 @attrs.frozen
@@ -226,17 +228,58 @@ def _varying(details: list[Detail], numbers: list[frozenset[int]]) -> Detail:
     return tuple(out)
 
 
-def _numbers(values: Iterable[int]) -> str:
-    """Numbers as runs: `0..25`, `0..3,5..9`, `4,5`; past a few runs, `...`."""
-    ordered = sorted(values)
-    runs: list[tuple[int, int]] = []
-    for n in ordered:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], n)
+def numbered(key: str) -> tuple[str, str, str] | None:
+    """`key` around its last number, `(before, digits, after)`, for folding siblings
+    by it; None without one (or with one of more digits than a count takes).
+
+    >>> numbered("layer_12"), numbered("7"), numbered("layer_007"), numbered("w")
+    (('layer_', '12', ''), ('', '7', ''), ('layer_', '007', ''), None)
+    """
+    runs = list(_DIGITS.finditer(key))
+    if not runs or ascii_int(runs[-1][0]) is None:
+        return None
+    last = runs[-1]
+    return key[: last.start()], last[0], key[last.end() :]
+
+
+def numbers_text(values: Iterable[int], *, runs: int = _SHOWN_RUNS, width: int = 0) -> str:
+    """Numbers as runs, the way folded names write them: `0..25`, `0..3,5..9`, `4,5`;
+    past `runs` runs, `...` and how many in all; each of `width` digits at least.
+
+    >>> numbers_text([0, 1, 2, 5]), numbers_text(range(1, 48, 2))
+    ('0..2,5', '1..47..2')
+    >>> numbers_text([i * i for i in range(10)], runs=2)
+    '0,1,...(10 in all)'
+    >>> numbers_text([0, 1, 2, 3], width=3)
+    '000..003'
+    """
+    return _numbers(values, runs, width)
+
+
+def _numbers(values: Iterable[int], limit: int = _SHOWN_RUNS, width: int = 0) -> str:
+    """Numbers as runs: `0..25`, `0..3,5..9`, `4,5`, and every other one as bash writes
+    steps, `1..47..2`; past `limit` runs, `...`."""
+    ordered = sorted(set(values))
+    runs: list[tuple[int, int, int]] = []  # first, last, step
+    i = 0
+    while i < len(ordered):
+        step = ordered[i + 1] - ordered[i] if i + 1 < len(ordered) else 1
+        end = i + 1
+        while end < len(ordered) and ordered[end] - ordered[end - 1] == step:
+            end += 1
+        if step == 1 or end - i >= _STEPPED_RUN:
+            runs.append((ordered[i], ordered[end - 1], step))
+            i = end
         else:
-            runs.append((n, n))
-    shown = [
-        str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}..{b}"
-        for a, b in runs[:_SHOWN_RUNS]
-    ]
-    return ",".join(shown) + (f",...({len(ordered)} in all)" if len(runs) > _SHOWN_RUNS else "")
+            runs.append((ordered[i], ordered[i], 1))
+            i += 1
+    shown = []
+    for first, last, step in runs[:limit]:
+        low, high = str(first).zfill(width), str(last).zfill(width)
+        if first == last:
+            shown.append(low)
+        elif step > 1:
+            shown.append(f"{low}..{high}..{step}")
+        else:
+            shown.append(f"{low},{high}" if last == first + 1 else f"{low}..{high}")
+    return ",".join(shown) + (f",...({len(ordered)} in all)" if len(runs) > limit else "")

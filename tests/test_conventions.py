@@ -109,12 +109,13 @@ def test_stats_returns_a_table_whatever_it_is_given(ckpt: Path) -> None:
 def test_summary_depth(ckpt: Path) -> None:
     tree = lazyckpt.open(ckpt)
     assert str(lazyckpt.summary(tree, depth=1)).splitlines() == [
-        "opt/     1 array   256 B",
-        "params/  3 arrays  448 B",
+        "opt/mu   float32[8,8]  256 B",  # a dict of one entry shares its row
+        "params/  3 arrays      448 B",
     ]
     two = str(lazyckpt.summary(tree, depth=2)).splitlines()
-    assert len(two) == 5 and two[3].split() == ["dense/", "2", "arrays", "320", "B"]
-    assert len(str(lazyckpt.summary(tree)).splitlines()) == 7
+    assert len(two) == 4 and two[2].split() == ["dense/", "2", "arrays", "320", "B"]
+    assert len(str(lazyckpt.summary(tree)).splitlines()) == 6
+    assert len(str(lazyckpt.summary(tree, fold=False)).splitlines()) == 7
     with pytest.raises(ValueError, match="depth must be 1 or more, found 0"):
         lazyckpt.summary(tree, depth=0)
 

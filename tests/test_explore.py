@@ -53,7 +53,7 @@ def test_summary_orders_numbered_keys_of_any_length(tmp_path: Path) -> None:
     raw ValueError); keys of Unicode digits are no numbers and keep their order."""
     layers = {"10": np.ones(2), "2": np.ones(2), "9" * 5000: np.ones(3), "002": np.ones(1)}
     path = orbax_save(tmp_path / "ckpt", {"layers": layers, "other": {"\u0661": 1, "0": 2}})
-    rows = [row["path"] for row in lazyckpt.summary(lazyckpt.open(path)).describe()]
+    rows = [row["path"] for row in lazyckpt.summary(lazyckpt.open(path), fold=False).describe()]
     assert rows[1:5] == ["layers/002", "layers/2", "layers/10", "layers/" + "9" * 5000]
     assert rows[6:] == ["other/0", "other/\u0661"]  # (jax's string order, as opened)
 
@@ -65,11 +65,15 @@ def test_summary_of_10000_arrays_reads_nothing(tmp_path: Path, no_data_reads: No
     path = tmp_path / "many"
     lazyckpt.save(path, tree)  # NumPy leaves: saving reads nothing either
     opened = lazyckpt.open(path)
-    summary = lazyckpt.summary(opened)
+    summary = lazyckpt.summary(opened, fold=False)
     html = summary._repr_html_()
     assert html.count('class="row leaf"') == 10_000
     assert str(summary).count("float32[2]") == 10_000
     assert html.count("<details open") == 100  # the first level only, for so many rows
+    # Folded, zero-padded numbers too: one row, and a pattern that selects it all.
+    folded = lazyckpt.summary(opened)
+    assert str(folded) == "layer_{000..099}/p{00..99}  10,000 x float32[2]  78.1 KiB"
+    assert len(list(lazyckpt.leaves(lazyckpt.select(opened, folded.rows[1].name)))) == 10_000
 
 
 def test_lazy_array_html_and_treescope_show_metadata_only(

@@ -152,9 +152,9 @@ def test_fold_keeps_what_differs() -> None:
     differing = [(f"w{i}", f"max abs {i}") for i in range(4)]
     assert len(fold(differing, vary=False)) == 4
     assert [str(f) for f in fold(differing)] == ["w{0..3}  varies (4 values)"]
-    assert fold([(f"l{i}", "x") for i in range(0, 40, 2)])[0].path == (
-        "l{0,2,4,6,8,10,...(20 in all)}"
-    )
+    assert fold([(f"l{i}", "x") for i in range(0, 40, 2)])[0].path == "l{0..38..2}"
+    scattered = [(f"l{i * i}", "x") for i in range(10)]
+    assert fold(scattered)[0].path == "l{0,1,4,9,16,25,36,...(10 in all)}"
 
 
 def test_diff_and_no_match_fold_layers(gemma: Path, tmp_path: Path) -> None:

@@ -7,22 +7,34 @@ types; everything else (LazyArrays, arrays, strings, scalars) is a leaf, and Non
 an empty subtree. A key path is written one way everywhere: each key as Orbax names
 it on disk (a dict key, an attribute or field name, an index), joined by `/`, as in
 `blocks/0/attn/kernel/value`.
+
+Plain dicts, lists and tuples, and None, are walked here in jax's order (dict keys
+sorted) without jax, so that opening, walking and reading a checkpoint never wait for
+its import. Other nodes are jax's to take apart: registering a node type takes jax, so
+before it is imported only subclasses of dict and tuple that it registers itself
+(OrderedDict, defaultdict, NamedTuples) may be nodes, and import it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import fnmatch
+import functools
 import gc
+import operator
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-
+from lazyckpt._array.patterns import Predicate as Predicate
+from lazyckpt._array.patterns import Select as Select
+from lazyckpt._array.patterns import as_predicate, may_be_dotted
 from lazyckpt._errors import NoMatchError, renamed
 from lazyckpt._text import fold
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -30,25 +42,63 @@ Path = tuple[Key, ...]
 MAX_DEPTH = 512
 """The deepest tree lazyckpt builds from a checkpoint: jax's tree functions and
 Python's recursion fail past about 1,000 levels."""
-Predicate = Callable[[str, Any], bool]
-Select = str | Sequence[str] | Predicate
-"""What every verb's `select` argument takes: a path pattern, a list of patterns (a
-leaf matching any of them is kept) or a predicate `(path, leaf) -> bool`."""
 
-_tu = jax.tree_util
+
+@functools.cache
+def _tree_util() -> ModuleType:
+    """`jax.tree_util`, imported on first use."""
+    import jax.tree_util
+
+    return jax.tree_util
+
+
+def _plain(node: Any) -> Iterable[tuple[Any, Any]] | None:
+    """The children of a plain dict (in jax's order), list or tuple with their keys,
+    and no children for None; None for any other object, and for a dict whose keys do
+    not sort (1 and 'a'), which jax refuses with its own error."""
+    kind = type(node)
+    if kind is dict:
+        try:
+            return sorted(node.items(), key=operator.itemgetter(0))
+        except TypeError:
+            return None
+    if kind is list or kind is tuple:
+        return enumerate(node)
+    return () if node is None else None
+
+
+def _for_jax(node: object) -> bool:
+    """Whether `node`, not a plain container, is a pytree node, for jax to take apart.
+    Before jax is imported, only a subclass of dict, list or tuple may be one (jax
+    registers OrderedDict, defaultdict and NamedTuples itself): jax decides then."""
+    if "jax" in sys.modules:
+        return not _tree_util().all_leaves((node,))
+    return isinstance(node, dict | list | tuple)
+
+
+def _remade(node: object, kids: dict[Any, Any]) -> Any:
+    """A plain container (see `_plain`) of `node`'s type with the children `kids`."""
+    if type(node) is dict:
+        return kids
+    # (a list or a tuple: mypy knows only that it is some type)
+    return None if node is None else type(node)(kids.values())  # type: ignore[call-arg]
+
+
+def _dict_key(key: object) -> Key:
+    return key if isinstance(key, str | int) else str(key)
 
 
 def key_of(entry: object) -> Key:
     """One entry of a jax key path as Orbax names it: `DictKey('a')` -> `'a'`,
     `GetAttrKey('mu')` -> `'mu'`, `SequenceKey(0)` -> `0`."""
-    if isinstance(entry, _tu.DictKey):
-        key = entry.key
-        return key if isinstance(key, str | int) else str(key)
-    if isinstance(entry, _tu.GetAttrKey):
+    tu = _tree_util()
+    if isinstance(entry, tu.DictKey):
+        return _dict_key(entry.key)
+    if isinstance(entry, tu.GetAttrKey):
         return str(entry.name)
-    if isinstance(entry, _tu.SequenceKey):
+    if isinstance(entry, tu.SequenceKey):
         return int(entry.idx)
-    if isinstance(entry, _tu.FlattenedIndexKey):
+    if isinstance(entry, tu.FlattenedIndexKey):
         return int(entry.key)
     return str(entry)
 
@@ -65,8 +115,28 @@ def keystr(path: Path) -> str:
 
 def flatten(tree: object) -> list[tuple[Path, Any]]:
     """`(key path, leaf)` for every leaf of `tree`, in `jax.tree_util` order."""
-    flat, _ = _tu.tree_flatten_with_path(tree)
-    return [(path_of(key_path), leaf) for key_path, leaf in flat]
+    out: list[tuple[Path, Any]] = []
+    _flatten_into(tree, (), out)
+    return out
+
+
+def _flatten_into(node: object, path: Path, out: list[tuple[Path, Any]]) -> None:
+    kids = _plain(node)
+    if kids is not None:
+        for key, child in kids:
+            _flatten_into(child, (*path, _dict_key(key)), out)
+    elif not _for_jax(node):
+        out.append((path, node))
+    else:
+        flat, _ = _tree_util().tree_flatten_with_path(node)
+        out.extend(((*path, *path_of(key_path)), leaf) for key_path, leaf in flat)
+
+
+def leaf_values(tree: object) -> list[Any]:
+    """The leaves of `tree` without their key paths, in `jax.tree_util` order."""
+    if "jax" in sys.modules:  # (its walk is in C, and faster)
+        return list(_tree_util().tree_leaves(tree))
+    return [leaf for _, leaf in flatten(tree)]
 
 
 def children(node: object) -> list[tuple[Key, Any]] | None:
@@ -74,15 +144,12 @@ def children(node: object) -> list[tuple[Key, Any]] | None:
 
     None and empty containers are nodes without children.
     """
-    if node is None:
-        return []
-    # Plain containers as jax.tree_util takes them apart (dict keys sorted), without a
-    # call into jax: opened checkpoints are all dicts and lists.
-    if type(node) is dict:
-        return sorted(node.items(), key=lambda item: item[0])
-    if type(node) is list or type(node) is tuple:
-        return list(enumerate(node))
-    flat, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
+    kids = _plain(node)
+    if kids is not None:
+        return list(kids)
+    if not _for_jax(node):
+        return None
+    flat, _ = _tree_util().tree_flatten_with_path(node, is_leaf=lambda child: child is not node)
     if len(flat) == 1 and not flat[0][0]:
         return None
     return [(key_of(key_path[0]), child) for key_path, child in flat]
@@ -90,8 +157,12 @@ def children(node: object) -> list[tuple[Key, Any]] | None:
 
 def rebuild(node: object, new_children: Sequence[object]) -> Any:
     """A node of the same type and metadata as `node`, with `new_children`."""
-    treedef = _tu.tree_structure(node, is_leaf=lambda child: child is not node)
-    return _tu.tree_unflatten(treedef, new_children)
+    kids = _plain(node)
+    if kids is not None and len(keys := [key for key, _ in kids]) == len(new_children):
+        return _remade(node, dict(zip(keys, new_children, strict=True)))
+    tu = _tree_util()  # (which also refuses a wrong number of children)
+    treedef = tu.tree_structure(node, is_leaf=lambda child: child is not node)
+    return tu.tree_unflatten(treedef, new_children)
 
 
 def leaves(tree: object) -> Iterator[tuple[str, Any]]:
@@ -108,8 +179,40 @@ def leaves(tree: object) -> Iterator[tuple[str, Any]]:
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: object) -> Any:
-    """`tree` with `fn` applied to each leaf; every node rebuilt as its own type."""
-    return _tu.tree_map(fn, tree)
+    """`tree` with `fn` applied to each leaf; every node rebuilt as its own type (a
+    dict with its keys sorted, as `jax.tree_util.tree_map` rebuilds it)."""
+    if "jax" in sys.modules:  # (its walk is in C, and faster)
+        return _tree_util().tree_map(fn, tree)
+    kids = _plain(tree)
+    if kids is not None:
+        return _remade(tree, {key: map_leaves(fn, child) for key, child in kids})
+    if not _for_jax(tree):
+        return fn(tree)
+    return _tree_util().tree_map(fn, tree)
+
+
+def map_with_path(
+    fn: Callable[[Path, Any], Any], tree: object, *, none_is_leaf: bool = False
+) -> Any:
+    """`tree` with `fn(key path, leaf)` in place of each leaf, as `map_leaves`; with
+    `none_is_leaf`, None is a leaf too (a target's None: a subtree left as it is)."""
+    return _map(fn, tree, (), none_is_leaf)
+
+
+def _map(fn: Callable[[Path, Any], Any], node: object, path: Path, none_is_leaf: bool) -> Any:
+    kids = None if node is None and none_is_leaf else _plain(node)
+    if kids is not None:
+        return _remade(
+            node,
+            {key: _map(fn, child, (*path, _dict_key(key)), none_is_leaf) for key, child in kids},
+        )
+    if node is None or not _for_jax(node):
+        return fn(path, node)
+    return _tree_util().tree_map_with_path(
+        lambda key_path, leaf: fn((*path, *path_of(key_path)), leaf),
+        node,
+        is_leaf=(lambda leaf: leaf is None) if none_is_leaf else None,
+    )
 
 
 def subtree(tree: object, keys: Sequence[str]) -> Any:
@@ -122,78 +225,6 @@ def subtree(tree: object, keys: Sequence[str]) -> Any:
             raise KeyError("/".join(keys[: depth + 1]))
         node = found[0]
     return node
-
-
-def _matches(pattern: list[str], path: list[str]) -> bool:
-    """Glob match by segment: `*` within a segment, `**` across any number of them.
-
-    A pattern also matches every path below a matching prefix, so `params` selects
-    the whole `params` subtree.
-    """
-    if not pattern:
-        return True
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_matches(rest, path[i:]) for i in range(len(path) + 1))
-    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _matches(rest, path[1:])
-
-
-def matches(pattern: str, path: str) -> bool:
-    """Whether the key path `path` is selected by `pattern` (see `select`).
-
-    >>> matches("params/**/kernel", "params/dense/kernel"), matches("opt", "params/w")
-    (True, False)
-    """
-    parts = [part for part in pattern.strip("/").split("/") if part]
-    return _matches(parts, path.split("/") if path else [])
-
-
-def any_of(patterns: Sequence[str]) -> Predicate:
-    """A predicate for `select` that keeps leaves matching any of `patterns`.
-
-    >>> select({"a": 1, "b": 2, "c": 3}, any_of(["a", "c"]))
-    {'a': 1, 'c': 3}
-    """
-    parts = list(patterns)
-    return lambda path, _leaf: any(matches(pattern, path) for pattern in parts)
-
-
-def _as_predicate(pattern: Select, paths: list[list[str]]) -> Predicate:
-    if callable(pattern):
-        return pattern
-    if not isinstance(pattern, str):
-        return any_of([spelled(p, paths) for p in pattern])
-    parts = _parts(spelled(pattern, paths))
-    return lambda path, _leaf: _matches(parts, path.split("/") if path else [])
-
-
-def _parts(pattern: str) -> list[str]:
-    return [part for part in pattern.strip("/").split("/") if part]
-
-
-def spelled(pattern: str, paths: list[list[str]]) -> str:
-    """`pattern`, or, when it has dots, no `/` and matches none of `paths` (each split
-    at `/`) as written, the pattern with its dots read as `/`: a Hugging Face name
-    (`model.layers.*.mlp.up_proj.weight`) for the key path safetensors trees use
-    (`model/layers/*/mlp/up_proj/weight`). A key with dots of its own (Orbax allows
-    them) is matched as written first, so it keeps its meaning.
-
-    >>> spelled("model.norm.weight", [["model", "norm", "weight"]])
-    'model/norm/weight'
-    >>> spelled("step.count", [["step.count"]])
-    'step.count'
-    """
-    if "/" in pattern or "." not in pattern:
-        return pattern
-    parts = _parts(pattern)
-    if any(_matches(parts, path) for path in paths):
-        return pattern
-    return pattern.replace(".", "/")
-
-
-def _may_be_dotted(pattern: Select) -> bool:
-    names = [pattern] if isinstance(pattern, str) else [] if callable(pattern) else pattern
-    return any("." in name and "/" not in name for name in names)
 
 
 _DROPPED = object()
@@ -213,8 +244,10 @@ def select(tree: object, pattern: Select) -> Any:
     Args:
         tree: Any pytree.
         pattern: A path pattern: segments joined by `/`, `*` matching within a
-            segment and `**` any number of segments; a pattern selects the whole
-            subtree below what it matches. A pattern with dots and no `/` that
+            segment, `**` any number of segments, and a set of numbers in braces
+            (`layers/{3..60}`, `layer_{0..2,5}`) a number in it, as a folded
+            `summary` names its groups; a pattern selects the whole subtree below
+            what it matches. A pattern with dots and no `/` that
             matches nothing as written is read with its dots as `/`, so Hugging Face
             names select from safetensors trees (`model.layers.*.mlp.up_proj.weight`
             is `model/layers/*/mlp/up_proj/weight`). Or a list of patterns (a leaf
@@ -229,9 +262,11 @@ def select(tree: object, pattern: Select) -> Any:
     {'params': {'dense': {'kernel': 1}}}
     >>> select(tree, lambda path, leaf: leaf > 1)
     {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
+    >>> select({"layer_0": 0, "layer_1": 1, "layer_2": 2, "layer_3": 3}, "layer_{0,2..3}")
+    {'layer_0': 0, 'layer_2': 2, 'layer_3': 3}
     """
-    paths = [path.split("/") for path, _ in leaves(tree)] if _may_be_dotted(pattern) else []
-    picked = _select(tree, (), _as_predicate(pattern, paths))
+    paths = [path.split("/") for path, _ in leaves(tree)] if may_be_dotted(pattern) else []
+    picked = _select(tree, (), as_predicate(pattern, paths))
     if picked is _DROPPED:
         shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)
         wanted = [] if callable(pattern) else [pattern] if isinstance(pattern, str) else pattern

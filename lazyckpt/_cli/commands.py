@@ -1,6 +1,7 @@
 """The commands behind `lazyckpt._cli.main`: each opens, reads or writes through the public
 verbs. Kept apart from the parser, which `--help` and argument errors need alone, because
-these import jax."""
+these import tensorstore and the formats. Only the commands that need jax import it
+(`convert`, `demo`): `inspect` and `show` answer without waiting for it."""
 
 from __future__ import annotations
 
@@ -14,23 +15,23 @@ from pathlib import Path
 from types import EllipsisType
 from typing import Any, TextIO
 
-import jax.numpy as jnp
 import numpy as np
 
 import lazyckpt
-from lazyckpt._array.tree import near_paths, spelled, subtree
-from lazyckpt._cli.demo import run as run_demo
+from lazyckpt._array.patterns import spelled
+from lazyckpt._array.tree import near_paths, subtree
+from lazyckpt._display import as_given
 from lazyckpt._errors import LazyckptError, NoMatchError
 from lazyckpt._orbax.layout import locate
-from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._storage.paths import basename, is_remote, normalize
 from lazyckpt._text import ascii_int, human_bytes, printable, shown
 
 
 def say(text: object = "", file: TextIO | None = None) -> None:
     """Print `text`, with control characters escaped: keys and strings come from the
-    checkpoint, and must not drive the terminal."""
-    print(printable(str(text), lines=True), file=file)
+    checkpoint, and must not drive the terminal. Paths as the user gave them, and URLs
+    without their query strings (`lazyckpt._display`), whatever made the text."""
+    print(printable(as_given(str(text)), lines=True), file=file)
 
 
 def show_warning(
@@ -49,9 +50,12 @@ def _open(args: argparse.Namespace) -> object:
 def _inspect(args: argparse.Namespace) -> None:
     steps = _steps(args.path)
     tree = _open(args)
-    summary = lazyckpt.summary(tree, title=_title(args, steps), depth=args.depth)
+    # JSON is for scripts: every leaf, whatever the fold.
+    fold = not (args.expand or args.json)
+    summary = lazyckpt.summary(tree, title=_title(args, steps), depth=args.depth, fold=fold)
     if args.json:
-        out = {"path": normalize(args.path), "steps": steps, "leaves": summary.describe()}
+        shown_path = as_given(normalize(args.path))
+        out = {"path": shown_path, "steps": steps, "leaves": summary.describe()}
         print(json.dumps(out, indent=1))
         return
     say(summary.text())
@@ -67,7 +71,7 @@ def _steps(path: str) -> list[int]:
 def _title(args: argparse.Namespace, steps: list[int]) -> str:
     """The path, the steps of a root and the step shown, and the item shown of a step
     with several (`item state; also: extra, metadata`)."""
-    title = normalize(args.path)
+    title = as_given(normalize(args.path))
     notes = []
     if steps:
         shown = args.step if args.step is not None else steps[-1]
@@ -186,7 +190,7 @@ def _stats(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(results.describe(), indent=1))
     else:
-        say(results)
+        say(results.text(fold=not args.expand))
     if args.plot:  # (after the table: a figure that cannot be drawn loses no numbers)
         _draw(results.plot(), args.plot)
 
@@ -227,7 +231,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:
-        say(result)
+        say(result.text(fold=not args.expand))
     if args.plot:
         _draw(result.plot(), args.plot)
     return 1 if args.exit_code and result else 0
@@ -267,6 +271,8 @@ def _rename_rules(path: str) -> list[tuple[str, str]]:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES  # (saving: imports jax)
+
     steps: list[Callable[[object], object]] = []
     steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in args.unstack]
     steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in args.stack]
@@ -318,6 +324,8 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _dtype(name: str) -> np.dtype[Any]:
+    import jax.numpy as jnp  # (knows bfloat16 by name; convert imports jax anyway)
+
     try:
         return jnp.dtype(name)
     except TypeError:
@@ -327,6 +335,8 @@ def _dtype(name: str) -> np.dtype[Any]:
 
 
 def _demo(args: argparse.Namespace) -> None:
+    from lazyckpt._cli.demo import run as run_demo  # (imports jax)
+
     run_demo(keep=args.keep)
 
 

@@ -15,7 +15,7 @@ from lazyckpt._errors import LazyckptError, SizeError
 _PATH = (
     "an Orbax checkpoint folder, step folder or manager root; a safetensors file or "
     "model folder; a PyTorch (.bin, .pt, .pth), NumPy (.npz, .npy) or flax msgpack "
-    "file or model folder. Local, s3://, gs://, hf://ORG/NAME or https://"
+    "file or model folder. Local, s3://, gs://, hf://ORG/NAME[@REV][/PATH] or https://"
 )
 
 
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
             help="bytes in flight: 256MiB, 1GB (10^9) or bytes",
         )
 
+    def expanding(sub: argparse.ArgumentParser, what: str) -> None:
+        sub.add_argument("--expand", action="store_true", help=what)
+
     def dequantizing(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--dequantize",
@@ -76,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     selecting(inspect)
     dequantizing(inspect)
     inspect.add_argument("--depth", type=int, metavar="N", help="show N levels of the tree")
-    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    expanding(
+        inspect,
+        "a row for every subtree and leaf: numbered siblings alike (layers/{3..60}/) and "
+        "subtrees equal to one above are not folded",
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts (every leaf)")
 
     show = command("show", "print a few values: lazyckpt show PATH 'params/embed[0:3, :8]'")
     dequantizing(show)
@@ -91,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     dequantizing(stats)
     budget(stats)
     stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
+    expanding(stats, "a line per array: equal rows alike but for a layer number are not folded")
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
     stats.add_argument(
         "--plot",
@@ -108,13 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     diff = command(
         "diff", "compare two checkpoints: structure, shapes, dtypes, values", source=False
     )
-    diff.add_argument("first", help="checkpoint A")
-    diff.add_argument("second", help="checkpoint B")
+    diff.add_argument("first", help=f"checkpoint A: {_PATH}")
+    diff.add_argument("second", help=f"checkpoint B: {_PATH}")
     diff.add_argument("--step", type=int, nargs=2, metavar=("A", "B"), help="steps of roots")
     diff.add_argument("--item", help="item of the step folders (state, params, ...)")
     selecting(diff)
     budget(diff)
     diff.add_argument("--values", action="store_true", help="compare values too (reads data)")
+    expanding(diff, "a line per change: changes alike but for a layer number are not folded")
     diff.add_argument("--json", action="store_true", help="print JSON for scripts")
     diff.add_argument("--exit-code", action="store_true", help="exit with 1 if they differ")
     diff.add_argument(
@@ -128,7 +138,12 @@ def _parser() -> argparse.ArgumentParser:
         "rewrite a checkpoint as Orbax or safetensors: keep leaves, rename, cast, re-chunk; "
         "streamed",
     )
-    convert.add_argument("destination", help="folder (or .safetensors file) to create")
+    convert.add_argument(
+        "destination",
+        help="where to write: an Orbax checkpoint folder, or a safetensors model folder "
+        "(--to safetensors) or .safetensors file. Local, s3:// or gs:// (hf:// and https:// "
+        "are read only)",
+    )
     convert.add_argument(
         "--to", choices=("orbax", "safetensors"), help="format (default: from DESTINATION)"
     )
@@ -198,14 +213,19 @@ def _parser() -> argparse.ArgumentParser:
     demo = command(
         "demo", "write a small sharded checkpoint and walk through lazyckpt on it", source=False
     )
-    demo.add_argument("--keep", metavar="DIR", help="write the checkpoint here and keep it")
+    demo.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="a local folder to write the demo's Orbax checkpoint to, and keep",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # The commands import lazyckpt's verbs, and with them jax (seconds): only now that
-    # there is work, so that --help and argument errors answer at once.
+    # The commands import lazyckpt's verbs, and with them tensorstore (a second; some
+    # commands jax too): only now that there is work, so that --help and argument
+    # errors answer at once.
     from lazyckpt._cli import commands
 
     try:

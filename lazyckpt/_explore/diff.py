@@ -21,7 +21,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
 from lazyckpt._sizes import optional_size
-from lazyckpt._text import fold
+from lazyckpt._text import fold as fold_keys
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -91,15 +91,22 @@ class Diff:
         return {kind: sum(c.kind == kind for c in self.changes) for kind in _KINDS}
 
     def __str__(self) -> str:
+        return self.text()
+
+    __repr__ = __str__
+
+    def text(self, *, fold: bool = True) -> str:
+        """The report; with `fold`, changes alike but for a layer number take one line:
+        `- layers/{0..3}/w  f32[8]`."""
         counts = ", ".join(f"{n} {kind}" for kind, n in self.counts().items() if n)
         what = "metadata and values" if self.values_compared else "metadata only"
         lines = [f"{counts or 'both empty'} ({what})"]
-        # Changes alike but for a layer number take one line: `- layers/{0..3}/w  f32[8]`.
-        folded = fold(((c._head(), c._detail(), 1, c._tail()) for c in self.changed), vary=False)
-        lines.extend(str(line) for line in folded)
+        if fold:
+            changes = ((c._head(), c._detail(), 1, c._tail()) for c in self.changed)
+            lines.extend(str(line) for line in fold_keys(changes, vary=False))
+        else:
+            lines.extend(f"{c._head()}{c._tail()}  {c._detail()}" for c in self.changed)
         return "\n".join(lines)
-
-    __repr__ = __str__
 
     def describe(self) -> list[dict[str, Any]]:
         return [attrs.asdict(c) for c in self.changes]

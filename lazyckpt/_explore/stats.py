@@ -17,6 +17,7 @@ from lazyckpt._explore import plot
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
+from lazyckpt._text import fold as fold_keys
 from lazyckpt._text import human_bytes
 
 if TYPE_CHECKING:
@@ -127,7 +128,13 @@ class StatsTable(dict[str, Stats]):
         return {key: s.describe() for key, s in self.items()}
 
     def __str__(self) -> str:
-        lines = [format_stats(self, self.nbytes)]
+        return self.text()
+
+    def text(self, *, fold: bool = True) -> str:
+        """The table; with `fold`, arrays alike but for a layer number whose size and
+        statistics are all equal (norm scales as initialized, say) share one line,
+        `layers/{0..25}/norm/scale`."""
+        lines = [format_stats(self, self.nbytes, fold=fold)]
         for key, s in self.items():
             if s.histogram is not None:
                 counts, edges = s.histogram
@@ -261,21 +268,25 @@ def summarizable(array: LazyArray) -> bool:
     )
 
 
-def format_stats(results: dict[str, Stats], nbytes: dict[str, int]) -> str:
-    """An aligned table of statistics by key path (what `lazyckpt stats` prints)."""
+def format_stats(results: dict[str, Stats], nbytes: dict[str, int], *, fold: bool = False) -> str:
+    """An aligned table of statistics by key path (what `lazyckpt stats` prints); with
+    `fold`, rows equal but for a layer number in their keys share one line."""
     header = ("key", "size", "min", "max", "mean", "std", "nan", "inf")
-    rows: list[tuple[str, ...]] = [header]
-    for key, s in results.items():
-        numbers = [s.min, s.max, s.mean, s.std]
-        rows.append(
-            (
-                key,
-                human_bytes(nbytes[key]),
-                *("-" if v is None else f"{v:.6g}" for v in numbers),
-                str(s.nan),
-                str(s.inf),
-            )
+    cells = {
+        key: (
+            human_bytes(nbytes[key]),
+            *("-" if v is None else f"{v:.6g}" for v in (s.min, s.max, s.mean, s.std)),
+            str(s.nan),
+            str(s.inf),
         )
+        for key, s in results.items()
+    }
+    rows: list[tuple[str, ...]] = [header]
+    if fold:
+        lines = ((key, "\t".join(row)) for key, row in cells.items())
+        rows += [(line.path, *line.detail.split("\t")) for line in fold_keys(lines, vary=False)]
+    else:
+        rows += [(key, *row) for key, row in cells.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(

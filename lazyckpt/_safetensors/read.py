@@ -10,6 +10,7 @@ read of a few embedding rows reads those rows' chunks and the engine's budget ho
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from lazyckpt._array.geometry import bounds
 from lazyckpt._array.quant import PackedFP4
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
+from lazyckpt._display import given_repr
 from lazyckpt._engine.raw import read_raw
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
@@ -322,6 +324,7 @@ def _read(
     return then(store.kvstore.read(key, byte_range=slice(start, stop)), value, failed)
 
 
+@functools.lru_cache(maxsize=4096)  # a model has a few dozen shapes in 100,000 tensors
 def contiguous_chunks(
     shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES
 ) -> tuple[int, ...]:
@@ -351,7 +354,7 @@ class RangeArray(StoredArray):
     """A tensor stored as raw C-order little-endian bytes at `start` in its file."""
 
     start: int = 0
-    file: str = ""
+    file: str = attrs.field(default="", repr=given_repr)
 
     def raw_file(self) -> tuple[str, int] | None:
         if not self.dtype.isnative:
