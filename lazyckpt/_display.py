@@ -29,8 +29,8 @@ _SHORT = 7
 _NAMES: dict[str, str] = {}
 _LOCK = threading.Lock()
 _PLACES: re.Pattern[str] | None = None
-"""Every registered place, longest first, where it is not followed by more of a name
-(the commit folder `abc` is not a prefix of `abcd`); None where none is."""
+"""Every registered place, longest first, where it is not part of a longer path or
+name (the commit folder `abc` is not a prefix of `abcd`); None where none is."""
 
 # A URL: its scheme, its user name and password (up to '@', before the host ends),
 # its host and path, then its query string or fragment: up to a space or a character
@@ -52,7 +52,11 @@ def register(place: str, shown: str) -> None:
     with _LOCK:
         _NAMES[place.rstrip("/")] = shown
         ordered = sorted(_NAMES, key=len, reverse=True)
-        _PLACES = re.compile(f"(?:{'|'.join(map(re.escape, ordered))})(?![\\w.~%+-])")
+        places = "|".join(map(re.escape, ordered))
+        # Whole places only: not the tail of a longer path (`/backup/root/...`, a URL
+        # inside another one's path), nor the head of a longer name (`abc` in `abcd`
+        # or `abc.bak`; a sentence's full stop ends it).
+        _PLACES = re.compile(f"(?<![\\w./~%+-])(?:{places})(?![\\w~%+-]|\\.[\\w~%+-])")
 
 
 def hub_name(kind: str, repo_id: str, commit: str) -> str:
@@ -68,6 +72,8 @@ def as_given(text: str) -> str:
     >>> register("https://hub.test/org/m/resolve/c0ffee", "hf://org/m@c0ffee0")
     >>> as_given("https://hub.test/org/m/resolve/c0ffee/w.safetensors: gone")
     'hf://org/m@c0ffee0/w.safetensors: gone'
+    >>> as_given("https://mirror.example/https://hub.test/org/m/resolve/c0ffee/w")
+    'https://mirror.example/https://hub.test/org/m/resolve/c0ffee/w'
     >>> as_given("'https://u:pw@cdn.example/x.bin?X-Amz-Signature=secret', which failed")
     "'https://...@cdn.example/x.bin?...', which failed"
     """

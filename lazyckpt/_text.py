@@ -96,11 +96,11 @@ Detail = tuple[tuple[str, str], ...]
 """What a report says about one key path, as `(label, value)` fields: a field whose
 values differ along a folded run says so on its own (`checkpoint varies: ...`)."""
 
-_NUMBER = re.compile(r"([0-9]{1,18})")
-_DIGITS = re.compile("[0-9]+")  # (ASCII digits, fewer than int() refuses)
+_NUMBER = re.compile(r"([0-9]{1,18})")  # (ASCII digits, fewer than int() refuses)
+_DIGITS = re.compile("[0-9]+")
 _SHOWN_RUNS = 6  # runs of numbers written out before the rest are elided
-_SHOWN_VALUES = 3
-_STEPPED_RUN = 4  # numbers a step apart written `first..last..step`, from this many  # distinct values of a field listed before it just "varies"
+_SHOWN_VALUES = 3  # distinct values of a field listed before it just "varies"
+_STEPPED_RUN = 4  # numbers a step apart written `first..last..step`, from this many
 
 
 @attrs.frozen

@@ -217,3 +217,60 @@ def test_interleaved_layers_fold_as_steps_and_select_back() -> None:
     assert "24 x 3 arrays" in _line(text, "{1..47..2}/")
     picked = lazyckpt.select(tree, "layers/{1..47..2}/router")
     assert sorted(picked["layers"], key=int) == [str(i) for i in range(1, 48, 2)]
+
+
+def test_folded_names_select_exactly_what_they_stand_for() -> None:
+    """Zero-padded steps, scattered numbers by the thousand, and keys with braces of
+    their own (found by review): each row's name selects its leaves, no more."""
+    rng = np.random.default_rng(0)
+    scattered = sorted(rng.choice(100_000, 3_000, replace=False).tolist())
+    tree = {
+        "padded": {f"p{i:03d}": np.zeros(1) for i in range(0, 8, 2)},
+        "scattered": {str(i): np.zeros(2) for i in scattered},
+        "braces": {"x{1}10": np.zeros(3), "x{1}46": np.zeros(3)},
+    }
+    rows = lazyckpt.summary(tree).rows[1:]
+    for row in rows:
+        if row.group:
+            continue
+        picked = list(lazyckpt.leaves(lazyckpt.select(tree, "/".join(map(str, row.path)))))
+        assert len(picked) == row.count, row.path
+    names = [row.name for row in rows]
+    assert "padded/p{000..006..2}" in names and "x{1}10" in names
+
+
+def test_what_a_row_shows_tells_siblings_apart() -> None:
+    """Values fold as they print (-0.0 is not 0.0), keys by type, and folded rows'
+    data gives the size of every sibling they stand for."""
+    text = str(lazyckpt.summary({"layer_0": 0.0, "layer_1": -0.0, "layer_2": 0.0}))
+    assert text.splitlines() == ["layer_{0,2}  2 x 0.0", "layer_1      -0.0"]
+    keyed = {"layer_0": {1: np.zeros(2)}, "layer_1": {True: np.zeros(2)}}
+    assert len(str(lazyckpt.summary(keyed)).splitlines()) == 2
+    described = lazyckpt.summary({"g": {str(i): np.zeros(4, np.float32) for i in range(3)}})
+    assert described.describe() == [
+        {"path": "g/{0..2}", "count": 3, "kind": "array", "shape": [4], "dtype": "float32",
+         "nbytes": 48}
+    ]  # fmt: skip
+
+
+def test_arrays_cast_from_other_stored_dtypes_fold_apart(tmp_path: Path) -> None:
+    path = lazyckpt.save(tmp_path / "c", {f"w{i}": np.ones(4, np.float16 if i else np.float32)
+                                          for i in range(3)})  # fmt: skip
+    opened = lazyckpt.open(path)
+    cast = {key: array.astype(np.float32) for key, array in opened.items()}
+    described = lazyckpt.summary(cast).describe()
+    assert [row["path"] for row in described] == ["w0", "w{1,2}"]
+    assert described[1]["stored_dtype"] == "float16"
+
+
+def test_cli_prints_stored_strings_as_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages hide URLs' query strings; a checkpoint's own values are data, shown
+    whole."""
+    url = "https://wandb.ai/team/run?runId=42#chart"
+    path = orbax_save(tmp_path / "ckpt", {"url": url, "w": np.zeros(2, np.float32)})
+    assert main(["show", str(path), "url"]) == 0
+    assert capsys.readouterr().out.strip() == url
+    assert main(["inspect", str(path)]) == 0
+    assert repr(url) in capsys.readouterr().out

@@ -293,3 +293,30 @@ def test_the_walk_is_jax_s(tree: Any) -> None:
     new = [("new", i) for i in range(len(kids))]
     structure = tu.tree_structure(tree, is_leaf=lambda child: child is not tree)
     assert repr(walk.rebuild(tree, new)) == repr(tu.tree_unflatten(structure, new))
+
+
+def test_dtype_checks_without_jax_agree_with_jax_numpy() -> None:
+    """ml_dtypes' `float8_e5m2` claims NumPy's kind 'f' while its type is no
+    `np.floating` (review of issue 41): every ml_dtypes type is filed as jax files it."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from lazyckpt._array.dtypes import issubdtype
+
+    known = [np.dtype(getattr(jnp, name)) for name in dir(ml_dtypes)
+             if name.startswith(("float", "bfloat", "int", "uint")) and hasattr(jnp, name)]  # fmt: skip
+    known += [np.dtype(t) for t in (np.float32, np.int8, np.uint16, np.bool_, np.complex64)]
+    assert np.dtype(jnp.float8_e5m2) in known
+    for dtype in known:
+        for category in (np.floating, np.integer, np.signedinteger, np.unsignedinteger):
+            assert issubdtype(dtype, category) == jnp.issubdtype(dtype, category), (dtype, category)
+
+
+def test_an_e5m2_array_restores_into_a_float16_target(tmp_path: Path) -> None:
+    import ml_dtypes
+
+    scales = np.array([[2.0, 0.5]], np.float32).astype(ml_dtypes.float8_e5m2)
+    save_file({"scale": scales}, str(tmp_path / "m.safetensors"))
+    opened = lazyckpt.open(tmp_path / "m.safetensors")
+    out = lazyckpt.load(opened, like={"scale": np.zeros((1, 2), np.float16)})
+    assert out["scale"].dtype == np.float16 and out["scale"].tolist() == [[2.0, 0.5]]

@@ -4,10 +4,16 @@ folded summary names its groups; dotted Hugging Face names read as key paths."""
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import functools
+import itertools
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import attrs
 
 from lazyckpt._text import ascii_int
 
@@ -42,13 +48,13 @@ def _segment_matches(pattern: str, key: str) -> bool:
     own matches as written too."""
     if fnmatch.fnmatchcase(key, pattern):
         return True
-    found = _NUMBER_SET.search(pattern)
+    found = _number_set(pattern)
     if found is None:
         return False
-    before, after = pattern[: found.start()], pattern[found.end() :]
+    before, numbers, after = found
     for digits in re.finditer("[0-9]+", key):
         if (
-            _in_set(digits[0], found[1])
+            numbers.holds(digits[0])
             and fnmatch.fnmatchcase(key[: digits.start()], before)
             and _segment_matches(after, key[digits.end() :])
         ):
@@ -56,27 +62,50 @@ def _segment_matches(pattern: str, key: str) -> bool:
     return False
 
 
-def _in_set(digits: str, spelled: str) -> bool:
-    """Whether the number `digits` is in a set written `0..3,5,7..9` (and `1..47..2`,
-    every other one), written as the set writes numbers: with leading zeros to the same
-    width (`{000..099}`), or without any."""
-    number = ascii_int(digits)
-    bounds = [bound for part in spelled.split(",") for bound in part.split("..")]
-    padded = any(len(b) > 1 and b.startswith("0") for b in bounds)
-    if padded and any(len(b) != len(digits) for b in bounds):
-        return False
-    if number is None or (not padded and len(digits) > 1 and digits.startswith("0")):
-        return False
-    for part in spelled.split(","):
-        ends = [ascii_int(end) or 0 for end in part.split("..")]  # first[..last[..step]]
-        first, last, every = (
-            ends[0],
-            ends[min(1, len(ends) - 1)],
-            max(ends[2], 1) if len(ends) > 2 else 1,
-        )
-        if first <= number <= last and (number - first) % every == 0:
-            return True
-    return False
+@attrs.frozen
+class _NumberSet:
+    """A set of numbers as written in braces: runs `first..last..step`, in order."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    width: int
+    """The digits each number is written with, zero-padded (`{000..099}`); 0: as is."""
+    ordered: bool
+    """Whether each run ends before the next starts (as folded names write them)."""
+
+    def holds(self, digits: str) -> bool:
+        """Whether the number `digits` is in the set, written as the set writes numbers:
+        with leading zeros to its width, or without any."""
+        number = ascii_int(digits)
+        padded = len(digits) > 1 and digits.startswith("0")
+        if number is None or (len(digits) != self.width if self.width else padded):
+            return False
+        runs = self.runs
+        if self.ordered:  # the one run that can hold it
+            at = bisect.bisect_right(runs, (number, math.inf, math.inf)) - 1
+            runs = runs[at : at + 1] if at >= 0 else ()
+        return any(a <= number <= b and (number - a) % step == 0 for a, b, step in runs)
+
+
+@functools.lru_cache(maxsize=256)
+def _number_set(pattern: str) -> tuple[str, _NumberSet, str] | None:
+    """`pattern` around its first set of numbers in braces, parsed once: a folded name
+    may list thousands of runs, matched against as many keys."""
+    found = _NUMBER_SET.search(pattern)
+    if found is None:
+        return None
+    runs = []
+    widths: set[int] = set()
+    for part in found[1].split(","):
+        ends = part.split("..")  # first[..last[..step]]
+        first, last = ends[0], ends[min(1, len(ends) - 1)]
+        widths.update(len(end) for end in (first, last) if len(end) > 1 and end[0] == "0")
+        step = max(ascii_int(ends[2]) or 1, 1) if len(ends) > 2 else 1
+        runs.append((ascii_int(first) or 0, ascii_int(last) or 0, step))
+    width = max(widths, default=0)
+    runs.sort()
+    ordered = all(b < c for (_, b, _), (c, _, _) in itertools.pairwise(runs))
+    numbers = _NumberSet(tuple(runs), width, ordered)
+    return pattern[: found.start()], numbers, pattern[found.end() :]
 
 
 def matches(pattern: str, path: str) -> bool:

@@ -29,15 +29,22 @@ from lazyckpt._text import ascii_int, human_bytes, printable, shown
 
 def say(text: object = "", file: TextIO | None = None) -> None:
     """Print `text`, with control characters escaped: keys and strings come from the
-    checkpoint, and must not drive the terminal. Paths as the user gave them, and URLs
-    without their query strings (`lazyckpt._display`), whatever made the text."""
-    print(printable(as_given(str(text)), lines=True), file=file)
+    checkpoint, and must not drive the terminal. Data is printed as it is; messages
+    name paths as the user gave them (see `say_message`)."""
+    print(printable(str(text), lines=True), file=file)
+
+
+def say_message(text: str) -> None:
+    """Print a message to stderr with paths as the user gave them and URLs without
+    their query strings (`lazyckpt._display`), whatever made it: an error from a
+    library below lazyckpt too."""
+    say(as_given(text), file=sys.stderr)
 
 
 def show_warning(
     message: Warning | str, category: type[Warning], *args: object, **kwargs: object
 ) -> None:
-    say(f"lazyckpt: warning: {message}", file=sys.stderr)
+    say_message(f"lazyckpt: warning: {message}")
 
 
 def _open(args: argparse.Namespace) -> object:
@@ -214,7 +221,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.describe(), indent=1))
     else:
-        say(result)
+        say(as_given(str(result)))  # a report on files: its messages name them
     return 0 if result.ok else 1
 
 
@@ -309,7 +316,7 @@ def _convert(args: argparse.Namespace) -> None:
         return
     out = lazyckpt.convert(**options)
     if is_remote(out):
-        say(f"wrote {out}")
+        say(as_given(f"wrote {out}"))
         return
     size = (
         os.path.getsize(out)
@@ -320,7 +327,7 @@ def _convert(args: argparse.Namespace) -> None:
             for name in names
         )
     )
-    say(f"wrote {out} ({human_bytes(size)})")
+    say(as_given(f"wrote {out} ({human_bytes(size)})"))
 
 
 def _dtype(name: str) -> np.dtype[Any]:

@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = (
             str(error) if isinstance(error, LazyckptError) else f"{type(error).__name__}: {error}"
         )
-        commands.say(f"lazyckpt: error: {message}", file=sys.stderr)
+        commands.say_message(f"lazyckpt: error: {message}")
         return 1
 
 

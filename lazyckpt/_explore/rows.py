@@ -117,7 +117,8 @@ def walk(tree: object) -> Node:
             arrays=sum(n.arrays for n in made),
             nbytes=sum(n.nbytes for n in made),
             leaves=sum(n.leaves for n in made),
-            signature=signature((kind, *((n.key, n.signature) for n in made))),
+            # (keys by type too: `1` and `True` are equal dict keys, shown apart)
+            signature=signature((kind, *((type(n.key), n.key, n.signature) for n in made))),
         )
         if open_nodes:
             open_nodes[-1][3].append(node)
@@ -145,7 +146,8 @@ def _leaf(key: Key, leaf: object, kind: str, inner: Key | None, signature: _Sign
         sharding = getattr(leaf, "sharding", None)
         saved = spec_of(leaf) if isinstance(sharding, SavedSharding) else None
         chunks = getattr(leaf, "chunks", None)
-        shape = (leaf.dtype, tuple(leaf.shape), saved, chunks)
+        stored = getattr(getattr(leaf, "stored", None), "dtype", None)  # (describe shows it)
+        shape = (leaf.dtype, stored, tuple(leaf.shape), saved, chunks)
         structure: object = ("array", kind, inner, *shape)
         return Node(key, kind, None, leaf, inner, 1, array_nbytes(leaf), 1, signature(structure))
     structure = ("value", kind, inner, type(leaf).__name__, _value(leaf))
@@ -153,13 +155,15 @@ def _leaf(key: Key, leaf: object, kind: str, inner: Key | None, signature: _Sign
 
 
 def _value(leaf: object) -> object:
-    """A value as signatures compare it: itself where it hashes (scalars, strings),
-    else its repr."""
+    """A value as signatures compare it: as it prints (`-0.0` is not `0.0`, nor
+    `Decimal('1.00')` `Decimal('1.0')`), ints and strings as themselves (an int of
+    thousands of digits does not print)."""
+    if type(leaf) in (int, str, bytes):
+        return leaf
     try:
-        hash(leaf)
-    except TypeError:
         return repr(leaf)
-    return leaf
+    except ValueError:  # a container of huge ints
+        return id(leaf)
 
 
 def _display_order(kids: list[tuple[Key, object]]) -> list[tuple[Key, object]]:
@@ -220,7 +224,7 @@ class Row:
                 kind="array",
                 shape=list(leaf.shape),
                 dtype=str(leaf.dtype),
-                nbytes=leaf.nbytes,
+                nbytes=self.nbytes,  # of every sibling the row stands for
                 chunks=list(leaf.chunks),
                 sharding=None if sharding is None else _sharding_dict(sharding),
             )
@@ -232,7 +236,7 @@ class Row:
                 kind="array",
                 shape=list(leaf.shape),
                 dtype=str(leaf.dtype),
-                nbytes=array_nbytes(leaf),
+                nbytes=self.nbytes,
             )
             return out
         out.update(kind="value", value=_json_value(leaf))
@@ -308,6 +312,8 @@ class _Layout:
         groups: dict[tuple[str, str, int] | int, list[tuple[str, Node]]] = {}
         for i, kid in enumerate(kids):
             split = numbered(str(kid.key))
+            if split and ("{" in split[0] + split[2] or "}" in split[0] + split[2]):
+                split = None  # braces of its own: a folded name would not select it
             group = (split[0], split[2], kid.signature) if split else i
             groups.setdefault(group, []).append((split[1] if split else "", kid))
         out: list[tuple[Key, list[Node]]] = []
@@ -345,11 +351,13 @@ class _Layout:
         count = len(members)
         arrays, nbytes = node.arrays * count, node.nbytes * count
         keys = [key]
+        chain = [(node, 1)]  # the nodes the row's keys name, and how many keys name each
         same_as = self._same_as(node)
         while not same_as and (only := self._only_entry(node)):
             keys.append(only[0])
             count *= len(only[1])
             node = only[1][0]
+            chain.append((node, len(keys)))
             same_as = self._same_as(node)
         if node.kids is None:  # a leaf
             if node.inner is not None:
@@ -376,8 +384,9 @@ class _Layout:
         )
         if same_as:
             return None
-        if self.fold and node.leaves >= _SAME_AS_LEAVES:
-            self.shown.setdefault(node.signature, keystr(row_path))
+        for named, names in chain:  # (`opt/mu/` in full: either may be named later)
+            if self.fold and named.leaves >= _SAME_AS_LEAVES:
+                self.shown.setdefault(named.signature, keystr((*path, *keys[:names])))
         return node, row_path
 
     def _same_as(self, node: Node) -> str:
