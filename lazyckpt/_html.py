@@ -51,6 +51,18 @@ def array_type(array: Any) -> str:
     return f"{array.dtype}[{','.join(str(n) for n in array.shape)}]"
 
 
+def times(count: int) -> str:
+    """`58 x `, before what each of `count` siblings alike is; nothing for one."""
+    return f"{count:,} x " if count > 1 else ""
+
+
+def array_text(array: Any, kind: str = "", count: int = 1) -> str:
+    """An array's type column: `float32[64,128]`, after its box's type (`Param`), and
+    with how many siblings alike the row stands for (`32 x`)."""
+    typed = f"{kind} {array_type(array)}" if kind else array_type(array)
+    return times(count) + typed
+
+
 def spec_text(sharding: SavedSharding | None) -> tuple[str, str]:
     """The saved partition spec and mesh as two short strings ("" when unknown)."""
     if sharding is None:
@@ -91,9 +103,7 @@ def array_row(
     spec, mesh = spec_of(array)
     chunks = getattr(array, "chunks", None)
     chunks_text = "chunks " + "x".join(str(n) for n in chunks) if chunks else ""
-    typed = f"{kind} {array_type(array)}" if kind else array_type(array)
-    if count > 1:
-        typed = f"{count:,} x {typed}"
+    typed = array_text(array, kind, count)
     return (
         f'<div class="row leaf" data-path="{key}">{key_cell(name, depth)}'
         f'<span class="t">{html.escape(typed)}</span>'

@@ -35,6 +35,13 @@ from lazyckpt._storage.kvstore import Store, ready, then
 _T = TypeVar("_T")
 
 
+def is_jax_array(value: object) -> bool:
+    """Whether `value` is a `jax.Array` or an abstract one (`jax.ShapeDtypeStruct`),
+    told without importing jax: neither can exist before it is imported."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.Array | jax.ShapeDtypeStruct)
+
+
 def _dtype(value: Any) -> Any:
     """A NumPy dtype, or a JAX extended dtype (typed PRNG keys) as it is."""
     if isinstance(value, np.dtype):

@@ -26,7 +26,7 @@ import numpy as np
 from lazyckpt._array.dtypes import issubdtype
 from lazyckpt._array.tree import Path, flatten, keystr, map_leaves, map_with_path, subtree
 from lazyckpt._errors import TreeMismatchError
-from lazyckpt._lazy import LazyArray, key_dtype
+from lazyckpt._lazy import LazyArray, is_jax_array, key_dtype
 from lazyckpt._placement import Layout, is_layout, resolve
 from lazyckpt._text import Detail, fold
 
@@ -74,10 +74,7 @@ class Placement:
 def _is_array(leaf: object) -> TypeGuard[TargetArray]:
     """Whether a target leaf is restored as an array: a NumPy array, or a jax one
     (which cannot exist before jax is imported: a target of NumPy arrays needs no jax)."""
-    if isinstance(leaf, np.ndarray):
-        return True
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(leaf, jax.ShapeDtypeStruct | jax.Array)
+    return isinstance(leaf, np.ndarray) or is_jax_array(leaf)
 
 
 def _is_key_dtype(dtype: DTypeLike) -> bool:

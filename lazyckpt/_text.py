@@ -176,7 +176,7 @@ def _tokens(path: str) -> tuple[str | frozenset[int], ...]:
 def _token_text(token: str | frozenset[int]) -> str:
     if isinstance(token, str):
         return token
-    return f"{{{_numbers(token)}}}" if len(token) > 1 else str(next(iter(token)))
+    return f"{{{numbers_text(token)}}}" if len(token) > 1 else str(next(iter(token)))
 
 
 def _fold_at(entries: list[_Entry], at: int, varied: bool) -> list[_Entry]:
@@ -221,7 +221,7 @@ def _varying(details: list[Detail], numbers: list[frozenset[int]]) -> Detail:
         if len(where) == 1:
             out.append((label, value))
         elif len(where) <= _SHOWN_VALUES:
-            listed = "; ".join(f"{v} at {_numbers(n)}" for v, n in where.items())
+            listed = "; ".join(f"{v} at {numbers_text(n)}" for v, n in where.items())
             out.append((label, f"varies: {listed}"))
         else:
             out.append((label, f"varies ({len(where)} values)"))
@@ -243,8 +243,9 @@ def numbered(key: str) -> tuple[str, str, str] | None:
 
 
 def numbers_text(values: Iterable[int], *, runs: int = _SHOWN_RUNS, width: int = 0) -> str:
-    """Numbers as runs, the way folded names write them: `0..25`, `0..3,5..9`, `4,5`;
-    past `runs` runs, `...` and how many in all; each of `width` digits at least.
+    """Numbers as runs, the way folded names write them: `0..25`, `0..3,5..9`, `4,5`,
+    and a step as bash writes one (`1..47..2`, every other one); past `runs` runs,
+    `...` and how many in all; each of `width` digits at least.
 
     >>> numbers_text([0, 1, 2, 5]), numbers_text(range(1, 48, 2))
     ('0..2,5', '1..47..2')
@@ -253,14 +254,8 @@ def numbers_text(values: Iterable[int], *, runs: int = _SHOWN_RUNS, width: int =
     >>> numbers_text([0, 1, 2, 3], width=3)
     '000..003'
     """
-    return _numbers(values, runs, width)
-
-
-def _numbers(values: Iterable[int], limit: int = _SHOWN_RUNS, width: int = 0) -> str:
-    """Numbers as runs: `0..25`, `0..3,5..9`, `4,5`, and every other one as bash writes
-    steps, `1..47..2`; past `limit` runs, `...`."""
     ordered = sorted(set(values))
-    runs: list[tuple[int, int, int]] = []  # first, last, step
+    spans: list[tuple[int, int, int]] = []  # first, last, step
     i = 0
     while i < len(ordered):
         step = ordered[i + 1] - ordered[i] if i + 1 < len(ordered) else 1
@@ -268,13 +263,13 @@ def _numbers(values: Iterable[int], limit: int = _SHOWN_RUNS, width: int = 0) ->
         while end < len(ordered) and ordered[end] - ordered[end - 1] == step:
             end += 1
         if step == 1 or end - i >= _STEPPED_RUN:
-            runs.append((ordered[i], ordered[end - 1], step))
+            spans.append((ordered[i], ordered[end - 1], step))
             i = end
         else:
-            runs.append((ordered[i], ordered[i], 1))
+            spans.append((ordered[i], ordered[i], 1))
             i += 1
     shown = []
-    for first, last, step in runs[:limit]:
+    for first, last, step in spans[:runs]:
         low, high = str(first).zfill(width), str(last).zfill(width)
         if first == last:
             shown.append(low)
@@ -282,4 +277,4 @@ def _numbers(values: Iterable[int], limit: int = _SHOWN_RUNS, width: int = 0) ->
             shown.append(f"{low}..{high}..{step}")
         else:
             shown.append(f"{low},{high}" if last == first + 1 else f"{low}..{high}")
-    return ",".join(shown) + (f",...({len(ordered)} in all)" if len(runs) > limit else "")
+    return ",".join(shown) + (f",...({len(ordered)} in all)" if len(spans) > runs else "")

@@ -21,6 +21,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
 from lazyckpt._sizes import optional_size
+from lazyckpt._text import Folded
 from lazyckpt._text import fold as fold_keys
 
 if TYPE_CHECKING:
@@ -101,11 +102,11 @@ class Diff:
         counts = ", ".join(f"{n} {kind}" for kind, n in self.counts().items() if n)
         what = "metadata and values" if self.values_compared else "metadata only"
         lines = [f"{counts or 'both empty'} ({what})"]
+        changes = [(c._head(), c._detail(), 1, c._tail()) for c in self.changed]
         if fold:
-            changes = ((c._head(), c._detail(), 1, c._tail()) for c in self.changed)
             lines.extend(str(line) for line in fold_keys(changes, vary=False))
         else:
-            lines.extend(f"{c._head()}{c._tail()}  {c._detail()}" for c in self.changed)
+            lines.extend(str(Folded(head + tail, detail, 1)) for head, detail, _, tail in changes)
         return "\n".join(lines)
 
     def describe(self) -> list[dict[str, Any]]:

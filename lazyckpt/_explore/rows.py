@@ -19,7 +19,6 @@ Laid out in full (`fold=False`), there is a row for every subtree and leaf.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
@@ -29,7 +28,7 @@ import numpy as np
 from lazyckpt._array.sharding import SavedSharding
 from lazyckpt._array.tree import Key, Path, children, keystr
 from lazyckpt._html import array_nbytes, spec_of
-from lazyckpt._lazy import LazyArray
+from lazyckpt._lazy import LazyArray, is_jax_array
 from lazyckpt._text import numbered, numbers_text
 
 if TYPE_CHECKING:
@@ -43,10 +42,7 @@ def is_array(value: object) -> TypeGuard[ShownArray]:
     """Whether a leaf shows as an array: a LazyArray, a NumPy or jax array, or an
     abstract one (`jax.ShapeDtypeStruct`). A jax object cannot exist before jax is
     imported, so a tree is told apart without importing it."""
-    if isinstance(value, LazyArray | np.ndarray):
-        return True
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(value, jax.Array | jax.ShapeDtypeStruct)
+    return isinstance(value, LazyArray | np.ndarray) or is_jax_array(value)
 
 
 @attrs.frozen(eq=False)
@@ -142,12 +138,11 @@ _SCALARS = (str, int, float, bool, bytes, type(None))
 
 def _leaf(key: Key, leaf: object, kind: str, inner: Key | None, signature: _Signatures) -> Node:
     if is_array(leaf):
-        # What a row shows of the array, as it is (the text is made for shown rows only).
-        sharding = getattr(leaf, "sharding", None)
-        saved = spec_of(leaf) if isinstance(sharding, SavedSharding) else None
+        # What a row shows of the array (the saved spec and mesh as text: a mesh's
+        # axes are a dict, which does not hash), and the stored dtype describe shows.
         chunks = getattr(leaf, "chunks", None)
-        stored = getattr(getattr(leaf, "stored", None), "dtype", None)  # (describe shows it)
-        shape = (leaf.dtype, stored, tuple(leaf.shape), saved, chunks)
+        stored = getattr(getattr(leaf, "stored", None), "dtype", None)
+        shape = (leaf.dtype, stored, tuple(leaf.shape), spec_of(leaf), chunks)
         structure: object = ("array", kind, inner, *shape)
         return Node(key, kind, None, leaf, inner, 1, array_nbytes(leaf), 1, signature(structure))
     structure = ("value", kind, inner, type(leaf).__name__, _value(leaf))
@@ -339,26 +334,29 @@ class _Layout:
             key, members, at, level = pending.pop()
             opened = self.entry(key, members, at, level)
             if opened is not None:
-                inner = [(k, m, opened[1], level + 1) for k, m in self.entries(opened[0])]
-                pending.extend(reversed(inner))
+                entries, row_path = opened
+                pending.extend((k, m, row_path, level + 1) for k, m in reversed(entries))
 
     def entry(
         self, key: Key, members: list[Node], path: Path, depth: int
-    ) -> tuple[Node, Path] | None:
+    ) -> tuple[list[tuple[Key, list[Node]]], Path] | None:
         """The row of one entry, `members` (one node, or numbered siblings alike), and
-        the node shown under it with its path; None when nothing is."""
+        the entries shown under it with its path; None when nothing is."""
         node = members[0]
         count = len(members)
         arrays, nbytes = node.arrays * count, node.nbytes * count
         keys = [key]
         chain = [(node, 1)]  # the nodes the row's keys name, and how many keys name each
         same_as = self._same_as(node)
-        while not same_as and (only := self._only_entry(node)):
-            keys.append(only[0])
-            count *= len(only[1])
-            node = only[1][0]
+        entries = self.entries(node)
+        # A plain container whose one entry shares its row (`input_layernorm/weight`).
+        while not same_as and self.fold and not node.kind and len(entries) == 1:
+            keys.append(entries[0][0])
+            count *= len(entries[0][1])
+            node = entries[0][1][0]
             chain.append((node, len(keys)))
             same_as = self._same_as(node)
+            entries = self.entries(node)
         if node.kids is None:  # a leaf
             if node.inner is not None:
                 keys.append(node.inner)
@@ -387,7 +385,7 @@ class _Layout:
         for named, names in chain:  # (`opt/mu/` in full: either may be named later)
             if self.fold and named.leaves >= _SAME_AS_LEAVES:
                 self.shown.setdefault(named.signature, keystr((*path, *keys[:names])))
-        return node, row_path
+        return entries, row_path
 
     def _same_as(self, node: Node) -> str:
         """The key path of an equal subtree shown in full, for a subtree of a few
@@ -395,10 +393,3 @@ class _Layout:
         if not self.fold or node.kids is None or node.leaves < _SAME_AS_LEAVES:
             return ""
         return self.shown.get(node.signature, "")
-
-    def _only_entry(self, node: Node) -> tuple[Key, list[Node]] | None:
-        """The one entry of a plain container that has one, which shares its row."""
-        if not self.fold or node.kind or not node.kids:
-            return None
-        entries = self.entries(node)
-        return entries[0] if len(entries) == 1 else None

@@ -18,7 +18,7 @@ from lazyckpt._array.sharding import saved_from_one_device
 from lazyckpt._array.tree import keystr
 from lazyckpt._display import as_given
 from lazyckpt._explore.rows import Row, is_array, layout, leaves_of, walk
-from lazyckpt._html import STYLE, array_row, array_type, key_cell, spec_of
+from lazyckpt._html import STYLE, array_row, array_text, key_cell, spec_of, times
 from lazyckpt._text import human_bytes, printable, shown
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
@@ -80,8 +80,8 @@ def _cells(row: Row) -> tuple[str, str, str, str, str]:
         return f"{indent}{name}/", _group_type(row), _size(row), _same_as(row), ""
     if is_array(row.leaf):
         spec, mesh = spec_of(row.leaf)
-        return f"{indent}{name}", _leaf_type(row), _size(row), spec, mesh
-    return f"{indent}{name}", _times(row) + printable(_short(row.leaf)), "", "", ""
+        return f"{indent}{name}", array_text(row.leaf, row.kind, row.count), _size(row), spec, mesh
+    return f"{indent}{name}", times(row.count) + printable(_short(row.leaf)), "", "", ""
 
 
 def _html_rows(rows: list[Row], open_all: bool, parts: list[str]) -> None:
@@ -113,7 +113,7 @@ def _html_rows(rows: list[Row], open_all: bool, parts: list[str]) -> None:
         elif is_array(row.leaf):
             parts.append(array_row(key, name, row.leaf, row.depth, row.kind, row.count))
         else:
-            value = html.escape(_times(row) + printable(_short(row.leaf)))
+            value = html.escape(times(row.count) + printable(_short(row.leaf)))
             parts.append(
                 f'<div class="row leaf" data-path="{key}">{key_cell(name, row.depth)}'
                 f'<span class="t">{value}</span></div>'
@@ -129,26 +129,15 @@ def _size(row: Row) -> str:
     return human_bytes(row.nbytes) if row.arrays else ""
 
 
-def _times(row: Row) -> str:
-    """`58 x ` before what one of the siblings a folded row stands for is."""
-    return f"{row.count:,} x " if row.count > 1 else ""
-
-
 def _group_type(row: Row) -> str:
     each = _count(row.arrays // row.count) if row.arrays else ""
-    what = ", ".join(part for part in (row.kind, each) if part)
-    return _times(row) + what if row.count > 1 else what
+    return times(row.count) + ", ".join(part for part in (row.kind, each) if part)
 
 
 def _same_as(row: Row) -> str:
     return (
         f"{'each ' if row.count > 1 else ''}same as {printable(row.same_as)}" if row.same_as else ""
     )
-
-
-def _leaf_type(row: Row) -> str:
-    typed = f"{row.kind} {array_type(row.leaf)}" if row.kind else array_type(row.leaf)
-    return _times(row) + typed
 
 
 def _short(value: object, limit: int = 60) -> str:
