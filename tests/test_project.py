@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import lazyckpt
@@ -43,3 +44,38 @@ def test_the_changelog_has_the_version_being_released() -> None:
     assert "## [Unreleased]" in changelog
     heading = re.search(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
     assert heading is not None and heading.group(1) == lazyckpt.__version__
+
+
+def test_the_checks_install_at_the_locked_versions() -> None:
+    """Both set-up commands and every nox session install with `-c constraints.txt`, and
+    the lock pins every package the `dev` extra names (directly or through another
+    extra), so none is left to the newest release."""
+    for command in _setup_commands():
+        assert "pip install -q -c constraints.txt -e " in command
+    noxfile = (ROOT / "noxfile.py").read_text()
+    assert noxfile.count("session.install(") == noxfile.count('session.install("-c"') + 2
+    locked = set()
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, equals, _ = line.partition(";")[0].partition("==")
+        if equals:
+            locked.add(_normalised(name))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted, seen, todo = set(), set(), ["dev"]
+    while todo:
+        extra = todo.pop()
+        seen.add(extra)
+        for requirement in extras[extra]:
+            name = _normalised(re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0])
+            if name == "lazyckpt":
+                todo += [e for e in re.findall(r"\w+", requirement.split("[")[1]) if e not in seen]
+            else:
+                wanted.add(name)
+    wanted |= {
+        _normalised(re.split(r"[<>=!~; ]", r, maxsplit=1)[0]) for r in project["dependencies"]
+    }
+    assert wanted - locked == set()
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
