@@ -168,6 +168,14 @@ class LeftoverWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class OverBudgetWarning(UserWarning):
+    """A read held more host memory than its `memory_budget` allows, and why: a shard
+    bound for an accelerator that holds values the device would change if it were
+    assembled there in pieces, sent whole from the host instead."""
+
+    __module__ = "lazyckpt"
+
+
 class SingleDeviceWarning(UserWarning):
     """`saved_shardings(mesh)` met arrays saved from one device: they have no
     sharding to reuse, so they are replicated on every device of the mesh."""

@@ -19,6 +19,7 @@ from lazyckpt._engine.stored import stores
 from lazyckpt._errors import ShardingError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._sizes import Size, optional_size
+from lazyckpt._staged import put_staged, staged
 from lazyckpt._storage import multihost
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._target import Placement
@@ -110,17 +111,26 @@ def _read_here(
     to_host = [p for p in small if p.sharding is None]
     host_values = read_small([p.array for p in to_host], scheduler)
     read_whole = {id(p) for p in small}
+    # Bound for accelerators: sent in pieces once the others are read.
+    sent: list[tuple[Placement, Sharding]] = []
     for placement in placements:
         if id(placement) in read_whole or id(placement) in skip:
             continue
         if placement.sharding is None:
             _schedule_load(placement, scheduler, results)
+        elif not placement.array.key_impl and staged(placement.sharding):
+            _regions(placement.array, placement.sharding)  # (refused before any read)
+            sent.append((placement, placement.sharding))
         else:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
     for placement, values in zip(to_host, host_values, strict=True):
         results[id(placement)] = values  # (filled as their reads finished)
     _put_small([p for p in small if p.sharding is not None], scheduler, results)
+    if sent:
+        work = [(p.array, sharding, _regions(p.array, sharding)) for p, sharding in sent]
+        placed = put_staged(work, scheduler.budget, scheduler.progress)
+        results.update((id(p), array) for (p, _), array in zip(sent, placed, strict=True))
 
 
 def _put_small(
@@ -141,6 +151,8 @@ def _put_small(
         import jax  # (the shardings imported it)
 
         placed = jax.device_put(values, [p.sharding for p in batch])
+        if any(staged(p.sharding) for p in batch):  # type: ignore[arg-type]
+            jax.block_until_ready(placed)  # (the host values are held until sent)
         for placement, array in zip(batch, placed, strict=True):
             results[id(placement)] = array
         del values, placed

@@ -1,6 +1,6 @@
 """Run one lazyckpt read in this fresh process and print its peak memory growth.
 
-    python -m tests.rss_probe PATH load|device_put|stream|stats|verify|slice|get BUDGET_BYTES
+    python -m tests.rss_probe PATH load|device_put|staged|stream|stats|verify|slice|get BUDGET_BYTES
     python -m tests.rss_probe PATH convert|export BUDGET_BYTES DESTINATION
     python -m tests.rss_probe PATH save|save_T BUDGET_BYTES DESTINATION
 
@@ -8,6 +8,10 @@ Prints JSON: `peak` (bytes of peak RSS above the RSS just before the read; the
 kernel's high-water mark is reset first), `kept` (bytes of arrays the read
 returned) and, for `stream`, `largest` (bytes of the largest block). `slice` loads
 rows 100:110 of the first array, `get` reads them with `.get()` (no budget given).
+`staged` places the tree on one CPU device as lazyckpt places it on an accelerator
+(in pieces sent as they are filled, `lazyckpt._staged`), once before the baseline
+too: the small programs that make and update a shard on the device are compiled
+once per shape (some 40 MiB of compiler memory), and `peak` holds a placement alone.
 `save` saves the first array as a new Orbax checkpoint of 1 MiB chunks, `save_T` its
 transpose.
 Linux only (`/proc/self/clear_refs`).
@@ -47,14 +51,21 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
 
     import lazyckpt
 
+    if mode == "staged":
+        import lazyckpt._staged
+
+        lazyckpt._staged.STAGED_PLATFORMS = frozenset({"cpu"})
     tree = lazyckpt.open(path)
-    sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P(None, "d"))
+    sharding: jax.sharding.Sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P(None, "d"))
     total = 0.0
     row = {"row": next(leaf for _, leaf in lazyckpt.leaves(tree))[:1]}  # a few KiB
     for _ in lazyckpt.iter_blocks(row, memory_budget=1 << 20):
         pass
     jax.block_until_ready(lazyckpt.device_put(row, sharding, memory_budget=1 << 20))
     del row
+    if mode == "staged":
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        jax.block_until_ready(lazyckpt.device_put(tree, one, memory_budget=budget))
     gc.collect()
     baseline = _rss()
     with open("/proc/self/clear_refs", "w") as f:
@@ -94,6 +105,8 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
         rows = lazyckpt.load(view, memory_budget=budget) if mode == "slice" else view.get()
         kept = rows.nbytes
     else:
+        if mode == "staged":
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         placed = jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
         kept = sum(leaf.nbytes for leaf in jax.tree.leaves(placed))
     out = {"peak": _peak() - baseline, "kept": kept, "total": total, "largest": largest}

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
         "_target",
         "_placement",
         "_materialize",
+        "_staged",
         "_broadcast",
         "_surgery",
         "_rename",

@@ -138,6 +138,13 @@ class Scheduler:
         while self._pending:
             self._finish_oldest()
 
+    def finish_one(self) -> bool:
+        """Finish the oldest job in flight, if any; whether there was one."""
+        if not self._pending:
+            return False
+        self._finish_oldest()
+        return True
+
     def abandon(self) -> None:
         """Wait for every job still in flight, discarding results and errors; after a
         failure, so that nothing touches the caller's buffers or files afterwards."""

@@ -1,0 +1,296 @@
+"""Restoring onto an accelerator (issue 47): lazyckpt against Orbax's restore and the
+safetensors library + `jax.device_put`, on the same files, in the same run.
+
+    python benchmarks/bench_device.py [--root DIR] [--gib 3] [--big-gib 2] [--repeat N]
+
+Run it on a machine with a TPU or GPU; where JAX finds none it says so and measures
+on the CPU devices instead. Two checkpoints, each written as Orbax (orbax-checkpoint's
+defaults: zarr, zstd, OCDBT) and as one `model.safetensors` file:
+- `tree`: `--gib` GiB of bfloat16 in 64 MiB arrays (`layers/N/w`, 4096 x 8192) and
+  32 small arrays (`layers/N/scale`, 4096 floats);
+- `big`: one bfloat16 array of `--big-gib` GiB, larger than any budget.
+
+Every case runs in a fresh process with the files in the page cache, and places the
+whole tree on the first device (`SingleDeviceSharding`):
+- `ceilings`: host to device, one 64 MiB transfer at a time and 8 at once (from host
+  arrays already in memory), and reading the safetensors file with 1 and 6 threads
+  into reused buffers: what a restore cannot beat;
+- Orbax: `PyTreeCheckpointer.restore` with `ArrayRestoreArgs` naming the sharding;
+- safetensors: `safetensors.numpy.load_file`, then `jax.device_put`;
+- lazyckpt: `device_put(open(path), sharding)` at the default budget and at
+  `memory_budget="256MiB"`.
+
+Printed: seconds, GB/s, peak host memory above the process's baseline (the kernel's
+high-water mark, reset before the restore), and lazyckpt's speed over each peer.
+Before the timings, lazyckpt places bfloat16, float8_e4m3fn and int8 arrays with a
+small budget (many pieces each) and compares them bit for bit with the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from common import GiB, MiB, fresh_dir, in_fresh_process, machine, measure, orbax_save
+
+ROWS, COLUMNS = 4096, 8192  # 64 MiB of bfloat16
+SMALL = 32
+
+
+def _device() -> Any:
+    import jax
+
+    return jax.devices()[0]
+
+
+def _sharding() -> Any:
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(_device())
+
+
+def _tree(kind: str, gib: float) -> dict[str, Any]:
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if kind == "big":
+        rows = int(gib * GiB) // (2 * 32768)
+        values = rng.standard_normal((rows, 32768), np.float32).astype(ml_dtypes.bfloat16)
+        return {"w": values}
+    count = max(1, int(gib * GiB) // (ROWS * COLUMNS * 2))
+    block = rng.standard_normal((ROWS, COLUMNS), np.float32).astype(ml_dtypes.bfloat16)
+    layers = {}
+    for i in range(count):
+        # Distinct values per array, made cheaply: the block rolled by i rows.
+        layers[str(i)] = {"w": np.roll(block, i, axis=0)}
+        if i < SMALL:
+            layers[str(i)]["scale"] = np.full(4096, i, np.float32)
+    return {"layers": layers}
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def make(root: Path, kind: str, gib: float) -> tuple[str, str]:
+    from safetensors.numpy import save_file
+
+    tree = _tree(kind, gib)
+    orbax = fresh_dir(root / kind / "orbax")
+    orbax_save(orbax, tree)
+    safetensors = root / kind / "model.safetensors"
+    save_file(_flat(tree), str(safetensors))
+    return str(orbax), str(safetensors)
+
+
+def ceilings(files: list[str]) -> dict[str, Any]:
+    """Host-to-device bandwidth (one transfer, eight at once) and file reads (one and
+    six threads, reused buffers), in GB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    import numpy as np
+
+    device = _device()
+    host = np.ones(64 * MiB, np.uint8)
+    jax.device_put(host, device).block_until_ready()
+    out: dict[str, Any] = {"device": f"{device.platform} {device.device_kind}"}
+    for name, at_once in (("h2d_one", 1), ("h2d_8", 8)):
+        part = host[: 64 * MiB // at_once]
+        start, sent = time.perf_counter(), 0
+        while time.perf_counter() - start < 2:
+            jax.block_until_ready([jax.device_put(part, device) for _ in range(at_once)])
+            sent += 64 * MiB
+        out[name] = sent / (time.perf_counter() - start) / 1e9
+    size = sum(os.path.getsize(f) for f in files)
+    spans = [(f, at) for f in files for at in range(0, os.path.getsize(f), 16 * MiB)]
+    for name, threads in (("read_one", 1), ("read_6", 6)):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(_read_spans, [spans[i::threads] for i in range(threads)]))
+        out[name] = size / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def _read_spans(spans: list[tuple[str, int]]) -> None:
+    """Read each `(file, offset)`'s 16 MiB into one reused buffer."""
+    import numpy as np
+
+    buffer = np.empty(16 * MiB, np.uint8)
+    handles: dict[str, int] = {}
+    for path, at in spans:
+        os.preadv(handles.setdefault(path, os.open(path, os.O_RDONLY)), [buffer], at)
+    for fd in handles.values():
+        os.close(fd)
+
+
+def check_values(root: str) -> dict[str, Any]:
+    """bfloat16, float8_e4m3fn and int8 placed with a 4 MiB budget, fetched back and
+    compared bit for bit with the values written."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import lazyckpt
+
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(2048, 8192), dtype=np.uint8)
+    values = {
+        "bf16": raw.view(ml_dtypes.bfloat16),
+        "f8": raw.view(ml_dtypes.float8_e4m3fn),
+        "i8": raw.view(np.int8),
+        # Weights as trained ones are: no NaN, no subnormal, so bitcast in place.
+        "bf16_weights": rng.standard_normal((2048, 4096), np.float32).astype(ml_dtypes.bfloat16),
+    }
+    folder = Path(root) / "values"
+    orbax = fresh_dir(folder / "orbax")
+    orbax_save(orbax, values)
+    save_file(values, str(folder / "model.safetensors"))
+    found = {}
+    for name, path in (("orbax", orbax), ("safetensors", folder / "model.safetensors")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            placed = lazyckpt.device_put(lazyckpt.open(path), _sharding(), memory_budget="4MiB")
+        found[f"{name} sent whole"] = sorted(str(w.message).split(":")[0] for w in caught)
+        for key, expected in values.items():
+            back = np.asarray(jax.device_get(placed[key]))
+            same = back.dtype == expected.dtype and back.tobytes() == expected.tobytes()
+            found[f"{name}/{key}"] = "equal" if same else "DIFFERENT"
+    return found
+
+
+def orbax_restore(path: str, kind: str, gib: float) -> dict[str, Any]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    sharding = _sharding()
+    args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=sharding), _shapes(kind, gib))
+    checkpointer = ocp.PyTreeCheckpointer()
+
+    def restore() -> Any:
+        tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+        return jax.block_until_ready(tree)
+
+    return measure(restore)
+
+
+def _shapes(kind: str, gib: float) -> dict[str, Any]:
+    if kind == "big":
+        return {"w": 0}
+    count = max(1, int(gib * GiB) // (ROWS * COLUMNS * 2))
+    return {
+        "layers": {str(i): {"w": 0, **({"scale": 0} if i < SMALL else {})} for i in range(count)}
+    }
+
+
+def safetensors_put(path: str) -> dict[str, Any]:
+    import jax
+    from safetensors.numpy import load_file
+
+    sharding = _sharding()
+
+    def restore() -> Any:
+        return jax.block_until_ready(jax.device_put(load_file(path), sharding))
+
+    return measure(restore)
+
+
+def lazy_put(path: str, budget: str | None) -> dict[str, Any]:
+    import jax
+
+    import lazyckpt
+
+    sharding = _sharding()
+
+    def restore() -> Any:
+        tree = lazyckpt.open(path)
+        return jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
+
+    return measure(restore)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/lazyckpt-bench-device"))
+    parser.add_argument("--gib", type=float, default=3.0)
+    parser.add_argument("--big-gib", type=float, default=2.0)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--only", help="run only the cases whose name starts with this (`lazyckpt`)"
+    )
+    args = parser.parse_args()
+    print(machine())
+    root = fresh_dir(args.root)
+    ceiling_files = []
+    report: dict[str, Any] = {"machine": machine()}
+    values = in_fresh_process(check_values, str(root))
+    print("bit for bit:", ", ".join(f"{k} {v}" for k, v in values.items()))
+    report["values"] = values
+    for kind, gib in (("tree", args.gib), ("big", args.big_gib)):
+        orbax, safetensors = in_fresh_process(make, root, kind, gib)
+        ceiling_files.append(safetensors)
+        data = os.path.getsize(safetensors)
+        cases = {
+            "orbax restore": (orbax_restore, orbax, kind, gib),
+            "safetensors load_file + device_put": (safetensors_put, safetensors),
+            "lazyckpt orbax": (lazy_put, orbax, None),
+            "lazyckpt orbax, 256MiB": (lazy_put, orbax, "256MiB"),
+            "lazyckpt safetensors": (lazy_put, safetensors, None),
+            "lazyckpt safetensors, 256MiB": (lazy_put, safetensors, "256MiB"),
+        }
+        figures = {}
+        for name, (fn, *fn_args) in cases.items():
+            if args.only and not name.startswith(args.only):
+                continue
+            runs = [in_fresh_process(fn, *fn_args) for _ in range(args.repeat)]
+            figures[name] = min(runs, key=lambda r: r["seconds"])
+        limits = in_fresh_process(ceilings, [safetensors])
+        if kind == "tree":
+            print(
+                f"device: {limits['device']}; ceilings: host->device {limits['h2d_one']:.2f} GB/s "
+                f"(one transfer), {limits['h2d_8']:.2f} GB/s (8 at once); file reads "
+                f"{limits['read_one']:.2f} GB/s (1 thread), {limits['read_6']:.2f} GB/s (6)"
+            )
+        slower = min(
+            max(limits["h2d_one"], limits["h2d_8"]), max(limits["read_one"], limits["read_6"])
+        )
+        print(f"\n{kind}: {data / GiB:.2f} GiB; the slower ceiling {slower:.2f} GB/s")
+        print(f"{'case':40} {'seconds':>8} {'GB/s':>6} {'host peak':>10}  vs ceiling")
+        for name, r in figures.items():
+            rate = data / r["seconds"] / 1e9
+            print(
+                f"{name:40} {r['seconds']:8.2f} {rate:6.2f} "
+                f"{r['peak_above_baseline'] / MiB:7.0f} MiB  {rate / slower:.2f}x"
+            )
+        best = min(
+            (r for n, r in figures.items() if n.startswith("lazyckpt") and "256" not in n),
+            key=lambda r: r["seconds"],
+        )
+        for peer in ("orbax restore", "safetensors load_file + device_put"):
+            if peer not in figures:
+                continue
+            print(
+                f"lazyckpt (best at the default budget) over {peer}: "
+                f"{figures[peer]['seconds'] / best['seconds']:.2f}x"
+            )
+        report[kind] = {"bytes": data, "ceilings": limits, "cases": figures}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
