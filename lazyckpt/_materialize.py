@@ -112,15 +112,18 @@ def _read_here(
     host_values = read_small([p.array for p in to_host], scheduler)
     read_whole = {id(p) for p in small}
     # Bound for accelerators: sent in pieces once the others are read.
-    sent: list[tuple[Placement, Sharding]] = []
+    sent: list[Placement] = []
+    work: list[tuple[LazyArray, Sharding, dict[Box, list[jax.Device]]]] = []
     for placement in placements:
         if id(placement) in read_whole or id(placement) in skip:
             continue
         if placement.sharding is None:
             _schedule_load(placement, scheduler, results)
         elif not placement.array.key_impl and staged(placement.sharding):
-            _regions(placement.array, placement.sharding)  # (refused before any read)
-            sent.append((placement, placement.sharding))
+            # (a sharding that cannot lay it out is refused here, before any read)
+            regions = _regions(placement.array, placement.sharding)
+            sent.append(placement)
+            work.append((placement.array, placement.sharding, regions))
         else:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
@@ -128,9 +131,8 @@ def _read_here(
         results[id(placement)] = values  # (filled as their reads finished)
     _put_small([p for p in small if p.sharding is not None], scheduler, results)
     if sent:
-        work = [(p.array, sharding, _regions(p.array, sharding)) for p, sharding in sent]
         placed = put_staged(work, scheduler.budget, scheduler.progress)
-        results.update((id(p), array) for (p, _), array in zip(sent, placed, strict=True))
+        results.update((id(p), array) for p, array in zip(sent, placed, strict=True))
 
 
 def _put_small(
@@ -150,8 +152,9 @@ def _put_small(
         scheduler.drain()
         import jax  # (the shardings imported it)
 
-        placed = jax.device_put(values, [p.sharding for p in batch])
-        if any(staged(p.sharding) for p in batch):  # type: ignore[arg-type]
+        shardings = [p.sharding for p in batch if p.sharding is not None]
+        placed = jax.device_put(values, shardings)
+        if any(staged(sharding) for sharding in shardings):
             jax.block_until_ready(placed)  # (the host values are held until sent)
         for placement, array in zip(batch, placed, strict=True):
             results[id(placement)] = array

@@ -3,15 +3,18 @@
 On CPU devices a filled host buffer becomes the shard itself (`_materialize`), so the
 results are memory the read is meant to leave behind. A TPU or GPU shard is only
 staged on the host: filled whole, a shard of 2 GiB would need 2 GiB of host memory
-whatever the budget, and many in flight more. Here each shard is streamed instead
-(`_engine.stream.iter_blocks`: whole stored chunks, or slabs of one larger than a
-block, each chunk read once), every block is sent to its devices as it comes, and
-written into the shard's buffer on the device by a jitted `dynamic_update_slice`
-that donates the buffer, so it is updated in place: no second copy of the shard in
-device memory, and on the host only the blocks being read and those being sent.
-Half the budget reads, half carries blocks whose transfers have not finished: a
-block is let go once its copy on the device is ready. A shard that one block holds
-whole is sent as that block, with no buffer to write into.
+whatever the budget, and many in flight more. Here an array's shards are filled
+together where they fit half the budget (each stored chunk read once for all), and
+otherwise in pieces: bands read raw where the bytes lie raw in a file, or blocks
+streamed from the stored chunks (`_engine.stream.iter_blocks`, each chunk read once
+for all shards). Every piece is sent to its devices as it comes and written into the
+shard's buffer there by a jitted `dynamic_update_slice` that donates the buffer, so it
+is updated in place: no second copy of the shard in device memory, and on the host
+only the pieces being read and those being sent. Half the budget reads, half carries
+pieces whose transfers have not finished (`_Gate`): a piece is let go once its copy on
+the device is ready, and its host buffer is filled again by a later piece, since
+faulting in fresh pages costs more than the copy. A shard that one piece holds whole
+is sent as that piece, with no buffer to write into.
 
 Values arrive bit for bit. A transfer copies bytes, but a TPU computing on floats
 narrower than 32 bits canonicalizes NaN payloads and flushes bfloat16's subnormals
@@ -40,7 +43,7 @@ from lazyckpt._array.dtypes import finfo, issubdtype
 from lazyckpt._array.geometry import Box, box_bytes
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
-from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.raw import source
 from lazyckpt._engine.scheduler import Scheduler
@@ -53,9 +56,13 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import Sharding
 
-STAGED_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
-"""Device platforms whose shards are staged on the host and sent in pieces; every
-other platform's devices (CPU) adopt the filled host buffer as the shard."""
+STAGED_PLATFORMS = frozenset({"tpu", "gpu"})
+"""Device platforms whose shards are staged on the host and sent in pieces (jax names
+CUDA and ROCm devices' platform "gpu"); every other platform's devices (CPU) adopt the
+filled host buffer as the shard."""
+
+ADOPTING_PLATFORMS = frozenset({"cpu"})
+"""Device platforms whose arrays may be host buffers handed to them, not copies."""
 
 
 def staged(sharding: Sharding) -> bool:
@@ -75,111 +82,210 @@ def put_staged(
     that hold it.
 
     Half the budget is for reads in flight, half for filled pieces until their
-    transfers are done. A region of at most half the budget is one piece, filled by
-    the engine as any read is (raw bytes straight into it, chunks decoded on every
-    core) and sent whole. A larger one is cut into rows where its bytes lie raw in a
-    file (each piece reads only its own bytes), and otherwise streamed block by block
-    (`iter_blocks`: a stored chunk larger than a piece is decoded once, in slabs).
+    transfers are done. An array whose regions hold at most half the budget together
+    is one fill of them all, by the engine as any read is (raw bytes straight into
+    place, chunks decoded on every core, each once for all regions), each region sent
+    whole. Otherwise, where its bytes lie raw in a file, each region is filled in
+    pieces that read only their own bytes; elsewhere its regions are streamed
+    together (`iter_blocks`: each stored chunk decoded once, in slabs where it is
+    larger than a block).
     """
     import jax
 
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
     gate = _Gate(half, scheduler)
-    shards: list[_Shard] = []
+    shards: list[list[_Shard]] = []
     streamed: list[tuple[LazyArray, _Shard]] = []
     try:
         for array, _, regions in placements:
-            for region, devices in regions.items():
-                shard = _Shard(array.key, region, devices, array.dtype)
-                shards.append(shard)
-                pieces = _pieces(array, region, half)
-                if pieces is None:
-                    streamed.append((array[tuple(slice(*r) for r in region)], shard))
-                for piece in pieces or ():
-                    _fill(array, piece, shard, gate, scheduler)
+            ours = [_Shard(array.key, r, devices, array.dtype) for r, devices in regions.items()]
+            shards.append(ours)
+            itemsize = array.dtype.itemsize
+            if sum(box_bytes(shard.region, itemsize) for shard in ours) <= half:
+                _fill(array, [(shard, shard.region) for shard in ours], gate, scheduler)
+            elif _raw(array):
+                for shard in ours:
+                    for piece in _pieces(shard.region, itemsize, half):
+                        _fill(array, [(shard, piece)], gate, scheduler)
+            else:
+                streamed.extend((array[_slices(shard.region)], shard) for shard in ours)
         scheduler.drain()
         if streamed:
             for position, index, values in iter_blocks([v for v, _ in streamed], half, progress):
-                gate.reserve(_held_bytes(values))
-                gate.sent(_held_bytes(values), streamed[position][1].write(index, values))
+                held = _held_bytes(values)
+                if not values.flags.c_contiguous:  # a piece of a block shared by regions
+                    values = np.ascontiguousarray(values)
+                    held += values.nbytes
+                gate.reserve(held)
+                gate.sent(held, streamed[position][1].write(index, values))
                 del values
         gate.drain()
     except BaseException:
         scheduler.abandon()
         raise
-    placed: list[jax.Array] = []
-    at = 0
-    for array, sharding, regions in placements:
-        parts = shards[at : at + len(regions)]
-        at += len(regions)
-        arrays = [buffer for part in parts for buffer in part.finished()]
-        placed.append(jax.make_array_from_single_device_arrays(array.shape, sharding, arrays))
+    placed: list[jax.Array] = [
+        jax.make_array_from_single_device_arrays(
+            array.shape, sharding, [buffer for shard in ours for buffer in shard.finished()]
+        )
+        for (array, sharding, _), ours in zip(placements, shards, strict=True)
+    ]
     jax.block_until_ready(placed)
     return placed
 
 
-def _pieces(array: LazyArray, region: Box, half: int) -> list[Box] | None:
-    """The pieces `region` is filled in: itself, if it holds at most `half` bytes;
-    bands of rows of a quarter of that, where its bytes lie raw in a file; None where
-    it must be streamed."""
-    itemsize = array.dtype.itemsize
+def _raw(array: LazyArray) -> bool:
+    """Whether `array`'s bytes lie raw in a file, so that any box of it is read alone."""
+    stored = array.stored
+    return not (isinstance(stored, compose.Node) or decodes(stored) or source(stored) is None)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(low, high) for low, high in box)
+
+
+def _pieces(region: Box, itemsize: int, half: int) -> list[Box]:
+    """`region` itself where it holds at most `half` bytes; else cut into boxes of at
+    most a quarter of that: bands of its leading dimension, and where one index of
+    that dimension is larger still, each index cut the same way along the next."""
     if box_bytes(region, itemsize) <= half:
         return [region]
-    stored = array.stored
-    if not region or isinstance(stored, compose.Node) or decodes(stored) or source(stored) is None:
-        return None
-    (low, high), rest = region[0], region[1:]
-    rows = max(1, (half // 4) // max(1, box_bytes(((0, 1), *rest), itemsize)))
-    return [((at, min(at + rows, high)), *rest) for at in range(low, high, rows)]
+    return _cut(region, itemsize, max(itemsize, half // 4))
 
 
-def _fill(array: LazyArray, piece: Box, shard: _Shard, gate: _Gate, scheduler: Scheduler) -> None:
-    """Fill `piece` of `array` through the engine once the gate lets its bytes in,
-    then send it to the shard's devices."""
-    nbytes = box_bytes(piece, array.dtype.itemsize)
-    gate.reserve(nbytes)
-    destination = Destination(piece, array.dtype, aligned=True)
-    index = tuple(slice(p[0] - r[0], p[1] - r[0]) for p, r in zip(piece, shard.region, strict=True))
+def _cut(box: Box, itemsize: int, limit: int) -> list[Box]:
+    if box_bytes(box, itemsize) <= limit or not box:
+        return [box]
+    (low, high), rest = box[0], box[1:]
+    row = box_bytes(((0, 1), *rest), itemsize)
+    if row <= limit:
+        rows = limit // row
+        return [((at, min(at + rows, high)), *rest) for at in range(low, high, rows)]
+    return [
+        ((at, at + 1), *inner) for at in range(low, high) for inner in _cut(rest, itemsize, limit)
+    ]
+
+
+def _fill(
+    array: LazyArray,
+    pieces: Sequence[tuple[_Shard, Box]],
+    gate: _Gate,
+    scheduler: Scheduler,
+) -> None:
+    """Fill each `(shard, piece)` of `array` in one read once the gate lets their bytes
+    in (each stored chunk read once for all), then send each to its shard's devices."""
+    dtype = array.dtype
+    buffers: list[np.ndarray | None] = []
+    destinations = []
+    for shard, piece in pieces:
+        nbytes = box_bytes(piece, dtype.itemsize)
+        if shard.copies:
+            buffers.append(gate.take(nbytes))
+        else:  # the devices adopt host memory: a buffer of its own
+            gate.reserve(nbytes)
+            buffers.append(None)
+        out = buffers[-1]
+        shape = tuple(high - low for low, high in piece)
+        destinations.append(
+            Destination(
+                piece, dtype, aligned=True, out=None if out is None else _shaped(out, shape, dtype)
+            )
+        )
 
     def send() -> None:
-        gate.sent(nbytes, shard.write(index, destination.buffer()))
-        destination.out = None  # (held by the transfer until it is done, not here)
+        for (shard, piece), destination, buffer in zip(pieces, destinations, buffers, strict=True):
+            index = tuple(
+                slice(p[0] - r[0], p[1] - r[0]) for p, r in zip(piece, shard.region, strict=True)
+            )
+            values = destination.buffer()
+            destination.out = None  # (held by the transfer until it is done, not here)
+            held = values.nbytes if buffer is None else buffer.nbytes
+            gate.sent(held, shard.write(index, values), buffer)
+        destinations.clear()
 
-    schedule_fill(array, [destination], scheduler, send)
+    schedule_fill(array, destinations, scheduler, send)
+
+
+def _shaped(buffer: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """The first bytes of a pooled byte buffer as an array of `shape` and `dtype`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 class _Gate:
     """Host bytes of pieces between their fill and the end of their transfer, at most
     `limit` (one piece at least): a piece waits for reads to finish, whose pieces go
-    out, or for the oldest transfer."""
+    out, or for the oldest transfer.
+
+    Pieces bound for devices that copy them out of host memory are filled into byte
+    buffers kept from piece to piece (`take`), so that memory is faulted in once,
+    not for every piece: fresh pages cost more than the copy into them (a gVisor
+    host measured 0.75 GB/s through fresh buffers, over 10 GB/s through reused
+    ones). Kept buffers count towards the limit; the oldest is let go to make room.
+    """
 
     def __init__(self, limit: int, scheduler: Scheduler) -> None:
         self.limit, self.scheduler = limit, scheduler
         self.held = 0
-        self.sending: collections.deque[tuple[int, list[jax.Array]]] = collections.deque()
+        self.kept: list[np.ndarray] = []  # free buffers, oldest first
+        self.sending: collections.deque[tuple[int, list[jax.Array], np.ndarray | None]] = (
+            collections.deque()
+        )
 
     def reserve(self, nbytes: int) -> None:
-        while self.held and self.held + nbytes > self.limit:
-            if self.sending:
-                self._wait_oldest()
-            elif not self.scheduler.finish_one():
-                break
+        """Wait until `nbytes` more may be held, then hold them."""
+        while self.held and self.held + nbytes > self.limit and self._wait_one():
+            pass
+        self._make_room(nbytes)
         self.held += nbytes
 
-    def sent(self, nbytes: int, arrays: list[jax.Array]) -> None:
-        self.sending.append((nbytes, arrays))
+    def take(self, nbytes: int) -> np.ndarray:
+        """A byte buffer of at least `nbytes`, held until its piece is `sent` and
+        transferred: a kept one where one fits, else a new one."""
+        while True:
+            fits = [b for b in self.kept if b.nbytes >= nbytes]
+            buffer = min(fits, key=lambda b: b.nbytes) if fits else None
+            size = buffer.nbytes if buffer is not None else nbytes
+            if not self.held or self.held + size <= self.limit or not self._wait_one():
+                break
+        if buffer is None:
+            self._make_room(nbytes)
+            buffer = result_empty((nbytes,), np.uint8)
+        else:
+            self.kept = [b for b in self.kept if b is not buffer]
+        self.held += buffer.nbytes
+        return buffer
+
+    def sent(self, nbytes: int, arrays: list[jax.Array], buffer: np.ndarray | None = None) -> None:
+        """`nbytes` are held until `arrays` are on their devices; `buffer` is kept then."""
+        self.sending.append((nbytes, arrays, buffer))
 
     def drain(self) -> None:
         while self.sending:
             self._wait_oldest()
+        self.kept.clear()
+
+    def _wait_one(self) -> bool:
+        """Let some held bytes go: the oldest transfer's, or a read's (whose piece is then
+        sent); False where nothing is in flight."""
+        if self.sending:
+            self._wait_oldest()
+            return True
+        return self.scheduler.finish_one()
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let kept buffers go, oldest first, until `nbytes` more fit beside them."""
+        while self.kept and self.held + sum(b.nbytes for b in self.kept) + nbytes > self.limit:
+            self.kept.pop(0)
 
     def _wait_oldest(self) -> None:
         import jax
 
-        nbytes, arrays = self.sending.popleft()
+        nbytes, arrays, buffer = self.sending.popleft()
         jax.block_until_ready(arrays)
         self.held -= nbytes
+        if buffer is not None:
+            self.kept.append(buffer)
 
 
 class _Shard:
@@ -194,6 +300,9 @@ class _Shard:
         self.devices, self.dtype = list(devices), np.dtype(dtype)
         self.shape = tuple(high - low for low, high in region)
         self.written = _written_dtype(self.dtype)
+        self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
+        """Whether the devices copy what is sent out of host memory, which can then be
+        used again once the transfer is done."""
         self.buffers: list[jax.Array] | None = None
         self.whole = False
 
@@ -213,7 +322,8 @@ class _Shard:
             for device in self.devices
         ]
         if self.buffers is None:
-            self.buffers = [_empty(self.shape, self.written, device) for device in self.devices]
+            dtype = np.dtype(jax.dtypes.canonicalize_dtype(self.written))  # (x64 off: 32 bits)
+            self.buffers = [_empty(self.shape, dtype, device) for device in self.devices]
         starts = tuple(s.indices(n)[0] for s, n in zip(index, self.shape, strict=True))
         self.buffers = [
             _written(buffer, piece, starts)
@@ -249,7 +359,9 @@ def _written_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     width for floats narrower than 32 bits, `dtype` itself otherwise."""
     if issubdtype(dtype, np.floating) and finfo(dtype).bits in (8, 16):
         return np.dtype(f"uint{finfo(dtype).bits}")
-    return dtype  # (float4 and float6 are packed below a byte: no integer of their width)
+    # float4 and float6 are narrower than any unsigned integer jax bitcasts from: they
+    # are written as themselves (no device measured here changes their patterns).
+    return dtype
 
 
 def _held_bytes(values: np.ndarray) -> int:
@@ -257,7 +369,7 @@ def _held_bytes(values: np.ndarray) -> int:
     base: Any = values
     while isinstance(base.base, np.ndarray):
         base = base.base
-    return int(max(base.nbytes, values.nbytes))
+    return int(base.nbytes)
 
 
 @functools.cache

@@ -5,7 +5,9 @@ measured as the peak above what the read returns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,113 @@ def test_the_pieces_in_flight_stay_within_half_the_budget(
             lazyckpt.open(files[kind]), SingleDeviceSharding(jax.devices()[0]), memory_budget=budget
         )
         assert len(seen) > 3 and max(seen) <= budget // 2, (kind, seen)
+
+
+@pytest.mark.parametrize("budget", [64 * MiB, 4 * MiB], ids=["one-fill", "streamed"])
+def test_a_chunk_shared_by_shards_is_read_once(
+    tmp_path: Path,
+    count_bytes: Callable[[], contextlib.AbstractContextManager[list[int]]],
+    budget: int,
+) -> None:
+    """One stored chunk of 8 MiB placed over 8 devices: read once for all of its shards,
+    in one fill where they fit half the budget together, streamed together where not."""
+    values = np.random.default_rng(2).standard_normal((1024, 2048), np.float32)
+    path = lazyckpt.save(tmp_path / "ckpt", {"w": values}, chunk_bytes=8 * MiB)
+    tree = lazyckpt.open(path)
+    with count_bytes() as whole:
+        tree["w"].get()
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with count_bytes() as read:
+        placed = lazyckpt.device_put(tree["w"], NamedSharding(mesh, P("x")), memory_budget=budget)
+    assert 0.98 * whole[0] <= read[0] <= 1.02 * whole[0], (read, whole)  # (metadata aside)
+    assert _bits(placed) == (values.dtype, values.tobytes())
+
+
+def test_rows_wider_than_a_piece_are_cut_along_the_next_dimension(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw array one of whose rows holds more than a piece: pieces stay within a
+    quarter of half the budget, and the values arrive whole."""
+    values = np.arange(4 * 128 * 2048, dtype=np.float32).reshape(4, 128, 2048)  # rows of 1 MiB
+    save_file({"w": values}, str(tmp_path / "model.safetensors"))
+    seen: list[int] = []
+    reserve = staged._Gate.reserve
+    take = staged._Gate.take
+
+    def counted_reserve(gate: staged._Gate, nbytes: int) -> None:
+        seen.append(nbytes)
+        reserve(gate, nbytes)
+
+    def counted_take(gate: staged._Gate, nbytes: int) -> np.ndarray:
+        seen.append(nbytes)
+        return take(gate, nbytes)
+
+    monkeypatch.setattr(staged._Gate, "reserve", counted_reserve)
+    monkeypatch.setattr(staged._Gate, "take", counted_take)
+    budget = 512 << 10
+    tree = lazyckpt.open(tmp_path / "model.safetensors")
+    placed = lazyckpt.device_put(
+        tree["w"], SingleDeviceSharding(jax.devices()[0]), memory_budget=budget
+    )
+    assert len(seen) > 8 and max(seen) <= budget // 8, seen
+    assert _bits(placed) == (values.dtype, values.tobytes())
+
+
+def test_64_bit_values_without_x64_are_placed_as_jax_places_them(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """With jax's 64-bit types off, float64 and int64 arrive as float32 and int32, as
+    `jax.device_put` makes them, with no warning."""
+    values = {
+        "f": np.linspace(0, 1, 1 << 18),
+        "i": np.arange(1 << 18, dtype=np.int64),
+    }
+    save_file(values, str(tmp_path / "model.safetensors"))
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed = lazyckpt.device_put(
+            lazyckpt.open(tmp_path / "model.safetensors"), sharding, memory_budget=256 << 10
+        )
+    for key, value in values.items():
+        expected = jax.device_put(value, sharding)
+        assert placed[key].dtype == expected.dtype
+        assert np.array_equal(np.asarray(placed[key]), np.asarray(expected))
+
+
+def test_pieces_bound_for_copying_devices_reuse_their_buffers(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where devices copy what is sent (an accelerator's), pieces are filled into byte
+    buffers kept from piece to piece, so that few are ever made; what is held, kept
+    buffers too, stays within half the budget."""
+    monkeypatch.setattr(staged, "ADOPTING_PLATFORMS", frozenset())
+    made: list[int] = []
+    seen: list[int] = []
+    empty = staged.result_empty
+    take = staged._Gate.take
+
+    def counted_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        made.append(int(np.prod(shape)))
+        return empty(shape, dtype)
+
+    def counted_take(gate: staged._Gate, nbytes: int) -> np.ndarray:
+        buffer = take(gate, nbytes)
+        seen.append(gate.held + sum(b.nbytes for b in gate.kept))
+        return buffer
+
+    monkeypatch.setattr(staged, "result_empty", counted_empty)
+    monkeypatch.setattr(staged._Gate, "take", counted_take)
+    budget = 3 * MiB
+    placed = lazyckpt.device_put(
+        lazyckpt.open(files["safetensors"]),
+        SingleDeviceSharding(jax.devices()[0]),
+        memory_budget=budget,
+    )
+    for key, expected in _raw_values().items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert len(seen) >= 12 and len(made) <= len(seen) // 3, (made, seen)
+    assert max(seen) <= budget // 2, seen
 
 
 @pytest.mark.parametrize("present", [True, False])
