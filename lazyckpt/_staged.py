@@ -31,9 +31,10 @@ brought back and sent whole from the host instead (exact, over the budget, with 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,43 +96,79 @@ def put_staged(
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
     gate = _Gate(half, scheduler)
-    shards: list[list[_Shard]] = []
-    streamed: list[tuple[LazyArray, _Shard]] = []
-    try:
-        for array, _, regions in placements:
-            ours = [_Shard(array.key, r, devices, array.dtype) for r, devices in regions.items()]
-            shards.append(ours)
-            itemsize = array.dtype.itemsize
-            if sum(box_bytes(shard.region, itemsize) for shard in ours) <= half:
-                _fill(array, [(shard, shard.region) for shard in ours], gate, scheduler)
-            elif _raw(array):
-                for shard in ours:
-                    for piece in _pieces(shard.region, itemsize, half):
+    planned = [_plan(array, regions, half) for array, _, regions in placements]
+    streamed = [
+        (array[_slices(shard.region)], shard)
+        for (array, _, _), (shards, pieces) in zip(placements, planned, strict=True)
+        if pieces is None
+        for shard in shards
+    ]
+    with concurrent.futures.ThreadPoolExecutor(_COMPILERS) as compilers:
+        try:
+            for shards, pieces in planned:  # (assembling compiled while the reads run)
+                for k, shard in enumerate(shards):
+                    if pieces is None or len(pieces[k]) > 1:
+                        cut = pieces[k] if pieces is not None else []
+                        shard.prepare(compilers, {_shape(piece) for piece in cut})
+            for (array, _, _), (shards, pieces) in zip(placements, planned, strict=True):
+                if pieces is None:
+                    continue
+                if all(cut == [shard.region] for shard, cut in zip(shards, pieces, strict=True)):
+                    _fill(array, [(shard, shard.region) for shard in shards], gate, scheduler)
+                    continue
+                for shard, cut in zip(shards, pieces, strict=True):
+                    for piece in cut:
                         _fill(array, [(shard, piece)], gate, scheduler)
-            else:
-                streamed.extend((array[_slices(shard.region)], shard) for shard in ours)
-        scheduler.drain()
-        if streamed:
-            for position, index, values in iter_blocks([v for v, _ in streamed], half, progress):
-                held = _held_bytes(values)
-                if not values.flags.c_contiguous:  # a piece of a block shared by regions
-                    values = np.ascontiguousarray(values)
-                    held += values.nbytes
-                gate.reserve(held)
-                gate.sent(held, streamed[position][1].write(index, values))
-                del values
-        gate.drain()
-    except BaseException:
-        scheduler.abandon()
-        raise
+            scheduler.drain()
+            if streamed:
+                blocks = iter_blocks([v for v, _ in streamed], half, progress)
+                for position, index, values in blocks:
+                    held = _held_bytes(values)
+                    if not values.flags.c_contiguous:  # a piece of a block shared by regions
+                        values = np.ascontiguousarray(values)
+                        held += values.nbytes
+                    gate.reserve(held)
+                    gate.sent(held, streamed[position][1].write(index, values))
+                    del values
+            gate.drain()
+        except BaseException:
+            scheduler.abandon()
+            raise
+        finished = [[shard.finished() for shard in shards] for shards, _ in planned]
     placed: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(
-            array.shape, sharding, [buffer for shard in ours for buffer in shard.finished()]
+            array.shape, sharding, [buffer for buffers in done for buffer in buffers]
         )
-        for (array, sharding, _), ours in zip(placements, shards, strict=True)
+        for (array, sharding, _), done in zip(placements, finished, strict=True)
     ]
     jax.block_until_ready(placed)
     return placed
+
+
+_COMPILERS = 4
+"""Threads making shards' buffers and compiling their assembly while the reads run
+(compiling for a TPU takes about half a second a program)."""
+
+
+def _plan(
+    array: LazyArray, regions: dict[Box, list[jax.Device]], half: int
+) -> tuple[list[_Shard], list[list[Box]] | None]:
+    """`array`'s shards, with the pieces each is filled in, or None where they are
+    streamed: each region whole where all fit `half` together, cut where the bytes lie
+    raw in a file."""
+    shards = [
+        _Shard(array.key, region, devices, array.dtype) for region, devices in regions.items()
+    ]
+    itemsize = array.dtype.itemsize
+    if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half:
+        return shards, [[shard.region] for shard in shards]
+    if _raw(array):
+        return shards, [_pieces(shard.region, itemsize, half) for shard in shards]
+    return shards, None
+
+
+def _shape(box: Box) -> tuple[int, ...]:
+    return tuple(high - low for low, high in box)
 
 
 def _raw(array: LazyArray) -> bool:
@@ -159,8 +196,10 @@ def _cut(box: Box, itemsize: int, limit: int) -> list[Box]:
     (low, high), rest = box[0], box[1:]
     row = box_bytes(((0, 1), *rest), itemsize)
     if row <= limit:
-        rows = limit // row
-        return [((at, min(at + rows, high)), *rest) for at in range(low, high, rows)]
+        # Bands of one shape (the last overlaps the one before, its rows written twice
+        # alike): one program assembles them all.
+        rows = min(limit // row, high - low)
+        return [((at, at + rows), *rest) for at in (*range(low, high - rows, rows), high - rows)]
     return [
         ((at, at + 1), *inner) for at in range(low, high) for inner in _cut(rest, itemsize, limit)
     ]
@@ -305,6 +344,38 @@ class _Shard:
         used again once the transfer is done."""
         self.buffers: list[jax.Array] | None = None
         self.whole = False
+        self.preparing: list[concurrent.futures.Future[None]] = []
+
+    def prepare(
+        self, compilers: concurrent.futures.Executor, pieces: Collection[tuple[int, ...]]
+    ) -> None:
+        """Start making this shard's buffers and compiling the programs that assemble
+        it from pieces of the shapes `pieces` (others are compiled when they come)."""
+        self.preparing = [compilers.submit(self._make_buffers)]
+        self.preparing += [
+            compilers.submit(_compile_write, self.shape, piece, self.on_device, device)
+            for piece in pieces
+            for device in self.devices
+        ]
+        if self.written != self.dtype:
+            self.preparing.append(compilers.submit(self._compile_finish))
+
+    @property
+    def on_device(self) -> np.dtype[Any]:
+        """The dtype of the buffers on the devices (without jax's 64-bit types, 32 bits)."""
+        import jax
+
+        return np.dtype(jax.dtypes.canonicalize_dtype(self.written))
+
+    def _make_buffers(self) -> None:
+        self.buffers = [_empty(self.shape, self.on_device, device) for device in self.devices]
+
+    def _compile_finish(self) -> None:
+        changed = _changed_patterns(self.devices[0], self.dtype)
+        if changed:
+            _compile(_holds_fn(changed), (self.shape, self.on_device, self.devices[0]))
+        for device in self.devices:
+            _compile(_bitcast_fn(self.dtype), (self.shape, self.on_device, device))
 
     def write(self, index: tuple[slice, ...], values: np.ndarray) -> list[jax.Array]:
         """Send `values` (`index` of this region) to every device and write them in;
@@ -321,9 +392,11 @@ class _Shard:
             jax.device_put(values.view(self.written), device, may_alias=True)
             for device in self.devices
         ]
+        if self.preparing:
+            self.preparing[0].result()  # (the buffers, made beside the reads)
         if self.buffers is None:
-            dtype = np.dtype(jax.dtypes.canonicalize_dtype(self.written))  # (x64 off: 32 bits)
-            self.buffers = [_empty(self.shape, dtype, device) for device in self.devices]
+            self._make_buffers()
+        assert self.buffers is not None
         starts = tuple(s.indices(n)[0] for s, n in zip(index, self.shape, strict=True))
         self.buffers = [
             _written(buffer, piece, starts)
@@ -335,6 +408,8 @@ class _Shard:
         """The shard on each device, in its own dtype."""
         import jax
 
+        for preparing in self.preparing:
+            preparing.result()
         assert self.buffers is not None
         if self.whole or self.written == self.dtype:
             return self.buffers
@@ -401,8 +476,35 @@ def _write_fn() -> Any:
 def _written(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.Array:
     """`buffer` with `piece` at `starts`, in place (the buffer is donated); starts are
     traced, so one compilation serves every position of a piece of that shape."""
-    result: jax.Array = _write_fn()(buffer, piece, starts)
+    result: jax.Array = _write_fn()(buffer, piece, tuple(np.int32(s) for s in starts))
     return result
+
+
+def _compile(function: Any, *arguments: tuple[tuple[int, ...], np.dtype[Any], jax.Device]) -> None:
+    """Compile the jitted `function` for arguments of these shapes, dtypes and devices,
+    ahead of its first call (which then finds it compiled)."""
+    import jax
+
+    function.lower(
+        *(
+            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+            for shape, dtype, device in arguments
+        )
+    ).compile()
+
+
+def _compile_write(
+    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
+) -> None:
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
+    _write_fn().lower(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        jax.ShapeDtypeStruct(piece, dtype, sharding=sharding),
+        starts,
+    ).compile()
 
 
 @functools.cache
