@@ -14,33 +14,23 @@ only the pieces being read and those being sent. Half the budget reads, half car
 pieces whose transfers have not finished (`_Gate`): a piece is let go once its copy on
 the device is ready, and its host buffer is filled again by a later piece, since
 faulting in fresh pages costs more than the copy. A shard that one piece holds whole
-is sent as that piece, with no buffer to write into.
-
-Values arrive bit for bit. A transfer copies bytes, but a TPU computing on floats
-narrower than 32 bits canonicalizes NaN payloads and flushes bfloat16's subnormals
-to zero, even in a copy (measured on a v5e: 80,850 of 16 Mi random bfloat16 bytes
-changed by `dynamic_update_slice`). Such shards are written as unsigned integers of
-their width, which every device copies exactly, and made floats at the end by a
-bitcast, again in place. Which bit patterns that bitcast changes is measured once per
-device kind and dtype (all 2**8 or 2**16 of them); where the device changes some, the
-integers are first searched for them on the device, and a shard holding one is
-brought back and sent whole from the host instead (exact, over the budget, with an
-`OverBudgetWarning`).
+is sent as that piece, with no buffer to write into. The programs that make, write
+and finish a shard on its devices, and how its values arrive bit for bit, are in
+`lazyckpt._on_device`.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import math
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lazyckpt import _on_device as on_device
 from lazyckpt._array import compose
-from lazyckpt._array.dtypes import finfo, issubdtype
 from lazyckpt._array.geometry import Box, box_bytes
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
@@ -338,7 +328,7 @@ class _Shard:
         self.key, self.region = key, region
         self.devices, self.dtype = list(devices), np.dtype(dtype)
         self.shape = tuple(high - low for low, high in region)
-        self.written = _written_dtype(self.dtype)
+        self.written = on_device.written_dtype(self.dtype)
         self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
         """Whether the devices copy what is sent out of host memory, which can then be
         used again once the transfer is done."""
@@ -353,7 +343,7 @@ class _Shard:
         it from pieces of the shapes `pieces` (others are compiled when they come)."""
         self.preparing = [compilers.submit(self._make_buffers)]
         self.preparing += [
-            compilers.submit(_compile_write, self.shape, piece, self.on_device, device)
+            compilers.submit(on_device.compile_write, self.shape, piece, self.device_dtype, device)
             for piece in pieces
             for device in self.devices
         ]
@@ -361,21 +351,27 @@ class _Shard:
             self.preparing.append(compilers.submit(self._compile_finish))
 
     @property
-    def on_device(self) -> np.dtype[Any]:
+    def device_dtype(self) -> np.dtype[Any]:
         """The dtype of the buffers on the devices (without jax's 64-bit types, 32 bits)."""
         import jax
 
         return np.dtype(jax.dtypes.canonicalize_dtype(self.written))
 
     def _make_buffers(self) -> None:
-        self.buffers = [_empty(self.shape, self.on_device, device) for device in self.devices]
+        self.buffers = [
+            on_device.empty(self.shape, self.device_dtype, device) for device in self.devices
+        ]
 
     def _compile_finish(self) -> None:
-        changed = _changed_patterns(self.devices[0], self.dtype)
+        changed = on_device.changed_patterns(self.devices[0], self.dtype)
         if changed:
-            _compile(_holds_fn(changed), (self.shape, self.on_device, self.devices[0]))
+            on_device.compile_for(
+                on_device.holds_fn(changed), (self.shape, self.device_dtype, self.devices[0])
+            )
         for device in self.devices:
-            _compile(_bitcast_fn(self.dtype), (self.shape, self.on_device, device))
+            on_device.compile_for(
+                on_device.bitcast_fn(self.dtype), (self.shape, self.device_dtype, device)
+            )
 
     def write(self, index: tuple[slice, ...], values: np.ndarray) -> list[jax.Array]:
         """Send `values` (`index` of this region) to every device and write them in;
@@ -399,7 +395,7 @@ class _Shard:
         assert self.buffers is not None
         starts = tuple(s.indices(n)[0] for s, n in zip(index, self.shape, strict=True))
         self.buffers = [
-            _written(buffer, piece, starts)
+            on_device.write(buffer, piece, starts)
             for buffer, piece in zip(self.buffers, sent, strict=True)
         ]
         return sent
@@ -413,8 +409,8 @@ class _Shard:
         assert self.buffers is not None
         if self.whole or self.written == self.dtype:
             return self.buffers
-        changed = _changed_patterns(self.devices[0], self.dtype)
-        if changed and _holds_any(self.buffers[0], changed):
+        changed = on_device.changed_patterns(self.devices[0], self.dtype)
+        if changed and on_device.holds_any(self.buffers[0], changed):
             size = human_bytes(math.prod(self.shape) * self.dtype.itemsize)
             kind = self.devices[0].device_kind
             warn(
@@ -426,17 +422,7 @@ class _Shard:
             )
             host = np.asarray(jax.device_get(self.buffers[0])).view(self.dtype)
             return [jax.device_put(host, device) for device in self.devices]
-        return [_bitcast(buffer, self.dtype) for buffer in self.buffers]
-
-
-def _written_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """What a shard of `dtype` is written as on the device: unsigned integers of its
-    width for floats narrower than 32 bits, `dtype` itself otherwise."""
-    if issubdtype(dtype, np.floating) and finfo(dtype).bits in (8, 16):
-        return np.dtype(f"uint{finfo(dtype).bits}")
-    # float4 and float6 are narrower than any unsigned integer jax bitcasts from: they
-    # are written as themselves (no device measured here changes their patterns).
-    return dtype
+        return [on_device.bitcast(buffer, self.dtype) for buffer in self.buffers]
 
 
 def _held_bytes(values: np.ndarray) -> int:
@@ -445,133 +431,3 @@ def _held_bytes(values: np.ndarray) -> int:
     while isinstance(base.base, np.ndarray):
         base = base.base
     return int(base.nbytes)
-
-
-@functools.cache
-def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
-    import jax
-    import jax.numpy as jnp
-
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> jax.Array:
-    """A buffer for a shard on `device`, made there (zeros: JAX has no uninitialized
-    arrays; the device fills it far faster than the host sends)."""
-    result: jax.Array = _empty_fn(shape, np.dtype(dtype), device)()
-    return result
-
-
-@functools.cache
-def _write_fn() -> Any:
-    import jax
-
-    def write(buffer: jax.Array, piece: jax.Array, starts: tuple[jax.Array, ...]) -> jax.Array:
-        return jax.lax.dynamic_update_slice(buffer, piece, starts)
-
-    return jax.jit(write, donate_argnums=0)
-
-
-def _written(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.Array:
-    """`buffer` with `piece` at `starts`, in place (the buffer is donated); starts are
-    traced, so one compilation serves every position of a piece of that shape."""
-    result: jax.Array = _write_fn()(buffer, piece, tuple(np.int32(s) for s in starts))
-    return result
-
-
-def _compile(function: Any, *arguments: tuple[tuple[int, ...], np.dtype[Any], jax.Device]) -> None:
-    """Compile the jitted `function` for arguments of these shapes, dtypes and devices,
-    ahead of its first call (which then finds it compiled)."""
-    import jax
-
-    function.lower(
-        *(
-            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-            for shape, dtype, device in arguments
-        )
-    ).compile()
-
-
-def _compile_write(
-    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
-) -> None:
-    import jax
-
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
-    _write_fn().lower(
-        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-        jax.ShapeDtypeStruct(piece, dtype, sharding=sharding),
-        starts,
-    ).compile()
-
-
-@functools.cache
-def _bitcast_fn(dtype: np.dtype[Any]) -> Any:
-    import jax
-
-    return jax.jit(lambda x: jax.lax.bitcast_convert_type(x, dtype), donate_argnums=0)
-
-
-def _bitcast(buffer: jax.Array, dtype: np.dtype[Any]) -> jax.Array:
-    """`buffer`'s unsigned integers as `dtype`, in place (donated)."""
-    result: jax.Array = _bitcast_fn(np.dtype(dtype))(buffer)
-    return result
-
-
-_CHANGED: dict[tuple[str, str, np.dtype[Any]], tuple[tuple[int, int], ...]] = {}
-
-
-def _changed_patterns(device: jax.Device, dtype: np.dtype[Any]) -> tuple[tuple[int, int], ...]:
-    """The bit patterns of `dtype` that `device` changes when it bitcasts unsigned
-    integers to it, as inclusive ranges; measured once per device kind and dtype by
-    sending every pattern there and back."""
-    import jax
-
-    key = (device.platform, device.device_kind, np.dtype(dtype))
-    if key not in _CHANGED:
-        unsigned = _written_dtype(np.dtype(dtype))
-        patterns = np.arange(1 << (8 * unsigned.itemsize), dtype=unsigned)
-        back = np.asarray(jax.device_get(_bitcast(jax.device_put(patterns, device), dtype)))
-        changed = np.flatnonzero(back.view(unsigned) != patterns)
-        _CHANGED[key] = _ranges(changed)
-    return _CHANGED[key]
-
-
-def _ranges(values: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """Sorted integers as inclusive ranges of consecutive ones."""
-    if not len(values):
-        return ()
-    breaks = np.flatnonzero(np.diff(values) != 1)
-    starts = np.concatenate([values[:1], values[breaks + 1]])
-    ends = np.concatenate([values[breaks], values[-1:]])
-    return tuple((int(a), int(b)) for a, b in zip(starts, ends, strict=True))
-
-
-@functools.cache
-def _holds_fn(ranges: tuple[tuple[int, int], ...]) -> Any:
-    import jax
-    import jax.numpy as jnp
-
-    table = None
-    if len(ranges) > 16:  # scattered patterns: look each integer up instead
-        table = np.zeros(ranges[-1][1] + 1, bool)
-        for low, high in ranges:
-            table[low : high + 1] = True
-
-    def holds(x: jax.Array) -> jax.Array:
-        if table is not None:
-            return jnp.any(jnp.take(jnp.asarray(table), x, mode="fill", fill_value=False))
-        found = jnp.zeros(x.shape, bool)
-        for low, high in ranges:
-            found = found | ((x >= low) & (x <= high))
-        return jnp.any(found)
-
-    return jax.jit(holds)
-
-
-def _holds_any(buffer: jax.Array, ranges: tuple[tuple[int, int], ...]) -> bool:
-    """Whether any of `buffer`'s integers falls in `ranges` (on its device: integer
-    comparisons, exact, one pass over its memory)."""
-    return bool(_holds_fn(ranges)(buffer))

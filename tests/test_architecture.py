@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
         "_placement",
         "_materialize",
         "_staged",
+        "_on_device",
         "_broadcast",
         "_surgery",
         "_rename",

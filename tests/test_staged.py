@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import lazyckpt
+import lazyckpt._on_device as on_device
 import lazyckpt._staged as staged
+from lazyckpt._engine.memory import result_empty
 from tests.helpers import orbax_save, rss_probe
 
 MiB = 1 << 20
@@ -209,7 +211,7 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
     monkeypatch.setattr(staged, "ADOPTING_PLATFORMS", frozenset())
     made: list[int] = []
     seen: list[int] = []
-    empty = staged.result_empty
+    empty = result_empty
     take = staged._Gate.take
 
     def counted_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -249,7 +251,7 @@ def test_a_device_that_changes_bit_patterns_gets_the_shard_whole(
     if not present:
         values[values == pattern] = 0
     monkeypatch.setitem(
-        staged._CHANGED, (device.platform, device.device_kind, bf16), ((pattern, pattern),)
+        on_device.CHANGED, (device.platform, device.device_kind, bf16), ((pattern, pattern),)
     )
     tree = lazyckpt.open(orbax_save(tmp_path / "ckpt", {"w": values.view(bf16)}))
     sharding = SingleDeviceSharding(device)
@@ -264,10 +266,10 @@ def test_a_device_that_changes_bit_patterns_gets_the_shard_whole(
 
 
 def test_changed_patterns_are_measured_as_ranges() -> None:
-    assert staged._ranges(np.array([1, 2, 3, 7, 9, 10])) == ((1, 3), (7, 7), (9, 10))
-    assert staged._ranges(np.array([], np.int64)) == ()
+    assert on_device.ranges(np.array([1, 2, 3, 7, 9, 10])) == ((1, 3), (7, 7), (9, 10))
+    assert on_device.ranges(np.array([], np.int64)) == ()
     device = jax.devices()[0]
-    assert staged._changed_patterns(device, np.dtype(ml_dtypes.bfloat16)) == ()  # CPU: none
+    assert on_device.changed_patterns(device, np.dtype(ml_dtypes.bfloat16)) == ()  # CPU: none
 
 
 @pytest.mark.slow
