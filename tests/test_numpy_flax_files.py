@@ -235,3 +235,41 @@ def test_threads_reading_one_deflated_member_get_its_bytes(tmp_path: Path) -> No
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         assert all(pool.map(read, cuts[::-1] + cuts))
+
+
+def test_a_member_that_inflates_far_past_its_last_input_reads_whole(tmp_path: Path) -> None:
+    # 64 MiB of zeros deflate to 64 KiB: the last of the input leaves zlib holding
+    # output that only more calls with no input drain.
+    path = tmp_path / "zeros.npz"
+    np.savez_compressed(path, x=np.zeros(2**24, "f4"))
+    want = np.load(path)["x"]
+    array = lazyckpt.open(path)["x"]
+    assert array.get().tobytes() == want.tobytes()
+    assert array[-3:].get().tobytes() == want[-3:].tobytes()
+
+
+def test_a_deflated_member_cut_short_is_damaged_not_a_hang(tmp_path: Path) -> None:
+    # A deflate stream flushed halfway and cut there: valid up to its end, which
+    # comes before the size the archive declares.
+    import io
+    import zipfile
+    import zlib
+
+    values = np.zeros(2**20, "f4")
+    member = io.BytesIO()
+    np.lib.format.write_array(member, values)
+    data = member.getvalue()
+    squeeze = zlib.compressobj(6, zlib.DEFLATED, -15)
+    cut = squeeze.compress(data[: len(data) // 2]) + squeeze.flush(zlib.Z_SYNC_FLUSH)
+    path = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("x.npy", cut)
+    raw = bytearray(path.read_bytes())
+    for signature, method_at, size_at in ((b"PK\x03\x04", 8, 22), (b"PK\x01\x02", 10, 24)):
+        at = raw.index(signature)  # (deflated, and as long as the array)
+        raw[at + method_at : at + method_at + 2] = zipfile.ZIP_DEFLATED.to_bytes(2, "little")
+        raw[at + size_at : at + size_at + 4] = len(data).to_bytes(4, "little")
+    path.write_bytes(raw)
+    array = lazyckpt.open(path)["x"]
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.npz.*'x\.npy'.*data ends at"):
+        array.get()
