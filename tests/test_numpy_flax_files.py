@@ -273,3 +273,12 @@ def test_a_deflated_member_cut_short_is_damaged_not_a_hang(tmp_path: Path) -> No
     array = lazyckpt.open(path)["x"]
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.npz.*'x\.npy'.*data ends at"):
         array.get()
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["savez", "savez_compressed"])
+def test_an_npz_of_no_arrays_opens_as_an_empty_tree(tmp_path: Path, compressed: bool) -> None:
+    path = tmp_path / "empty.npz"
+    (np.savez_compressed if compressed else np.savez)(path)
+    assert np.load(path).files == []
+    assert lazyckpt.open(path) == {}
+    assert lazyckpt.open(path, flat=True) == {}

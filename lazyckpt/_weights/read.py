@@ -174,7 +174,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
     same storage) is left out, its name added to `tied`."""
     file = file.knowing(_HEAD)
     head = file.known
-    if head[:4] == zips.MAGIC:
+    if head[:4] in (zips.MAGIC, zips.EMPTY):
         found = zips.members(file)
         if any(name.endswith("/data.pkl") for name in found):
             yield from _torch(file, torch_files.read_zip(file, found, head), tied)
