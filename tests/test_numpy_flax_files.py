@@ -4,6 +4,7 @@ each written here by its own writer."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +283,30 @@ def test_an_npz_of_no_arrays_opens_as_an_empty_tree(tmp_path: Path, compressed: 
     assert np.load(path).files == []
     assert lazyckpt.open(path) == {}
     assert lazyckpt.open(path, flat=True) == {}
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz", "npz_compressed"])
+def test_a_header_over_numpy_s_limit_says_so_and_how_numpy_reads_it(
+    tmp_path: Path, kind: str
+) -> None:
+    # 4,000 named fields: numpy writes a version 2.0 header of 90 KB, which np.load
+    # refuses too unless its max_header_size is raised.
+    values = np.zeros(2, [(f"field_{i}", "<f4") for i in range(4000)])
+    path = tmp_path / f"wide.{kind[:3]}"
+    with pytest.warns(UserWarning, match="format 2.0"):
+        if kind == "npy":
+            np.save(path, values)
+        else:
+            (np.savez_compressed if kind.endswith("compressed") else np.savez)(path, w=values)
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=path.name) as refused:
+        lazyckpt.open(path)
+    found = re.search(
+        r"header is ([\d,]+) bytes, over the 10,000 .*max_header_size=(\d+)\)", str(refused.value)
+    )
+    assert found is not None, refused.value
+    assert int(found[1].replace(",", "")) == int(found[2]) > 10_000
+    with pytest.raises(ValueError, match="max_header_size"):
+        np.load(path) if kind == "npy" else np.load(path)["w"]
+    # The limit the message gives is the one np.load needs.
+    loaded = np.load(path, max_header_size=int(found[2]))
+    assert (loaded if kind == "npy" else loaded["w"]).tobytes() == values.tobytes()

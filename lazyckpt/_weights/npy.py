@@ -65,8 +65,13 @@ def header(data: bytes, where: str) -> Header | None:
             return None
         size = struct.unpack_from("<I", data, 8)[0]
     if size > HEADER_LIMIT:
-        raise CorruptCheckpointError(
-            f"{where}: its .npy header declares {size} bytes, over numpy's {HEADER_LIMIT}; {_FIX}"
+        # (a header of numbers is under 2 KB at any shape: 64 dimensions of 19 digits)
+        raise UnsupportedCheckpointError(
+            f"{where}: its .npy header is {size:,} bytes, over the {HEADER_LIMIT:,} that "
+            "lazyckpt reads, as np.load does by default (max_header_size). numpy writes "
+            "headers this long for structured dtypes of many fields, which lazyckpt does "
+            f"not read: np.load(path, max_header_size={size}) reads it where you trust the "
+            "file, and each field saved as an array of its own opens here"
         )
     if len(data) < skip + size:
         return None
