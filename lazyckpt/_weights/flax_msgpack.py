@@ -171,7 +171,8 @@ def read_flax(file: File) -> tuple[dict[str, Any], int]:
 
 
 def lazy_tree(file: File, tree: Any, path: tuple[str, ...] = ()) -> Any:
-    """`tree` with each `_Array` a LazyArray and each chunked array joined."""
+    """`tree` with each `_Array` a LazyArray and each chunked array joined; map keys
+    kept as flax restores them (`1` and `"1"` are two keys, which the caller refuses)."""
     if isinstance(tree, _Array):
         name = "/".join(path)
         size = max(math.prod(tree.shape), 1)
@@ -180,7 +181,7 @@ def lazy_tree(file: File, tree: Any, path: tuple[str, ...] = ()) -> Any:
     if isinstance(tree, dict) and tree.get("__msgpack_chunked_array__") is True:
         return _joined(file, tree, path)
     if isinstance(tree, dict):
-        return {str(k): lazy_tree(file, v, (*path, str(k))) for k, v in tree.items()}
+        return {k: lazy_tree(file, v, (*path, str(k))) for k, v in tree.items()}
     if isinstance(tree, list):
         return [lazy_tree(file, v, (*path, str(i))) for i, v in enumerate(tree)]
     return tree
