@@ -310,3 +310,111 @@ def test_a_header_over_numpy_s_limit_says_so_and_how_numpy_reads_it(
     # The limit the message gives is the one np.load needs.
     loaded = np.load(path, max_header_size=int(found[2]))
     assert (loaded if kind == "npy" else loaded["w"]).tobytes() == values.tobytes()
+
+
+LONG_DOUBLE = np.dtype(np.longdouble).itemsize > 8
+needs_long_double = pytest.mark.skipif(
+    not LONG_DOUBLE, reason="NumPy's long double is a double on this machine"
+)
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> None:
+    """`got` (native byte order) has `want`'s values bit for bit."""
+    native = want.astype(want.dtype.newbyteorder("="))
+    assert (got.shape, got.dtype) == (native.shape, native.dtype)
+    assert got.tobytes() == np.ascontiguousarray(native).tobytes()
+
+
+@needs_long_double
+@pytest.mark.parametrize("where", ["npy", "npy_fortran", "npy_big_endian", "npz", "npz_compressed"])
+def test_long_doubles_read_as_np_load_reads_them(tmp_path: Path, where: str) -> None:
+    # float128 and complex256: tensorstore has no such type, so their bytes are read
+    # and viewed as the type on the host.
+    values = RNG.standard_normal((300, 70)).astype(np.longdouble) / 3
+    arrays: dict[str, Any] = {
+        "x": np.asfortranarray(values) if where == "npy_fortran" else values,
+        "c": (values[:5] + 1j * values[5:10]).astype(np.clongdouble),
+        "s": np.longdouble(1) / 3,
+    }
+    if where == "npy_big_endian":
+        arrays = {"x": values.astype(">f16"), "c": arrays["c"].astype(">c32")}
+    if where.startswith("npz"):
+        arrays["fortran"] = np.asfortranarray(values[:, :9])
+    if where.startswith("npy"):
+        for name, value in arrays.items():
+            np.save(tmp_path / f"{name}.npy", value)
+        opened = {name: lazyckpt.open(tmp_path / f"{name}.npy")[name] for name in arrays}
+        loaded = {name: np.load(tmp_path / f"{name}.npy") for name in arrays}
+    else:
+        path = tmp_path / "params.npz"
+        (np.savez_compressed if where.endswith("compressed") else np.savez)(path, **arrays)
+        opened, loaded = lazyckpt.open(path), dict(np.load(path))
+    for name, want in loaded.items():
+        array = opened[name]
+        assert array.dtype == want.dtype.newbyteorder("="), name
+        _same(array.get(), want)
+        _same(lazyckpt.load(array), want)
+    _same(opened["x"][100:103, 5:9].get(), loaded["x"][100:103, 5:9])
+    _same(opened["x"].T[4].get(), loaded["x"].T[4])
+    _same(opened["c"][::2].get(), loaded["c"][::2])
+    if where == "npy":  # a row of a stored array reads that row
+        with lazyckpt.measure() as cost:
+            lazyckpt.load(opened["x"][7])
+        assert cost.bytes_read == 70 * 16
+
+
+@needs_long_double
+def test_long_doubles_in_flax_msgpack_read_as_flax_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = RNG.standard_normal((50, 30)).astype(np.longdouble) / 3
+    state = {
+        "x": values,
+        "c": (values[:4] + 1j * values[4:8]).astype(np.clongdouble),
+        "s": np.longdouble(1) / 3,
+    }
+    path = tmp_path / "flax_model.msgpack"
+    path.write_bytes(flax.serialization.to_bytes(state))
+    monkeypatch.setattr(flax.serialization, "MAX_CHUNK_SIZE", 1000)  # flax splits it
+    (tmp_path / "chunked.msgpack").write_bytes(flax.serialization.to_bytes({"x": values}))
+    for file in (path, tmp_path / "chunked.msgpack"):
+        restored = flax.serialization.msgpack_restore(file.read_bytes())
+        tree = lazyckpt.open(file)
+        for name, want in restored.items():
+            got = tree[name].get() if name != "s" else np.asarray(tree[name])
+            _same(got, np.asarray(want))
+        _same(tree["x"][17:19, 5].get(), restored["x"][17:19, 5])
+
+
+@needs_long_double
+def test_long_doubles_go_to_jax_and_checkpoints_only_cast(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.arange(6, dtype=np.longdouble) / 3)
+    array = lazyckpt.open(tmp_path / "x.npy")["x"]
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"x: dtype float128.*astype\('float64'\)"):
+        lazyckpt.device_put({"x": array}, jax.devices()[0])
+    with pytest.raises(lazyckpt.UnsavableError, match=r"x: an array of dtype float128.*astype"):
+        lazyckpt.save(tmp_path / "ckpt", {"x": array})
+    assert not (tmp_path / "ckpt").exists()
+    cast = array.astype("float64")
+    placed = lazyckpt.device_put({"x": cast}, jax.devices()[0])
+    want = np.load(tmp_path / "x.npy").astype(np.float64)
+    assert np.asarray(placed["x"]).tobytes() == want.astype(placed["x"].dtype).tobytes()
+    lazyckpt.save(tmp_path / "ckpt", {"x": cast})
+    _same(lazyckpt.open(tmp_path / "ckpt")["x"].get(), want)
+
+
+def test_a_long_double_numpy_has_no_type_for_here_is_refused_by_name(tmp_path: Path) -> None:
+    # A 12-byte long double (32-bit x86's): no machine has both that and another.
+    other = "<f12" if np.dtype(np.longdouble).itemsize != 12 else "<f16"
+    path = tmp_path / "other.npy"
+    with path.open("wb") as file:
+        header = {"descr": other, "fortran_order": False, "shape": (2,)}
+        np.lib.format.write_array_header_1_0(file, header)
+        file.write(bytes(2 * int(other[2:])))
+    with pytest.raises(ValueError, match="not a valid dtype"):
+        np.load(path)
+    with pytest.raises(
+        lazyckpt.UnsupportedCheckpointError,
+        match=rf"other\.npy: dtype '{other}', a long double that NumPy has no type for",
+    ):
+        lazyckpt.open(path)

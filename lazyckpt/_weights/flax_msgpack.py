@@ -18,16 +18,19 @@ import attrs
 import numpy as np
 
 from lazyckpt._array import compose
+from lazyckpt._array.dtypes import LONG_DOUBLES
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray, composed
-from lazyckpt._weights.arrays import Place, c_strides, lazy
+from lazyckpt._weights.arrays import Place, c_strides
 from lazyckpt._weights.files import File
+from lazyckpt._weights.longdouble import lazy
 from lazyckpt._weights.unpickle import DTYPES
 
 WINDOW = 1 << 20
 _DEPTH = 64
 """The deepest a flax state nests (a model's modules nest a few levels)."""
-_NAMES = {dtype.name: dtype for dtype in DTYPES.values()} | {"bool": np.dtype("?")}
+_NAMES = {dtype.name: dtype for dtype in (*DTYPES.values(), *LONG_DOUBLES)}
+_NAMES["bool"] = np.dtype("?")
 _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}  # bin, str
 _EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 _FIXED = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
