@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from lazyckpt._array.dtypes import LONG_DOUBLES
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import leaf_values, map_leaves
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
@@ -16,7 +17,7 @@ from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.small import is_small, read_small
 from lazyckpt._engine.stored import stores
-from lazyckpt._errors import ShardingError
+from lazyckpt._errors import LazyTypeError, ShardingError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._sizes import Size, optional_size
 from lazyckpt._staged import put_staged, staged
@@ -49,6 +50,8 @@ def materialize(
     total = stored_bytes(p.array for p in placements)
     with shown(progress, total, label) as bar:
         on_devices = [p for p in placements if p.sharding is not None]
+        for placement in on_devices:  # (before any read)
+            _check_jax_dtype(placement.array)
         if on_devices:
             multihost.agree(
                 "the arrays and shardings to place",
@@ -79,6 +82,14 @@ def materialize(
     # Everything was read from the checkpoints as they were opened, or it is refused.
     check_unchanged(stores(p.array for p in placements))
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
+
+
+def _check_jax_dtype(array: LazyArray) -> None:
+    if array.dtype in LONG_DOUBLES:  # (a NumPy or flax file's; jax's own error names no key)
+        raise LazyTypeError(
+            f"{array.key}: dtype {array.dtype}, NumPy's long double, which jax has no type "
+            "for; load it to NumPy (lazyckpt.load), or cast it first (.astype('float64'))"
+        )
 
 
 def _spread(on_devices: list[Placement]) -> list[Placement]:

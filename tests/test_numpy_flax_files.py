@@ -4,6 +4,7 @@ each written here by its own writer."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +236,185 @@ def test_threads_reading_one_deflated_member_get_its_bytes(tmp_path: Path) -> No
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         assert all(pool.map(read, cuts[::-1] + cuts))
+
+
+def test_a_member_that_inflates_far_past_its_last_input_reads_whole(tmp_path: Path) -> None:
+    # 64 MiB of zeros deflate to 64 KiB: the last of the input leaves zlib holding
+    # output that only more calls with no input drain.
+    path = tmp_path / "zeros.npz"
+    np.savez_compressed(path, x=np.zeros(2**24, "f4"))
+    want = np.load(path)["x"]
+    array = lazyckpt.open(path)["x"]
+    assert array.get().tobytes() == want.tobytes()
+    assert array[-3:].get().tobytes() == want[-3:].tobytes()
+
+
+def test_a_deflated_member_cut_short_is_damaged_not_a_hang(tmp_path: Path) -> None:
+    # A deflate stream flushed halfway and cut there: valid up to its end, which
+    # comes before the size the archive declares.
+    import io
+    import zipfile
+    import zlib
+
+    values = np.zeros(2**20, "f4")
+    member = io.BytesIO()
+    np.lib.format.write_array(member, values)
+    data = member.getvalue()
+    squeeze = zlib.compressobj(6, zlib.DEFLATED, -15)
+    cut = squeeze.compress(data[: len(data) // 2]) + squeeze.flush(zlib.Z_SYNC_FLUSH)
+    path = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("x.npy", cut)
+    raw = bytearray(path.read_bytes())
+    for signature, method_at, size_at in ((b"PK\x03\x04", 8, 22), (b"PK\x01\x02", 10, 24)):
+        at = raw.index(signature)  # (deflated, and as long as the array)
+        raw[at + method_at : at + method_at + 2] = zipfile.ZIP_DEFLATED.to_bytes(2, "little")
+        raw[at + size_at : at + size_at + 4] = len(data).to_bytes(4, "little")
+    path.write_bytes(raw)
+    array = lazyckpt.open(path)["x"]
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"cut\.npz.*'x\.npy'.*data ends at"):
+        array.get()
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["savez", "savez_compressed"])
+def test_an_npz_of_no_arrays_opens_as_an_empty_tree(tmp_path: Path, compressed: bool) -> None:
+    path = tmp_path / "empty.npz"
+    (np.savez_compressed if compressed else np.savez)(path)
+    assert np.load(path).files == []
+    assert lazyckpt.open(path) == {}
+    assert lazyckpt.open(path, flat=True) == {}
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz", "npz_compressed"])
+def test_a_header_over_numpy_s_limit_says_so_and_how_numpy_reads_it(
+    tmp_path: Path, kind: str
+) -> None:
+    # 4,000 named fields: numpy writes a version 2.0 header of 90 KB, which np.load
+    # refuses too unless its max_header_size is raised.
+    values = np.zeros(2, [(f"field_{i}", "<f4") for i in range(4000)])
+    path = tmp_path / f"wide.{kind[:3]}"
+    with pytest.warns(UserWarning, match="format 2.0"):
+        if kind == "npy":
+            np.save(path, values)
+        else:
+            (np.savez_compressed if kind.endswith("compressed") else np.savez)(path, w=values)
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=path.name) as refused:
+        lazyckpt.open(path)
+    found = re.search(
+        r"header is ([\d,]+) bytes, over the 10,000 .*max_header_size=(\d+)\)", str(refused.value)
+    )
+    assert found is not None, refused.value
+    assert int(found[1].replace(",", "")) == int(found[2]) > 10_000
+    with pytest.raises(ValueError, match="max_header_size"):
+        np.load(path) if kind == "npy" else np.load(path)["w"]
+    # The limit the message gives is the one np.load needs.
+    loaded = np.load(path, max_header_size=int(found[2]))
+    assert (loaded if kind == "npy" else loaded["w"]).tobytes() == values.tobytes()
+
+
+LONG_DOUBLE = np.dtype(np.longdouble).itemsize > 8
+needs_long_double = pytest.mark.skipif(
+    not LONG_DOUBLE, reason="NumPy's long double is a double on this machine"
+)
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> None:
+    """`got` (native byte order) has `want`'s values bit for bit."""
+    native = want.astype(want.dtype.newbyteorder("="))
+    assert (got.shape, got.dtype) == (native.shape, native.dtype)
+    assert got.tobytes() == np.ascontiguousarray(native).tobytes()
+
+
+@needs_long_double
+@pytest.mark.parametrize("where", ["npy", "npy_fortran", "npy_big_endian", "npz", "npz_compressed"])
+def test_long_doubles_read_as_np_load_reads_them(tmp_path: Path, where: str) -> None:
+    # float128 and complex256: tensorstore has no such type, so their bytes are read
+    # and viewed as the type on the host.
+    values = RNG.standard_normal((300, 70)).astype(np.longdouble) / 3
+    arrays: dict[str, Any] = {
+        "x": np.asfortranarray(values) if where == "npy_fortran" else values,
+        "c": (values[:5] + 1j * values[5:10]).astype(np.clongdouble),
+        "s": np.longdouble(1) / 3,
+    }
+    if where == "npy_big_endian":
+        arrays = {"x": values.astype(">f16"), "c": arrays["c"].astype(">c32")}
+    if where.startswith("npz"):
+        arrays["fortran"] = np.asfortranarray(values[:, :9])
+    if where.startswith("npy"):
+        for name, value in arrays.items():
+            np.save(tmp_path / f"{name}.npy", value)
+        opened = {name: lazyckpt.open(tmp_path / f"{name}.npy")[name] for name in arrays}
+        loaded = {name: np.load(tmp_path / f"{name}.npy") for name in arrays}
+    else:
+        path = tmp_path / "params.npz"
+        (np.savez_compressed if where.endswith("compressed") else np.savez)(path, **arrays)
+        opened, loaded = lazyckpt.open(path), dict(np.load(path))
+    for name, want in loaded.items():
+        array = opened[name]
+        assert array.dtype == want.dtype.newbyteorder("="), name
+        _same(array.get(), want)
+        _same(lazyckpt.load(array), want)
+    _same(opened["x"][100:103, 5:9].get(), loaded["x"][100:103, 5:9])
+    _same(opened["x"].T[4].get(), loaded["x"].T[4])
+    _same(opened["c"][::2].get(), loaded["c"][::2])
+    if where == "npy":  # a row of a stored array reads that row
+        with lazyckpt.measure() as cost:
+            lazyckpt.load(opened["x"][7])
+        assert cost.bytes_read == 70 * 16
+
+
+@needs_long_double
+def test_long_doubles_in_flax_msgpack_read_as_flax_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = RNG.standard_normal((50, 30)).astype(np.longdouble) / 3
+    state = {
+        "x": values,
+        "c": (values[:4] + 1j * values[4:8]).astype(np.clongdouble),
+        "s": np.longdouble(1) / 3,
+    }
+    path = tmp_path / "flax_model.msgpack"
+    path.write_bytes(flax.serialization.to_bytes(state))
+    monkeypatch.setattr(flax.serialization, "MAX_CHUNK_SIZE", 1000)  # flax splits it
+    (tmp_path / "chunked.msgpack").write_bytes(flax.serialization.to_bytes({"x": values}))
+    for file in (path, tmp_path / "chunked.msgpack"):
+        restored = flax.serialization.msgpack_restore(file.read_bytes())
+        tree = lazyckpt.open(file)
+        for name, want in restored.items():
+            got = tree[name].get() if name != "s" else np.asarray(tree[name])
+            _same(got, np.asarray(want))
+        _same(tree["x"][17:19, 5].get(), restored["x"][17:19, 5])
+
+
+@needs_long_double
+def test_long_doubles_go_to_jax_and_checkpoints_only_cast(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.arange(6, dtype=np.longdouble) / 3)
+    array = lazyckpt.open(tmp_path / "x.npy")["x"]
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"x: dtype float128.*astype\('float64'\)"):
+        lazyckpt.device_put({"x": array}, jax.devices()[0])
+    with pytest.raises(lazyckpt.UnsavableError, match=r"x: an array of dtype float128.*astype"):
+        lazyckpt.save(tmp_path / "ckpt", {"x": array})
+    assert not (tmp_path / "ckpt").exists()
+    cast = array.astype("float64")
+    placed = lazyckpt.device_put({"x": cast}, jax.devices()[0])
+    want = np.load(tmp_path / "x.npy").astype(np.float64)
+    assert np.asarray(placed["x"]).tobytes() == want.astype(placed["x"].dtype).tobytes()
+    lazyckpt.save(tmp_path / "ckpt", {"x": cast})
+    _same(lazyckpt.open(tmp_path / "ckpt")["x"].get(), want)
+
+
+def test_a_long_double_numpy_has_no_type_for_here_is_refused_by_name(tmp_path: Path) -> None:
+    # A 12-byte long double (32-bit x86's): no machine has both that and another.
+    other = "<f12" if np.dtype(np.longdouble).itemsize != 12 else "<f16"
+    path = tmp_path / "other.npy"
+    with path.open("wb") as file:
+        header = {"descr": other, "fortran_order": False, "shape": (2,)}
+        np.lib.format.write_array_header_1_0(file, header)
+        file.write(bytes(2 * int(other[2:])))
+    with pytest.raises(ValueError, match="not a valid dtype"):
+        np.load(path)
+    with pytest.raises(
+        lazyckpt.UnsupportedCheckpointError,
+        match=rf"other\.npy: dtype '{other}', a long double that NumPy has no type for",
+    ):
+        lazyckpt.open(path)

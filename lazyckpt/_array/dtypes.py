@@ -51,3 +51,14 @@ def finfo(dtype: DTypeLike) -> Any:
     """`np.finfo`, which also knows bfloat16 and the float8, float6 and float4 types
     (`ml_dtypes.finfo`, untyped)."""
     return ml_dtypes.finfo(np.dtype(dtype))  # type: ignore[no-untyped-call]
+
+
+LONG_DOUBLES = frozenset(
+    dtype
+    for dtype in (np.dtype(np.longdouble), np.dtype(np.clongdouble))
+    if dtype.name not in ("float64", "complex128")  # (where a long double is a double)
+)
+"""NumPy's long doubles where they are wider than a double, in native byte order:
+`float128` and `complex256` on x86-64 Linux (x87's 80 bits, padded to 16 bytes) and
+arm64 Linux (IEEE quad precision). NumPy holds them; tensorstore and jax have no such
+type."""

@@ -197,6 +197,11 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
         else:
             write_shape, value_type, entry = value.shape, "np.ndarray", None
         dtype = np.dtype(value.dtype)
+        if not _storable(dtype):  # (a long double of a NumPy or flax file)
+            raise UnsavableError(
+                f"{path}: an array of dtype {dtype}, which tensorstore, and so a "
+                "checkpoint, has no type for; cast it first (.astype('float64'))"
+            )
         return Planned(
             path, keys, value_type, value, value.shape, dtype,
             choose_chunks(write_shape, dtype.itemsize, chunk_bytes),

@@ -33,6 +33,7 @@ from lazyckpt._errors import (
     CorruptCheckpointError,
     LazyckptError,
     UnfinishedCheckpointError,
+    UnsupportedCheckpointError,
 )
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
@@ -466,7 +467,7 @@ def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
             (cast(tuple[str, ...], leaf.path), leaf, name) for name, leaf in tensors.items()
         )
     except PathClash as clash:
-        raise CorruptCheckpointError(
+        raise UnsupportedCheckpointError(
             f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
             "nested by '.' (one is a prefix of the other); open it with flat=True"
         ) from None

@@ -112,9 +112,7 @@ class Inflater:
         low = min(w.low + w.filled for w in self._waiting)
         done, position, inflater, pending = self._resume(low)
         while self._waiting:
-            if not pending:
-                if position >= self.packed:
-                    raise self._damaged(f"its data ends at {done} of {self.size} bytes")
+            if not pending and position < self.packed:
                 stop = min(position + PIECE, self.packed)
                 self._lock.release()
                 try:
@@ -129,8 +127,12 @@ class Inflater:
             except zlib.error as error:
                 raise self._damaged(f"it does not inflate ({error})") from None
             pending = inflater.unconsumed_tail
-            if not piece and inflater.eof:
-                raise self._damaged(f"its stream ends at {done} of {self.size} bytes")
+            if not piece:
+                if inflater.eof:
+                    raise self._damaged(f"its stream ends at {done} of {self.size} bytes")
+                if position >= self.packed:  # (nothing to take, nothing held back)
+                    raise self._damaged(f"its data ends at {done} of {self.size} bytes")
+                continue
             end = done + len(piece)
             for wanted in self._waiting:
                 at = wanted.low + wanted.filled

@@ -18,16 +18,19 @@ import attrs
 import numpy as np
 
 from lazyckpt._array import compose
+from lazyckpt._array.dtypes import LONG_DOUBLES
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray, composed
-from lazyckpt._weights.arrays import Place, c_strides, lazy
+from lazyckpt._weights.arrays import Place, c_strides
 from lazyckpt._weights.files import File
+from lazyckpt._weights.longdouble import lazy
 from lazyckpt._weights.unpickle import DTYPES
 
 WINDOW = 1 << 20
 _DEPTH = 64
 """The deepest a flax state nests (a model's modules nest a few levels)."""
-_NAMES = {dtype.name: dtype for dtype in DTYPES.values()} | {"bool": np.dtype("?")}
+_NAMES = {dtype.name: dtype for dtype in (*DTYPES.values(), *LONG_DOUBLES)}
+_NAMES["bool"] = np.dtype("?")
 _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}  # bin, str
 _EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 _FIXED = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
@@ -171,7 +174,8 @@ def read_flax(file: File) -> tuple[dict[str, Any], int]:
 
 
 def lazy_tree(file: File, tree: Any, path: tuple[str, ...] = ()) -> Any:
-    """`tree` with each `_Array` a LazyArray and each chunked array joined."""
+    """`tree` with each `_Array` a LazyArray and each chunked array joined; map keys
+    kept as flax restores them (`1` and `"1"` are two keys, which the caller refuses)."""
     if isinstance(tree, _Array):
         name = "/".join(path)
         size = max(math.prod(tree.shape), 1)
@@ -180,7 +184,7 @@ def lazy_tree(file: File, tree: Any, path: tuple[str, ...] = ()) -> Any:
     if isinstance(tree, dict) and tree.get("__msgpack_chunked_array__") is True:
         return _joined(file, tree, path)
     if isinstance(tree, dict):
-        return {str(k): lazy_tree(file, v, (*path, str(k))) for k, v in tree.items()}
+        return {k: lazy_tree(file, v, (*path, str(k))) for k, v in tree.items()}
     if isinstance(tree, list):
         return [lazy_tree(file, v, (*path, str(i))) for i, v in enumerate(tree)]
     return tree

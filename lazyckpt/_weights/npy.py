@@ -19,20 +19,22 @@ from typing import Any
 import attrs
 import numpy as np
 
+from lazyckpt._array.dtypes import LONG_DOUBLES
 from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
 from lazyckpt._safetensors.read import contiguous_chunks
-from lazyckpt._weights import zips
-from lazyckpt._weights.arrays import Place, c_strides, lazy
+from lazyckpt._weights import longdouble, zips
+from lazyckpt._weights.arrays import Place, c_strides
 from lazyckpt._weights.deflated import DeflatedArray, Inflater
 from lazyckpt._weights.files import File
+from lazyckpt._weights.longdouble import lazy
 
 MAGIC = b"\x93NUMPY"
 HEADER_LIMIT = 10_000
 """The longest header read, as `numpy.load` allows by default."""
-_DESCR = re.compile(r"[<>|=]?(?:f[248]|c(?:8|16)|[iu][1248]|b1|\?)")
+_DESCR = re.compile(r"[<>|=]?(?:f(?:[248]|12|16)|c(?:8|16|24|32)|[iu][1248]|b1|\?)")
 _FIX = "the file is damaged, download or copy it again"
 
 
@@ -65,8 +67,13 @@ def header(data: bytes, where: str) -> Header | None:
             return None
         size = struct.unpack_from("<I", data, 8)[0]
     if size > HEADER_LIMIT:
-        raise CorruptCheckpointError(
-            f"{where}: its .npy header declares {size} bytes, over numpy's {HEADER_LIMIT}; {_FIX}"
+        # (a header of numbers is under 2 KB at any shape: 64 dimensions of 19 digits)
+        raise UnsupportedCheckpointError(
+            f"{where}: its .npy header is {size:,} bytes, over the {HEADER_LIMIT:,} that "
+            "lazyckpt reads, as np.load does by default (max_header_size). numpy writes "
+            "headers this long for structured dtypes of many fields, which lazyckpt does "
+            f"not read: np.load(path, max_header_size={size}) reads it where you trust the "
+            "file, and each field saved as an array of its own opens here"
         )
     if len(data) < skip + size:
         return None
@@ -92,18 +99,26 @@ def header(data: bytes, where: str) -> Header | None:
             "(numbers and bools it does; a bfloat16 array numpy saves as raw void bytes: "
             "save it as float32, or as safetensors)"
         )
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:  # (a long double of a size this machine's is not)
+        raise UnsupportedCheckpointError(
+            f"{where}: dtype {descr!r}, a long double that NumPy has no type for on this "
+            f"machine (its own is {np.dtype(np.longdouble).itemsize} bytes), so np.load "
+            "cannot read it here either; read it where it was written and save it as float64"
+        ) from None
     if not (
         isinstance(shape, tuple)
         and len(shape) <= MAX_RANK
         and all(type(n) is int and n >= 0 for n in shape)
-        and math.prod(max(n, 1) for n in shape) * np.dtype(descr).itemsize <= MAX_BYTES
+        and math.prod(max(n, 1) for n in shape) * dtype.itemsize <= MAX_BYTES
     ):
         raise CorruptCheckpointError(
             f"{where}: its .npy shape {str(shape)[:80]} is not the sizes of an array; {_FIX}"
         )
     if not isinstance(fields["fortran_order"], bool):
         raise CorruptCheckpointError(f"{where}: its .npy fortran_order is not a bool; {_FIX}")
-    return Header(np.dtype(descr), shape, fields["fortran_order"], skip + size)
+    return Header(dtype, shape, fields["fortran_order"], skip + size)
 
 
 def place(file: File, start: int, head: Header, available: int, where: str) -> Place:
@@ -186,19 +201,23 @@ def _deflated(file: File, member: zips.Member, start: int, key: str, where: str)
             f"but the member inflates to {member.size - head.length}; {_FIX}"
         )
     shape = head.shape[::-1] if head.fortran else head.shape
+    dtype = head.dtype
+    long = dtype.newbyteorder("=") in LONG_DOUBLES
+    if long:  # (read as its bytes, viewed as it arrives)
+        shape, dtype = (*shape, dtype.itemsize), np.dtype(np.uint8)
     stored = DeflatedArray(
         file.store,
         key,
         file.key,
         "deflated",
         shape,
-        head.dtype,
-        contiguous_chunks(shape, head.dtype.itemsize),
+        dtype,
+        contiguous_chunks(shape, dtype.itemsize),
         False,
         inflater=inflater,
         offset=head.length,
     )
-    array = LazyArray(
-        tuple(key.split("/")), stored, Selection.full(shape), head.dtype.newbyteorder("=")
-    )
-    return attrs.evolve(array.T, path=array.path) if head.fortran and len(shape) > 1 else array
+    array = LazyArray(tuple(key.split("/")), stored, Selection.full(shape), dtype.newbyteorder("="))
+    if long:
+        array = longdouble.viewed(array, head.dtype)
+    return attrs.evolve(array.T, path=array.path) if head.fortran and array.ndim > 1 else array

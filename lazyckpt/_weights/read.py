@@ -8,6 +8,12 @@ by range like a safetensors tensor. Names nest as the writers meant them: a stat
 dict's dotted names by `.` (`model.layers.0.mlp.up_proj.weight`, as its safetensors
 form), an `.npz`'s flattened names by `/` (big_vision's `params/img/...`), and the
 keys of nested dicts as they are.
+
+A leaf is named by its keys as text; where two leaves would share a name, the file is
+refused naming both, never read with one left out (format notes, Names that collide):
+keys `1` and `"1"` of one map, a dotted key and nested keys that spell it
+(`{"a.b": x, "a": {"b": y}}`), and names of which one nests inside the other (`a` and
+`a.b`: these open with `flat=True`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from lazyckpt._array.tree import PathClash, nested
-from lazyckpt._errors import CorruptCheckpointError, NotACheckpointError, UnsupportedCheckpointError
+from lazyckpt._errors import (
+    CorruptCheckpointError,
+    LazyckptError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+)
 from lazyckpt._safetensors.format import parse_index
 from lazyckpt._safetensors.read import check_plain
 from lazyckpt._storage import paths
@@ -78,18 +89,20 @@ def open_weights(path: str, *, flat: bool = False) -> Any:
     entries = from_one_generation(folder, read, files)
     by_name: dict[str, Any] = {}
     for _, leaf, name in entries:
-        if by_name.setdefault(name, leaf) is not leaf:
-            raise CorruptCheckpointError(
-                f"{path}: two entries are named {name!r} (a key with dots and nested keys "
-                "spelling the same name, or keys 1 and '1'); lazyckpt cannot tell them "
-                "apart, save them under distinct names"
+        if name in by_name:  # (by name, not by leaf: two equal values are two leaves)
+            raise UnsupportedCheckpointError(
+                f"{path}: two leaves are named {name!r}: a key with a '.' or '/' in it and "
+                "nested keys (or two files of one stem) spell the same name, and lazyckpt "
+                "names each leaf by its key path as text; load the file with the library "
+                "that wrote it and save them under distinct keys"
             )
+        by_name[name] = leaf
     if flat:
         return by_name
     try:
         return nested(entries)
     except PathClash as clash:
-        raise CorruptCheckpointError(
+        raise UnsupportedCheckpointError(
             f"{path}: names {clash.first!r} and {clash.second!r} cannot both be nested (one "
             "is a prefix of the other); open it with flat=True"
         ) from None
@@ -174,7 +187,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
     same storage) is left out, its name added to `tied`."""
     file = file.knowing(_HEAD)
     head = file.known
-    if head[:4] == zips.MAGIC:
+    if head[:4] in (zips.MAGIC, zips.EMPTY):
         found = zips.members(file)
         if any(name.endswith("/data.pkl") for name in found):
             yield from _torch(file, torch_files.read_zip(file, found, head), tied)
@@ -253,11 +266,27 @@ def _walk(
             )
         children: list[tuple[tuple[str, ...], Any]] = []
         if isinstance(node, dict) and node:
+            texts: dict[str, object] = {}
             for key, value in node.items():
+                text = str(key)
+                if text in texts:
+                    raise _same_text(where, path, texts[text], key)
+                texts[text] = key
                 named = split and isinstance(key, str)
-                children.append(((*path, *(key.split(".") if named else (str(key),))), value))
+                children.append(((*path, *(key.split(".") if named else (text,))), value))
         elif isinstance(node, list | tuple) and node:
             children = [((*path, str(i)), value) for i, value in enumerate(node)]
         else:
             yield path or ("value",), node
         stack.extend(reversed(children))
+
+
+def _same_text(where: str, path: tuple[str, ...], first: object, second: object) -> LazyckptError:
+    """Two keys of one map that are one key once turned to text (`1` and `"1"`)."""
+    at = f"of {'/'.join(path)!r}" if path else "at its top level"
+    return UnsupportedCheckpointError(
+        f"{where}: keys {first!r} ({type(first).__name__}) and {second!r} "
+        f"({type(second).__name__}) {at} are both {str(first)!r} as text, and lazyckpt names "
+        f"each leaf by its keys as text; load the file with the library that wrote it and "
+        "save them under distinct keys"
+    )

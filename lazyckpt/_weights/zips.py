@@ -17,6 +17,9 @@ from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._weights.files import File
 
 MAGIC = b"PK\x03\x04"
+EMPTY = b"PK\x05\x06"
+"""How an archive of no members starts: its end record is all it holds (`np.savez`
+of no arrays)."""
 STORED, DEFLATED = 0, 8
 _END = struct.Struct("<4s4H2LH")  # end of central directory
 _END64_LOCATOR = struct.Struct("<4sLQL")
