@@ -57,8 +57,7 @@ _OFFLINE = (
     "flax_model.msgpack",
 )
 """What a model folder is found by in the cache, offline, after its safetensors index."""
-_SINGLE = (".safetensors", ".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
-"""A file that is a model by itself."""
+_SINGLE = sites.SINGLE_FILES
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "checkpoint")
 """Files that make a folder an Orbax checkpoint (its tree; the legacy msgpack one), or
 one of the steps or items under it."""
