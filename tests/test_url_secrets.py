@@ -22,6 +22,7 @@ from safetensors.numpy import save
 import lazyckpt
 from lazyckpt._cli.main import main
 from lazyckpt._storage import paths
+from tests.helpers import orbax_save
 from tests.hostile_server import File, HostileServer, _Handler
 from tests.test_torch_files import FIXTURES, _expected
 
@@ -113,6 +114,27 @@ def test_a_password_with_a_raw_at_sign_is_sent_as_basic_auth_and_never_shown(
     assert "wr0ng" not in str(denied.value)
 
 
+def test_an_orbax_checkpoint_behind_a_password_reads_through_the_relay(
+    server: HostileServer, tmp_path: Path
+) -> None:
+    """tensorstore's drivers read it through lazyckpt's client (`relay`), which sends
+    the URL's credentials with every request too."""
+    values: dict[str, Any] = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
+    values["b"] = np.ones(3)
+    local = orbax_save(tmp_path / "ckpt", values)
+    for file in sorted(local.rglob("*")):
+        if file.is_file():
+            name = file.relative_to(local).as_posix()
+            server.put(f"ckpt/{name}", file.read_bytes(), trick=_with_password)
+    url = with_password(f"{server.url}/ckpt")
+    tree = lazyckpt.open(url)
+    np.testing.assert_array_equal(tree["w"][8:16].get(), values["w"][8:16])
+    np.testing.assert_array_equal(lazyckpt.load(tree)["b"], values["b"])
+    assert any("/d/" in request.path for request in server.log)  # the OCDBT data files
+    assert {r.headers.get("Authorization") for r in server.log} == {basic("user", PASSWORD)}
+    never_shown(repr(tree) + lazyckpt.summary(tree, title=url).text())
+
+
 def test_credentials_are_decoded_and_sent_to_their_origin_only(server: HostileServer) -> None:
     with HostileServer() as cdn:  # another port: another origin
         values = tensors()
@@ -164,10 +186,10 @@ def test_a_password_and_a_token_together_are_refused_before_any_request(
 
 
 def test_a_presigned_safetensors_file_opens_as_one_file_with_its_query(
-    server: HostileServer, capsys: pytest.CaptureFixture[str]
+    server: HostileServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     values = tensors()
-    file = server.put("m/x.safetensors", save(values), trick=_signed)
+    file = server.put("m/x.safetensors", save(values, {"made": "here"}), trick=_signed)
     with pytest.raises(urllib.error.HTTPError, match="403"):  # the server wants the signature
         urllib.request.urlopen(file)
     server.log.clear()
@@ -177,6 +199,10 @@ def test_a_presigned_safetensors_file_opens_as_one_file_with_its_query(
     loaded = lazyckpt.load(tree)
     for name, value in values.items():
         np.testing.assert_array_equal(loaded["layer"][name.split(".")[1]]["w"], value)
+    assert lazyckpt.verify(url).ok
+    assert lazyckpt.safetensors_metadata(url) == {"made": "here"}
+    copy = lazyckpt.open(lazyckpt.convert(url, tmp_path / "copy"))
+    np.testing.assert_array_equal(copy["layer"]["1"]["w"].get(), values["layer.1.w"])
     assert len(server.log) > 2
     assert all(urlsplit(r.path).query == SIGNATURE for r in server.log)
     text = shown(tree, url, capsys)
