@@ -16,7 +16,9 @@ an answer must be:
   that was there is a `CheckpointChangedError`, never a mix of two versions. A file at
   a plain URL whose server says neither its ETag nor its date is refused, or read
   with a warning (`NetworkOptions.unversioned`); the Hub's are pinned by commit.
-- File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter).
+- File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter). A
+  pre-signed file's query string goes with each request for it (`Pin.query`), and no
+  error shows it: they name the file by its URL without it.
 """
 
 from __future__ import annotations
