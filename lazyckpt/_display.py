@@ -32,12 +32,13 @@ _PLACES: re.Pattern[str] | None = None
 """Every registered place, longest first, where it is not part of a longer path or
 name (the commit folder `abc` is not a prefix of `abcd`); None where none is."""
 
-# A URL: its scheme, its user name and password (up to '@', before the host ends),
-# its host and path, then its query string or fragment: up to a space or a character
-# no URL holds unescaped (a quote, '<', '>', '\', '^', '`', '{', '|', '}').
+# A URL: its scheme, its user name and password (up to the last '@' before the host
+# ends, as the URL standard reads it: a password may hold a raw '@'), its host and
+# path, then its query string or fragment: up to a space or a character no URL holds
+# unescaped (a quote, '<', '>', '\', '^', '`', '{', '|', '}').
 _URL = re.compile(
     r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
-    r"(?P<user>[^\s/?#@\"<>\\^`{|}]*@)?"
+    r"(?P<user>[^\s/?#\"<>\\^`{|}]*@)?"
     r"(?P<rest>[^\s?#\"<>\\^`{|}]*)"
     r"(?P<query>[?#][^\s\"<>\\^`{|}]*)?"
 )
@@ -76,11 +77,26 @@ def as_given(text: str) -> str:
     'https://mirror.example/https://hub.test/org/m/resolve/c0ffee/w'
     >>> as_given("'https://u:pw@cdn.example/x.bin?X-Amz-Signature=secret', which failed")
     "'https://...@cdn.example/x.bin?...', which failed"
+    >>> as_given("http://user:p@ss@host/m: refused")
+    'http://...@host/m: refused'
+    >>> register("https://cdn.example/x.bin", "https://cdn.example/x.bin?...")
+    >>> as_given(as_given("https://cdn.example/x.bin: gone"))
+    'https://cdn.example/x.bin?...: gone'
     """
     places = _PLACES
     if places is not None:
-        text = places.sub(lambda match: _NAMES[match[0]], text)
+        text = places.sub(lambda match: _named(match, text), text)
     return _URL.sub(_plain, text) if "://" in text else text
+
+
+def _named(match: re.Match[str], text: str) -> str:
+    """The name of the place `match` found in `text`; the place as it stands where its
+    name only adds what follows it there already (a pre-signed file's `?...`, in a
+    text shown once before)."""
+    place = match[0]
+    name = _NAMES[place]
+    added = name.removeprefix(place) if name.startswith(place) else ""
+    return place if added and text.startswith(added, match.end()) else name
 
 
 def given_repr(value: object) -> str:

@@ -44,7 +44,10 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
             `s3://bucket/prefix` or `gs://bucket/prefix`; a safetensors model on the
             Hugging Face Hub, `hf://ORG/NAME[@REVISION][/PATH]`, pinned to the commit
             its revision names now (`pip install 'lazyckpt[hf]'`), or at any
-            `https://` URL whose server answers Range requests. Safetensors names
+            `https://` URL whose server answers Range requests (a user name and
+            password in it are sent as HTTP Basic auth; a pre-signed file's URL,
+            `.../x.safetensors?X-Amz-Signature=...`, opens that file, its query sent
+            with each request; neither is ever shown). Safetensors names
             (`model.layers.0.mlp.up_proj.weight`) nest by their `.`-separated parts;
             each tensor's header is read, none of its data; symlinks are followed
             (the Hugging Face cache links files to its blobs). Or a `torch.save`

@@ -4,6 +4,8 @@ It speaks the parts of the Hub protocol that lazyckpt and `huggingface_hub` use:
 
 - `GET /api/models/{repo_id}` and `/api/models/{repo_id}/revision/{revision}`: the repo's
   JSON (`id`, `sha`, `siblings`, `private`, `gated`; `?blobs=true` adds sizes and LFS data);
+  a revision is a branch, a tag, or a commit by its sha or the first digits of it
+  (`1a2b3c4`, where they begin one commit only), everywhere a revision is taken;
 - `GET /api/models/{repo_id}/tree/{revision}[/{path}]` (`?recursive=true`) and
   `POST /api/models/{repo_id}/paths-info/{revision}`: what `list_repo_files` and
   `HfFileSystem` list with;
@@ -48,6 +50,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 SHA_RE = re.compile(r"[0-9a-f]{40}")
+SHORT_SHA_RE = re.compile(r"[0-9a-f]{4,40}")
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".npz")
 PLAIN = "plain"
 
@@ -368,13 +371,14 @@ class HubServer:
         return repo
 
     def resolve(self, repo: Repo, revision: str) -> str:
+        """The commit a revision names: a branch or tag, else a commit by its 40 hex
+        digits or by the first 4 or more of them, where they begin one commit only
+        (as the Hub resolves `859350e`, and git a short hash, after the refs)."""
         sha = repo.refs.get(revision)
-        if (
-            sha is None
-            and SHA_RE.fullmatch(revision)
-            and (self.root / repo.repo_id / revision).is_dir()
-        ):
-            sha = revision
+        if sha is None and SHORT_SHA_RE.fullmatch(revision):
+            folder = self.root / repo.repo_id
+            found = [p.name for p in folder.glob(f"{revision}*") if SHA_RE.fullmatch(p.name)]
+            sha = found[0] if len(found) == 1 else None
         if sha is None:
             raise _HTTPError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
         return sha

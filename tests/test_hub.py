@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save
 
 import lazyckpt
+from lazyckpt._cli.main import main
 from lazyckpt._storage import metrics, network
 from tests.hub_server import HubServer
 
@@ -452,6 +453,40 @@ def test_a_plain_url_changed_opens_again_with_its_new_files(hub: HubServer) -> N
     hub.add_plain_file(f"m/{SHARDS[1]}", files[SHARDS[1]][:100])  # shrunk below a read
     with pytest.raises(lazyckpt.CheckpointChangedError, match=rf"{SHARDS[1]} changed"):
         up(again, 1)[60:].get()
+
+
+def test_the_short_commit_shown_opens_that_commit_again(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hf://ORG/NAME@1a2b3c4`, as lazyckpt shows a path, pasted back: the Hub resolves
+    the short commit online (`/api/models/ORG/NAME/revision/1a2b3c4`), the cache's
+    snapshots offline; the same tree, after a push moved the branch on."""
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    assert main(["inspect", "hf://org/model"]) == 0
+    shown = capsys.readouterr().out.splitlines()[0].split(": ")[0]
+    assert shown == f"hf://org/model@{first[:7]}"
+    pushed, _ = model(scale=2.0)
+    hub.commit("org/model", pushed)
+    want = tensors["model.layers.0.mlp.up_proj.weight"]
+    for path in (shown, f"{shown}/{SHARDS[0]}"):  # as it heads a table, as errors name a file
+        np.testing.assert_array_equal(up(lazyckpt.open(path), 0).get(), want)
+    assert main(["inspect", shown]) == 0
+    assert capsys.readouterr().out.startswith(f"{shown}: {2 * LAYERS} arrays")
+    hh.snapshot_download("org/model", revision=first)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.clear_log()
+    np.testing.assert_array_equal(up(lazyckpt.open(shown), 0).get(), want)
+    assert not hub.log
+    # Another commit of the cache that begins alike: more digits tell them apart.
+    other = first[:7] + ("1" if first[7] == "0" else "0") * 33
+    snapshots = Path(constants.HF_HUB_CACHE) / "models--org--model" / "snapshots"
+    (snapshots / other).mkdir()
+    with pytest.raises(
+        lazyckpt.CheckpointNotFoundError, match=rf"2 commits that begin with '{first[:7]}'"
+    ):
+        lazyckpt.open(shown)
+    np.testing.assert_array_equal(up(lazyckpt.open(f"hf://org/model@{first[:8]}"), 0).get(), want)
 
 
 def test_offline_the_cache_answers_for_a_branch(

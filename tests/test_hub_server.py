@@ -70,6 +70,27 @@ def test_model_info_gives_the_commit_of_a_branch_tag_or_sha(hub: HubServer) -> N
     assert sorted(api(hub).list_repo_files("org/model", revision=first)) == sorted(sharded_model())
 
 
+def test_a_short_commit_resolves_where_it_begins_one_commit(hub: HubServer) -> None:
+    """As the Hub resolves `859350e`: in the API, and in `resolve/` for
+    `hf_hub_download`, which keeps it in the cache's refs as it keeps a branch."""
+    first = hub.commit("org/model", sharded_model())
+    second = hub.commit("org/model", {"config.json": b"{}"})
+    assert api(hub).model_info("org/model", revision=first[:7]).sha == first
+    assert api(hub).model_info("org/model", revision=second[:4]).sha == second
+    path = hh.hf_hub_download("org/model", "config.json", revision=first[:7])
+    assert f"/snapshots/{first}/" in path
+    assert Path(path).read_bytes() == sharded_model()["config.json"]
+    assert hh.try_to_load_from_cache("org/model", "config.json", revision=first[:7]) == path
+    absent = next(d * 7 for d in "0123456789abcdef" if d * 7 not in (first[:7], second[:7]))
+    with pytest.raises(RevisionNotFoundError):  # no commit begins so
+        api(hub).model_info("org/model", revision=absent)
+    twin = first[:6] + ("1" if first[6] == "0" else "0") * 34
+    (hub.root / "org/model" / twin).mkdir()  # a commit that begins alike
+    with pytest.raises(RevisionNotFoundError):
+        api(hub).model_info("org/model", revision=first[:6])
+    assert api(hub).model_info("org/model", revision=first[:7]).sha == first
+
+
 def test_hf_hub_download_caches_the_file_for_its_commit(hub: HubServer) -> None:
     sha = hub.commit("org/model", sharded_model())
     path = hh.hf_hub_download("org/model", SHARDS[0])

@@ -1,7 +1,8 @@
 """`hf://` paths: a model on the Hugging Face Hub, pinned to one commit, read by ranges.
 
-`hf://ORG/NAME[@REVISION][/PATH]` (and `hf://datasets/...`, `hf://spaces/...`) is
-resolved once, at `normalize`, with `huggingface_hub`'s settings (the `lazyckpt[hf]`
+`hf://ORG/NAME[@REVISION][/PATH]` (and `hf://datasets/...`, `hf://spaces/...`; the
+revision a branch, a tag, a commit or its first digits, `@1a2b3c4` as messages show
+it) is resolved once, at `normalize`, with `huggingface_hub`'s settings (the `lazyckpt[hf]`
 extra): its endpoint (`HF_ENDPOINT`), its token (`HF_TOKEN`, or the saved login) and
 its cache are the user's own. One request (the repository's info at that revision,
 through lazyckpt's client, bounded as every read is) gives the commit and the file
@@ -57,8 +58,7 @@ _OFFLINE = (
     "flax_model.msgpack",
 )
 """What a model folder is found by in the cache, offline, after its safetensors index."""
-_SINGLE = (".safetensors", ".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
-"""A file that is a model by itself."""
+_SINGLE = sites.SINGLE_FILES
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "checkpoint")
 """Files that make a folder an Orbax checkpoint (its tree; the legacy msgpack one), or
 one of the steps or items under it."""
@@ -187,7 +187,9 @@ def _offline(
     shown: str,
 ) -> str:
     """With `HF_HUB_OFFLINE` set: the cache's folder for `revision` (a branch or tag
-    through the cache's refs, as `huggingface_hub` resolves it offline)."""
+    through the cache's refs, as `huggingface_hub` resolves it offline; a short
+    commit among the cache's commits)."""
+    revision = _offline_commit(hub, repo_type, repo_id, revision, shown)
     single = path.endswith(_SINGLE)
     probe = path if single else prefix + "model.safetensors.index.json"
     found = []
@@ -210,6 +212,32 @@ def _offline(
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
     return found[0] if single else os.path.dirname(found[0])
+
+
+def _offline_commit(
+    hub: Any, repo_type: str, repo_id: str, revision: str | None, shown: str
+) -> str | None:
+    """`revision` as the cache answers for it offline: a branch or tag (or a short
+    commit `huggingface_hub` resolved online) through the cache's refs, else the first
+    hex digits of a commit (`1a2b3c4`, as messages show one), which the Hub resolves
+    online, as the one commit of the cache's snapshots that they begin."""
+    if revision is None or not _SHORT_COMMIT.fullmatch(revision):
+        return revision
+    snapshots = _snapshots(hub, repo_type, repo_id)
+    if os.path.isfile(os.path.join(os.path.dirname(snapshots), "refs", revision)):
+        return revision
+    try:
+        names = os.listdir(snapshots)
+    except OSError:  # (nothing of the repository in the cache)
+        return revision
+    found = sorted(name for name in names if name.startswith(revision) and _COMMIT.fullmatch(name))
+    if len(found) > 1:
+        raise CheckpointNotFoundError(
+            f"{shown}: HF_HUB_OFFLINE is set and the cache holds {len(found)} commits that "
+            f"begin with {revision!r} ({', '.join(name[:12] for name in found[:4])}); give "
+            "more digits of the commit"
+        )
+    return found[0] if found else revision
 
 
 def _kind(repo_type: str) -> str:
@@ -277,6 +305,8 @@ _API = {"model": "models", "dataset": "datasets", "space": "spaces"}
 _INFO_LIMIT = 64 << 20
 """The most bytes of a repository's info read (a model's file list: a few KB)."""
 _COMMIT = re.compile(r"[0-9a-f]{40}", re.ASCII)
+_SHORT_COMMIT = re.compile(r"[0-9a-f]{4,39}", re.ASCII)
+"""The first digits of a commit, as git abbreviates one (4 at least)."""
 
 
 def _info(
@@ -308,8 +338,8 @@ def _info(
     if code == "RevisionNotFound":
         raise CheckpointNotFoundError(
             f"{shown}: the repository has no revision {revision!r} (a branch, tag or "
-            "commit; one with '/' is percent-encoded, @feature%2Fx, but refs/pr/N); "
-            "check the name after '@'"
+            "commit, or the first digits of one commit; one with '/' is percent-encoded, "
+            "@feature%2Fx, but refs/pr/N); check the name after '@'"
         )
     if code == "RepoNotFound" or (status == 404 and not code):
         hint = (

@@ -169,7 +169,9 @@ def session(options: Mapping[str, Any] | None = None) -> Iterator[None]:
 
 def normalize(path: str | os.PathLike[str]) -> str:
     """An absolute local path, or a URL without trailing slashes; an `hf://` path
-    becomes the place its files are read from, at the commit its revision names."""
+    becomes the place its files are read from, at the commit its revision names; an
+    http(s):// URL its place, without the password and query string it may carry,
+    which the call's requests send (`web_options.given`)."""
     text = os.fspath(path)
     if text.startswith("hf://"):
         from lazyckpt._storage import hub
@@ -179,8 +181,7 @@ def normalize(path: str | os.PathLike[str]) -> str:
         )
         return hub.resolve(text)
     if is_web(text):
-        web_options.headers(text)  # checked before any request
-        return text.rstrip("/")
+        return web_options.given(text)  # without a password or query: never shown
     if is_bucket(text):
         web_options.refuse_for(
             text,

@@ -16,7 +16,9 @@ an answer must be:
   that was there is a `CheckpointChangedError`, never a mix of two versions. A file at
   a plain URL whose server says neither its ETag nor its date is refused, or read
   with a warning (`NetworkOptions.unversioned`); the Hub's are pinned by commit.
-- File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter).
+- File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter). A
+  pre-signed file's query string goes with each request for it (`Pin.query`), and no
+  error shows it: they name the file by its URL without it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from lazyckpt._storage import network
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
-from lazyckpt._storage.transport import Response, Transport
+from lazyckpt._storage.transport import Response, Transport, host
 
 T = TypeVar("T")
 
@@ -83,6 +85,13 @@ class Pin:
     (a Hub file's, at a pinned commit, is remembered for the process)."""
     headers: dict[str, str] = attrs.field(factory=dict)
     """The open's own (a plain URL's `storage_options`), sent to the file's origin only."""
+    query: str = attrs.field(default="", repr=False)
+    """The query string the open's URL of the file carried (a pre-signed file's
+    signature): sent with each request for it, never shown."""
+
+    def address(self, url: str) -> str:
+        """What is asked for first for the file at `url`: with its query string."""
+        return f"{url}?{self.query}" if self.query else url
 
     def conditions(self) -> dict[str, str]:
         """Headers that make the server refuse (412) where the file changed since."""
@@ -178,17 +187,23 @@ class Client:
         with self._lock:
             known = self._locations.get(url) if hub else pin.location
         ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket, into)
-        answer = self._fetch(ask, known or url)
+        answer = self._fetch(ask, known or pin.address(url))
         if answer is None and known is not None:  # a signed address expired
             with self._lock:
                 self._locations.pop(url, None)
                 pin.location = None
-            answer = self._fetch(ask, url)
+            answer = self._fetch(ask, pin.address(url))
         if answer is None and hub:
             raise StorageAccessError(
                 f"{describe(url)}: access denied; for a gated or private Hugging Face "
                 "repository, log in (`hf auth login`) or set HF_TOKEN to a token that "
                 "was granted access"
+            )
+        if answer is None and pin.query:
+            raise StorageAccessError(
+                f"{describe(url)}: access denied (HTTP 401, 403 or 410) to the URL with "
+                "its query string; a pre-signed URL's signature may have expired: sign "
+                "the file's URL again, and open the new one"
             )
         if answer is None:
             raise StorageAccessError(
@@ -281,7 +296,7 @@ class Client:
                 )
             size = len(answer.body) if status == 200 else _checked_range(ask, answer)
             self._check_pin(url, pin, size, found, versioned)
-            if target != url:
+            if target != pin.address(url):
                 with self._lock:
                     if versioned:
                         pin.location = target
@@ -432,7 +447,7 @@ def _redirect(url: str, target: str, location: str) -> str:
             f"{describe(url)}: the server redirected to {location[:120]!r}, which is not "
             f"a URL ({error})"
         ) from None
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not host(parts):
         raise StorageAccessError(
             f"{describe(url)}: the server redirected to {location[:120]!r}; lazyckpt "
             "follows redirects to http:// and https:// URLs only"
@@ -448,12 +463,13 @@ def _split(url: str) -> urllib.parse.SplitResult:
 
 
 def _origin(url: str) -> tuple[str, str]:
-    """`(scheme, host)` of a URL, which must be one."""
+    """`(scheme, host)` of a URL, which must be one (its host and port, without a
+    user name and password)."""
     try:
         parts = _split(url)
     except ValueError as error:
         raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
-    return parts.scheme, parts.netloc
+    return parts.scheme, host(parts)
 
 
 _CLIENT = PerProcess(Client)

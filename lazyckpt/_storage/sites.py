@@ -11,6 +11,10 @@ from collections.abc import Iterator
 
 import attrs
 
+SINGLE_FILES = (".safetensors", ".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
+"""The names of files that are a model by themselves: what an `hf://` path, or a
+pre-signed URL, may name as one file."""
+
 
 @attrs.frozen
 class Site:

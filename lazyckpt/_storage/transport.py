@@ -205,7 +205,7 @@ class Transport:
         while attempt < options.retries:
             if stop is not None:
                 stop.check(ticket, url)
-            reused = (parts.scheme, parts.netloc) in self._connections()
+            reused = (parts.scheme, host(parts)) in self._connections()
             try:
                 with self._connection(target, options.timeout) as connection:
                     answer = self._once(connection, path, headers, options, limit, ranged, into)
@@ -213,7 +213,7 @@ class Transport:
                 raise too_large(refused.found) from None
             except ssl.SSLCertVerificationError as error:  # (definite: never retried)
                 raise StorageAccessError(
-                    f"{url}: the TLS certificate of {parts.netloc} could not be verified "
+                    f"{url}: the TLS certificate of {host(parts)} could not be verified "
                     f"({error.verify_message or error.reason}); where the server's CA is a "
                     "private one, point SSL_CERT_FILE at its certificate"
                 ) from None
@@ -254,7 +254,7 @@ class Transport:
                     time.sleep(delay)
                 delay = min(2 * delay, network.MAX_DELAY)
         failed = StorageAccessError(
-            f"{url}: {parts.scheme}://{parts.netloc} could not be reached or kept failing "
+            f"{url}: {parts.scheme}://{host(parts)} could not be reached or kept failing "
             f"({last}) after {options.retries} attempts; check the network and the URL (for "
             "the Hub: HF_ENDPOINT), or allow more with lazyckpt.network_options(timeout=, "
             "retries=)"
@@ -309,7 +309,7 @@ class Transport:
     @contextlib.contextmanager
     def _connection(self, url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
         parts = urllib.parse.urlsplit(url)
-        key = (parts.scheme, parts.netloc)
+        key = (parts.scheme, host(parts))
         connections = self._connections()
         connection = connections.get(key)
         if connection is None:
@@ -318,13 +318,19 @@ class Transport:
                 if parts.scheme == "https"
                 else http.client.HTTPConnection
             )
-            connection = connections[key] = kind(parts.netloc, timeout=timeout)
+            connection = connections[key] = kind(key[1], timeout=timeout)
         try:
             yield connection
         except BaseException:
             connections.pop(key, None)
             connection.close()
             raise
+
+
+def host(parts: urllib.parse.SplitResult) -> str:
+    """The host and port of a URL, without the user name and password it may carry
+    (up to the last '@', as the URL standard reads it): what is connected to."""
+    return parts.netloc.rpartition("@")[2]
 
 
 def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> bytearray | None:

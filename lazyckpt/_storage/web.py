@@ -44,6 +44,12 @@ def _headers(url: str) -> dict[str, str]:
     return {} if found is not None and found.generation else web_options.headers(url)
 
 
+def _pin(url: str) -> Pin:
+    """What a request for the file at `url` in the call in progress sends: its headers,
+    and the query string of a pre-signed URL."""
+    return Pin(headers=_headers(url), query=web_options.query(url))
+
+
 class WebFiles:
     """The files of a folder over HTTP, read as tensorstore's kvstores are
     (`read(key, byte_range=)` returning a future of a result with `state` and
@@ -53,11 +59,13 @@ class WebFiles:
     deadlines) stops those submitted before it (`Stop`); a definite answer (403, a
     damaged file's bytes) stops no other read, so `verify` still checks the rest.
     The headers of the open's `storage_options` are taken when it is made: its reads
-    send them whenever they run, whatever a later open of the folder passes."""
+    send them whenever they run, whatever a later open of the folder passes; and so
+    the query strings of its files given as pre-signed URLs."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder.rstrip("/")
         self._headers = _headers(self.folder)
+        self._queries = web_options.queries(self.folder)
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self._stop = Stop()
@@ -117,7 +125,8 @@ class WebFiles:
                 promise.set_exception(error)
             return future
         with self._lock:
-            pin = self._pins.setdefault(key, Pin(headers=self._headers))
+            query = self._queries.get(key, "")
+            pin = self._pins.setdefault(key, Pin(headers=self._headers, query=query))
         ticket = self._stop.ticket()
 
         def run() -> None:
@@ -259,7 +268,9 @@ class WebFolders:
         found = site(path)
         if found is not None:
             return posixpath.basename(path) in found.names
-        return client().read(path, 0, 1, pin=Pin(headers=_headers(path))).state == "value"
+        if web_options.signed_above(path) is not None:
+            return False  # (under a pre-signed URL, a file's: no request)
+        return client().read(path, 0, 1, pin=_pin(path)).state == "value"
 
     def exists(self, path: str) -> bool:
         return self.isdir(path) or self.isfile(path)
@@ -270,12 +281,13 @@ class WebFolders:
         found = listing(self.dirname(path))
         if found is not None and found.lacks(self.basename(path)):
             return None  # (not in the Hub's listing at the pinned commit: no request)
+        if web_options.signed_above(path) is not None:
+            return None  # (under a pre-signed URL, a file's: no request)
         local = local_copy(path)
         if local is not None:
             answer = read_cached(local, path, limit=min(limit, WHOLE_LIMIT))
         else:
-            pin = Pin(headers=_headers(path))
-            answer = client().read(path, limit=min(limit, WHOLE_LIMIT), pin=pin)
+            answer = client().read(path, limit=min(limit, WHOLE_LIMIT), pin=_pin(path))
         return bytes(answer.value) if answer.state == "value" else None
 
     def _read_only(self, path: str) -> StorageAccessError:

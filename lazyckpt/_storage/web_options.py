@@ -1,22 +1,33 @@
-"""The `storage_options` of a URL over HTTP(S): `headers` and a `token` (sent as
-`Authorization: Bearer TOKEN`) of its own, for `lazyckpt._storage.web`.
+"""What requests for a URL over HTTP(S) send besides its place, for
+`lazyckpt._storage.web`: the `storage_options` of the call (`headers`, and a `token`
+sent as `Authorization: Bearer TOKEN`), and what the URL itself carried (`given`): a
+user name and password, sent as HTTP Basic auth, and a query string (a pre-signed
+file's signature, `?X-Amz-Signature=...`), sent with each request for that file.
 
-They go to the URL's own origin only, never to a redirect target elsewhere (a signed
-CDN address), as the Hub's token does (`lazyckpt._storage.ranges`). They are checked
-before any request, and errors name the bad key, never a value (it may be a secret).
-A `WebFiles` takes its headers when it is made, at open, so a tree keeps sending its
-own whatever a later open of the same folder passes.
+Headers and credentials go to the URL's own origin only, never to a redirect target
+elsewhere (a signed CDN address), as the Hub's token does (`lazyckpt._storage.ranges`).
+They are checked before any request, and errors name the bad key, never a value (it
+may be a secret); nor is a URL's password or query ever shown (`lazyckpt._display`).
+A `WebFiles` takes its headers and queries when it is made, at open, so a tree keeps
+sending its own whatever a later open of the same folder passes.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import contextvars
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from lazyckpt._errors import LazyTypeError
+import attrs
+
+from lazyckpt import _display
+from lazyckpt._errors import CheckpointNotFoundError, LazyTypeError, StorageAccessError
+from lazyckpt._storage.sites import SINGLE_FILES
+from lazyckpt._storage.transport import host
 from lazyckpt._text import printable
 
 ACCEPTED = ("headers", "token")
@@ -58,15 +69,109 @@ _OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.Context
 )
 
 
+@attrs.frozen
+class _Carried:
+    """What the URLs given in a call carried besides their places (`given`)."""
+
+    authorization: dict[tuple[str, str], str] = attrs.field(factory=dict)
+    """`Authorization: Basic ...` from a URL's user name and password, by origin."""
+    queries: dict[str, str] = attrs.field(factory=dict)
+    """A URL's query string, by its place: sent with the requests for it alone."""
+
+
+_CARRIED: contextvars.ContextVar[_Carried | None] = contextvars.ContextVar(
+    "lazyckpt_carried", default=None
+)
+
+
 @contextlib.contextmanager
 def session(options: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Within: `options` apply to http(s):// URLs (an inner session without options
-    keeps the outer one's)."""
+    keeps the outer one's), and so does what the URLs given in it carried (an inner
+    session sees the outer one's, the outer none of the inner one's)."""
     given = _OPTIONS.set(dict(options) if options else _OPTIONS.get())
+    outer = _CARRIED.get() or _Carried()
+    carried = _CARRIED.set(_Carried(dict(outer.authorization), dict(outer.queries)))
     try:
         yield
     finally:
+        _CARRIED.reset(carried)
         _OPTIONS.reset(given)
+
+
+def given(url: str) -> str:
+    """The place an http(s):// URL names (its scheme, host, port and path) without
+    what it carries besides, which the call in progress sends and no message shows
+    (`lazyckpt._display` shows the place as `https://...@HOST/PATH?...`):
+
+    - a user name and password (before the last '@' of the host, as the URL standard
+      and requests read it), sent percent-decoded as HTTP Basic auth to the URL's
+      origin, as requests and curl send them (a user name alone with an empty
+      password, as curl and httpx do);
+    - a query string, sent with every request for that URL alone: a pre-signed
+      file's (`https://HOST/x.safetensors?X-Amz-Signature=...`), whose format its
+      path names (a folder's URL with a query is refused: its files' URLs would
+      lack it);
+    - a fragment, which no client sends.
+
+    Also checks the call's `storage_options` for the place, before any request."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as error:
+        raise StorageAccessError(f"{url}: not a URL lazyckpt can ask for ({error})") from None
+    origin = (parts.scheme, host(parts))
+    place = f"{origin[0]}://{origin[1]}{parts.path}".rstrip("/")
+    user, at, _ = parts.netloc.rpartition("@")
+    if at or parts.query:
+        shown = f"{origin[0]}://{'...@' if at else ''}{origin[1]}{parts.path.rstrip('/')}"
+        _display.register(place, shown + ("?..." if parts.query else ""))
+    if parts.query and not place.endswith(SINGLE_FILES):
+        raise CheckpointNotFoundError(
+            f"{place}: a URL with a query string is read as one pre-signed file, the query "
+            f"sent with the requests for it alone, but its path names no weight file "
+            f"({', '.join(SINGLE_FILES)}); give a file's URL, or pass a folder's "
+            "credentials as storage_options={'headers': ...} or {'token': ...}"
+        )
+    carried = _CARRIED.get()
+    if carried is not None:
+        name, _, password = user.partition(":")
+        if name or password:  # (`http://@host/`, `http://:@host/`: none, as requests)
+            pair = urllib.parse.unquote_to_bytes(name) + b":"
+            pair += urllib.parse.unquote_to_bytes(password)
+            carried.authorization[origin] = f"Basic {base64.b64encode(pair).decode()}"
+        if parts.query:
+            carried.queries[place] = parts.query
+    headers(place)  # checked before any request
+    return place
+
+
+def query(url: str) -> str:
+    """The query string that requests for `url` send (its signature), from the URLs
+    given in the call in progress; empty where it had none."""
+    carried = _CARRIED.get()
+    return carried.queries.get(url.rstrip("/"), "") if carried is not None else ""
+
+
+def signed_above(url: str) -> str | None:
+    """The URL given in the call in progress with a query string (a pre-signed
+    file's) that `url` lies under, if any: a format's probe for files inside it, as if
+    it were a folder, which finds none without a request."""
+    carried = _CARRIED.get()
+    places = carried.queries if carried is not None else {}
+    return next((place for place in places if url.startswith(place + "/")), None)
+
+
+def queries(folder: str) -> dict[str, str]:
+    """The query strings of the files directly in `folder` that requests send, by
+    name (`query`)."""
+    carried = _CARRIED.get()
+    found: dict[str, str] = {}
+    for place, sent in carried.queries.items() if carried is not None else ():
+        parent, _, name = place.rpartition("/")
+        if parent == folder.rstrip("/"):
+            found[name] = sent
+    return found
 
 
 def refuse_for(path: str, fix: str) -> None:
@@ -101,6 +206,16 @@ def headers(url: str) -> dict[str, str]:
         found[_checked(url, name, value)] = value
     if "token" in options:
         found["Authorization"] = f"Bearer {_token(url, options['token'], found)}"
+    carried = _CARRIED.get()
+    parts = urllib.parse.urlsplit(url)
+    basic = carried.authorization.get((parts.scheme, host(parts))) if carried else None
+    if basic is not None:
+        if any(name.lower() == "authorization" for name in found):
+            raise LazyTypeError(
+                f"{url}: the URL carries a user name and password (sent as HTTP Basic "
+                "auth) and storage_options a 'token' or an Authorization header; give one"
+            )
+        found["Authorization"] = basic
     return found
 
 
