@@ -24,7 +24,7 @@ from lazyckpt._storage.kvstore import Store, from_one_generation
 from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._weights import flax_msgpack, npy, zips
 from lazyckpt._weights import torch as torch_files
-from lazyckpt._weights.arrays import Place, lazy
+from lazyckpt._weights.arrays import Stacked
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import DType, Tensor
 
@@ -205,6 +205,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
 
 def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Iterator[Entry]:
     seen: set[Tensor] = set()
+    stacked = Stacked()
     for parts, leaf in _walk(saved.tree, file.path, split=True, limit=saved.nodes):
         name = ".".join(parts)
         if isinstance(leaf, Tensor):
@@ -212,13 +213,7 @@ def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Itera
                 tied.add(name)
                 continue
             seen.add(leaf)
-            storage = saved.storages[leaf.storage.key]
-            dtype = torch_files.element_dtype(leaf.dtype.numpy, saved.big_endian, file.path)
-            capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
-            place = Place(
-                file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride
-            )
-            yield parts, lazy(name, parts, dtype, place), name
+            yield parts, torch_files.tensor(file, saved, leaf, name, parts, stacked), name
         elif isinstance(leaf, DType):  # a dtype saved as a value
             yield parts, leaf.numpy, name
         elif isinstance(leaf, _PLAIN):
