@@ -26,6 +26,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import lazyckpt
+from tests.helpers import expect, run_cases
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 DTYPES = {
@@ -604,6 +605,34 @@ def _case(name: str, payload: bytes, stored: int, error: type[Exception], match:
             lazyckpt.UnsupportedCheckpointError,
             r"'x' is a 0-d float4_e2m1fn_x2 .*\.reshape\(1\)",
         ),
+        _case(
+            "offset-5000-digits",
+            _rebuilt(_FALSE_AND_HOOKS, offset=10**5000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "an integer of more than 1024 bits",
+        ),
+        _case(
+            "offset-over-2**62",
+            _rebuilt(_FALSE_AND_HOOKS, offset=1 << 1000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"offset outside 0 to 2\*\*62 \(1001 bits\)",
+        ),
+        _case(
+            "numel-5000-digits",
+            _rebuilt(_FALSE_AND_HOOKS, numel=10**5000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "an integer of more than 1024 bits",
+        ),
+        _case(
+            "numel-over-2**62",
+            _rebuilt(_FALSE_AND_HOOKS, numel=1 << 1000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"storage '0' of a count of elements outside 0 to 2\*\*62",
+        ),
         _case(  # windows of windows: 20,000 views at least
             "stacked-views",
             _rebuilt(_FALSE_AND_HOOKS, numel=40_000, size=(20_000, 20_000), stride=(1, 1)),
@@ -621,3 +650,16 @@ def test_tensors_torch_refuses_or_cannot_read_are_refused_by_name(
         archive.writestr("archive/data/0", b"\x00" * stored)
     with pytest.raises(error, match=match):
         lazyckpt.open(path)
+
+
+def test_int_keys_of_one_hash_are_refused_in_linear_time(tmp_path: Path) -> None:
+    # Python hashes ints modulo 2**61 - 1: 400,000 keys k * (2**61 - 1) share a hash,
+    # and a dict of them takes 400,000**2 / 2 steps (20 minutes). The time limit
+    # only catches that blowup; refused, they take a few seconds with the start.
+    prime = (1 << 61) - 1
+    keys = (pickle.encode_long(k * prime) for k in range(1, 400_001))
+    items = b"".join(b"\x8a%c%sK\x00" % (len(key), key) for key in keys)
+    path = _torch_zip(tmp_path / "keys.pt", b"\x80\x02}(" + items + b"u.")
+    outcomes = run_cases([{"name": "keys", "path": str(path), "do": "open"}], tmp_path, 180)
+    expect(outcomes, {"keys": "lazyckpt:CorruptCheckpointError"})
+    assert "an int wider than 64 bits" in outcomes["keys"]

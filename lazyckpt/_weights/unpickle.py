@@ -120,13 +120,17 @@ class Tensor:
     neg: bool = False
 
 
+_MAX_COUNT = 1 << 62
+"""The largest element offset or count read (no file holds 2**62 elements)."""
+
+
 def _ints(value: object, what: str) -> tuple[int, ...]:
     # Messages name types, never values: a pickle's memo can make a value whose text
     # is exponentially larger than the file.
     if (
         not isinstance(value, tuple | list)
         or len(value) > _MAX_RANK
-        or not all(type(v) is int and 0 <= v < 1 << 62 for v in value)
+        or not all(type(v) is int and 0 <= v < _MAX_COUNT for v in value)
     ):
         raise ValueError(f"a {what} (a {type(value).__name__}) that is not a tuple of sizes")
     return tuple(value)
@@ -181,6 +185,8 @@ def _located(
         raise ValueError(
             f"a tensor of a {type(storage).__name__} at an offset of {type(offset).__name__}"
         )
+    if not 0 <= offset < _MAX_COUNT:
+        raise ValueError(f"a tensor at an offset outside 0 to 2**62 ({offset.bit_length()} bits)")
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     if len(shape) != len(strides):
         raise ValueError(f"a size of {len(shape)} and a stride of {len(strides)} dimensions")
@@ -341,9 +347,14 @@ class _Unpickler(Guarded):
                 "torch.save of storage slices), which lazyckpt does not read; load it "
                 "with torch and save it again"
             )
-        if not isinstance(kind, StorageType) or type(numel) is not int or numel < 0:
+        if not isinstance(kind, StorageType) or type(numel) is not int:
             raise ValueError(
                 f"storage {key!r} of a {type(kind).__name__} and {type(numel).__name__} elements"
+            )
+        if not 0 <= numel < _MAX_COUNT:
+            raise ValueError(
+                f"storage {key!r} of a count of elements outside 0 to 2**62 "
+                f"({numel.bit_length()} bits)"
             )
         key = key.decode("latin1") if isinstance(key, bytes) else key
         storage = self.storages.setdefault(key, Storage(key, kind.dtype, numel))
