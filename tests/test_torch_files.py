@@ -16,6 +16,7 @@ import pickletools
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -649,6 +650,29 @@ def test_tensors_torch_refuses_or_cannot_read_are_refused_by_name(
     with zipfile.ZipFile(path, "a") as archive:  # the storage its pickle names
         archive.writestr("archive/data/0", b"\x00" * stored)
     with pytest.raises(error, match=match):
+        lazyckpt.open(path)
+
+
+def test_a_zip_that_lists_a_member_twice_is_refused(tmp_path: Path) -> None:
+    # Which of the two is the member, zip readers guess differently: Python's zipfile
+    # reads the last, torch one or the other, as its sorted index finds it.
+    path = tmp_path / "twice.pt"
+    shutil.copy(FIXTURES / "views.pt", path)
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "a") as archive:
+        warnings.simplefilter("ignore")  # (zipfile warns that it writes a name again)
+        archive.writestr("views/data/0", archive.read("views/data/0")[::-1])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"lists 'views/data/0' twice"):
+        lazyckpt.open(path)
+
+
+def test_an_end_record_in_the_zip_comment_is_refused(tmp_path: Path) -> None:
+    # A record of no members as the comment: read as the archive's end, the file
+    # would open as an empty tree (torch finds no data.pkl in it and refuses it).
+    path = tmp_path / "comment.pt"
+    shutil.copy(FIXTURES / "state.pt", path)
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.comment = b"PK\x05\x06" + bytes(18)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="comment holds a second end record"):
         lazyckpt.open(path)
 
 
