@@ -356,6 +356,20 @@ def _check_gpt2(tree: Any) -> None:
         )
 
 
+def test_a_bin_model_opens_with_every_name_torch_load_shows() -> None:
+    # keep_tied=True: lm_head.weight too, a view of the embedding's bytes.
+    shown = json.loads((FIXTURES / "gpt2_bin_keys.json").read_text())
+    tree = lazyckpt.open(FIXTURES / "gpt2_bin", flat=True, keep_tied=True)
+    assert sorted(tree) == sorted(name for names in shown.values() for name in names)
+    np.testing.assert_array_equal(
+        tree["lm_head.weight"].get(), tree["transformer.wte.weight"].get()
+    )
+    single = lazyckpt.open(
+        FIXTURES / "gpt2_bin" / "pytorch_model-00001-of-00003.bin", flat=True, keep_tied=True
+    )
+    assert list(single) == shown["pytorch_model-00001-of-00003.bin"]
+
+
 def test_a_bin_model_on_the_hub_and_over_plain_https(hub: Any) -> None:
     files = _bin_files()
     # A repository with both forms reads safetensors; one with .bin only reads that.

@@ -70,11 +70,11 @@ def _weight_name(name: str) -> bool:
     return name.endswith(SUFFIXES) or name in INDEXES
 
 
-def open_weights(path: str, *, flat: bool = False) -> Any:
+def open_weights(path: str, *, flat: bool = False, keep_tied: bool = False) -> Any:
     """The tensors at `path` (a file, or a folder of them) as a tree of LazyArrays, or
-    flat by name."""
+    flat by name; with `keep_tied`, a Hugging Face model's tied names too."""
     folder, files, weight_map = _files(path)
-    read = lambda generation: _read(folder, files, weight_map, generation, path)  # noqa: E731
+    read = lambda generation: _read(folder, files, weight_map, generation, path, keep_tied)  # noqa: E731
     entries = from_one_generation(folder, read, files)
     by_name: dict[str, Any] = {}
     for _, leaf, name in entries:
@@ -139,14 +139,16 @@ def _read(
     weight_map: dict[str, str] | None,
     generation: tuple[object, ...],
     path: str,
+    keep_tied: bool,
 ) -> list[Entry]:
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name not in INDEXES]
     several = weight_map is None and len(shards) > 1
     # A Hugging Face model saves a tied weight (lm_head.weight, the embedding's
-    # storage) under both names in .bin, once in safetensors: open it as the latter.
+    # storage) under both names in .bin, once in safetensors: open it as the latter,
+    # unless asked for every name.
     model = weight_map is not None or files == ("pytorch_model.bin",)
-    tied: set[str] | None = set() if model else None
+    tied: set[str] | None = set() if model and not keep_tied else None
     entries: list[Entry] = []
     for shard in shards:
         file = File(store, shard, paths.join(folder, shard))
