@@ -1,9 +1,8 @@
 """A tensor's elements at a place in a file, as a `LazyArray`: in C order (a
 `RangeArray`), in Fortran order or any permuted order (a transposed view of one),
 strided within a larger storage (a view of the storage's elements, indexed), with
-dimensions that overlap or interleave (`unfold`'s windows, `as_strided`: views
-stacked, one per index of the outermost), or repeated (stride 0, `expand`: a
-broadcast view), so that a read of a few rows reads a few rows whichever way the
+dimensions that overlap or interleave (`unfold`'s windows, `as_strided`: views along
+one of them, stacked), or repeated (stride 0, `expand`: a broadcast view), so that a read of a few rows reads a few rows whichever way the
 writer laid them out."""
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from lazyckpt._weights.files import File
 _FIX = "the file is damaged, download or copy it again"
 MAX_STACKED = 1 << 14
 """The most views the stacked tensors of one file are made of, all told (each costs
-about 2 KB and a share of every read's planning)."""
+about 600 bytes and a share of every read's planning)."""
 
 
 @attrs.frozen
