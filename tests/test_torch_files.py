@@ -3,7 +3,8 @@ one, Hugging Face's sharded `pytorch_model.bin`, and hostile pickles refused unr
 
 The files under tests/fixtures/torch were written by torch itself
 (`tests/fixtures/torch/make.py`, versions in VERSIONS.txt); each tensor's bytes as
-torch read them back are in `state_expected.npz`."""
+torch read them back are in `state_expected.npz`, and what torch.load gives for the
+views (conjugate, negative, expanded, overlapping...) in `views_expected.npz`."""
 
 from __future__ import annotations
 
