@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -27,6 +28,7 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
     storage_options: dict[str, Any] | None = None,
     allow_outside_links: bool = False,
     flat: bool = False,
+    keep_tied: bool = False,
 ) -> Any:
     """Open an Orbax checkpoint, safetensors files, or PyTorch, NumPy or flax weight
     files, as a pytree of `LazyArray`s.
@@ -72,6 +74,12 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
             file as array data).
         flat: A flat dict by key path (`params/dense/kernel`; safetensors tensors by
             their own names) instead of the nested tree.
+        keep_tied: For a Hugging Face `pytorch_model.bin` model, every name its files
+            hold, as `torch.load` shows them. transformers saves a tied weight
+            (`lm_head.weight`, the embedding's storage) under both its names there,
+            and once in the model's safetensors form, which the tree matches by
+            default; with `keep_tied=True` the second name is kept too, a view of
+            the same bytes. Other files and formats keep every name anyway.
 
     Returns:
         The checkpoint's tree, in the node types it was saved with.
@@ -85,7 +93,7 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
         try:
             for holds, kind, read in (
                 (is_safetensors, "safetensors", open_safetensors),
-                (is_weights, "weight files", open_weights),
+                (is_weights, "weight files", functools.partial(open_weights, keep_tied=keep_tied)),
             ):
                 if not holds(where):
                     continue

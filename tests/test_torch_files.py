@@ -3,7 +3,8 @@ one, Hugging Face's sharded `pytorch_model.bin`, and hostile pickles refused unr
 
 The files under tests/fixtures/torch were written by torch itself
 (`tests/fixtures/torch/make.py`, versions in VERSIONS.txt); each tensor's bytes as
-torch read them back are in `state_expected.npz`."""
+torch read them back are in `state_expected.npz`, and what torch.load gives for the
+views (conjugate, negative, expanded, overlapping...) in `views_expected.npz`."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import lazyckpt
+from tests.helpers import expect, run_cases
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 DTYPES = {
@@ -54,6 +58,79 @@ def _check_state(path: Path, expected: dict[str, np.ndarray]) -> None:
         assert (array.shape, array.dtype) == (want.shape, want.dtype), name
         got = np.asarray(array.get())
         assert got.tobytes() == want.tobytes(), name
+
+
+def _loaded(folder: Path, stem: str) -> dict[str, Any]:
+    """What torch.load read from `stem`.pt (make.py's `loaded`): each tensor's values,
+    float4 pairs as their two codes (low nibble first, as safetensors' F4), and each
+    Python complex value."""
+    shapes = json.loads((folder / f"{stem}_expected.json").read_text())
+    raw = np.load(folder / f"{stem}_expected.npz")
+    out: dict[str, Any] = {}
+    for name, (shape, dtype) in shapes.items():
+        if dtype == "complex":
+            out[name] = complex(raw[name].view(np.complex128)[0])
+        elif dtype == "float4_e2m1fn_x2":
+            pairs = raw[name].reshape(shape)
+            codes = np.stack([pairs & 0x0F, pairs >> 4], axis=-1).reshape(*shape[:-1], -1)
+            out[name] = codes.view(ml_dtypes.float4_e2m1fn)
+        else:
+            out[name] = raw[name].view(DTYPES.get(dtype, np.dtype(dtype))).reshape(shape)
+    return out
+
+
+def _check_loaded(path: Path, expected: dict[str, Any]) -> None:
+    tree = lazyckpt.open(path)
+    assert sorted(tree) == sorted(expected)
+    for name, want in expected.items():
+        found = tree[name]
+        if isinstance(want, complex):  # (NaN parts compared by their bits)
+            assert type(found) is complex, name
+            assert np.array([found]).tobytes() == np.array([want]).tobytes(), name
+            continue
+        assert (found.shape, found.dtype) == (want.shape, want.dtype), name
+        assert np.asarray(found.get()).tobytes() == want.tobytes(), name
+        for index in ((slice(1, None),), (Ellipsis, -1), (Ellipsis, slice(None, None, -2))):
+            if want.ndim:
+                assert np.asarray(found[index].get()).tobytes() == want[index].tobytes(), name
+
+
+@pytest.mark.parametrize("stem", ["views", "views_legacy"])
+def test_views_read_as_torch_load_gives_them(stem: str) -> None:
+    # Conjugate and negative bits (x.conj(), x.conj().imag, torch._neg_view, and
+    # metadata {'neg': False}, which torch sets too), a dtype in the backward hooks'
+    # place (torch takes the storage's), expanded tensors (stride 0), unfold's
+    # windows and other overlapping or interleaved strides, float4 pairs, Python
+    # complex values: as torch.load gives them, whole and sliced.
+    _check_loaded(FIXTURES / f"{stem}.pt", _loaded(FIXTURES, stem))
+
+
+def test_views_read_only_the_elements_they_repeat() -> None:
+    tree = lazyckpt.open(FIXTURES / "views.pt")
+    with lazyckpt.measure() as cost:
+        lazyckpt.load(tree["expanded"])  # (4, 3) of 3 stored elements
+    assert cost.bytes_read == 3 * 4
+    with lazyckpt.measure() as cost:
+        lazyckpt.load(tree["windows"][:, 0])  # the first of each window: 7 elements
+    assert cost.bytes_read == 7 * 4
+
+
+def test_float4_pairs_read_as_their_safetensors_form(tmp_path: Path) -> None:
+    # The safetensors library writes torch's float4_e2m1fn_x2 bytes as F4, its shape
+    # in codes: from the bytes torch.load gave, both files read the same codes.
+    import safetensors
+
+    shape = json.loads((FIXTURES / "views_expected.json").read_text())["float4"][0]
+    raw = np.load(FIXTURES / "views_expected.npz")["float4"]
+    path = tmp_path / "f4.safetensors"
+    spec = safetensors.TensorSpec(
+        dtype="float4_e2m1fn_x2", shape=shape, data_ptr=raw.ctypes.data, data_len=raw.nbytes
+    )
+    safetensors.serialize_file({"w": spec}, str(path))
+    f4 = lazyckpt.open(path)["w"]
+    pairs = lazyckpt.open(FIXTURES / "views.pt")["float4"]
+    assert (f4.shape, f4.dtype) == (pairs.shape, pairs.dtype)
+    assert np.asarray(f4.get()).tobytes() == np.asarray(pairs.get()).tobytes()
 
 
 @pytest.mark.parametrize("name", ["state.pt", "state_legacy.pt", "state_legacy_p4.pt"])
@@ -153,6 +230,8 @@ def test_fixtures_regenerate_and_transformers_loads_the_conversion(tmp_path: Pat
     )
     for name in ("state.pt", "state_legacy.pt", "state_legacy_p4.pt"):
         _check_state(tmp_path / name, _expected(tmp_path))
+    for stem in ("views", "views_legacy"):
+        _check_loaded(tmp_path / f"{stem}.pt", _loaded(tmp_path, stem))
     lazyckpt.convert(tmp_path / "gpt2_bin", tmp_path / "st", to="safetensors")
     shutil.copy(tmp_path / "gpt2_bin" / "config.json", tmp_path / "st")
     import torch  # type: ignore[import-not-found, unused-ignore]
@@ -282,6 +361,20 @@ def _check_gpt2(tree: Any) -> None:
         )
 
 
+def test_a_bin_model_opens_with_every_name_torch_load_shows() -> None:
+    # keep_tied=True: lm_head.weight too, a view of the embedding's bytes.
+    shown = json.loads((FIXTURES / "gpt2_bin_keys.json").read_text())
+    tree = lazyckpt.open(FIXTURES / "gpt2_bin", flat=True, keep_tied=True)
+    assert sorted(tree) == sorted(name for names in shown.values() for name in names)
+    np.testing.assert_array_equal(
+        tree["lm_head.weight"].get(), tree["transformer.wte.weight"].get()
+    )
+    single = lazyckpt.open(
+        FIXTURES / "gpt2_bin" / "pytorch_model-00001-of-00003.bin", flat=True, keep_tied=True
+    )
+    assert list(single) == shown["pytorch_model-00001-of-00003.bin"]
+
+
 def test_a_bin_model_on_the_hub_and_over_plain_https(hub: Any) -> None:
     files = _bin_files()
     # A repository with both forms reads safetensors; one with .bin only reads that.
@@ -360,11 +453,6 @@ def test_a_small_bin_shard_on_the_hub_opens_in_one_read(hub: Any) -> None:
             reads[name] = reads.get(name, 0) + 1
     shards = [f"pytorch_model-0000{i}-of-00003.bin" for i in (1, 2, 3)]
     assert reads == dict.fromkeys(shards, 1)
-
-
-def test_an_expanded_tensor_is_refused_with_its_fix() -> None:
-    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"'expanded'.*contiguous"):
-        lazyckpt.open(FIXTURES / "expanded.pt")
 
 
 def _shared(depth: int) -> bytes:
@@ -452,3 +540,171 @@ def test_a_memoized_dag_in_a_device_name_fails_fast(tmp_path: Path) -> None:
     path = _torch_zip(tmp_path / "device.pt", payload)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"torch\.device"):
         lazyckpt.open(path)
+
+
+def _body(value: Any) -> bytes:
+    """`value`'s protocol 2 pickle without its header, memo and STOP: a piece of
+    another pickle."""
+    return pickletools.optimize(pickle.dumps(value, protocol=2))[2:-1]
+
+
+_FALSE_AND_HOOKS = b"\x89ccollections\nOrderedDict\n)R"  # requires_grad, backward_hooks
+
+
+def _rebuilt(
+    after: bytes,
+    *,
+    function: str = "_rebuild_tensor_v2",
+    kind: str = "FloatStorage",
+    numel: int = 6,
+    offset: int = 0,
+    size: tuple[int, ...] = (6,),
+    stride: tuple[int, ...] = (1,),
+) -> bytes:
+    """A torch pickle of `{"x": torch._utils.FUNCTION(storage, offset, size, stride,
+    ...)}`, `after` the arguments after the stride, pickled; its storage `numel`
+    elements of `kind`, key '0'."""
+    storage = b"(X\x07\x00\x00\x00storagectorch\n%s\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpu"
+    pid = storage % kind.encode() + _body(numel) + b"tQ"
+    arguments = pid + _body(offset) + _body(size) + _body(stride) + after
+    call = b"ctorch._utils\n%s\n(%stR" % (function.encode(), arguments)
+    return b"\x80\x02}X\x01\x00\x00\x00x" + call + b"s."
+
+
+def _case(name: str, payload: bytes, stored: int, error: type[Exception], match: str) -> Any:
+    return pytest.param(payload, stored, error, match, id=name)
+
+
+@pytest.mark.parametrize(
+    ("payload", "stored", "error", "match"),
+    [
+        _case(
+            "neg-bool",
+            _rebuilt(_FALSE_AND_HOOKS + _body({"neg": True}), kind="BoolStorage"),
+            6,
+            lazyckpt.UnsupportedCheckpointError,
+            r"'x' is a negative view of bool, which torch\.load returns but cannot read",
+        ),
+        _case(
+            "conj-float",
+            _rebuilt(_FALSE_AND_HOOKS + _body({"conj": True})),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"'x' has its conjugate bit set but holds float32",
+        ),
+        _case(
+            "metadata-list",
+            _rebuilt(_FALSE_AND_HOOKS + _body([1])),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "tensor metadata of a list",
+        ),
+        _case(  # torch would take its default dtype
+            "v3-without-dtype",
+            _rebuilt(_FALSE_AND_HOOKS + b"N", function="_rebuild_tensor_v3"),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "_rebuild_tensor_v3 with a NoneType as its dtype",
+        ),
+        _case(
+            "v2-too-few",
+            _rebuilt(b"\x89"),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"_rebuild_tensor_v2\(\) missing 1 required positional argument: '_backward_hooks'",
+        ),
+        _case(
+            "float4-0d",
+            _rebuilt(
+                _FALSE_AND_HOOKS + b"ctorch\nfloat4_e2m1fn_x2\n",
+                function="_rebuild_tensor_v3",
+                kind="UntypedStorage",
+                numel=1,
+                size=(),
+                stride=(),
+            ),
+            1,
+            lazyckpt.UnsupportedCheckpointError,
+            r"'x' is a 0-d float4_e2m1fn_x2 .*\.reshape\(1\)",
+        ),
+        _case(
+            "offset-5000-digits",
+            _rebuilt(_FALSE_AND_HOOKS, offset=10**5000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "an integer of more than 1024 bits",
+        ),
+        _case(
+            "offset-over-2**62",
+            _rebuilt(_FALSE_AND_HOOKS, offset=1 << 1000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"offset outside 0 to 2\*\*62 \(1001 bits\)",
+        ),
+        _case(
+            "numel-5000-digits",
+            _rebuilt(_FALSE_AND_HOOKS, numel=10**5000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            "an integer of more than 1024 bits",
+        ),
+        _case(
+            "numel-over-2**62",
+            _rebuilt(_FALSE_AND_HOOKS, numel=1 << 1000),
+            24,
+            lazyckpt.CorruptCheckpointError,
+            r"storage '0' of a count of elements outside 0 to 2\*\*62",
+        ),
+        _case(  # windows of windows: 20,000 views at least
+            "stacked-views",
+            _rebuilt(_FALSE_AND_HOOKS, numel=40_000, size=(20_000, 20_000), stride=(1, 1)),
+            160_000,
+            lazyckpt.UnsupportedCheckpointError,
+            r"'x' .* overlaps or interleaves its dimensions, .* at most 16384 in a file",
+        ),
+    ],
+)
+def test_tensors_torch_refuses_or_cannot_read_are_refused_by_name(
+    tmp_path: Path, payload: bytes, stored: int, error: type[Exception], match: str
+) -> None:
+    path = _torch_zip(tmp_path / "model.pt", payload)
+    with zipfile.ZipFile(path, "a") as archive:  # the storage its pickle names
+        archive.writestr("archive/data/0", b"\x00" * stored)
+    with pytest.raises(error, match=match):
+        lazyckpt.open(path)
+
+
+def test_a_zip_that_lists_a_member_twice_is_refused(tmp_path: Path) -> None:
+    # Which of the two is the member, zip readers guess differently: Python's zipfile
+    # reads the last, torch one or the other, as its sorted index finds it.
+    path = tmp_path / "twice.pt"
+    shutil.copy(FIXTURES / "views.pt", path)
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "a") as archive:
+        warnings.simplefilter("ignore")  # (zipfile warns that it writes a name again)
+        archive.writestr("views/data/0", archive.read("views/data/0")[::-1])
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"lists 'views/data/0' twice"):
+        lazyckpt.open(path)
+
+
+def test_an_end_record_in_the_zip_comment_is_refused(tmp_path: Path) -> None:
+    # A record of no members as the comment: read as the archive's end, the file
+    # would open as an empty tree (torch finds no data.pkl in it and refuses it).
+    path = tmp_path / "comment.pt"
+    shutil.copy(FIXTURES / "state.pt", path)
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.comment = b"PK\x05\x06" + bytes(18)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="comment holds a second end record"):
+        lazyckpt.open(path)
+
+
+def test_int_keys_of_one_hash_are_refused_in_linear_time(tmp_path: Path) -> None:
+    # Python hashes ints modulo 2**61 - 1: 400,000 keys k * (2**61 - 1) share a hash,
+    # and a dict of them takes 400,000**2 / 2 steps (20 minutes). The time limit
+    # only catches that blowup; refused, they take a few seconds with the start.
+    prime = (1 << 61) - 1
+    keys = (pickle.encode_long(k * prime) for k in range(1, 400_001))
+    items = b"".join(b"\x8a%c%sK\x00" % (len(key), key) for key in keys)
+    path = _torch_zip(tmp_path / "keys.pt", b"\x80\x02}(" + items + b"u.")
+    outcomes = run_cases([{"name": "keys", "path": str(path), "do": "open"}], tmp_path, 180)
+    expect(outcomes, {"keys": "lazyckpt:CorruptCheckpointError"})
+    assert "an int wider than 64 bits" in outcomes["keys"]

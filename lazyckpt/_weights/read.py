@@ -35,7 +35,7 @@ from lazyckpt._storage.kvstore import Store, from_one_generation
 from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._weights import flax_msgpack, npy, zips
 from lazyckpt._weights import torch as torch_files
-from lazyckpt._weights.arrays import Place, lazy
+from lazyckpt._weights.arrays import Stacked
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import DType, Tensor
 
@@ -81,11 +81,11 @@ def _weight_name(name: str) -> bool:
     return name.endswith(SUFFIXES) or name in INDEXES
 
 
-def open_weights(path: str, *, flat: bool = False) -> Any:
+def open_weights(path: str, *, flat: bool = False, keep_tied: bool = False) -> Any:
     """The tensors at `path` (a file, or a folder of them) as a tree of LazyArrays, or
-    flat by name."""
+    flat by name; with `keep_tied`, a Hugging Face model's tied names too."""
     folder, files, weight_map = _files(path)
-    read = lambda generation: _read(folder, files, weight_map, generation, path)  # noqa: E731
+    read = lambda generation: _read(folder, files, weight_map, generation, path, keep_tied)  # noqa: E731
     entries = from_one_generation(folder, read, files)
     by_name: dict[str, Any] = {}
     for _, leaf, name in entries:
@@ -152,14 +152,16 @@ def _read(
     weight_map: dict[str, str] | None,
     generation: tuple[object, ...],
     path: str,
+    keep_tied: bool,
 ) -> list[Entry]:
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name not in INDEXES]
     several = weight_map is None and len(shards) > 1
     # A Hugging Face model saves a tied weight (lm_head.weight, the embedding's
-    # storage) under both names in .bin, once in safetensors: open it as the latter.
+    # storage) under both names in .bin, once in safetensors: open it as the latter,
+    # unless asked for every name.
     model = weight_map is not None or files == ("pytorch_model.bin",)
-    tied: set[str] | None = set() if model else None
+    tied: set[str] | None = set() if model and not keep_tied else None
     entries: list[Entry] = []
     for shard in shards:
         file = File(store, shard, paths.join(folder, shard))
@@ -218,6 +220,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
 
 def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Iterator[Entry]:
     seen: set[Tensor] = set()
+    stacked = Stacked()
     for parts, leaf in _walk(saved.tree, file.path, split=True, limit=saved.nodes):
         name = ".".join(parts)
         if isinstance(leaf, Tensor):
@@ -225,13 +228,7 @@ def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Itera
                 tied.add(name)
                 continue
             seen.add(leaf)
-            storage = saved.storages[leaf.storage.key]
-            dtype = torch_files.element_dtype(leaf.dtype.numpy, saved.big_endian, file.path)
-            capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
-            place = Place(
-                file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride
-            )
-            yield parts, lazy(name, parts, dtype, place), name
+            yield parts, torch_files.tensor(file, saved, leaf, name, parts, stacked), name
         elif isinstance(leaf, DType):  # a dtype saved as a value
             yield parts, leaf.numpy, name
         elif isinstance(leaf, _PLAIN):

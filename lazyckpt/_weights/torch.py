@@ -19,14 +19,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import ml_dtypes
 import numpy as np
 
+from lazyckpt._array.quant import PackedFP4
+from lazyckpt._array.signs import SignFlipped
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, UnsupportedCheckpointError
+from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._weights import zips
+from lazyckpt._weights.arrays import Place, Stacked, lazy
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import (
     PICKLE_LIMIT,
     Storage,
+    Tensor,
     Truncated,
     plain,
     unpickle,
@@ -35,6 +41,14 @@ from lazyckpt._weights.unpickle import (
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 _FIRST_READ = 1 << 20
+_FP4_PAIRS = "float4_e2m1fn_x2"
+_NEGATED = frozenset(
+    {
+        *("float32", "float64", "float16", "bfloat16", "complex64", "complex128"),
+        *("int8", "int16", "int32", "int64", "uint8"),
+    }
+)
+"""The dtypes torch negates: it loads a negative view of another, but cannot read it."""
 
 
 @attrs.frozen
@@ -228,3 +242,59 @@ def element_dtype(dtype: np.dtype[Any], big_endian: bool, path: str) -> np.dtype
             "reads in little-endian files only; save it again on a little-endian machine"
         )
     return dtype.newbyteorder(">")
+
+
+def tensor(
+    file: File, saved: Saved, leaf: Tensor, name: str, path: tuple[str, ...], stacked: Stacked
+) -> LazyArray:
+    """The tensor `leaf` of `saved` (named `name`, at key path `path`) as a LazyArray:
+    its elements where the file keeps them (their stacked views counted in `stacked`),
+    float4 pairs as their two codes, and its conjugate and negative bits applied as it
+    is read, as torch.load gives it."""
+    storage = saved.storages[leaf.storage.key]
+    dtype = element_dtype(leaf.dtype.numpy, saved.big_endian, file.path)
+    capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
+    place = Place(file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride)
+    array = lazy(name, path, dtype, place, stacked)
+    if leaf.dtype.name == _FP4_PAIRS:
+        array = _fp4_codes(file.path, name, array)
+    if leaf.conj or leaf.neg:
+        array = _flipped(file.path, name, leaf, array)
+    return array
+
+
+def _fp4_codes(where: str, name: str, pairs: LazyArray) -> LazyArray:
+    """`float4_e2m1fn_x2` bytes as their two E2M1 codes, low nibble first, along the
+    last dimension, twice as long: as the tensor's safetensors form (`F4`) reads."""
+    if not pairs.shape:
+        raise UnsupportedCheckpointError(
+            f"{where}: tensor {name!r} is a 0-d float4_e2m1fn_x2 (a pair of FP4 codes, with "
+            "no dimension to unpack them along), which lazyckpt does not read; save it "
+            "with .reshape(1)"
+        )
+    shape = (*pairs.shape[:-1], 2 * pairs.shape[-1])
+    dtype = np.dtype(ml_dtypes.float4_e2m1fn)
+    return composed(pairs.path, PackedFP4(shape, dtype, pairs), dtype)
+
+
+def _flipped(where: str, name: str, leaf: Tensor, array: LazyArray) -> LazyArray:
+    """`array` conjugated and negated as `leaf`'s bits say (both: its real parts
+    negated)."""
+    complex_ = array.dtype.kind == "c"
+    if leaf.conj and not complex_:
+        raise CorruptCheckpointError(
+            f"{where}: tensor {name!r} has its conjugate bit set but holds {leaf.dtype.name}, "
+            "which torch.load refuses too (only complex tensors have one); the file is "
+            "damaged or not written by torch.save"
+        )
+    if leaf.neg and leaf.dtype.name not in _NEGATED:
+        raise UnsupportedCheckpointError(
+            f"{where}: tensor {name!r} is a negative view of {leaf.dtype.name}, which "
+            f"torch.load returns but cannot read (torch has no negation of "
+            f"{leaf.dtype.name}); lazyckpt refuses it. Save the tensor's values without "
+            "the negative bit"
+        )
+    node = SignFlipped(
+        array.shape, array.dtype, array, leaf.neg, complex_ and leaf.conj != leaf.neg
+    )
+    return composed(array.path, node, array.dtype)

@@ -1,12 +1,13 @@
 """PyTorch's pickles read without running them and without torch.
 
 `torch.save` pickles the saved object with each tensor as a call of
-`torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` and each storage
-as a persistent id (`("storage", FloatStorage, key, location, numel)`). This
-unpickler resolves only the globals of that documented shape (the tensor and
-parameter rebuilds, storage types, dtypes, `torch.Size`, `OrderedDict`, plain
-containers) to lazyckpt's own stand-ins, which record where each tensor's elements
-are. Any other global is refused by name before anything runs: pickle calls only
+`torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+backward_hooks, metadata)` and each storage as a persistent id (`("storage",
+FloatStorage, key, location, numel)`). This unpickler resolves only the globals of
+that documented shape (the tensor and parameter rebuilds, storage types, dtypes,
+`torch.Size`, `OrderedDict`, Python's `complex`, plain containers) to lazyckpt's own
+stand-ins, which record where each tensor's elements are, each argument taken from
+its own place as torch takes it. Any other global is refused by name before anything runs: pickle calls only
 what `find_class` returns, and here that is never a callable of the file's choosing.
 """
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import ml_dtypes
 import numpy as np
 
 from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
+from lazyckpt._weights.guarded import Guarded
 
 PICKLE_LIMIT = 256 << 20
 """The largest pickle read: a pickle holds names and shapes, never tensor data."""
@@ -106,13 +108,20 @@ class Storage:
 @attrs.frozen
 class Tensor:
     """Where a tensor's elements are: `offset`, `shape` and `stride` in elements of
-    `dtype` within `storage`."""
+    `dtype` within `storage`; `conj` and `neg`, its conjugate and negative bits (a
+    view whose values torch conjugates or negates as they are read)."""
 
     storage: Storage
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: DType
+    conj: bool = False
+    neg: bool = False
+
+
+_MAX_COUNT = 1 << 62
+"""The largest element offset or count read (no file holds 2**62 elements)."""
 
 
 def _ints(value: object, what: str) -> tuple[int, ...]:
@@ -121,30 +130,90 @@ def _ints(value: object, what: str) -> tuple[int, ...]:
     if (
         not isinstance(value, tuple | list)
         or len(value) > _MAX_RANK
-        or not all(type(v) is int and 0 <= v < 1 << 62 for v in value)
+        or not all(type(v) is int and 0 <= v < _MAX_COUNT for v in value)
     ):
         raise ValueError(f"a {what} (a {type(value).__name__}) that is not a tuple of sizes")
     return tuple(value)
 
 
-def _tensor(storage: object, offset: object, size: object, stride: object, *rest: object) -> Tensor:
+def _rebuild_tensor(storage: object, offset: object, size: object, stride: object) -> Tensor:
+    """`torch._utils._rebuild_tensor`: elements of the storage's dtype."""
+    return _located(storage, offset, size, stride)
+
+
+def _rebuild_tensor_v2(
+    storage: object,
+    offset: object,
+    size: object,
+    stride: object,
+    _requires_grad: object,
+    _backward_hooks: object,
+    metadata: object = None,
+) -> Tensor:
+    """`torch._utils._rebuild_tensor_v2`: elements of the storage's dtype, whatever
+    the other arguments hold, and the bits its metadata sets."""
+    return _located(storage, offset, size, stride, metadata=metadata)
+
+
+def _rebuild_tensor_v3(
+    storage: object,
+    offset: object,
+    size: object,
+    stride: object,
+    _requires_grad: object,
+    _backward_hooks: object,
+    dtype: object,
+    metadata: object = None,
+) -> Tensor:
+    """`torch._utils._rebuild_tensor_v3`: elements of its own dtype argument (the
+    dtypes without a storage class: float8, uint16...)."""
+    if not isinstance(dtype, DType):
+        # (torch would take its default dtype, a setting of the process loading it)
+        raise ValueError(f"_rebuild_tensor_v3 with a {type(dtype).__name__} as its dtype")
+    return _located(storage, offset, size, stride, dtype, metadata)
+
+
+def _located(
+    storage: object,
+    offset: object,
+    size: object,
+    stride: object,
+    dtype: DType | None = None,
+    metadata: object = None,
+) -> Tensor:
     if not isinstance(storage, Storage) or type(offset) is not int:
         raise ValueError(
             f"a tensor of a {type(storage).__name__} at an offset of {type(offset).__name__}"
         )
-    dtype = next((r for r in rest if isinstance(r, DType)), storage.dtype)
+    if not 0 <= offset < _MAX_COUNT:
+        raise ValueError(f"a tensor at an offset outside 0 to 2**62 ({offset.bit_length()} bits)")
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     if len(shape) != len(strides):
         raise ValueError(f"a size of {len(shape)} and a stride of {len(strides)} dimensions")
-    return Tensor(storage, offset, shape, strides, dtype)
+    conj, neg = _bits(metadata)
+    return Tensor(storage, offset, shape, strides, dtype or storage.dtype, conj, neg)
+
+
+def _bits(metadata: object) -> tuple[bool, bool]:
+    """The conjugate and negative bits that `metadata` sets. As torch: none where it
+    is empty, each where its key is there, whatever its value (`{'neg': False}` sets
+    it), other keys ignored."""
+    if not metadata:
+        return False, False
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise ValueError(f"tensor metadata of a {type(metadata).__name__}, not names and bits")
+    return "conj" in metadata, "neg" in metadata
 
 
 def _parameter(data: object, *_: object) -> object:
     return data
 
 
+_REBUILDS = (_rebuild_tensor, _rebuild_tensor_v2, _rebuild_tensor_v3, _parameter)
+
+
 def _from_type(function: object, _type: object, args: object, _state: object) -> object:
-    if (function is not _tensor and function is not _parameter) or not isinstance(args, tuple):
+    if function not in _REBUILDS or not isinstance(args, tuple):
         raise ValueError(f"a tensor subclass rebuilt by a {type(function).__name__}")
     return function(*args)
 
@@ -174,14 +243,22 @@ def _device(*args: object) -> str:
     return ":".join(str(a) for a in args)
 
 
+def _complex(real: object = 0.0, imag: object = 0.0) -> complex:
+    """`builtins.complex`, which torch's weights-only loader allows: a Python complex
+    value from its real and imaginary parts (how Python pickles one)."""
+    if not isinstance(real, int | float) or not isinstance(imag, int | float):
+        raise ValueError("builtins.complex of other than a real and an imaginary part")
+    return complex(real, imag)  # (an int over a float's range raises OverflowError)
+
+
 class _Marker:
     """A class named only as a tensor subclass's type (`torch.nn.Parameter`)."""
 
 
 _GLOBALS: dict[tuple[str, str], object] = {
-    ("torch._utils", "_rebuild_tensor"): _tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): _tensor,
-    ("torch._utils", "_rebuild_tensor_v3"): _tensor,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("torch._utils", "_rebuild_parameter"): _parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
@@ -192,6 +269,8 @@ _GLOBALS: dict[tuple[str, str], object] = {
     ("torch", "device"): _device,
     ("collections", "OrderedDict"): _ordered_dict,
     ("_codecs", "encode"): _encode,
+    ("builtins", "complex"): _complex,
+    ("__builtin__", "complex"): _complex,  # (protocol 2, torch.save's, names it so)
 }
 
 
@@ -201,71 +280,7 @@ _MAX_RANK = 64
 _ENCODED = 16 << 20
 
 
-def _scalar_key(key: object) -> bool:
-    """A key a state dict uses: a number, or a name of at most 1,024 characters. (A
-    tuple's hash takes exponential time where its parts share, which a pickle's memo
-    allows, and each long key again becomes a key path's parts.)"""
-    return isinstance(key, int | float | bool | type(None)) or (
-        isinstance(key, str) and len(key) <= 1024
-    )
-
-
-class _Guarded(pickle._Unpickler):
-    """Python's own unpickler (its opcodes one by one, in Python), with the opcodes
-    that could cost more than the pickle's size, or change an object lazyckpt made,
-    checked first: dict keys and set items must be scalars, and BUILD (an object's
-    state set after it is made) applies only to an `OrderedDict`, whose attributes
-    (a state dict's `_metadata`) are dropped."""
-
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
-    stack: list[Any]  # (the values since the last mark)
-
-    def __init__(self, stream: io.BytesIO, path: str) -> None:
-        super().__init__(stream)
-        self.path = path
-
-    def _keys(self, keys: Any) -> None:
-        if not all(_scalar_key(k) for k in keys):
-            raise ValueError("a dict key or set item that is not a plain value")
-
-    def load_setitem(self) -> None:
-        self._keys([self.stack[-2]])
-        pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
-
-    def load_setitems(self) -> None:
-        self._keys(self.stack[::2])  # (since the mark: this unpickler starts a new stack)
-        pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
-
-    def load_dict(self) -> None:
-        self._keys(self.stack[::2])  # (since the mark: this unpickler starts a new stack)
-        pickle._Unpickler.load_dict(self)  # type: ignore[attr-defined]
-
-    def load_additems(self) -> None:
-        self._keys(self.stack)
-        pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
-
-    def load_frozenset(self) -> None:
-        self._keys(self.stack)
-        pickle._Unpickler.load_frozenset(self)  # type: ignore[attr-defined]
-
-    def load_build(self) -> None:
-        state = self.stack.pop()
-        if type(self.stack[-1]) is not collections.OrderedDict or not isinstance(state, dict):
-            raise ValueError(f"state set on a {type(self.stack[-1]).__name__}")
-        del state  # (a state dict's `_metadata`: versions of its modules)
-
-    for _opcode, _name in (
-        (pickle.SETITEM, "load_setitem"),
-        (pickle.SETITEMS, "load_setitems"),
-        (pickle.DICT, "load_dict"),
-        (pickle.ADDITEMS, "load_additems"),
-        (pickle.FROZENSET, "load_frozenset"),
-        (pickle.BUILD, "load_build"),
-    ):
-        dispatch[_opcode[0]] = locals()[_name]
-
-
-class _Unpickler(_Guarded):
+class _Unpickler(Guarded):
     def __init__(self, stream: io.BytesIO, path: str) -> None:
         super().__init__(stream, path)
         self.storages: dict[str, Storage] = {}
@@ -332,9 +347,14 @@ class _Unpickler(_Guarded):
                 "torch.save of storage slices), which lazyckpt does not read; load it "
                 "with torch and save it again"
             )
-        if not isinstance(kind, StorageType) or type(numel) is not int or numel < 0:
+        if not isinstance(kind, StorageType) or type(numel) is not int:
             raise ValueError(
                 f"storage {key!r} of a {type(kind).__name__} and {type(numel).__name__} elements"
+            )
+        if not 0 <= numel < _MAX_COUNT:
+            raise ValueError(
+                f"storage {key!r} of a count of elements outside 0 to 2**62 "
+                f"({numel.bit_length()} bits)"
             )
         key = key.decode("latin1") if isinstance(key, bytes) else key
         storage = self.storages.setdefault(key, Storage(key, kind.dtype, numel))
@@ -359,7 +379,7 @@ class Truncated(Exception):
     """The data ended within a pickle: read more of the file and try again."""
 
 
-def _loaded(unpickler: _Guarded, path: str) -> Any:
+def _loaded(unpickler: Guarded, path: str) -> Any:
     try:
         return unpickler.load()
     except (UnsafePickleError, UnsupportedCheckpointError):
@@ -381,7 +401,7 @@ def _damaged(path: str, error: Exception) -> CorruptCheckpointError:
     )
 
 
-class _Plain(_Guarded):
+class _Plain(Guarded):
     """Plain values only: no global at all."""
 
     def find_class(self, module: str, name: str) -> Any:

@@ -57,6 +57,7 @@ def members(file: File) -> dict[str, Member]:
             f"{file.path}: no zip end record in its last {len(tail)} bytes; the file is "
             "truncated or not a zip archive, download or copy it again"
         )
+    _one_end(file, tail, at)
     _, disk, _, _, count, size, offset, _ = _END.unpack_from(tail, at)
     before = at - _END64_LOCATOR.size
     # Where the tail starts in the file: the directory ends where the end records
@@ -87,8 +88,28 @@ def members(file: File) -> dict[str, Member]:
         directory = file.read(offset, offset + size + 4, "its zip directory")
     found: dict[str, Member] = {}
     for member in _entries(file, directory, count, offset):
-        found[member.name] = member
+        if found.setdefault(member.name, member) is not member:
+            raise CorruptCheckpointError(
+                f"{file.path}: its zip directory lists {member.name!r} twice, and which "
+                "is the member is a guess that zip readers make differently; the archive "
+                "is damaged or hostile, download or copy it again"
+            )
     return found
+
+
+def _one_end(file: File, tail: bytes, at: int) -> None:
+    """Refuse an end record at `at` that lies in the comment of another one before it
+    (its comment running to the file's end too): which directory is the archive's
+    would be a guess, and a record in a comment can hide it (torch refuses it)."""
+    before = tail.rfind(b"PK\x05\x06", 0, at)
+    while before >= 0:
+        if before + _END.size + _comment(tail, before) == len(tail):
+            raise CorruptCheckpointError(
+                f"{file.path}: its zip comment holds a second end record, {len(tail) - at} "
+                "bytes from its end, which would hide the archive's directory; the file is "
+                "hostile or damaged, download or copy it again"
+            )
+        before = tail.rfind(b"PK\x05\x06", 0, before)
 
 
 def _slice(data: bytes, start: int, size: int) -> bytes | None:
