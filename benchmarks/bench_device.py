@@ -222,6 +222,54 @@ def lazy_put(path: str, budget: str | None) -> dict[str, Any]:
     return measure(restore)
 
 
+def lazy_put_again(path: str, budget: str | None) -> dict[str, Any]:
+    """Placed once, then measured placing again in that process: with the programs
+    that assemble a shard on the device already compiled."""
+    import jax
+
+    import lazyckpt
+
+    sharding = _sharding()
+
+    def restore() -> Any:
+        tree = lazyckpt.open(path)
+        return jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
+
+    jax.block_until_ready(restore())
+    return measure(restore)
+
+
+def compiling_only(path: str) -> dict[str, Any]:
+    """The host memory and time of compiling, alone, the programs that assemble the
+    `big` array on the device from bands (`lazyckpt._on_device`)."""
+    import ml_dtypes
+    import numpy as np
+
+    from lazyckpt import _on_device as on_device
+
+    device = _device()
+    bf16, written = np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)
+    shape = tuple(_big_shape(path))
+
+    def compile_all() -> Any:
+        buffer = on_device.empty(shape, written, device)
+        band = (max(1, (128 << 20) // 4 // (shape[1] * 2)), shape[1])  # a 256 MiB budget's
+        on_device.compile_write(shape, band, written, device)
+        changed = on_device.changed_patterns(device, bf16)
+        if changed:
+            on_device.compile_for(on_device.holds_fn(changed), (shape, written, device))
+        on_device.compile_for(on_device.bitcast_fn(bf16), (shape, written, device))
+        return buffer
+
+    return measure(compile_all)
+
+
+def _big_shape(path: str) -> tuple[int, ...]:
+    import lazyckpt
+
+    return tuple(lazyckpt.open(path)["w"].shape)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=Path("/tmp/lazyckpt-bench-device"))
@@ -252,6 +300,10 @@ def main() -> None:
             "lazyckpt safetensors": (lazy_put, safetensors, None),
             "lazyckpt safetensors, 256MiB": (lazy_put, safetensors, "256MiB"),
         }
+        if kind == "big":  # what compiling for the device costs on first use
+            cases["lazyckpt compiling only"] = (compiling_only, safetensors)
+            cases["lazyckpt safetensors again, 256MiB"] = (lazy_put_again, safetensors, "256MiB")
+            cases["lazyckpt safetensors again, 128MiB"] = (lazy_put_again, safetensors, "128MiB")
         figures = {}
         for name, (fn, *fn_args) in cases.items():
             if args.only and not name.startswith(args.only):
