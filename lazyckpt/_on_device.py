@@ -46,6 +46,11 @@ def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) 
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+def compile_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> None:
+    """Compile `empty` for this shape, dtype and device ahead of its first call."""
+    _empty_fn(shape, np.dtype(dtype), device).lower().compile()
+
+
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> jax.Array:
     """A buffer for a shard on `device`, made there (zeros: JAX has no uninitialized
     arrays; the device fills it far faster than the host sends)."""

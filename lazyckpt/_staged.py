@@ -103,7 +103,7 @@ def put_staged(
             for (array, _, _), (shards, pieces) in zip(placements, planned, strict=True):
                 if pieces is None:
                     continue
-                if all(cut == [shard.region] for shard, cut in zip(shards, pieces, strict=True)):
+                if _together(array, shards, half):
                     _fill(array, [(shard, shard.region) for shard in shards], gate, scheduler)
                     continue
                 for shard, cut in zip(shards, pieces, strict=True):
@@ -122,6 +122,7 @@ def put_staged(
                     del values
             gate.drain()
         except BaseException:
+            compilers.shutdown(cancel_futures=True)  # (not compiled for nothing first)
             scheduler.abandon()
             raise
         finished = [[shard.finished() for shard in shards] for shards, _ in planned]
@@ -150,11 +151,16 @@ def _plan(
         _Shard(array.key, region, devices, array.dtype) for region, devices in regions.items()
     ]
     itemsize = array.dtype.itemsize
-    if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half:
+    if _together(array, shards, half):
         return shards, [[shard.region] for shard in shards]
     if _raw(array):
         return shards, [_pieces(shard.region, itemsize, half) for shard in shards]
     return shards, None
+
+
+def _together(array: LazyArray, shards: Sequence[_Shard], half: int) -> bool:
+    """Whether `array`'s shards are filled in one read: all of them fit `half`."""
+    return sum(box_bytes(shard.region, array.dtype.itemsize) for shard in shards) <= half
 
 
 def _shape(box: Box) -> tuple[int, ...]:
@@ -339,9 +345,14 @@ class _Shard:
     def prepare(
         self, compilers: concurrent.futures.Executor, pieces: Collection[tuple[int, ...]]
     ) -> None:
-        """Start making this shard's buffers and compiling the programs that assemble
-        it from pieces of the shapes `pieces` (others are compiled when they come)."""
-        self.preparing = [compilers.submit(self._make_buffers)]
+        """Start compiling the programs that make this shard's buffers and assemble it
+        from pieces of the shapes `pieces` (others are compiled when they come). The
+        buffers themselves are made by the first piece that is not the whole shard:
+        a streamed shard may come whole, as one block."""
+        self.preparing = [
+            compilers.submit(on_device.compile_empty, self.shape, self.device_dtype, device)
+            for device in self.devices
+        ]
         self.preparing += [
             compilers.submit(on_device.compile_write, self.shape, piece, self.device_dtype, device)
             for piece in pieces
@@ -356,11 +367,6 @@ class _Shard:
         import jax
 
         return np.dtype(jax.dtypes.canonicalize_dtype(self.written))
-
-    def _make_buffers(self) -> None:
-        self.buffers = [
-            on_device.empty(self.shape, self.device_dtype, device) for device in self.devices
-        ]
 
     def _compile_finish(self) -> None:
         changed = on_device.changed_patterns(self.devices[0], self.dtype)
@@ -380,19 +386,18 @@ class _Shard:
 
         if values.shape == self.shape:  # the whole region in one block
             self.buffers = [
-                jax.device_put(values, device, may_alias=True) for device in self.devices
+                jax.device_put(values, device, may_alias=not self.copies) for device in self.devices
             ]
             self.whole = True
             return self.buffers
         sent = [
-            jax.device_put(values.view(self.written), device, may_alias=True)
+            jax.device_put(values.view(self.written), device, may_alias=not self.copies)
             for device in self.devices
         ]
-        if self.preparing:
-            self.preparing[0].result()  # (the buffers, made beside the reads)
         if self.buffers is None:
-            self._make_buffers()
-        assert self.buffers is not None
+            self.buffers = [
+                on_device.empty(self.shape, self.device_dtype, device) for device in self.devices
+            ]
         starts = tuple(s.indices(n)[0] for s, n in zip(index, self.shape, strict=True))
         self.buffers = [
             on_device.write(buffer, piece, starts)
