@@ -138,6 +138,53 @@ def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:
     assert "deeper than the 512 levels" in outcomes["metadata:40000"]
 
 
+def _chain(leaf: Any, depth: int) -> Any:
+    """`leaf` under `depth` nested dicts, each keyed `n`."""
+    for _ in range(depth):
+        leaf = {"n": leaf}
+    return leaf
+
+
+_DEEP_VERBS: dict[str, Any] = {
+    "select": lambda tree, target, folder: lazyckpt.select(tree, "n/**"),
+    "leaves": lambda tree, target, folder: list(lazyckpt.leaves(tree)),
+    "load": lambda tree, target, folder: lazyckpt.load(tree),
+    "device_put": lambda tree, target, folder: lazyckpt.device_put(tree, target),
+    "iter_blocks": lambda tree, target, folder: list(lazyckpt.iter_blocks(tree)),
+    "stats": lambda tree, target, folder: lazyckpt.stats(tree),
+    "diff": lambda tree, target, folder: lazyckpt.diff(tree, tree, values=True),
+    "verify": lambda tree, target, folder: lazyckpt.verify(tree),
+    "rename": lambda tree, target, folder: lazyckpt.rename(tree, [("^n/", "m/")]),
+    "dequantize": lambda tree, target, folder: lazyckpt.dequantize(tree),
+    "save": lambda tree, target, folder: lazyckpt.save(folder / "orbax", tree),
+    "save_safetensors": lambda tree, target, folder: lazyckpt.save(
+        folder / "safetensors", tree, format="safetensors"
+    ),
+}
+
+
+@pytest.mark.parametrize("verb", list(_DEEP_VERBS))
+def test_trees_deeper_than_checkpoints_nest_are_refused_by_name(verb: str, tmp_path: Path) -> None:
+    """A tree of LazyArrays as deep as a checkpoint's may be (512 levels) goes through
+    every verb; nesting it 3,000 levels deep is a clear error, never a RecursionError
+    (nor jax's SystemError, nor its spent recursion depth after a walk with `is_leaf`,
+    which broke every later call)."""
+    lazyckpt.save(tmp_path / "source", {"w": np.arange(6, dtype=np.float32)})
+    leaf = lazyckpt.open(tmp_path / "source")["w"]
+    target = jax.ShapeDtypeStruct((6,), np.float32)
+    do = _DEEP_VERBS[verb]
+    (tmp_path / "512").mkdir()
+    do(_chain(leaf, 512), _chain(target, 512), tmp_path / "512")
+    (tmp_path / "3000").mkdir()
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=r"^n/n/n/n/\.\.\./n/n \(513 keys\): the tree nests deeper there than the 512 "
+        r"levels lazyckpt walks",
+    ):
+        do(_chain(leaf, 3000), _chain(target, 3000), tmp_path / "3000")
+    assert lazyckpt.select(_chain(leaf, 2), "n/**")  # (and later calls still work)
+
+
 @pytest.fixture
 def sharded(tmp_path: Path, mesh: Any) -> Path:
     """A small OCDBT checkpoint with a sharded array, a string and typed PRNG keys."""

@@ -181,3 +181,21 @@ def test_adversarial_patterns_match_in_polynomial_work(
 
     monkeypatch.setattr(fnmatch, "fnmatchcase", counted)
     assert matches(pattern, path) is expected
+
+
+def test_select_walks_trees_as_deep_as_checkpoints_nest() -> None:
+    """A tree nesting 512 levels, as deep as a checkpoint's tree may (Orbax restores
+    511), selects like any other; one deeper is refused by name, as every verb
+    refuses it, not with a RecursionError."""
+    deep: Any = np.zeros(2, np.float32)
+    for _ in range(511):
+        deep = {"n": deep}
+    path = "/".join(["n"] * 511)
+    assert _keys(lazyckpt.select(deep, "n/**")) == [path]
+    assert _keys(lazyckpt.select(deep, "**/n")) == [path]
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=r"^n/n/n/n/\.\.\./n/n \(513 keys\): the tree nests deeper there than the 512 "
+        r"levels lazyckpt walks .*; join some of its keys into one",
+    ):
+        lazyckpt.select({"n": {"n": deep}}, "n/**")
