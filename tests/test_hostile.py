@@ -837,3 +837,42 @@ def test_overwrite_proves_orbax_checkpoints_by_content_too(tmp_path: Path) -> No
     assert list(lazyckpt.open(model)) == ["w"]
     with pytest.raises(lazyckpt.UnsavableError, match="lone surrogate"):
         lazyckpt.save(tmp_path / "s.safetensors", {"w\ud800": np.ones(2)})
+
+
+def _forked(folder: Path, mode: str) -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fork_worker", str(folder), mode],
+        capture_output=True,
+        text=True,
+        timeout=900,  # (a hang guard: each child is killed after 60 s)
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {r["name"]: r["outcome"] for r in map(json.loads, done.stdout.splitlines())}
+
+
+def test_a_child_forked_after_tensorstore_ran_is_told_not_killed(tmp_path: Path) -> None:
+    """tensorstore aborts a process forked after its threads started at the child's
+    next read through it ("fork() use detected"), and lazyckpt's own thread pools were
+    the parent's: a child reading Orbax (over HTTP, through the relay, too) was killed,
+    and one reading safetensors hung. Reads through tensorstore are refused by name in
+    such a child; what lazyckpt reads itself (safetensors, on disk and over HTTP) works
+    there. A child forked before any read reads everything."""
+    lazyckpt.save(tmp_path / "ckpt", {"w": np.arange(8, dtype=np.float32)})
+    lazyckpt.save(
+        tmp_path / "model.safetensors", {"w": np.arange(8, dtype=np.float32)}, format="safetensors"
+    )
+    refused = (
+        "lazyckpt:StorageAccessError: .*: not read or written in this process, a fork of one "
+        "in which tensorstore had started its threads: .* start this process with "
+        "multiprocessing's 'spawn' or 'forkserver' method"
+    )
+    outcomes = _forked(tmp_path, "used")
+    for name, outcome in outcomes.items():
+        if name.startswith("orbax"):
+            assert re.match(refused, outcome), (name, outcome)
+        else:
+            assert outcome == "ok", (name, outcome)
+    assert len(outcomes) == 10
+    fresh = _forked(tmp_path, "fresh")
+    assert fresh == dict.fromkeys(fresh, "ok") and len(fresh) == 5, fresh
