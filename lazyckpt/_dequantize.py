@@ -26,7 +26,7 @@ from numpy.typing import DTypeLike
 from lazyckpt._array import quant
 from lazyckpt._array.compose import sources
 from lazyckpt._array.dtypes import issubdtype
-from lazyckpt._array.tree import children, rebuild
+from lazyckpt._array.tree import children, fold_tree, rebuild
 from lazyckpt._errors import QuantizationError, StorageAccessError, json_or_corrupt
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._storage import paths
@@ -190,14 +190,17 @@ def dequantize(
 Configs = dict[str, tuple[int, ...] | None]
 
 
-def _walk(node: Any, dtype: np.dtype[Any], block: tuple[int, ...] | None, configs: Configs) -> Any:
-    if type(node) is dict:  # as opened: in the model's order, which a sort would lose
-        kids = {key: _walk(child, dtype, block, configs) for key, child in node.items()}
-        return _pairs(kids, dtype, block, configs)
-    found = children(node)
-    if found is None:
-        return node
-    return rebuild(node, [_walk(child, dtype, block, configs) for _, child in found])
+def _walk(tree: Any, dtype: np.dtype[Any], block: tuple[int, ...] | None, configs: Configs) -> Any:
+    def split(node: Any) -> list[tuple[Any, Any]] | None:
+        # Dicts as opened: in the model's order, which a sort would lose.
+        return list(node.items()) if type(node) is dict else children(node)
+
+    def remade(node: Any, path: object, kids: list[tuple[Any, Any]]) -> Any:
+        if type(node) is dict:
+            return _pairs(dict(kids), dtype, block, configs)
+        return rebuild(node, [kid for _, kid in kids])
+
+    return fold_tree(tree, split, lambda path, leaf: leaf, remade)
 
 
 def _pairs(

@@ -187,8 +187,7 @@ class LazyArray:
         if len(plan.axes) == 1:
             axis = plan.axes[0]
             before = (slice(None),) * axis
-            found = list(gather.runs(plan.picks[:, 0]))
-            gather.check_pieces(len(found), "runs of consecutive picks")
+            found = gather.runs(plan.picks[:, 0])
             pieces = [base[(*before, piece)] for piece in found]
             if len(pieces) == 1:
                 joined = pieces[0]
@@ -199,7 +198,6 @@ class LazyArray:
                 node = gather.Picked(size, self.dtype, tuple(pieces), axis)
                 joined = composed(self.path, node, self.dtype)
             return attrs.evolve(joined.reshape(shape), path=self.path)
-        gather.check_pieces(len(plan.picks), "elements picked by several index arrays")
         parts = tuple(
             base[
                 tuple(

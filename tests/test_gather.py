@@ -4,6 +4,7 @@ reads of only the chunks (or byte ranges) that the picked rows touch."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,55 @@ def test_a_view_of_too_many_pieces_is_refused_before_it_is_made(
         u8[[0, 2, 9, 20, 27]]
     with pytest.raises(lazyckpt.LazyIndexError, match="take\\(\\) takes an int axis"):
         lazyckpt.take(u8, [1], axis=0.0)  # type: ignore[arg-type]
+
+
+@st.composite
+def _picks(draw: st.DrawFn) -> list[int]:
+    """Indices into 64 rows: runs up or down, progressions of small steps, repeats and
+    scattered rows, one after another."""
+    picks: list[int] = []
+    for _ in range(draw(st.integers(0, 6))):
+        start = draw(st.integers(0, 63))
+        step = draw(st.sampled_from([1, -1, 2, -3, 4, 0, 5]))
+        length = draw(st.integers(1, 12))
+        picks += [start + step * k for k in range(length)]
+        picks += draw(st.lists(st.integers(0, 63), max_size=3))
+    return [value for value in picks if 0 <= value < 64]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_picks())
+def test_runs_pick_the_picks_in_order(picks: list[int]) -> None:
+    found = gather.runs(np.array(picks, np.int64))
+    rows = np.arange(64)
+    assert [int(row) for piece in found for row in rows[piece]] == picks
+    assert all(len(rows[piece]) for piece in found)
+
+
+def test_runs_join_runs_and_progressions() -> None:
+    three = [slice(3, 6, 1), slice(9, 10, 1), slice(9, 10, 1)]
+    assert gather.runs(np.array([3, 4, 5, 9, 9])) == three
+    every_other = np.arange(1, 40, 2)
+    assert gather.runs(every_other) == [slice(1, 41, 2)]
+    assert gather.runs(np.array([5, 4, 3, 2, 1, 0])) == [slice(5, None, -1)]
+    assert len(gather.runs(np.array([0, 2, 4, 6]))) == 4  # a step of 2 joins 8 picks or more
+
+
+@pytest.mark.parametrize("axes", [1, 2])
+def test_millions_of_scattered_picks_are_refused_before_any_piece_is_made(
+    zoo: dict[str, Any], axes: int
+) -> None:
+    """2 million random indices make about as many pieces, far more than one view may
+    hold: counted from the indices by NumPy and refused holding a few copies of them.
+    (Each piece was made first: 10 million took 10 s and 1.5 GB before the refusal.)"""
+    rng = np.random.default_rng(5)
+    array = zoo["opened"]["safetensors"]["u8" if axes == 1 else "i8"]
+    index = tuple(rng.integers(0, size, 2_000_000) for size in array.shape[:axes])
+    tracemalloc.start()
+    try:
+        with pytest.raises(lazyckpt.LazyIndexError, match="over the 131072 views one picked"):
+            array[index]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 * 2_000_000, f"{peak / 2e6:.0f} bytes per index"

@@ -138,6 +138,53 @@ def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:
     assert "deeper than the 512 levels" in outcomes["metadata:40000"]
 
 
+def _chain(leaf: Any, depth: int) -> Any:
+    """`leaf` under `depth` nested dicts, each keyed `n`."""
+    for _ in range(depth):
+        leaf = {"n": leaf}
+    return leaf
+
+
+_DEEP_VERBS: dict[str, Any] = {
+    "select": lambda tree, target, folder: lazyckpt.select(tree, "n/**"),
+    "leaves": lambda tree, target, folder: list(lazyckpt.leaves(tree)),
+    "load": lambda tree, target, folder: lazyckpt.load(tree),
+    "device_put": lambda tree, target, folder: lazyckpt.device_put(tree, target),
+    "iter_blocks": lambda tree, target, folder: list(lazyckpt.iter_blocks(tree)),
+    "stats": lambda tree, target, folder: lazyckpt.stats(tree),
+    "diff": lambda tree, target, folder: lazyckpt.diff(tree, tree, values=True),
+    "verify": lambda tree, target, folder: lazyckpt.verify(tree),
+    "rename": lambda tree, target, folder: lazyckpt.rename(tree, [("^n/", "m/")]),
+    "dequantize": lambda tree, target, folder: lazyckpt.dequantize(tree),
+    "save": lambda tree, target, folder: lazyckpt.save(folder / "orbax", tree),
+    "save_safetensors": lambda tree, target, folder: lazyckpt.save(
+        folder / "safetensors", tree, format="safetensors"
+    ),
+}
+
+
+@pytest.mark.parametrize("verb", list(_DEEP_VERBS))
+def test_trees_deeper_than_checkpoints_nest_are_refused_by_name(verb: str, tmp_path: Path) -> None:
+    """A tree of LazyArrays as deep as a checkpoint's may be (512 levels) goes through
+    every verb; nesting it 3,000 levels deep is a clear error, never a RecursionError
+    (nor jax's SystemError, nor its spent recursion depth after a walk with `is_leaf`,
+    which broke every later call)."""
+    lazyckpt.save(tmp_path / "source", {"w": np.arange(6, dtype=np.float32)})
+    leaf = lazyckpt.open(tmp_path / "source")["w"]
+    target = jax.ShapeDtypeStruct((6,), np.float32)
+    do = _DEEP_VERBS[verb]
+    (tmp_path / "512").mkdir()
+    do(_chain(leaf, 512), _chain(target, 512), tmp_path / "512")
+    (tmp_path / "3000").mkdir()
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=r"^n/n/n/n/\.\.\./n/n \(513 keys\): the tree nests deeper there than the 512 "
+        r"levels lazyckpt walks",
+    ):
+        do(_chain(leaf, 3000), _chain(target, 3000), tmp_path / "3000")
+    assert lazyckpt.select(_chain(leaf, 2), "n/**")  # (and later calls still work)
+
+
 @pytest.fixture
 def sharded(tmp_path: Path, mesh: Any) -> Path:
     """A small OCDBT checkpoint with a sharded array, a string and typed PRNG keys."""
@@ -790,3 +837,42 @@ def test_overwrite_proves_orbax_checkpoints_by_content_too(tmp_path: Path) -> No
     assert list(lazyckpt.open(model)) == ["w"]
     with pytest.raises(lazyckpt.UnsavableError, match="lone surrogate"):
         lazyckpt.save(tmp_path / "s.safetensors", {"w\ud800": np.ones(2)})
+
+
+def _forked(folder: Path, mode: str) -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fork_worker", str(folder), mode],
+        capture_output=True,
+        text=True,
+        timeout=900,  # (a hang guard: each child is killed after 60 s)
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {r["name"]: r["outcome"] for r in map(json.loads, done.stdout.splitlines())}
+
+
+def test_a_child_forked_after_tensorstore_ran_is_told_not_killed(tmp_path: Path) -> None:
+    """tensorstore aborts a process forked after its threads started at the child's
+    next read through it ("fork() use detected"), and lazyckpt's own thread pools were
+    the parent's: a child reading Orbax (over HTTP, through the relay, too) was killed,
+    and one reading safetensors hung. Reads through tensorstore are refused by name in
+    such a child; what lazyckpt reads itself (safetensors, on disk and over HTTP) works
+    there. A child forked before any read reads everything."""
+    lazyckpt.save(tmp_path / "ckpt", {"w": np.arange(8, dtype=np.float32)})
+    lazyckpt.save(
+        tmp_path / "model.safetensors", {"w": np.arange(8, dtype=np.float32)}, format="safetensors"
+    )
+    refused = (
+        "lazyckpt:StorageAccessError: .*: not read or written in this process, a fork of one "
+        "in which tensorstore had started its threads: .* start this process with "
+        "multiprocessing's 'spawn' or 'forkserver' method"
+    )
+    outcomes = _forked(tmp_path, "used")
+    for name, outcome in outcomes.items():
+        if name.startswith("orbax"):
+            assert re.match(refused, outcome), (name, outcome)
+        else:
+            assert outcome == "ok", (name, outcome)
+    assert len(outcomes) == 10
+    fresh = _forked(tmp_path, "fresh")
+    assert fresh == dict.fromkeys(fresh, "ok") and len(fresh) == 5, fresh

@@ -250,6 +250,37 @@ def test_network_options_are_checked_and_restored() -> None:
             lazyckpt.network_options(**bad)
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "spelled"),
+    [
+        ("min_rate", 1e-6, r"bytes a second from 1024 \(1 KiB/s\) to 1073741824 \(1 GiB/s\)"),
+        ("min_rate", 1000, r"bytes a second from 1024"),
+        ("min_rate", 1 << 40, r"bytes a second from 1024"),
+        ("timeout", 1e6, r"seconds from 0\.1 to 3600 \(an hour\)"),
+        ("timeout", 0.01, r"seconds from 0\.1 to 3600"),
+    ],
+    ids=["min_rate=1e-6", "min_rate=1000", "min_rate=2**40", "timeout=1e6", "timeout=0.01"],
+)
+def test_network_settings_outside_their_ranges_are_refused(
+    setting: str, value: float, spelled: str
+) -> None:
+    """A deadline is `timeout` plus a request's size at `min_rate`: `min_rate=1e-6`
+    allowed a stalled server 10**12 s. Each setting has a range, which the error names
+    with why it ends there; the ends themselves are taken."""
+    before = network.options()
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=rf"^network_options\({setting}=\.\.\.\) takes {spelled}.*, not {value!r}: .*"
+        "give a number in that range",
+    ):
+        lazyckpt.network_options(**{setting: value})  # type: ignore[arg-type]
+    assert network.options() == before
+    with lazyckpt.network_options(timeout=0.1, min_rate=1 << 30) as fast:
+        assert fast.deadline_for(1 << 30) == 1.1
+    with lazyckpt.network_options(timeout=3600, min_rate=1024) as slow:
+        assert slow.deadline_for(1 << 20) == 3600 + 1024
+
+
 def test_network_options_from_the_environment() -> None:
     probe = "import lazyckpt; print(lazyckpt.network_options())"
     environment = {**os.environ, "LAZYCKPT_HTTP_TIMEOUT": "7.5", "LAZYCKPT_HTTP_RETRIES": "2"}
@@ -262,6 +293,15 @@ def test_network_options_from_the_environment() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, env=environment, cwd=ROOT
     )
     assert "LAZYCKPT_HTTP_RETRIES='²' is not a number" in done.stderr
+    environment["LAZYCKPT_HTTP_RETRIES"] = "2"
+    environment["LAZYCKPT_HTTP_MIN_RATE"] = "0.000001"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=environment, cwd=ROOT
+    )
+    assert (
+        "network_options(min_rate=...) takes bytes a second from 1024 (1 KiB/s)" in done.stderr
+    ), done.stderr
+    assert "(from the environment's LAZYCKPT_HTTP_*)" in done.stderr
 
 
 # -- 4. never two versions mixed -----------------------------------------------------
@@ -709,7 +749,7 @@ def test_urls_and_options_lazyckpt_cannot_use_are_clear_errors(server: HostileSe
         lazyckpt.StorageAccessError,
         r"http://\[::1/m.safetensors: not a URL lazyckpt can ask for",
     )
-    with pytest.raises(lazyckpt.LazyTypeError, match=r"timeout=\.\.\.\) takes at most 1e\+06"):
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"timeout=\.\.\.\) takes seconds from 0\.1"):
         lazyckpt.network_options(timeout=1e10)
 
     def beyond(handler: _Handler, file: File) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -159,7 +159,9 @@ def _planned(items: list[Any], shape: tuple[int, ...]) -> Gather:
                 f"index {bad} is out of bounds for axis {dim} of size {size}; use indices "
                 f"in [{-size}, {size})"
             )
-        arrays.append(np.where(array < 0, array + size, array).astype(np.int64))
+        if array.size and array.min() < 0:
+            array = np.where(array < 0, array + size, array)
+        arrays.append(array.astype(np.int64, copy=False))
         axes.append(kept)
         spots.append(spot)
         basic.append(slice(None))
@@ -179,40 +181,90 @@ def _planned(items: list[Any], shape: tuple[int, ...]) -> Gather:
             f"an index that picks {count} elements, over the {MAX_PICKS} one view may pick; "
             "pick fewer (a slice reads a range), or read the array and index the result"
         )
-    rows: np.ndarray = np.stack([b.reshape(-1) for b in broadcast], axis=1)
+    if len(arrays) > 1:  # (each element picked is a piece of its own)
+        check_pieces(count, "elements picked by several index arrays")
+    # (one index array is its own column: millions of picks are not copied)
+    rows: np.ndarray = (
+        broadcast[0].reshape(-1, 1)
+        if len(broadcast) == 1
+        else np.stack([b.reshape(-1) for b in broadcast], axis=1)
+    )
     adjacent = all(b - a <= 1 for a, b in itertools.pairwise(spots))
     at = axes[0] - sum(1 for a in axes if a < axes[0]) if adjacent else 0
     return Gather(tuple(basic), tuple(axes), rows, together, at)
 
 
-def check_pieces(count: int, what: str) -> None:
+def check_pieces(count: int, what: str, *, at_least: bool = False) -> None:
     """Refuse a view of more than `MAX_PIECES` pieces before it is made."""
     if count > MAX_PIECES:
         raise LazyIndexError(
-            f"an index that makes {count} {what}, over the {MAX_PIECES} views one picked "
-            "view may hold; pick in fewer pieces (sorted indices make runs), or read the "
-            "array (or a slice around the picks) and index the result"
+            f"an index that makes {'at least ' if at_least else ''}{count} {what}, over the "
+            f"{MAX_PIECES} views one picked view may hold; pick in fewer pieces (sorted "
+            "indices make runs), or read the array (or a slice around the picks) and index "
+            "the result"
         )
 
 
-def runs(picks: np.ndarray) -> Iterator[slice]:
+def runs(picks: np.ndarray) -> list[slice]:
     """Slices that together pick `picks`, in order: runs of consecutive indices
     (either way), and longer progressions of a small step (a mask keeping every other
-    row): `[3, 4, 5, 9, 9]` is `3:6, 9:10, 9:10`. Fewer pieces make a cheaper view."""
+    row): `[3, 4, 5, 9, 9]` is `3:6, 9:10, 9:10`. Fewer pieces make a cheaper view.
+
+    Counted before any is made, and refused past `MAX_PIECES` (`check_pieces`): first
+    from two bounds NumPy finds in a few passes over the picks, so that millions of
+    scattered picks cost no more than a few copies of them.
+    """
     count = len(picks)
-    values = picks.tolist()
-    i = 0
-    while i < count:
-        step = values[i + 1] - values[i] if i + 1 < count else 1
-        j = i + 1
-        while j < count and values[j] - values[j - 1] == step:
-            j += 1
-        length = j - i
-        if step == 0 or not (abs(step) == 1 or (length >= 8 and abs(step) <= 4)):
-            step, length = 1, 1
-        stop = values[i] + step * length
-        yield slice(values[i], stop if stop >= 0 else None, step)
-        i += length
+    if count < 2:
+        return [slice(int(value), int(value) + 1, 1) for value in picks]
+    steps = np.diff(picks)
+    turns = steps[1:] != steps[:-1]  # where a stretch of equal steps ends
+    # A piece takes steps of one stretch, so there are at least half as many pieces as
+    # stretches; and no piece takes a step of 0 or of more than 4 either way.
+    apart = int(np.count_nonzero((steps == 0) | (steps > 4) | (steps < -4)))
+    what = "runs of consecutive picks"
+    check_pieces(max((int(np.count_nonzero(turns)) + 2) // 2, apart + 1), what, at_least=True)
+    stretches = np.flatnonzero(np.concatenate(([True], turns)))
+    pieces = _pieces(
+        stretches.tolist(),
+        np.diff(stretches, append=len(steps)).tolist(),
+        steps[stretches].tolist(),
+        count,
+    )
+    check_pieces(sum(number for _, _, _, number in pieces), what)
+    out: list[slice] = []
+    for first, length, step, number in pieces:
+        for value in picks[first : first + number].tolist():
+            stop = value + step * length
+            out.append(slice(value, stop if stop >= 0 else None, step))
+    return out
+
+
+def _pieces(
+    starts: list[int], sizes: list[int], steps: list[int], count: int
+) -> list[tuple[int, int, int, int]]:
+    """The pieces of `count` picks whose stretches of equal steps start at the steps
+    `starts`, of `sizes` steps of `steps`: `(first pick, length, step, number)` for
+    `number` pieces from the first pick on, each of `length` picks `step` apart (a run
+    is one piece; single picks are pieces of length 1). From a pick on, a run takes
+    what is left of its stretch if its step is ±1, or 2 to 4 over at least 8 picks;
+    else the pick is a piece of its own."""
+    pieces: list[tuple[int, int, int, int]] = []
+    at = 0  # the first pick not yet in a piece
+    for start, size, step in zip(starts, sizes, steps, strict=True):
+        end = start + size  # the stretch's last pick
+        if at >= end:  # (the run before took its one step)
+            continue
+        length = end + 1 - at
+        if abs(step) == 1 or (length >= 8 and 2 <= abs(step) <= 4):
+            pieces.append((at, length, step, 1))
+            at = end + 1
+        else:  # (from any later pick the stretch is shorter: single picks to its end)
+            pieces.append((at, 1, 1, end - at))
+            at = end
+    if at == count - 1:
+        pieces.append((at, 1, 1, 1))
+    return pieces
 
 
 @attrs.frozen(eq=False)

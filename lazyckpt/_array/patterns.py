@@ -27,14 +27,35 @@ def _matches(pattern: list[str], path: list[str]) -> bool:
     """Glob match by segment: `*` within a segment, `**` across any number of them.
 
     A pattern also matches every path below a matching prefix, so `params` selects
-    the whole `params` subtree.
+    the whole `params` subtree. The pattern runs as an automaton over the path, its
+    states the places in the pattern reached so far: work grows with the pattern's
+    length times the path's, whatever their `**`s (a recursive search tries every way
+    of spreading the path over them), and no path is too deep to match.
     """
-    if not pattern:
-        return True
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_matches(rest, path[i:]) for i in range(len(path) + 1))
-    return bool(path) and _segment_matches(head, path[0]) and _matches(rest, path[1:])
+    places = _past_deep(pattern, {0})
+    for key in path:
+        if len(pattern) in places:
+            return True
+        # Each distinct segment matched once (`**/x/**/x` asks about `x` twice).
+        segments = {pattern[i] for i in places} - {"**"}
+        matched = {segment for segment in segments if _segment_matches(segment, key)}
+        after = {i for i in places if pattern[i] == "**"}  # `**` takes the key
+        after.update(i + 1 for i in places if pattern[i] in matched)
+        places = _past_deep(pattern, after)
+        if not places:
+            return False
+    return len(pattern) in places
+
+
+def _past_deep(pattern: list[str], places: set[int]) -> set[int]:
+    """`places` and the places past each `**` they reach (a `**` may match no
+    segment), each reached once; the end of the pattern is a place too."""
+    reached = set(places)
+    for i in sorted(places):
+        while i < len(pattern) and pattern[i] == "**" and i + 1 not in reached:
+            i += 1
+            reached.add(i)
+    return reached
 
 
 # A set of numbers in braces, as folded names write them (`layer_{0..2,5}`).
@@ -45,20 +66,31 @@ def _segment_matches(pattern: str, key: str) -> bool:
     """One key against one segment: a glob (`*`, `?`, `[...]`), in which a set of
     numbers in braces (`{3..60}`, `{0..2,5}`) matches a number in it, so a name a
     folded summary shows selects what it stands for. A key spelled with braces of its
-    own matches as written too."""
+    own matches as written too, and so may what follows any of the sets.
+
+    The sets are matched in turn, each from where the numbers matched by the one
+    before may end: work grows with the sets times the square of the key's numbers
+    (a recursive search tries every way of spreading the numbers over the sets)."""
     if fnmatch.fnmatchcase(key, pattern):
         return True
-    found = _number_set(pattern)
-    if found is None:
+    sets = _number_sets(pattern)
+    if not sets:
         return False
-    before, numbers, after = found
-    for digits in re.finditer("[0-9]+", key):
-        if (
-            numbers.holds(digits[0])
-            and fnmatch.fnmatchcase(key[: digits.start()], before)
-            and _segment_matches(after, key[digits.end() :])
-        ):
+    numbers = [(found.start(), found.end(), found[0]) for found in re.finditer("[0-9]+", key)]
+    starts = {0}  # where the key's rest may start, past the sets matched so far
+    for before, held, after in sets:
+        ends: set[int] = set()
+        for start, (first, end, digits) in itertools.product(sorted(starts), numbers):
+            if (
+                first >= start
+                and end not in ends
+                and held.holds(digits)
+                and fnmatch.fnmatchcase(key[start:first], before)
+            ):
+                ends.add(end)
+        if any(fnmatch.fnmatchcase(key[end:], after) for end in ends):
             return True
+        starts = ends
     return False
 
 
@@ -87,15 +119,23 @@ class _NumberSet:
 
 
 @functools.lru_cache(maxsize=256)
-def _number_set(pattern: str) -> tuple[str, _NumberSet, str] | None:
-    """`pattern` around its first set of numbers in braces, parsed once: a folded name
-    may list thousands of runs, matched against as many keys."""
-    found = _NUMBER_SET.search(pattern)
-    if found is None:
-        return None
+def _number_sets(pattern: str) -> tuple[tuple[str, _NumberSet, str], ...]:
+    """Each set of numbers in braces in `pattern`, with the glob before it (from the
+    set before) and the pattern after it, parsed once: a folded name may list
+    thousands of runs, matched against as many keys."""
+    sets = []
+    start = 0
+    for found in _NUMBER_SET.finditer(pattern):
+        sets.append((pattern[start : found.start()], _parsed(found[1]), pattern[found.end() :]))
+        start = found.end()
+    return tuple(sets)
+
+
+def _parsed(inside: str) -> _NumberSet:
+    """A set of numbers from what its braces hold: `0..2,5`, `000..099`, `0..60..2`."""
     runs = []
     widths: set[int] = set()
-    for part in found[1].split(","):
+    for part in inside.split(","):
         ends = part.split("..")  # first[..last[..step]]
         first, last = ends[0], ends[min(1, len(ends) - 1)]
         widths.update(len(end) for end in (first, last) if len(end) > 1 and end[0] == "0")
@@ -104,8 +144,7 @@ def _number_set(pattern: str) -> tuple[str, _NumberSet, str] | None:
     width = max(widths, default=0)
     runs.sort()
     ordered = all(b < c for (_, b, _), (c, _, _) in itertools.pairwise(runs))
-    numbers = _NumberSet(tuple(runs), width, ordered)
-    return pattern[: found.start()], numbers, pattern[found.end() :]
+    return _NumberSet(tuple(runs), width, ordered)
 
 
 def matches(pattern: str, path: str) -> bool:
@@ -114,8 +153,7 @@ def matches(pattern: str, path: str) -> bool:
     >>> matches("params/**/kernel", "params/dense/kernel"), matches("opt", "params/w")
     (True, False)
     """
-    parts = [part for part in pattern.strip("/").split("/") if part]
-    return _matches(parts, path.split("/") if path else [])
+    return _matches(_parts(pattern), path.split("/") if path else [])
 
 
 def any_of(patterns: Sequence[str]) -> Predicate:
@@ -139,7 +177,9 @@ def as_predicate(pattern: Select, paths: list[list[str]]) -> Predicate:
 
 
 def _parts(pattern: str) -> list[str]:
-    return [part for part in pattern.strip("/").split("/") if part]
+    """The segments of `pattern`, a run of `**`s as one (they match the same paths)."""
+    parts = [part for part in pattern.strip("/").split("/") if part]
+    return [part for i, part in enumerate(parts) if part != "**" or parts[i - 1 : i] != ["**"]]
 
 
 def spelled(pattern: str, paths: list[list[str]]) -> str:

@@ -25,13 +25,13 @@ import operator
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lazyckpt._array.patterns import Predicate as Predicate
 from lazyckpt._array.patterns import Select as Select
 from lazyckpt._array.patterns import as_predicate, may_be_dotted
-from lazyckpt._errors import NoMatchError, renamed
-from lazyckpt._text import fold
+from lazyckpt._errors import LazyTypeError, NoMatchError, renamed
+from lazyckpt._text import fold, printable
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -88,6 +88,98 @@ def _dict_key(key: object) -> Key:
     return key if isinstance(key, str | int) else str(key)
 
 
+_R = TypeVar("_R")
+
+
+def fold_tree(
+    tree: object,
+    split: Callable[[Any], Iterable[tuple[Any, Any]] | None],
+    leaf: Callable[[Path, Any], _R],
+    node: Callable[[Any, Path, list[tuple[Any, _R]]], _R],
+) -> _R:
+    """What `node(node, path, [(key, what its child gave), ...])` makes of `tree`,
+    children first, with `leaf(path, leaf)` for each leaf; `split(node)` gives a
+    node's children with their keys, or None for a leaf.
+
+    A loop over a stack, not a recursion, so no tree is too deep for Python; one
+    deeper than `MAX_DEPTH` is refused by name, as no checkpoint holds it and jax's
+    tree functions fail on it.
+    """
+    kids = split(tree)
+    if kids is None:
+        return leaf((), tree)
+    # For each node being walked: its key, itself, its path, its children to come and
+    # what those walked gave.
+    stack: list[tuple[Any, Any, Path, Iterator[tuple[Any, Any]], list[tuple[Any, _R]]]]
+    stack = [(None, tree, (), iter(kids), [])]
+    while True:
+        key, parent, path, todo, done = stack[-1]
+        for child_key, child in todo:
+            child_path = (*path, _dict_key(child_key))
+            if len(child_path) > MAX_DEPTH:
+                raise too_deep(child_path)
+            kids = split(child)
+            if kids is None:
+                done.append((child_key, leaf(child_path, child)))
+            else:  # its children first; this node's rest after them
+                stack.append((child_key, child, child_path, iter(kids), []))
+                break
+        else:
+            stack.pop()
+            made = node(parent, path, done)
+            if not stack:
+                return made
+            stack[-1][4].append((key, made))
+
+
+def too_deep(path: Path) -> LazyTypeError:
+    """The error for a tree that nests past `MAX_DEPTH` at `path`."""
+    shown = keystr(path) if len(path) <= 8 else f"{keystr(path[:4])}/.../{keystr(path[-2:])}"
+    return LazyTypeError(
+        f"{printable(shown)} ({len(path)} keys): the tree nests deeper there than the "
+        f"{MAX_DEPTH} levels lazyckpt walks (no checkpoint nests deeper, and jax's tree "
+        "functions fail past about 1,000); join some of its keys into one (a dict keyed "
+        "'a/b/c' in place of three levels) or keep that part out of the tree"
+    )
+
+
+@contextlib.contextmanager
+def walked_by_jax(tree: object) -> Iterator[None]:
+    """Around a walk of `tree` by jax's tree functions, which fail past about 1,000
+    levels (a SystemError raised from a RecursionError): a tree deeper than
+    `MAX_DEPTH` refused by name instead (see `too_deep`). A walk that calls back into
+    Python (`is_leaf=`) must `check_depth` first."""
+    try:
+        yield
+    except SystemError as error:
+        if not isinstance(error.__cause__, RecursionError):
+            raise
+        check_depth(tree)
+        raise
+
+
+def check_depth(tree: object) -> None:
+    """Refuse `tree` by name if it nests deeper than `MAX_DEPTH` (see `too_deep`).
+
+    Before jax walks a tree calling back into Python (`is_leaf=`): past about 1,000
+    levels the callback raises a RecursionError, and jax (0.10) leaves the
+    interpreter's recursion depth spent, so that every later call fails too.
+    """
+    fold_tree(tree, _any_order, lambda path, leaf: None, lambda node, path, done: None)
+
+
+def _any_order(node: object) -> Iterable[tuple[Any, Any]] | None:
+    """The children of `node` in any order (a dict's keys need not sort), as far as
+    depth goes: a node that jax cannot take apart counts as a leaf here, and the walk
+    that follows says why."""
+    if type(node) is dict:
+        return node.items()
+    try:
+        return children(node)
+    except (ValueError, TypeError):
+        return None
+
+
 def key_of(entry: object) -> Key:
     """One entry of a jax key path as Orbax names it: `DictKey('a')` -> `'a'`,
     `GetAttrKey('mu')` -> `'mu'`, `SequenceKey(0)` -> `0`."""
@@ -116,26 +208,24 @@ def keystr(path: Path) -> str:
 def flatten(tree: object) -> list[tuple[Path, Any]]:
     """`(key path, leaf)` for every leaf of `tree`, in `jax.tree_util` order."""
     out: list[tuple[Path, Any]] = []
-    _flatten_into(tree, (), out)
-    return out
 
-
-def _flatten_into(node: object, path: Path, out: list[tuple[Path, Any]]) -> None:
-    kids = _plain(node)
-    if kids is not None:
-        for key, child in kids:
-            _flatten_into(child, (*path, _dict_key(key)), out)
-    elif not _for_jax(node):
-        out.append((path, node))
-    else:
-        flat, _ = _tree_util().tree_flatten_with_path(node)
+    def leaf(path: Path, node: object) -> None:
+        if not _for_jax(node):
+            out.append((path, node))
+            return
+        with walked_by_jax(node):
+            flat, _ = _tree_util().tree_flatten_with_path(node)
         out.extend(((*path, *path_of(key_path)), leaf) for key_path, leaf in flat)
+
+    fold_tree(tree, _plain, leaf, lambda node, path, done: None)
+    return out
 
 
 def leaf_values(tree: object) -> list[Any]:
     """The leaves of `tree` without their key paths, in `jax.tree_util` order."""
     if "jax" in sys.modules:  # (its walk is in C, and faster)
-        return list(_tree_util().tree_leaves(tree))
+        with walked_by_jax(tree):
+            return list(_tree_util().tree_leaves(tree))
     return [leaf for _, leaf in flatten(tree)]
 
 
@@ -182,13 +272,9 @@ def map_leaves(fn: Callable[[Any], Any], tree: object) -> Any:
     """`tree` with `fn` applied to each leaf; every node rebuilt as its own type (a
     dict with its keys sorted, as `jax.tree_util.tree_map` rebuilds it)."""
     if "jax" in sys.modules:  # (its walk is in C, and faster)
-        return _tree_util().tree_map(fn, tree)
-    kids = _plain(tree)
-    if kids is not None:
-        return _remade(tree, {key: map_leaves(fn, child) for key, child in kids})
-    if not _for_jax(tree):
-        return fn(tree)
-    return _tree_util().tree_map(fn, tree)
+        with walked_by_jax(tree):
+            return _tree_util().tree_map(fn, tree)
+    return map_with_path(lambda _, leaf: fn(leaf), tree)
 
 
 def map_with_path(
@@ -196,23 +282,23 @@ def map_with_path(
 ) -> Any:
     """`tree` with `fn(key path, leaf)` in place of each leaf, as `map_leaves`; with
     `none_is_leaf`, None is a leaf too (a target's None: a subtree left as it is)."""
-    return _map(fn, tree, (), none_is_leaf)
 
+    def split(node: object) -> Iterable[tuple[Any, Any]] | None:
+        return None if node is None and none_is_leaf else _plain(node)
 
-def _map(fn: Callable[[Path, Any], Any], node: object, path: Path, none_is_leaf: bool) -> Any:
-    kids = None if node is None and none_is_leaf else _plain(node)
-    if kids is not None:
-        return _remade(
-            node,
-            {key: _map(fn, child, (*path, _dict_key(key)), none_is_leaf) for key, child in kids},
-        )
-    if node is None or not _for_jax(node):
-        return fn(path, node)
-    return _tree_util().tree_map_with_path(
-        lambda key_path, leaf: fn((*path, *path_of(key_path)), leaf),
-        node,
-        is_leaf=(lambda leaf: leaf is None) if none_is_leaf else None,
-    )
+    def leaf(path: Path, node: object) -> Any:
+        if node is None or not _for_jax(node):
+            return fn(path, node)
+        if none_is_leaf:
+            check_depth(node)
+        with walked_by_jax(node):
+            return _tree_util().tree_map_with_path(
+                lambda key_path, leaf: fn((*path, *path_of(key_path)), leaf),
+                node,
+                is_leaf=(lambda leaf: leaf is None) if none_is_leaf else None,
+            )
+
+    return fold_tree(tree, split, leaf, lambda node, path, done: _remade(node, dict(done)))
 
 
 def subtree(tree: object, keys: Sequence[str]) -> Any:
@@ -266,7 +352,7 @@ def select(tree: object, pattern: Select) -> Any:
     {'layer_0': 0, 'layer_2': 2, 'layer_3': 3}
     """
     paths = [path.split("/") for path, _ in leaves(tree)] if may_be_dotted(pattern) else []
-    picked = _select(tree, (), as_predicate(pattern, paths))
+    picked = _select(tree, as_predicate(pattern, paths))
     if picked is _DROPPED:
         shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)
         wanted = [] if callable(pattern) else [pattern] if isinstance(pattern, str) else pattern
@@ -294,17 +380,22 @@ def selected(tree: object, pattern: Select | None) -> Any:
     return tree if pattern is None else select(tree, pattern)
 
 
-def _select(node: object, path: Path, predicate: Predicate) -> object:
-    # Plain dicts keep their own key order; other nodes go in jax's order.
-    kids = list(node.items()) if type(node) is dict else children(node)
-    if kids is None:
+def _select(tree: object, predicate: Predicate) -> object:
+    def split(node: object) -> Iterable[tuple[Any, Any]] | None:
+        # Plain dicts keep their own key order; other nodes go in jax's order.
+        return list(node.items()) if type(node) is dict else children(node)
+
+    def leaf(path: Path, node: object) -> object:
         return node if predicate(keystr(path), node) else _DROPPED
-    picked = [(key, _select(child, (*path, key), predicate)) for key, child in kids]
-    if all(value is _DROPPED for _, value in picked):
-        return _DROPPED
-    if type(node) is dict:
-        return {key: value for key, value in picked if value is not _DROPPED}
-    return rebuild(node, [None if value is _DROPPED else value for _, value in picked])
+
+    def kept(node: object, path: Path, picked: list[tuple[Any, object]]) -> object:
+        if all(value is _DROPPED for _, value in picked):
+            return _DROPPED
+        if type(node) is dict:
+            return {key: value for key, value in picked if value is not _DROPPED}
+        return rebuild(node, [None if value is _DROPPED else value for _, value in picked])
+
+    return fold_tree(tree, split, leaf, kept)
 
 
 class PathClash(Exception):

@@ -75,6 +75,7 @@ from lazyckpt._engine.scheduler import (
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, ts_held
 from lazyckpt._storage.kvstore import then
 from lazyckpt._storage.paths import is_remote
+from lazyckpt._storage.per_process import PerProcess
 
 _T = TypeVar("_T")
 
@@ -200,22 +201,16 @@ def _fill_in_blocks(array: ArrayView, destination: Destination, budget: int) -> 
         done.result()
 
 
-_WORKERS: list[concurrent.futures.ThreadPoolExecutor] = []
-_WORKERS_LOCK = threading.Lock()
+_WORKERS = PerProcess(
+    lambda: concurrent.futures.ThreadPoolExecutor(pool_size(), thread_name_prefix="lazyckpt-blocks")
+)
+"""The threads that fill a computed view's blocks (the same ones each time, so that
+their allocator arenas are reused): not the decoding threads, whose jobs they wait
+for. Made again in a forked child, which has none of their threads."""
 
 
 def _block_workers() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that fill a computed view's blocks (the same ones each time, so that
-    their allocator arenas are reused): not the decoding threads, whose jobs they
-    wait for."""
-    with _WORKERS_LOCK:
-        if not _WORKERS:
-            _WORKERS.append(
-                concurrent.futures.ThreadPoolExecutor(
-                    pool_size(), thread_name_prefix="lazyckpt-blocks"
-                )
-            )
-        return _WORKERS[0]
+    return _WORKERS.get()
 
 
 # The decoded path.

@@ -12,7 +12,6 @@ import collections
 import concurrent.futures
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ import tensorstore as ts
 from lazyckpt._engine.memory import MemoryGuard, settle_allocator
 from lazyckpt._engine.progress import Progress
 from lazyckpt._storage import network
+from lazyckpt._storage.per_process import PerProcess
 
 T = TypeVar("T")
 
@@ -50,11 +50,6 @@ def stream_block(budget: int) -> int:
     return max(MIN_BLOCK, budget // 8)
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_WAITING_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
 def pool_size() -> int:
     """Decoding threads: one per core, at least two (reading overlaps decoding)."""
     return max(2, os.cpu_count() or 1)
@@ -67,24 +62,20 @@ def waiting_pool_size() -> int:
     return max(pool_size(), network.options().connections)
 
 
+# Made at first use, and again in a forked child, which has none of their threads.
+_POOL = PerProcess(lambda: concurrent.futures.ThreadPoolExecutor(pool_size(), "lazyckpt-decode"))
+_WAITING_POOL = PerProcess(
+    lambda: concurrent.futures.ThreadPoolExecutor(waiting_pool_size(), "lazyckpt-wait")
+)
+
+
 def in_pool(fn: Callable[[], T], *, waits: bool = False) -> ts.Future[T]:
     """Run `fn` on the decoding threads; a tensorstore future of its result. A job that
     `waits` on the network for most of its time (decoding a chunk read over HTTP, or
     from a bucket: a round trip per window) runs on threads of its own, as many as
     `waiting_pool_size`, so that reads in flight are not held to the cores; callers
     bound how many such jobs run by the memory each holds."""
-    global _POOL, _WAITING_POOL
-    with _POOL_LOCK:
-        if waits:
-            if _WAITING_POOL is None:
-                _WAITING_POOL = concurrent.futures.ThreadPoolExecutor(
-                    waiting_pool_size(), "lazyckpt-wait"
-                )
-            pool = _WAITING_POOL
-        else:
-            if _POOL is None:
-                _POOL = concurrent.futures.ThreadPoolExecutor(pool_size(), "lazyckpt-decode")
-            pool = _POOL
+    pool = (_WAITING_POOL if waits else _POOL).get()
     promise: ts.Promise[T]
     future: ts.Future[T]
     promise, future = ts.Promise.new()

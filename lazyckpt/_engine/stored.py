@@ -24,6 +24,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int
 
@@ -147,6 +148,7 @@ class StoredArray:
         if self.inline is None:
             chunk = math.prod(self.chunks) * self.dtype.itemsize
             check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
+            tensorstore_io(f"{self.store.location}: {self.key}")
         with self._lock:
             if not self._opened and self.inline is not None:
                 self._opened.append(ready(ts.array(self.inline)))

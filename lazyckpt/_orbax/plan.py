@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.tree import key_of
+from lazyckpt._array.tree import check_depth, key_of
 from lazyckpt._errors import UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.metadata import (
@@ -99,6 +99,7 @@ def _flatten(tree: object) -> Iterator[tuple[tuple[tuple[str, int], ...], object
     def is_leaf(node: object) -> bool:
         return node is None or _empty_node(node)
 
+    check_depth(tree)  # (before jax calls `is_leaf` at every level)
     try:
         flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     except (ValueError, TypeError) as error:

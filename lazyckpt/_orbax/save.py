@@ -23,6 +23,7 @@ from lazyckpt._orbax.plan import cost, description, plan
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
 from lazyckpt._storage import multihost, paths
+from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.publish import publishing
 
 
@@ -38,6 +39,7 @@ def save_orbax(
 ) -> None:
     """Write `tree` at `final` (see `lazyckpt.save`); `replaceable` says what an
     overwrite may replace."""
+    tensorstore_io(final)  # (which writes every array)
     leaves = plan(tree, chunk_bytes)
     multihost.agree(
         "the tree to save",

@@ -33,6 +33,7 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage.local import check_size
+from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._text import shown
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}
@@ -303,6 +304,7 @@ class BucketFolders:
 
 
 def _bucket(path: str) -> ts.KvStore:
+    tensorstore_io(path)
     return ts.KvStore.open(bucket_spec(path)).result()
 
 

@@ -24,6 +24,7 @@ from lazyckpt._errors import (
 from lazyckpt._storage import paths, relay
 from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
+from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.sites import listing
 from lazyckpt._storage.web import WebFiles, is_web
 
@@ -244,6 +245,7 @@ class Store:
             # alone, which `WebFiles` answers as tensorstore's kvstores do.
             files_over_http = cast(ts.KvStore, WebFiles(location))
             return cls(location, ocdbt, context, {}, files_over_http, generation, files)
+        tensorstore_io(location)
         if is_web(location):
             # tensorstore's drivers, reading through lazyckpt's client (`relay`); the
             # relay serves the folder for as long as the context (held by the store
@@ -273,6 +275,7 @@ class Store:
         """The keys under `prefix` (every key when it is empty), in no order."""
         if is_web(self.location) and not self.ocdbt:
             return self._listed(prefix)
+        tensorstore_io(self.location)
         start = prefix.encode()
         end = start[:-1] + bytes([start[-1] + 1]) if start else b""
         try:
@@ -331,6 +334,8 @@ class Store:
         it worth building (values already known, or futures of the data files' bytes),
         else a future of each key's read through the driver."""
         self.check_files(keys)
+        if not isinstance(self.kvstore, WebFiles):
+            tensorstore_io(self.location)
         found = self.index.read(keys, byte_ranges, batch) if self.index else None
         if found is not None:
             return found

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import email.utils
-import math
 import os
 import re
 import threading
@@ -33,20 +32,33 @@ MAX_RETRY_AFTER = 8.0
 """The longest wait a server's `Retry-After` is obeyed for; a longer one waits this."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+def _within(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    low, high, spelled, why = _RANGES[attribute.name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise LazyTypeError(
-            f"network_options({attribute.name}=...) takes a positive number, not {value!r}"
-        )
-    if not math.isfinite(value) or value > _LARGEST[attribute.name]:
-        raise LazyTypeError(
-            f"network_options({attribute.name}=...) takes at most "
-            f"{_LARGEST[attribute.name]:g}, not {value!r}"
+            f"network_options({attribute.name}=...) takes {spelled}, not {value!r}: {why}"
         )
 
 
-_LARGEST = {"timeout": 1e6, "min_rate": 1e12}
-"""Bounds the socket layer can take (a timeout past 2**31 s overflows it): 11 days."""
+_RANGES: dict[str, tuple[float, float, str, str]] = {
+    "timeout": (
+        0.1,
+        3600.0,
+        "seconds from 0.1 to 3600 (an hour)",
+        "a server that has not answered within an hour is retried, not waited on for days; "
+        "give a number in that range",
+    ),
+    "min_rate": (
+        1 << 10,
+        1 << 30,
+        "bytes a second from 1024 (1 KiB/s) to 1073741824 (1 GiB/s)",
+        "a request may take `timeout` plus its size at `min_rate`, so a lower rate lets a "
+        "stalled server hold a read for days (1e-06 would allow 10**12 s), and no link "
+        "keeps to a higher one; give a number in that range",
+    ),
+}
+"""The range of each setting in seconds or bytes a second, as the messages say it, and
+why it ends there."""
 
 
 def _attempts(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -89,17 +101,18 @@ class NetworkOptions:
 connections=32, request_bytes=16777216)
     """
 
-    timeout: float = attrs.field(default=30.0, validator=_positive)
+    timeout: float = attrs.field(default=30.0, validator=_within)
     """Seconds to connect, and for an answer to begin; also the most a request waits
     for its next byte. A request's whole answer must arrive within `timeout` plus its
-    size at `min_rate`."""
-    min_rate: int = attrs.field(default=65536, validator=_positive)
+    size at `min_rate`. From 0.1 s to 3600 s."""
+    min_rate: int = attrs.field(default=65536, validator=_within)
     """Bytes a second an answer's body must at least average (64 KiB/s by default): a
-    server that sends a byte a second fails the request after about `timeout` seconds."""
+    server that sends a byte a second fails the request after about `timeout` seconds.
+    From 1 KiB/s to 1 GiB/s."""
     retries: int = attrs.field(default=5, validator=_attempts)
     """Attempts at a request that fails in a way that may pass (HTTP 429 and 5xx, a
     failed connection, a missed deadline): waits of 0.25 s doubling up to 4 s between
-    them, or what the server's `Retry-After` asks, up to 8 s."""
+    them, or what the server's `Retry-After` asks, up to 8 s. From 1 to 100."""
     unversioned: Literal["refuse", "warn"] = attrs.field(default="refuse", validator=_unversioned)
     """What to do with a file at a plain URL whose server gives neither an ETag nor a
     Last-Modified date, so that a change between two reads cannot be detected:
@@ -109,13 +122,15 @@ connections=32, request_bytes=16777216)
     """Requests in flight at once to one server (scheme, host and port). A request
     waits a round trip before its first byte, and one connection of a CDN carries a
     few tens of MB/s: on a link with a long round trip, many requests at once are what
-    fill it (at 60 ms and 40 MB/s a connection, 32 carry about 600 MB/s)."""
+    fill it (at 60 ms and 40 MB/s a connection, 32 carry about 600 MB/s). From 1 to
+    256."""
     request_bytes: int = attrs.field(default=16 << 20, validator=_count)
     """The most bytes one request asks for. A tensor is read in requests of up to this
     many bytes, smaller where that keeps every connection busy: the bytes a read may
     hold in flight (its `memory_budget`) shared among `connections`. A run of bytes is
     cut into equal requests of at least 1 MiB (below it, a request's round trip costs
-    more than its bytes): one of 1.5 MiB is one request, whatever this says."""
+    more than its bytes): one of 1.5 MiB is one request, whatever this says. From
+    1 MiB to 1 GiB."""
 
     def deadline_for(self, size: int) -> float:
         """Seconds a request for `size` bytes may take, answer and body."""

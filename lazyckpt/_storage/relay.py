@@ -16,8 +16,9 @@ disk.
   another local user cannot send requests with the caller's token. Each folder has a
   random id of its own; a key with an empty, `.` or `..` part is refused. `127.0.0.1`
   is added to `no_proxy`, so that tensorstore's client never sends the relay's
-  requests (and its secret) to an `http_proxy`. A forked child starts a relay of its
-  own.
+  requests (and its secret) to an `http_proxy`. A forked child would start a relay of
+  its own, but tensorstore aborts a child forked after its threads started, at its
+  first read: lazyckpt refuses that read by name instead (`per_process`).
 - **What a request becomes.** `GET /SECRET/FOLDER/KEY` with `Range: bytes=A-B` is read
   from the registered folder's `WebFiles` in pieces of `_PIECE` bytes, each sent as it
   arrives (`serve`), so that an answer holds one piece in memory and its first bytes
