@@ -6,20 +6,20 @@ read in windows of its own, a round trip each. Where whole arrays of an OCDBT
 database over HTTP are wanted and its b-tree was walked (`_storage.ocdbt.Index`),
 every chunk's byte range in the data files is known at once: neighbours (at most
 `REMOTE_GAP` apart) are read together, in requests as large as keep every connection
-busy (`NetworkOptions.connections`), and each request's body lands in the arrays' own results
-(`transport.Scatter`). A chunk's stored bytes land at the end of the memory its
-values fill, and zstd decodes them from there towards its start
+busy (`NetworkOptions.connections`), and each request's body lands in the arrays'
+own results (`transport.Scatter`). A chunk's stored bytes land at the end of the
+memory its values fill, and zstd decodes them from there towards its start
 (`decode.decode_in_place`); uncompressed ones land where they belong. Nothing is held
 besides the results but the decoders' windows: a whole tree comes in at the link's
-speed in about its own size of memory.
+speed in about its own size of memory (docs/benchmarks.md, section 25).
 
 A chunk qualifies where its values fill a run of its array's C-order memory (one
 chunk per array, or chunks cut along one dimension, with no partial edge chunk), in
 the stored byte order and dimension order, and its bytes lie in a data file, no more
 of them than its values (zstd's frame of incompressible values is a few bytes more).
 An array with a chunk that does not (inline in the b-tree, never written,
-incompressible) keeps the engine's other paths (`fill`), whose errors say what is
-wrong.
+incompressible) keeps the engine's other paths (`fill`, `small`), whose errors say
+what is wrong.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lazyckpt._engine.small import REMOTE_GAP
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyckptError
 from lazyckpt._storage import network
-from lazyckpt._storage.kvstore import Store, all_of, then
+from lazyckpt._storage.kvstore import Store, all_of, ready, then
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.transport import Scatter
 
@@ -113,9 +113,8 @@ def schedule_coalesced(
 
 
 def read_whole(array: ArrayView) -> ts.Future[np.ndarray] | None:
-    """A future of the whole of `array`, read in coalesced requests all at once (its
-    chunks' stored bytes are what it holds besides the result), where it qualifies;
-    None otherwise."""
+    """A future of the whole of `array`, read in coalesced requests all at once into
+    its result (nothing else held), where it qualifies; None otherwise."""
     destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
     chunks = _chunks(array, destination)
     if not chunks:
@@ -279,7 +278,7 @@ def _read(request: _Request, lock: threading.Lock) -> ts.Future[None]:
                 chunk.parts -= 1
                 if not chunk.parts:
                     complete.append(chunk)
-        return in_pool(lambda: _decode(complete))
+        return in_pool(lambda: _decode(complete)) if complete else ready(None)
 
     return then(read, arrived, first.stored.read_error)
 
