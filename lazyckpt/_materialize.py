@@ -123,11 +123,10 @@ def _read_here(
         assert placement.sharding is not None
         _regions(placement.array, placement.sharding)
     to_host = [p for p in placements if p.sharding is None and not p.array.key_impl]
-    loads = [(p.array, _whole(p.array)) for p in to_host]
-    coalesced = {id(to_host[at]) for at in schedule_coalesced(loads, scheduler)}
-    for placement, (_, destination) in zip(to_host, loads, strict=True):
-        if id(placement) in coalesced:
-            results[id(placement)] = destination
+    coalesced: set[int] = set()
+    for at, destination in schedule_coalesced([p.array for p in to_host], scheduler).items():
+        coalesced.add(id(to_host[at]))
+        results[id(to_host[at])] = destination
     small_on_host = [p for p in to_host if id(p) not in coalesced and is_small(p.array)]
     host_values = read_small([p.array for p in small_on_host], scheduler)
     read_whole = {id(p) for p in small_on_host + small_on_devices} | coalesced
@@ -204,13 +203,9 @@ def _schedule_load(
     if array.key_impl:
         results[id(placement)] = array.get()  # typed keys are small
         return
-    destination = _whole(array)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
     schedule_fill(array, [destination], scheduler, lambda: None)
     results[id(placement)] = destination
-
-
-def _whole(array: LazyArray) -> Destination:
-    return Destination(tuple((0, n) for n in array.shape), array.dtype)
 
 
 def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:

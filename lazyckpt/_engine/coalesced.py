@@ -83,20 +83,18 @@ class _Request:
     chunks: tuple[_Chunk, ...]
 
 
-def schedule_coalesced(
-    loads: Sequence[tuple[ArrayView, Destination]], scheduler: Scheduler
-) -> set[int]:
-    """Read the arrays of `loads` that qualify, each whole into its destination, in
-    coalesced requests; the positions in `loads` of those scheduled (the others are
-    the caller's to read)."""
-    planned: set[int] = set()
+def schedule_coalesced(arrays: Sequence[ArrayView], scheduler: Scheduler) -> dict[int, Destination]:
+    """Read the arrays of `arrays` that qualify, each whole, in coalesced requests:
+    their destinations by position in `arrays` (the others are the caller's to read)."""
+    planned: dict[int, Destination] = {}
     chunks: list[_Chunk] = []
-    for at, (array, destination) in enumerate(loads):
-        found = _chunks(array, destination)
-        if found:
+    for at, array in enumerate(arrays):
+        places = _places(array)
+        if places:
+            destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
             destination.on_allocate = scheduler.guard.keep
-            planned.add(at)
-            chunks.extend(found)
+            planned[at] = destination
+            chunks.extend(_chunks(array, places, destination))
     if not chunks:
         return planned
     size = _request_bytes(sum(chunk.length for chunk in chunks))
@@ -115,10 +113,11 @@ def schedule_coalesced(
 def read_whole(array: ArrayView) -> ts.Future[np.ndarray] | None:
     """A future of the whole of `array`, read in coalesced requests all at once into
     its result (nothing else held), where it qualifies; None otherwise."""
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
-    chunks = _chunks(array, destination)
-    if not chunks:
+    places = _places(array)
+    if not places:
         return None
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    chunks = _chunks(array, places, destination)
     lock = threading.Lock()
     size = _request_bytes(sum(chunk.length for chunk in chunks))
     reads = [_read(request, lock) for request in _requests(chunks, size)]
@@ -134,25 +133,28 @@ def _request_bytes(total: int) -> int:
     return max(MIN_REQUEST, min(options.request_bytes, -(-total // options.connections)))
 
 
-def _chunks(array: ArrayView, destination: Destination) -> list[_Chunk] | None:
-    """The chunks to read for the whole of `array` into `destination`, where every one
-    qualifies (the module's docstring says how); None otherwise."""
+_Place = tuple[tuple[int, ...], str, str, int, int]
+"""A chunk's grid index and key, and the data file, offset and length of its bytes."""
+
+
+def _places(array: ArrayView) -> list[_Place] | None:
+    """Where each chunk of the whole of `array` lies, in C order of its grid, where
+    every one qualifies (the module's docstring says how); None otherwise."""
     stored = array.stored
-    if not isinstance(stored, StoredArray) or stored.inline is not None or 0 in array.shape:
-        return None
+    if not isinstance(stored, StoredArray) or stored.store.web is None:
+        return None  # (most arrays: not over HTTP, or a composed view)
     store, codec = stored.store, stored.codec
     native = "<" if np.little_endian else ">"
     if (
         codec is None
-        or store.web is None
+        or stored.inline is not None
+        or 0 in array.shape
         or store.index is None
         or codec.shard is not None
         or codec.order != tuple(range(len(stored.shape)))
         or codec.byteorder not in ("|", native)
         or array.dtype != stored.dtype
         or not array.selection.is_full(stored.shape)
-        or destination.region != tuple((0, n) for n in stored.shape)
-        or (destination.out is not None and not destination.out.flags.c_contiguous)
         or not _runs_of_memory(stored.shape, stored.chunks)
     ):
         return None
@@ -171,11 +173,20 @@ def _chunks(array: ArrayView, destination: Destination) -> list[_Chunk] | None:
         if length > size or (not codec.zstd and length != size):
             return None  # (incompressible, or damaged: read as the engine reads it)
         found.append((index, key, file, offset, length))
+    return found
+
+
+def _chunks(array: ArrayView, places: list[_Place], destination: Destination) -> list[_Chunk]:
+    """The chunks at `places`, each with the part of `destination` (the whole array, C
+    order) its values fill: in C order of the grid, one after the other
+    (`_runs_of_memory`)."""
+    stored = array.stored
+    assert isinstance(stored, StoredArray)
+    size = math.prod(stored.chunks) * stored.dtype.itemsize
     memory = destination.buffer().reshape(-1).view(np.uint8).data
-    # Chunks in C order of the grid fill the memory in order (`_runs_of_memory`).
     return [
         _Chunk(stored, index, key, file, offset, length, memory[n * size : (n + 1) * size])
-        for n, (index, key, file, offset, length) in enumerate(found)
+        for n, (index, key, file, offset, length) in enumerate(places)
     ]
 
 

@@ -155,7 +155,7 @@ class Client:
         `halt` stops the read where another of its burst failed for good. With
         `into` (a buffer of `stop - start` bytes, or a `Scatter` of buffers that add up
         to them), the bytes are read straight into it and the answer's value is a view
-        of it."""
+        of it (empty for a `Scatter`)."""
         _origin(url)
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
