@@ -11,6 +11,7 @@ import numpy as np
 from lazyckpt._array.dtypes import LONG_DOUBLES
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import leaf_values, map_leaves
+from lazyckpt._engine.coalesced import schedule_coalesced
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination
 from lazyckpt._engine.progress import shown
@@ -108,20 +109,27 @@ def _read_here(
     results: dict[int, ReadResult],
 ) -> None:
     """Read every placement but those in `skip` (by `id`) by this process alone:
-    small whole arrays in batches, the others each on its own."""
-    small = [
+    whole arrays of a checkpoint over HTTP in coalesced ranges, small whole arrays
+    in batches, the others each on its own."""
+    small_on_devices = [
         p
         for p in placements
-        if (p.sharding is None or p.sharding.is_fully_addressable)
+        if p.sharding is not None
+        and p.sharding.is_fully_addressable
         and not p.array.key_impl
         and is_small(p.array)
     ]
-    for placement in small:  # (a sharding that cannot lay it out, before any read)
-        if placement.sharding is not None:
-            _regions(placement.array, placement.sharding)
-    to_host = [p for p in small if p.sharding is None]
-    host_values = read_small([p.array for p in to_host], scheduler)
-    read_whole = {id(p) for p in small}
+    for placement in small_on_devices:  # (a sharding that cannot lay it out, before any read)
+        assert placement.sharding is not None
+        _regions(placement.array, placement.sharding)
+    to_host = [p for p in placements if p.sharding is None and not p.array.key_impl]
+    coalesced: set[int] = set()
+    for at, destination in schedule_coalesced([p.array for p in to_host], scheduler).items():
+        coalesced.add(id(to_host[at]))
+        results[id(to_host[at])] = destination
+    small_on_host = [p for p in to_host if id(p) not in coalesced and is_small(p.array)]
+    host_values = read_small([p.array for p in small_on_host], scheduler)
+    read_whole = {id(p) for p in small_on_host + small_on_devices} | coalesced
     # Bound for accelerators: sent in pieces once the others are read.
     sent: list[Placement] = []
     work: list[tuple[LazyArray, Sharding, dict[Box, list[jax.Device]]]] = []
@@ -138,9 +146,9 @@ def _read_here(
         else:
             _schedule_put(placement, placement.sharding, scheduler, results)
     scheduler.drain()
-    for placement, values in zip(to_host, host_values, strict=True):
+    for placement, values in zip(small_on_host, host_values, strict=True):
         results[id(placement)] = values  # (filled as their reads finished)
-    _put_small([p for p in small if p.sharding is not None], scheduler, results)
+    _put_small(small_on_devices, scheduler, results)
     if sent:
         placed = put_staged(work, scheduler.budget, scheduler.progress)
         results.update((id(p), array) for p, array in zip(sent, placed, strict=True))

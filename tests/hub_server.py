@@ -113,6 +113,10 @@ class _HTTPError(Exception):
 
 class _Listener(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256
+    """Connections waiting to be accepted, as a real server's backlog holds them
+    (nginx's 511): socketserver's 5 left the rest of a burst of 32 connections to the
+    kernel's retry of their SYN, a second later."""
 
     def __init__(
         self, hub: HubServer, name: Literal["hub", "cdn"], tls: ssl.SSLContext | None = None

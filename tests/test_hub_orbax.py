@@ -361,3 +361,131 @@ def test_an_http_proxy_never_sees_the_relay(
     tree = lazyckpt.open("hf://org/jax/ckpt")
     np.testing.assert_array_equal(tree["embed"][:4].get(), _layers(3)["embed"][:4])
     assert "127.0.0.1" in os.environ["no_proxy"].split(",")
+
+
+def _weights(count: int) -> dict[str, Any]:
+    """`count` float32 weights of 1 to 2 MiB (one zstd chunk each, as Orbax saves them),
+    one whose first half is zeros and second half random bits (which zstd stores as
+    they are, in blocks a few bytes longer), a small one and a scalar."""
+    rng = np.random.default_rng(1)
+    tree: dict[str, Any] = {
+        f"w{i}": rng.standard_normal((256 + 32 * i, 1024), dtype=np.float32) for i in range(count)
+    }
+    zeros_first = rng.integers(0, 2**32, (512, 1024), dtype=np.uint32)
+    zeros_first[:256] = 0
+    return {**tree, "zeros_first": zeros_first, "bias": np.ones(16, np.float32), "step": 3}
+
+
+def _data_requests(hub: HubServer) -> list[Any]:
+    """The ranged reads of data files (`d/`) the server answered since its log was
+    cleared (the CDN's, after the Hub's redirects)."""
+    return [r for r in hub.log if "/d/" in r.path and r.status == 206]
+
+
+def _stored_values(local: Path, tree: Any) -> int:
+    """Stored bytes of every chunk of the arrays of `tree` that lie in data files."""
+    return sum(
+        stored_chunk_bytes(local, leaf)
+        for _, leaf in lazyckpt.leaves(tree)
+        if isinstance(leaf, LazyArray) and leaf.nbytes > 64
+    )
+
+
+def test_a_whole_tree_comes_in_a_few_large_ranges(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load` of a whole tree reads its chunks' byte ranges in the data files straight
+    into the results: neighbours together, in as many requests as connections (two
+    here) per data file at most, each stored byte once; the values are Orbax's,
+    decoded in place (where the values decoded from its zeros reach its random bits'
+    stored bytes, those are copied out ahead of zstd)."""
+    from lazyckpt._engine import decode
+
+    local = orbax_save(tmp_path / "ckpt", _weights(8))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    tree = lazyckpt.open("hf://org/jax/ckpt")
+    copies: list[int] = []
+    copy_ahead = decode._Tail.copy_ahead
+
+    def counted(tail: Any) -> None:
+        copies.append(1)
+        copy_ahead(tail)
+
+    monkeypatch.setattr(decode._Tail, "copy_ahead", counted)
+    hub.clear_log()
+    with lazyckpt.network_options(connections=2):
+        loaded = lazyckpt.load(tree)
+    _assert_values(loaded, _orbax_restored(local))
+    assert copies  # (`zeros_first`)
+    reads = _data_requests(hub)
+    files = {r.path.rsplit("/", 1)[1] for r in reads}
+    assert len(reads) <= len(files) + 2, [(r.path[-8:], r.range) for r in reads]
+    stored = _stored_values(local, tree)
+    assert stored <= sum(r.bytes_sent for r in reads) <= stored + len(files) * (64 << 10)
+    sizes = {file.name: file.stat().st_size for file in local.rglob("d/*")}
+    for name, sent in _served(hub).items():  # (each byte once at most)
+        assert sent <= sizes[name], name
+
+
+def test_uncompressed_chunks_come_straight_into_place(hub: HubServer, tmp_path: Path) -> None:
+    """Without compression the stored bytes are the values: each request's body lands
+    where they belong, nothing decoded."""
+    tree = _weights(4)
+    local = handler_save(use_ocdbt=True, use_compression=False)(tmp_path / "ckpt", tree)
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    hub.clear_log()
+    with lazyckpt.network_options(connections=2):
+        loaded = lazyckpt.load(remote)
+    _assert_values(loaded, _orbax_restored(local))
+    reads = _data_requests(hub)
+    assert len(reads) <= len({r.path for r in reads}) + 2
+    assert sum(r.bytes_sent for r in reads) == _stored_values(local, remote)
+
+
+def test_a_large_chunk_comes_in_parallel_ranges(hub: HubServer, tmp_path: Path) -> None:
+    """One chunk of 8 MiB, with 4 connections: four requests of about 2 MiB at once,
+    into the one result, by `load` and by `get()`; a view of part of it, in the same
+    load, is read as before."""
+    tree = {"w": np.random.default_rng(2).standard_normal((2048, 1024), dtype=np.float32)}
+    local = orbax_save(tmp_path / "ckpt", tree)
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    hub.clear_log()
+    with lazyckpt.network_options(connections=4):
+        np.testing.assert_array_equal(lazyckpt.load(remote)["w"], tree["w"])
+    reads = _data_requests(hub)
+    assert len(reads) == 4
+    assert sum(r.bytes_sent for r in reads) == stored_chunk_bytes(local, remote["w"])
+    hub.clear_log()
+    with lazyckpt.network_options(connections=4):
+        np.testing.assert_array_equal(remote["w"].get(), tree["w"])
+    assert sorted(r.range for r in _data_requests(hub)) == sorted(r.range for r in reads)
+    loaded = lazyckpt.load({"whole": remote["w"], "rows": remote["w"][10:20]})
+    np.testing.assert_array_equal(loaded["whole"], tree["w"])
+    np.testing.assert_array_equal(loaded["rows"], tree["w"][10:20])
+
+
+@pytest.mark.parametrize("damage", ["frame header", "data file cut short"])
+def test_a_damaged_chunk_read_in_ranges_is_refused(
+    hub: HubServer, tmp_path: Path, damage: str
+) -> None:
+    """Damage that the b-tree cannot see, found as the chunks come in: a chunk whose
+    zstd frame is broken names its array; a data file shorter than the b-tree says
+    names the file."""
+    tree = {"w": np.random.default_rng(3).standard_normal((512, 1024), dtype=np.float32)}
+    local = orbax_save(tmp_path / "ckpt", tree)
+    victim = max(local.rglob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    if damage == "frame header":
+        at = data.index(b"\x28\xb5\x2f\xfd")  # zstd's magic number, at the chunk's start
+        data[at : at + 4] = b"\0\0\0\0"
+        expected = r"array 'w' chunk \[0, 0\] .* does not start with a zstd frame"
+    else:
+        del data[len(data) // 2 :]
+        expected = r"truncated"
+    victim.write_bytes(bytes(data))
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=expected):
+        lazyckpt.load(remote)

@@ -16,9 +16,10 @@ checksum is a `CorruptCheckpointError` naming the array and the chunk.
 
 from __future__ import annotations
 
+import collections
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeGuard
 
 import numpy as np
@@ -173,18 +174,8 @@ class ChunkStream:
         self._opened = False
         self._scratch: bytearray | None = None
 
-    def _where(self) -> str:
-        return (
-            f"{self.stored.store.location}: array {self.stored.key!r} chunk "
-            f"{list(self.index)} (stored as {self.key!r})"
-        )
-
     def _fail(self, what: str) -> LazyckptError:
-        if self.stored.store.changed():
-            return changed_error(self.stored.store.location)
-        return CorruptCheckpointError(
-            f"{self._where()} {what}; the checkpoint's data is damaged, copy it again"
-        )
+        return chunk_error(self.stored, self.index, self.key, what)
 
     def _open(self) -> None:
         self._opened = True
@@ -330,6 +321,88 @@ class ChunkStream:
             self._reader = None
         self._source = None
         self._scratch = None
+
+
+def chunk_error(stored: StoredArray, index: tuple[int, ...], key: str, what: str) -> LazyckptError:
+    """What a chunk whose stored bytes are wrong (`what`) is: a replaced checkpoint, or
+    damaged data."""
+    if stored.store.changed():
+        return changed_error(stored.store.location)
+    return CorruptCheckpointError(
+        f"{stored.store.location}: array {stored.key!r} chunk {list(index)} (stored as "
+        f"{key!r}) {what}; the checkpoint's data is damaged, copy it again"
+    )
+
+
+_TAIL_PIECE = 128 << 10
+"""Stored bytes handed to zstd at a time by `decode_in_place` (a block's worth)."""
+
+
+class _Tail:
+    """A chunk's stored bytes at the end of the memory its values fill, handed to zstd's
+    reader a copy at a time (`handed`: the first byte not yet handed over). Values
+    decoded go over bytes handed over, never over those still to come."""
+
+    def __init__(self, buffer: memoryview, start: int) -> None:
+        self.buffer, self.handed = buffer, start
+        self.ahead: collections.deque[bytes] = collections.deque()
+
+    def read(self, size: int = -1) -> bytes:
+        if self.ahead:
+            return self.ahead.popleft()
+        piece = bytes(self.buffer[self.handed : self.handed + max(size, _TAIL_PIECE)])
+        self.handed += len(piece)
+        return piece
+
+    def copy_ahead(self) -> None:
+        """Copy the next bytes out before the reader asks for them: room for values
+        that a chunk's first part decodes into beyond what its bytes took (it
+        compresses better than the rest). The copies wait in `ahead`, a piece or two."""
+        piece = bytes(self.buffer[self.handed : self.handed + _TAIL_PIECE])
+        self.handed += len(piece)
+        self.ahead.append(piece)
+
+
+def decode_in_place(out: memoryview, stored: int, fail: Callable[[str], LazyckptError]) -> None:
+    """Decode one zstd frame whose `stored` bytes lie at the end of `out` into all of
+    `out`, front to back: each value is written over stored bytes already handed to
+    zstd (`_Tail`), so nothing is held but zstd's window and a piece or two of copies.
+    `fail(what)` is the error of a frame that is wrong."""
+    total = len(out)
+    tail = _Tail(out, total - stored)
+    try:
+        declared = zstandard.frame_content_size(bytes(out[tail.handed : tail.handed + 18]))
+    except zstandard.ZstdError as error:
+        raise fail(f"does not start with a zstd frame ({error})") from None
+    if declared not in (-1, total):
+        raise fail(f"holds a zstd frame of {declared} bytes, expected {total}")
+    reader: _Decoding = zstandard.ZstdDecompressor().stream_reader(
+        tail,  # type: ignore[arg-type]  # any object with read() will do
+        read_size=_TAIL_PIECE,
+        read_across_frames=False,
+        closefd=False,
+    )
+    done = 0
+    try:
+        while done < total:
+            room = min(tail.handed, total) - done
+            if room <= 0:
+                tail.copy_ahead()
+                continue
+            count = reader.readinto(out[done : done + room])
+            if not count:
+                raise fail(f"ends after {done} of its {total} decoded bytes")
+            done += count
+        try:
+            extra = reader.read(1)
+        except zstandard.ZstdError:
+            extra = b"?"  # bytes after the frame that are no zstd frame either
+        if extra:
+            raise fail(f"holds more than its {total} decoded bytes")
+    except zstandard.ZstdError as error:
+        raise fail(f"does not decode ({error})") from None
+    finally:
+        reader.close()
 
 
 def shard_index_range(codec: Codec, index: tuple[int, ...], chunks: tuple[int, ...]) -> slice:

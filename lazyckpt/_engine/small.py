@@ -26,11 +26,10 @@ import zstandard
 from lazyckpt._array.geometry import chunk_box, product
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine import raw
-from lazyckpt._engine.decode import in_shard, shard_index_range
+from lazyckpt._engine.decode import chunk_error, in_shard, shard_index_range
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
-from lazyckpt._errors import CorruptCheckpointError, LazyckptError
-from lazyckpt._storage.kvstore import Store, changed_error, then
+from lazyckpt._storage.kvstore import Store, then
 
 SMALL = 1 << 20
 """Arrays (and their chunks) up to this size that `load` reads whole are read in
@@ -328,7 +327,7 @@ def _values(arrays: Sequence[ArrayView], reads: list[_Read]) -> list[bytes | Non
             continue
         located = in_shard(codec, index, stored.chunks, value)
         if isinstance(located, str):
-            raise _fail(stored, index, key, located)
+            raise chunk_error(stored, index, key, located)
         if located is None:
             found.append(None)
         else:
@@ -366,7 +365,7 @@ def _chunk(
     assert codec is not None
     if data is None:
         if not stored.fill_missing:
-            raise _fail(
+            raise chunk_error(
                 stored,
                 index,
                 key,
@@ -378,23 +377,14 @@ def _chunk(
         try:
             declared = zstandard.frame_content_size(data)
             if declared not in (-1, total):  # (checked before decoding: a damaged header)
-                raise _fail(
+                raise chunk_error(
                     stored, index, key, f"holds a zstd frame of {declared} bytes, expected {total}"
                 )
             data = decompressor.decompress(data, max_output_size=total, allow_extra_data=False)
         except zstandard.ZstdError as error:
-            raise _fail(stored, index, key, f"does not decode ({error})") from None
+            raise chunk_error(stored, index, key, f"does not decode ({error})") from None
     if len(data) != total:
-        raise _fail(stored, index, key, f"holds {len(data)} decoded bytes, expected {total}")
+        raise chunk_error(stored, index, key, f"holds {len(data)} decoded bytes, expected {total}")
     values = np.frombuffer(data, stored.dtype.newbyteorder(codec.byteorder))  # type: ignore[arg-type]
     values = values.reshape([stored.chunks[d] for d in codec.order])
     return values.transpose(np.argsort(codec.order))
-
-
-def _fail(stored: StoredArray, index: tuple[int, ...], key: str, what: str) -> LazyckptError:
-    if stored.store.changed():
-        return changed_error(stored.store.location)
-    return CorruptCheckpointError(
-        f"{stored.store.location}: array {stored.key!r} chunk {list(index)} (stored as "
-        f"{key!r}) {what}; the checkpoint's data is damaged, copy it again"
-    )

@@ -1,6 +1,7 @@
 """Reading one whole view for `LazyArray.read` (`get()`): decoded by lazyckpt, one job
-per stored chunk on the decoding threads (`read_view`), or a composed view through
-the engine (`read_composed`)."""
+per stored chunk on the decoding threads (`read_view`; a whole array over HTTP in
+coalesced ranges, `coalesced.read_whole`), or a composed view through the engine
+(`read_composed`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds, chunks_in
 from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.coalesced import read_whole
 from lazyckpt._engine.decode import job_bytes
 from lazyckpt._engine.fill import decode_into, schedule_fill, windows
 from lazyckpt._engine.memory import Destination, check_fits
@@ -30,6 +32,9 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     selection = array.selection
     if 0 in array.shape:
         return ready(destination.buffer())
+    coalesced = read_whole(array)  # (over HTTP: its chunks' ranges all at once)
+    if coalesced is not None:
+        return coalesced
     read_bytes, window = windows(DEFAULT_MEMORY_BUDGET)
     indices = collections.deque(chunks_in(bounds(selection), stored.chunks))
     users = [(destination, selection)]

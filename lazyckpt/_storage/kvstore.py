@@ -170,6 +170,10 @@ class Store:
     """The files whose identity makes up the generation."""
     index: Index | None = attrs.field(default=None, repr=False)
     """An OCDBT database's b-tree, walked once for reads of many keys."""
+    web: WebFiles | None = attrs.field(default=None, repr=False)
+    """Over HTTP, for tensorstore's drivers: the folder's files that the relay serves
+    them, read by lazyckpt itself where it knows the byte ranges it wants (its pins
+    are the relay's: one version of each file)."""
     _database_files: list[str] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
@@ -246,11 +250,13 @@ class Store:
             files_over_http = cast(ts.KvStore, WebFiles(location))
             return cls(location, ocdbt, context, {}, files_over_http, generation, files)
         tensorstore_io(location)
+        web = None
         if is_web(location):
             # tensorstore's drivers, reading through lazyckpt's client (`relay`); the
             # relay serves the folder for as long as the context (held by the store
             # and by every array opened from it) lives.
-            base = {"driver": "http", "base_url": relay.address(location, context)}
+            web = WebFiles(location)
+            base = {"driver": "http", "base_url": relay.address(web, context)}
         else:
             base = paths.kvstore_spec(location)
         spec = (
@@ -269,7 +275,7 @@ class Store:
             if ocdbt and kvstore.base is not None
             else None
         )
-        return cls(location, ocdbt, context, spec, kvstore, generation, files, index)
+        return cls(location, ocdbt, context, spec, kvstore, generation, files, index, web)
 
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""

@@ -45,7 +45,7 @@ from lazyckpt._storage import network
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
-from lazyckpt._storage.transport import Response, Transport, host
+from lazyckpt._storage.transport import Into, Response, Transport, host
 
 T = TypeVar("T")
 
@@ -66,7 +66,8 @@ class Answer:
     state: str
     """"value", or "missing" where the server has no such file."""
     value: bytes | bytearray | memoryview = b""
-    """The bytes; a view of the caller's buffer where they were read into it."""
+    """The bytes; a view of the caller's buffer where they were read into one (empty
+    where a `Scatter` of buffers holds them)."""
     size: int | None = None
     """The whole file's size, where the server said (`Content-Range`)."""
 
@@ -146,14 +147,15 @@ class Client:
         limit: int = WHOLE_LIMIT,
         halt: network.Stop | None = None,
         ticket: int = 0,
-        into: memoryview | None = None,
+        into: Into | None = None,
     ) -> Answer:
         """The bytes `[start, stop)` of the file at `url` (the whole file, up to
         `limit` bytes, without a range; with `short`, fewer where the file ends before
         `stop`), checked against `pin`; `Answer("missing")` where the server has none.
         `halt` stops the read where another of its burst failed for good. With
-        `into` (a buffer of `stop - start` bytes), the bytes are read straight into it
-        and the answer's value is a view of it."""
+        `into` (a buffer of `stop - start` bytes, or a `Scatter` of buffers that add up
+        to them), the bytes are read straight into it and the answer's value is a view
+        of it (empty for a `Scatter`)."""
         _origin(url)
         if not threading.current_thread().name.startswith(_THREADS):
             # On the pool's threads, whose kept-alive connections live as long as it
@@ -350,7 +352,7 @@ class _Ask:
     pin: Pin
     halt: network.Stop | None
     ticket: int
-    into: memoryview | None = None
+    into: Into | None = None
 
     def too_large(self, declared: int | None) -> LazyckptError:
         if self.wanted is not None:
@@ -371,7 +373,7 @@ class _Ask:
 def _checked_range(ask: _Ask, answer: Response) -> int | None:
     """The file's size from a 206's `Content-Range`, which must hold the bytes asked
     for (or those up to the file's end) and agree with the body."""
-    url, body = ask.url, answer.body
+    url, body = ask.url, answer.received
     text = answer.headers.get("content-range", "")
     match = _CONTENT_RANGE.fullmatch(text.strip())
     if match is None:
@@ -387,13 +389,13 @@ def _checked_range(ask: _Ask, answer: Response) -> int | None:
             "ends past the file's size; it does not serve byte ranges correctly"
         )
     low, high = ask.wanted or (0, None)
-    if first != low or last - first + 1 != len(body):
+    if first != low or last - first + 1 != body:
         raise StorageAccessError(
             f"{describe(url)}: asked for bytes {low} to {high}, the server answered "
-            f"bytes {first} to {last + 1} ({len(body)} bytes of body); it does not serve "
+            f"bytes {first} to {last + 1} ({body} bytes of body); it does not serve "
             "byte ranges correctly: download the file, and open the copy"
         )
-    if high is not None and len(body) < high - low:
+    if high is not None and body < high - low:
         if size is not None and last + 1 < size:
             raise StorageAccessError(
                 f"{describe(url)}: asked for bytes {low} to {high}, the server answered "

@@ -179,11 +179,13 @@ def _bypass_proxies() -> None:
 _RELAY = PerProcess(_Relay)
 
 
-def address(folder: str, owner: object) -> str:
+def address(folder: str | WebFiles, owner: object) -> str:
     """The base URL of a tensorstore `http` kvstore that reads the files of `folder`
-    (an http(s):// URL) through lazyckpt's client, pinned for as long as `owner` (the
-    store that reads them) lives."""
-    return _RELAY.get().address(WebFiles(folder), owner)
+    (an http(s):// URL, or its `WebFiles`, whose pins a caller's own reads then share)
+    through lazyckpt's client, pinned for as long as `owner` (the store that reads
+    them) lives."""
+    files = WebFiles(folder) if isinstance(folder, str) else folder
+    return _RELAY.get().address(files, owner)
 
 
 def shown(error: BaseException) -> str:

@@ -27,7 +27,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -47,13 +47,47 @@ SAFE = "/%:@!$&'()*+,;=~"
 quoted already); a space, `?`, `#` or non-ASCII letter in a file name is quoted."""
 
 
+class Scatter:
+    """Buffers that one body fills in turn, with no copy: a range of a file whose parts
+    belong in different places (the stored bytes of several arrays, each in its own
+    result). Sliced as a memoryview is, by byte."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = tuple(views)
+
+    def __len__(self) -> int:
+        return sum(len(view) for view in self.views)
+
+    def __getitem__(self, span: slice) -> Scatter:
+        start, stop, _ = span.indices(len(self))
+        cut, at = [], 0
+        for view in self.views:
+            low, high = max(start - at, 0), min(stop - at, len(view))
+            if low < high:
+                cut.append(view[low:high])
+            at += len(view)
+        return Scatter(cut)
+
+
+Into = memoryview | Scatter
+"""What a body may be read straight into: one buffer, or several in turn."""
+
+
 @attrs.frozen
 class Response:
     status: int
     headers: dict[str, str]
     """Lower-case names."""
     body: bytes | bytearray | memoryview
-    """A view of the caller's buffer where the body was read into it."""
+    """A view of the caller's buffer where the body was read into one; empty where it
+    was read into a `Scatter` of buffers."""
+    scattered: int = 0
+    """The bytes of the body read into a `Scatter`."""
+
+    @property
+    def received(self) -> int:
+        """The bytes of the body."""
+        return len(self.body) + self.scattered
 
 
 @attrs.define
@@ -190,7 +224,7 @@ class Transport:
         too_large: Callable[[int | None], LazyckptError],
         stop: network.Stop | None = None,
         ticket: int = 0,
-        into: memoryview | None = None,
+        into: Into | None = None,
     ) -> Response:
         """GET `target` (for the file `url`, as errors name it), its body at most
         `limit` bytes (`too_large(declared size)` is raised past it). A 200 to a
@@ -270,7 +304,7 @@ class Transport:
         options: network.NetworkOptions,
         limit: int,
         ranged: bool,
-        into: memoryview | None,
+        into: Into | None,
     ) -> Response:
         clock = _Clock(time.monotonic(), options.timeout, options.min_rate)
         if connection.sock is not None:
@@ -287,7 +321,7 @@ class Transport:
             return Response(status, found, b"")
         wanted = status in (200, 206)
         length = response.length
-        body: bytearray | memoryview | None
+        body: bytearray | memoryview | Scatter | None
         if status == 206 and into is not None:
             body = _body_into(response, into, clock)
         else:
@@ -299,6 +333,8 @@ class Transport:
         else:
             response.close()  # read whole: the connection takes the next request
         count_direct(0 if body is None else len(body))
+        if isinstance(body, Scatter):
+            return Response(status, found, b"", len(body))
         return Response(status, found, b"" if body is None else body)
 
     def _connections(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
@@ -361,24 +397,29 @@ def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> byte
     return body
 
 
-def _body_into(
-    response: http.client.HTTPResponse, into: memoryview, clock: _Clock
-) -> memoryview | None:
+def _body_into(response: http.client.HTTPResponse, into: Into, clock: _Clock) -> Into | None:
     """The body read straight into `into`, the part of it that the body filled; None
     where the body holds more than `into` (the rest unread)."""
     length = response.length
-    if length is not None and length > len(into):
+    size = len(into)
+    if length is not None and length > size:
         return None
-    total = length if length is not None else len(into)
+    total = length if length is not None else size
     clock.expected = total
     got = 0
-    while got < total:
-        count = response.readinto(into[got:total])
-        if count == 0:
+    for view in into.views if isinstance(into, Scatter) else (into,):
+        end = min(len(view), total - got)
+        filled = 0
+        while filled < end:
+            count = response.readinto(view[filled:end])
+            if count == 0:
+                break
+            filled += count
+        got += filled
+        if filled < end or got == total:
             break
-        got += count
     if length is not None and got < length:
         raise http.client.IncompleteRead(b"", length - got)
-    if length is None and got == len(into) and response.read(1):
+    if length is None and got == size and response.read(1):
         return None  # a chunked body longer than asked for
     return into[:got]

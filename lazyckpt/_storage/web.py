@@ -29,6 +29,7 @@ from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
 from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
 from lazyckpt._storage.sites import describe, listing, site
+from lazyckpt._storage.transport import Into, Scatter
 
 SCHEMES = ("http", "https")
 
@@ -100,8 +101,9 @@ class WebFiles:
             with self._lock:
                 self._pins.setdefault(key, pin)
 
-    def read_into(self, key: str, start: int, into: memoryview) -> ts.Future[Answer]:
-        """The bytes of `key` from `start`, read straight into `into` (all of it)."""
+    def read_into(self, key: str, start: int, into: Into) -> ts.Future[Answer]:
+        """The bytes of `key` from `start`, read straight into `into` (all of it; a
+        `Scatter`'s buffers in turn)."""
         return self._submit(key, start, start + len(into), into=into)
 
     def _submit(
@@ -111,7 +113,7 @@ class WebFiles:
         stop: int | None,
         *,
         short: bool = False,
-        into: memoryview | None = None,
+        into: Into | None = None,
     ) -> ts.Future[Answer]:
         url = f"{self.folder}/{urllib.parse.quote(key, safe=SAFE.replace('%', ''))}"
         promise: ts.Promise[Answer]
@@ -168,7 +170,7 @@ def read_cached(
     *,
     short: bool = False,
     limit: int = WHOLE_LIMIT,
-    into: memoryview | None = None,
+    into: Into | None = None,
 ) -> Answer:
     """The bytes `[start, stop)` of `file`, the local copy of the file at `url` (the
     whole file, up to `limit` bytes, without a range; with `short`, fewer where it ends
@@ -190,12 +192,14 @@ def read_cached(
         if high > size and not short:
             raise _short_copy(file, url, size, high)
         wanted = max(min(high, size) - low, 0)
-        data: bytearray | memoryview = bytearray(wanted) if into is None else into[:wanted]
-        done = pread_into(fd, memoryview(data), low)
+        data: bytearray | Into = bytearray(wanted) if into is None else into[:wanted]
+        done = 0
+        for view in data.views if isinstance(data, Scatter) else (memoryview(data),):
+            done += pread_into(fd, view, low + done)
         if done < wanted:  # shortened since `fstat`
             raise _short_copy(file, url, low + done, high)
         count_direct(done)
-        return Answer("value", data, size)
+        return Answer("value", b"" if isinstance(data, Scatter) else data, size)
     finally:
         os.close(fd)
 
