@@ -326,10 +326,17 @@ def test_a_password_holding_what_ends_a_host_is_refused_unshown_before_any_reque
         "http://user:s3cret@127.0.0.1:x/m",
         "http://user:s3cret@[::1/m",
         "http://user:s3\uff0fcret@127.0.0.1:1/m",  # ('/' under NFKC: Python shows the host)
+        "http://user:s3cret@/m",
+        "http://user:s3cret@:81/m",
     ],
 )
 def test_a_malformed_host_is_refused_without_python_repeating_the_password(url: str) -> None:
-    with pytest.raises(lazyckpt.StorageAccessError, match="its host or port is malformed") as bad:
+    with (
+        lazyckpt.network_options(retries=1),
+        pytest.raises(
+            lazyckpt.StorageAccessError, match=r"host or port is malformed|no host"
+        ) as bad,
+    ):
         lazyckpt.open(url)
     assert str(bad.value).startswith(f"http://...@{url.rpartition('@')[2]}: not a URL")
     assert "s3" not in str(bad.value) and "user" not in str(bad.value)

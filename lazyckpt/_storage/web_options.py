@@ -140,6 +140,10 @@ def given(url: str) -> str:
             "is a number up to 65535, an IPv6 host goes in brackets, as [::1]:8080); "
             "percent-encode a password's '/', '?', '#', '@' and non-ASCII characters"
         ) from None
+    if not parts.hostname:
+        raise StorageAccessError(
+            f"{shown}: not a URL lazyckpt can ask for: it names no host (https://HOST/PATH)"
+        )
     origin = (parts.scheme, host(parts))
     place = f"{origin[0]}://{origin[1]}{parts.path}".rstrip("/")
     user, at, _ = parts.netloc.rpartition("@")
