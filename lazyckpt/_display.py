@@ -32,17 +32,23 @@ _PLACES: re.Pattern[str] | None = None
 """Every registered place, longest first, where it is not part of a longer path or
 name (the commit folder `abc` is not a prefix of `abcd`); None where none is."""
 
-# A URL: its scheme, its user name and password (up to the last '@' before the host
-# ends, as the URL standard reads it: a password may hold a raw '@'), its host and
-# path, then its query string or fragment: up to a space or a character no URL holds
-# unescaped (a quote, '<', '>', '\', '^', '`', '{', '|', '}').
+# A URL: its scheme; its user name and password; its host and path; then its query
+# string or fragment, up to a space (a quote, '|' or '<' may be part of a secret).
+# An http(s) URL's user name and password are everything up to its last '@' before
+# another URL that a host may follow (not a space, quote or closing punctuation): a
+# password holding a raw '@', '/', '?', '#', a space, a quote, even a newline is
+# hidden whole, at the cost of hiding more where text after the URL holds such an
+# '@' (`lazyckpt._storage.web_options` refuses a URL with an '@' after its host, but
+# a summary's title is any text). Other schemes carry no credentials lazyckpt
+# sends: their user is what comes before an '@' inside the host part, and an
+# `hf://ORG/NAME@REV/...` path keeps its revision.
 _URL = re.compile(
-    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
-    r"(?P<user>[^\s/?#\"<>\\^`{|}]*@)?"
-    r"(?P<rest>[^\s?#\"<>\\^`{|}]*)"
-    r"(?P<query>[?#][^\s\"<>\\^`{|}]*)?"
+    r"(?:(?P<web>\b(?i:https?)://)(?P<secret>(?:(?!://)[\s\S])*@(?![\s\"'`)\]},;!]))?"
+    r"|(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/?#\"<>\\^`{|}]*@)?)"
+    r"(?P<rest>[^\s?#]*)"
+    r"(?P<query>[?#]\S*)?"
 )
-_AFTER = re.compile(r"[')\],.;:!]*\Z")
+_AFTER = re.compile(r"[\"')\],.;:!]*\Z")
 """Punctuation that ends a query as the message's own (`'URL?x=1', which ...`)."""
 
 
@@ -89,6 +95,22 @@ def as_given(text: str) -> str:
     return _URL.sub(_plain, text) if "://" in text else text
 
 
+def url_shown(url: str) -> str:
+    """How a URL given whole (to `open`, not inside a text) is shown: without what
+    `as_given` hides, its user name and password up to its last '@' and its query
+    string or fragment up to its end, whatever they hold.
+
+    >>> url_shown("http://user:se/cr3t@host/m?sig=a b")
+    'http://...@host/m?...'
+    """
+    scheme, sep, rest = url.partition("://")
+    _, at, rest = rest.rpartition("@")
+    place = re.split("[?#]", rest, maxsplit=1)[0]
+    query = rest[len(place) :]
+    hidden = f"{query[0]}..." if len(query) > 1 else query
+    return f"{scheme}{sep}{'...@' if at else ''}{place}{hidden}"
+
+
 def _named(match: re.Match[str], text: str) -> str:
     """The name of the place `match` found in `text`; the place as it stands where its
     name only adds what follows it there already (a pre-signed file's `?...`, in a
@@ -105,10 +127,11 @@ def given_repr(value: object) -> str:
 
 
 def _plain(match: re.Match[str]) -> str:
-    user, query = match["user"], match["query"] or ""
+    scheme, user = match["web"] or match["scheme"], match["secret"] or match["user"]
+    query = match["query"] or ""
     after = _AFTER.search(query)
     kept = after[0] if after is not None else ""
     hidden = query[: len(query) - len(kept)]
     if len(hidden) > 1:  # (a bare '?' hides nothing: `?...` stays as it is)
         query = f"{hidden[0]}...{kept}"
-    return f"{match['scheme']}{'...@' if user else ''}{match['rest']}{query}"
+    return f"{scheme}{'...@' if user else ''}{match['rest']}{query}"

@@ -259,6 +259,10 @@ def test_only_folders_named_with_a_pid_as_written_are_leftovers(tmp_path: Path) 
     [
         ({"a": object()}, r"a: cannot save a builtins.object"),
         ({"x.y": {"z": 1}, "x": {"y.z": 2}}, r"would both be stored as 'x.y.z'"),
+        (
+            {"a/b": np.zeros(2), "a": {"b": np.ones(3)}},
+            r"keys \('a', 'b'\) and \('a/b',\) would both read back as 'a/b'",
+        ),
         ({"a~b": "text"}, r"'~' must be followed by '0' or '1'"),
         ({"..": np.zeros(2)}, r"'\.\.' part between '/'s"),
         ({"a/": np.zeros(2)}, r"has an empty, '\.' or '\.\.' part"),
@@ -276,6 +280,22 @@ def test_unsavable_trees_are_refused_before_writing(
     with pytest.raises(lazyckpt.UnsavableError, match=message):
         lazyckpt.save(tmp_path / "ckpt", tree)
     assert not any(tmp_path.iterdir())
+
+
+def test_safetensors_names_that_read_alike_as_key_paths_are_refused_by_orbax(
+    tmp_path: Path,
+) -> None:
+    """'a.b' and 'a/b' are two names in safetensors, but as a tree ('a' holding 'b',
+    and 'a/b') both key paths read 'a/b': an Orbax copy would lose one from
+    `open(flat=True)`, so it is refused naming both, as a safetensors save is."""
+    from safetensors.numpy import save_file
+
+    source = tmp_path / "two.safetensors"
+    save_file({"a.b": np.ones(2, np.float32), "a/b": np.zeros(3, np.float32)}, str(source))
+    assert sorted(lazyckpt.open(source, flat=True)) == ["a.b", "a/b"]
+    with pytest.raises(lazyckpt.UnsavableError, match=r"would both read back as 'a/b'"):
+        lazyckpt.convert(source, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.safetensors"]
 
 
 def test_cli_convert(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

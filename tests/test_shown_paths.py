@@ -185,6 +185,17 @@ def test_every_repository_kind_and_file_inside_is_shown_by_its_hf_path(hub: HubS
         ("http://a@b:c@d@h/x?q=1", "http://...@h/x?..."),
         ("https://h/x.bin?...: shown twice", "https://h/x.bin?...: shown twice"),
         ("s3://bucket/a@b and a question?", "s3://bucket/a@b and a question?"),
+        ("http://user:se|cr3t@h/m: 1 array", "http://...@h/m: 1 array"),
+        ("http://user:se cr3t@h/m: 1 array", "http://...@h/m: 1 array"),
+        ('http://u:a"b^c{d}e\\f<g>h`i@h/m: 1', "http://...@h/m: 1"),
+        ("http://user:se\ncr3t\t@h/m: 1 array", "http://...@h/m: 1 array"),
+        ("http://user:se/cr3t@h/m", "http://...@h/m"),
+        ('https://h/x.bin?sig=a|b"c<d>: 1 array', "https://h/x.bin?...: 1 array"),
+        ('"https://h/x.bin?sig=a", said', '"https://h/x.bin?...", said'),
+        (
+            "http://h/m (a raw '@') and hf://org/m@c0ffee0",
+            "http://h/m (a raw '@') and hf://org/m@c0ffee0",
+        ),
         ("/local/path?name", "/local/path?name"),
     ],
 )

@@ -262,3 +262,100 @@ def test_presigned_failures_name_the_file_without_its_signature(
         never_shown(out + err)
     # A folder's URL with a query: nothing inside it asked for without the query.
     assert not [r for r in server.log if r.path.startswith("/m/")]
+
+
+def _needs(password: str) -> Any:
+    """A trick: a 401 unless the request carries `user` and `password` as Basic auth."""
+
+    def check(handler: _Handler, file: File) -> bool:
+        if handler.headers.get("Authorization") != basic("user", password):
+            handler.answer(401, {"WWW-Authenticate": 'Basic realm="m"'}, b"unauthorized")
+            return True
+        return False
+
+    return check
+
+
+@pytest.mark.parametrize("mark", [" ", "|", "^", "{", "}", '"', "<", ">", "`", "'"])
+def test_a_password_holding_what_no_url_holds_raw_is_sent_and_never_shown(
+    server: HostileServer, capsys: pytest.CaptureFixture[str], mark: str
+) -> None:
+    """Characters a URL holds only percent-encoded, which requests sends raw too, and
+    which once ended the password that messages and titles hid."""
+    password = f"se{mark}cr3t"
+    server.put("m/model.safetensors", save(tensors()), trick=_needs(password))
+    url = with_password(f"{server.url}/m", password)
+    assert requests.Request("GET", url).prepare().headers["Authorization"] == basic(
+        "user", password
+    )
+    tree = lazyckpt.open(url)
+    text = shown(tree, url, capsys)
+    assert f"http://...@{server.url.removeprefix('http://')}/m: 3 arrays" in text
+    for secret in ("cr3t", "user:", f"se{mark}"):
+        assert secret not in text, (secret, text)
+
+
+@pytest.mark.parametrize(
+    "password", ["se/cr3t", "1234/cr3t", "se?cr3t", "se#cr3t", "se\\cr3t", "1234?cr3t"]
+)
+def test_a_password_holding_what_ends_a_host_is_refused_unshown_before_any_request(
+    server: HostileServer, capsys: pytest.CaptureFixture[str], password: str
+) -> None:
+    """The host ends at the first '/', '?', '#' or '\\', as the URL standard, requests
+    and curl read it: `user:1234/cr3t@host` would name the host 'user', port 1234,
+    and the path `/cr3t@host/...`. Refused, and the URL shown without any of it."""
+    host = server.url.removeprefix("http://")
+    url = with_password(f"{server.url}/m", password)
+    with pytest.raises(lazyckpt.StorageAccessError) as refused:
+        lazyckpt.open(url)
+    message = str(refused.value)
+    assert message.startswith(f"http://...@{host}/m: not a URL lazyckpt can ask for: ")
+    assert "('/' as %2F, '?' as %3F, '#' as %23, '\\' as %5C, '@' as %40)" in message
+    assert main(["inspect", url]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"lazyckpt: error: http://...@{host}/m: not a URL")
+    for secret in ("cr3t", "user:", ":1234", ":se"):
+        assert secret not in message + repr(refused.value) + out + err, secret
+    assert server.log == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://user:s3cret@127.0.0.1:99999/m",
+        "http://user:s3cret@127.0.0.1:x/m",
+        "http://user:s3cret@[::1/m",
+        "http://user:s3\uff0fcret@127.0.0.1:1/m",  # ('/' under NFKC: Python shows the host)
+        "http://user:s3cret@/m",
+        "http://user:s3cret@:81/m",
+    ],
+)
+def test_a_malformed_host_is_refused_without_python_repeating_the_password(url: str) -> None:
+    with (
+        lazyckpt.network_options(retries=1),
+        pytest.raises(
+            lazyckpt.StorageAccessError, match=r"host or port is malformed|no host"
+        ) as bad,
+    ):
+        lazyckpt.open(url)
+    assert str(bad.value).startswith(f"http://...@{url.rpartition('@')[2]}: not a URL")
+    assert "s3" not in str(bad.value) and "user" not in str(bad.value)
+
+
+@pytest.mark.parametrize(
+    "title",
+    [
+        "http://user:se\ncr3t@host/m",
+        "http://user:se\tcr3t@host/m",
+        "http://user:se cr3t@host/m",
+        "http://user:se/cr3t@host/m",
+        "https://host/x.safetensors?sig=ab|cr3t",
+        'https://host/x.safetensors?sig=ab"cr3t',
+        "https://host/x.safetensors#ab<cr3t>",
+    ],
+)
+def test_a_summary_titled_by_a_url_never_shows_its_secrets(title: str) -> None:
+    summary = lazyckpt.summary({"w": np.zeros(2, np.float32)}, title=title)
+    for text in (summary.text(), summary._repr_html_()):
+        assert "cr3t" not in text and "user:" not in text, text
+    assert summary.text().startswith(("http://...@host/m: 1 array", "https://host/x.safetensors"))

@@ -303,8 +303,11 @@ def choose_chunks(write_shape: Sequence[int], itemsize: int, target: int) -> tup
 
 
 def _check_names(leaves: Sequence[Planned]) -> None:
-    """Refuse trees whose leaves Orbax would store under one name, or could not read."""
+    """Refuse trees whose leaves Orbax would store under one name, or could not read,
+    or that lazyckpt would show by one key path (`{"a/b": x, "a": {"b": y}}`: Orbax
+    keeps both, but `open(flat=True)`, `select` and messages name both 'a/b')."""
     seen: dict[str, Planned] = {}
+    shown: dict[str, Planned] = {}
     for leaf in leaves:
         if leaf.value_type in EMPTY_WRITTEN:
             continue
@@ -327,6 +330,15 @@ def _check_names(leaves: Sequence[Planned]) -> None:
                 "keys with '.'); rename one of them"
             )
         seen[name] = leaf
+        other = shown.get(leaf.path)
+        if other is not None:
+            keys = [tuple(key for key, _ in each.keys) for each in (other, leaf)]
+            raise UnsavableError(
+                f"the leaves at keys {keys[0]!r} and {keys[1]!r} would both read back as "
+                f"{printable(leaf.path)!r} (a key holding '/' reads as a nested path in "
+                "open(flat=True), select and messages); rename one"
+            )
+        shown[leaf.path] = leaf
     strings = [leaf for leaf in leaves if leaf.value_type == "string"]
     try:
         strings_json(

@@ -63,6 +63,8 @@ _NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VALUE = re.compile(r"[\t\x20-\x7e]*")
 """A header value: visible ASCII, spaces and tabs; no CR or LF, which would end it."""
 _BEARER = re.compile(r"[\x21-\x7e]+")
+_HOST_ENDS = re.compile(r"[/?#\\]")
+"""What ends a URL's host and the user name and password before it (`given`)."""
 
 _OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "lazyckpt_web_options", default=None
@@ -114,12 +116,34 @@ def given(url: str) -> str:
       lack it);
     - a fragment, which no client sends.
 
-    Also checks the call's `storage_options` for the place, before any request."""
+    Also checks the call's `storage_options` for the place, before any request.
+
+    The host ends at the first '/', '?', '#' or '\\' (as the URL standard, requests
+    and curl read it): a URL with an '@' after that is refused, since its user name
+    and password would be read as the host, and part of them as its path, sent
+    elsewhere and shown. Messages show the URL as `_display.url_shown` does."""
+    shown = _display.url_shown(url)
+    after_host = _HOST_ENDS.search(url.partition("://")[2])
+    if after_host is not None and "@" in after_host.string[after_host.start() :]:
+        raise StorageAccessError(
+            f"{shown}: not a URL lazyckpt can ask for: it holds an '@' after the first '/', "
+            "'?', '#' or '\\', where its host ends, so a password before that '@' would be "
+            "read as the host; percent-encode these in a password ('/' as %2F, '?' as %3F, "
+            "'#' as %23, '\\' as %5C, '@' as %40), and an '@' in a path or query as %40"
+        )
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises on a malformed port
-    except ValueError as error:
-        raise StorageAccessError(f"{url}: not a URL lazyckpt can ask for ({error})") from None
+    except ValueError:  # (whose message may repeat the password)
+        raise StorageAccessError(
+            f"{shown}: not a URL lazyckpt can ask for: its host or port is malformed (a port "
+            "is a number up to 65535, an IPv6 host goes in brackets, as [::1]:8080); "
+            "percent-encode a password's '/', '?', '#', '@' and non-ASCII characters"
+        ) from None
+    if not parts.hostname:
+        raise StorageAccessError(
+            f"{shown}: not a URL lazyckpt can ask for: it names no host (https://HOST/PATH)"
+        )
     origin = (parts.scheme, host(parts))
     place = f"{origin[0]}://{origin[1]}{parts.path}".rstrip("/")
     user, at, _ = parts.netloc.rpartition("@")
