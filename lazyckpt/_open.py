@@ -12,6 +12,7 @@ from lazyckpt._errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
     UnfinishedCheckpointError,
+    UnsupportedCheckpointError,
 )
 from lazyckpt._orbax.read import listed_arrays, open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
@@ -114,7 +115,22 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                 f"(overwrite=True), or copy the objects under {staged}/ into {where}/ "
                 f"(commit_success.txt or the index last) and delete {where}{SWAP_SUFFIX}"
             ) from None
-    return dict(leaves(tree)) if flat else tree
+    return _flat(where, tree) if flat else tree
+
+
+def _flat(where: str, tree: Any) -> dict[str, Any]:
+    """`tree` as a dict by key path; two leaves whose paths read alike (an Orbax tree
+    of keys `a/b` and `a` > `b`) are refused, not one kept."""
+    flat: dict[str, Any] = {}
+    for path, leaf in leaves(tree):
+        if path in flat:
+            raise UnsupportedCheckpointError(
+                f"{where}: two leaves have the key path {path!r} (a key holding '/' beside "
+                "a nested one), and a flat dict can hold one; open it without flat=True, "
+                "where both are kept in their subtrees"
+            )
+        flat[path] = leaf
+    return flat
 
 
 def arrays_listed(

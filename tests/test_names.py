@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import lazyckpt
+from tests.helpers import orbax_save
 
 TORCH = Path(__file__).parent / "fixtures" / "torch"
 RNG = np.random.default_rng(0)
@@ -109,3 +110,17 @@ def test_a_name_nested_under_another_is_refused_as_a_tree_and_reads_flat(
     ):
         lazyckpt.open(path)
     _same_bytes(lazyckpt.open(path, flat=True), want)
+
+
+def test_an_orbax_tree_of_a_slashed_key_beside_a_nested_one(tmp_path: Path) -> None:
+    """Orbax keeps a key holding '/' beside the same path nested: open keeps both in
+    their subtrees, and a flat dict, which could hold one, is refused naming the path."""
+    x, y = np.arange(3, dtype=np.float32), np.arange(4, dtype=np.int32)
+    path = orbax_save(tmp_path / "ckpt", {"a/b": x, "a": {"b": y}})
+    tree = lazyckpt.open(path)
+    assert np.array_equal(tree["a/b"].get(), x)
+    assert np.array_equal(tree["a"]["b"].get(), y)
+    with pytest.raises(
+        lazyckpt.UnsupportedCheckpointError, match=r"two leaves have the key path 'a/b'"
+    ):
+        lazyckpt.open(path, flat=True)
