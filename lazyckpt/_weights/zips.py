@@ -98,9 +98,20 @@ def members(file: File) -> dict[str, Member]:
 
 
 def _one_end(file: File, tail: bytes, at: int) -> None:
-    """Refuse an end record at `at` that lies in the comment of another one before it
-    (its comment running to the file's end too): which directory is the archive's
-    would be a guess, and a record in a comment can hide it (torch refuses it)."""
+    """Refuse an end record at `at` that holds another record's signature in its
+    comment, or lies in the comment of another one before it (its comment running to
+    the file's end too): which directory is the archive's would be a guess. np.load
+    and torch take the last signature they find scanning back from the end, whether
+    its comment runs to the end or not, so a record hidden in a comment would give
+    them another directory than this one."""
+    after = tail.find(b"PK\x05\x06", at + 4)
+    if after >= 0:
+        raise CorruptCheckpointError(
+            f"{file.path}: its zip comment holds a second end record, {len(tail) - after} "
+            "bytes from its end, which zip readers (np.load, torch) take for the archive's "
+            "end instead of the one before it; the file is hostile or damaged, download "
+            "or copy it again"
+        )
     before = tail.rfind(b"PK\x05\x06", 0, at)
     while before >= 0:
         if before + _END.size + _comment(tail, before) == len(tail):

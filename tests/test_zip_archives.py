@@ -1,0 +1,78 @@
+"""Zip archives made hostile byte by byte (`np.savez` files and `torch.save` ones share
+the reader): each reads as np.load reads it, bit for bit, or is refused by name."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lazyckpt
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torch"
+_END = struct.Struct("<4s4H2LH")
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def _entries(raw: bytes, offset: int, size: int) -> list[tuple[str, bytes]]:
+    """The central directory's entries at `offset`, each with its name."""
+    out, at = [], offset
+    while at < offset + size:
+        name_length, extra_length, comment_length = struct.unpack_from("<3H", raw, at + 28)
+        stop = at + 46 + name_length + extra_length + comment_length
+        out.append((raw[at + 46 : at + 46 + name_length].decode(), raw[at:stop]))
+        at = stop
+    return out
+
+
+def _hidden_directory(path: Path, name: str, decoy: bytes) -> None:
+    """Add a second member `name` holding `decoy` to the archive at `path`, listed by a
+    second directory in the zip comment whose end record is followed by two bytes:
+    its comment does not run to the file's end, but np.load and torch, scanning back
+    for the last end record, read the second directory and so the decoy."""
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "a") as archive:
+        warnings.simplefilter("ignore")  # (zipfile warns that it writes a name again)
+        archive.writestr(name, decoy)
+    raw = path.read_bytes()
+    _, _, _, _, count, size, offset, _ = _END.unpack_from(raw, raw.rfind(b"PK\x05\x06"))
+    names, entries = zip(*_entries(raw, offset, size), strict=True)
+    first = names.index(name)
+    real = b"".join(entries[:-1])  # (the decoy's entry is the last)
+    alt = b"".join(entries[:first] + entries[first + 1 :])
+    alt_at = offset + len(real) + _END.size
+    fake = _END.pack(b"PK\x05\x06", 0, 0, count - 1, count - 1, len(alt), alt_at, 0)
+    comment = alt + fake + b"\x00\x00"
+    end = _END.pack(b"PK\x05\x06", 0, 0, count - 1, count - 1, len(real), offset, len(comment))
+    path.write_bytes(raw[:offset] + real + end + comment)
+
+
+def test_a_directory_hidden_in_the_zip_comment_is_refused_npz(tmp_path: Path) -> None:
+    path = tmp_path / "hidden.npz"
+    np.savez(path, x=np.arange(4.0), y=np.ones(2))
+    _hidden_directory(path, "x.npy", _npy(np.full(4, 9.0)))
+    with zipfile.ZipFile(path) as archive:  # (what np.load reads: the decoy)
+        assert archive.read("x.npy") == _npy(np.full(4, 9.0))
+    np.testing.assert_array_equal(np.load(path)["x"], np.full(4, 9.0))
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"hidden\.npz: its zip comment "):
+        lazyckpt.open(path)
+
+
+def test_a_directory_hidden_in_the_zip_comment_is_refused_torch(tmp_path: Path) -> None:
+    path = tmp_path / "hidden.pt"
+    shutil.copy(FIXTURES / "views.pt", path)
+    with zipfile.ZipFile(path) as archive:
+        stored = archive.read("views/data/0")
+    _hidden_directory(path, "views/data/0", stored[::-1])  # (torch.load reads the decoy)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="second end record"):
+        lazyckpt.open(path)
