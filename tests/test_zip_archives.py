@@ -76,3 +76,15 @@ def test_a_directory_hidden_in_the_zip_comment_is_refused_torch(tmp_path: Path) 
     _hidden_directory(path, "views/data/0", stored[::-1])  # (torch.load reads the decoy)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match="second end record"):
         lazyckpt.open(path)
+
+
+def test_a_member_name_with_a_nul_byte_is_refused(tmp_path: Path) -> None:
+    # zipfile cuts a name at its first NUL: np.load reads "x.npy\0.npy" as "x".
+    path = tmp_path / "nul.npz"
+    np.savez(path, x=np.arange(3.0), **{"x.npy_": np.full(3, 9.0)})
+    path.write_bytes(path.read_bytes().replace(b"x.npy_.npy", b"x.npy\x00.npy"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (zipfile warns of the name listed twice)
+        np.testing.assert_array_equal(np.load(path)["x"], np.full(3, 9.0))
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"'x\.npy\\x00\.npy' holds a NUL"):
+        lazyckpt.open(path)

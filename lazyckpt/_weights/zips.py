@@ -152,6 +152,14 @@ def _entries(file: File, directory: bytes, count: int, bound: int) -> Iterable[M
         extra = directory[start + name_length : start + name_length + extra_length]
         at = start + name_length + extra_length + comment_length
         name = raw_name.decode("utf-8" if flags & 0x800 else "cp437", "replace")
+        if "\x00" in name:
+            # (Python's zipfile, np.load's, cuts a name at its first NUL; torch's
+            # zip reader keeps the NUL: each reads another member by the name)
+            raise CorruptCheckpointError(
+                f"{file.path}: zip member name {name!r} holds a NUL byte, where zip "
+                f"readers cut it or not (np.load reads it as {name.split(chr(0))[0]!r}); "
+                "the archive is damaged or hostile, download or copy it again"
+            )
         if flags & 0x1:
             raise UnsupportedCheckpointError(
                 f"{file.path}: zip member {name!r} is encrypted; lazyckpt reads plain "
