@@ -81,10 +81,65 @@ def test_a_directory_hidden_in_the_zip_comment_is_refused_torch(tmp_path: Path) 
 def test_a_member_name_with_a_nul_byte_is_refused(tmp_path: Path) -> None:
     # zipfile cuts a name at its first NUL: np.load reads "x.npy\0.npy" as "x".
     path = tmp_path / "nul.npz"
-    np.savez(path, x=np.arange(3.0), **{"x.npy_": np.full(3, 9.0)})
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", _npy(np.arange(3.0)))
+        archive.writestr("x.npy_.npy", _npy(np.full(3, 9.0)))
     path.write_bytes(path.read_bytes().replace(b"x.npy_.npy", b"x.npy\x00.npy"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (zipfile warns of the name listed twice)
         np.testing.assert_array_equal(np.load(path)["x"], np.full(3, 9.0))
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"'x\.npy\\x00\.npy' holds a NUL"):
         lazyckpt.open(path)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_deflated_member_failing_its_crc_is_refused(tmp_path: Path) -> None:
+    # Random words, which deflate keeps as stored blocks: a flipped bit is a wrong
+    # value, which only the CRC-32 shows.
+    path = tmp_path / "flipped.npz"
+    np.savez_compressed(path, x=np.random.default_rng(0).integers(0, 2**32, 100_000, np.uint32))
+    _flip(path, path.stat().st_size // 2)
+    with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
+        np.load(path)["x"]
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"'x\.npy': its bytes have the CRC"):
+        lazyckpt.open(path)["x"].get()
+    found = lazyckpt.verify(path, progress=False)
+    assert [d.key for d in found.damaged] == ["x"] and "CRC-32" in found.damaged[0].problem
+    assert found.unchecked == []
+
+
+def _middle(path: Path, name: str) -> int:
+    """The middle of member `name`'s data (which starts after its local header's
+    name and extra field)."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(name)
+    name_length, extra_length = struct.unpack_from(
+        "<2H", path.read_bytes(), info.header_offset + 26
+    )
+    return info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+
+
+@pytest.mark.parametrize("source", ["npz", "torch"])
+def test_verify_checks_a_stored_member_s_crc(tmp_path: Path, source: str) -> None:
+    path = tmp_path / f"flipped.{'npz' if source == 'npz' else 'pt'}"
+    if source == "npz":
+        np.savez(path, x=np.arange(1000.0), y=np.ones(3))
+        member = "x.npy"
+    else:
+        shutil.copy(FIXTURES / "views.pt", path)
+        member = "views/data/0"
+    _flip(path, _middle(path, member))
+    if source == "npz":
+        with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
+            np.load(path)["x"]
+    found = lazyckpt.verify(path, progress=False)
+    assert found.damaged and found.fine and found.unchecked == []
+    for damage in found.damaged:
+        assert f"zip member {member!r}: its bytes have the CRC-32" in damage.problem
+    if source == "npz":
+        assert ([d.key for d in found.damaged], found.fine) == (["x"], ["y"])

@@ -61,6 +61,8 @@ class Saved:
     starts: Mapping[str, int]
     storages: Mapping[str, Storage]
     big_endian: bool = False
+    members: Mapping[str, zips.Stored] = attrs.field(factory=dict)
+    """Each storage's zip member, by key (none in a legacy file)."""
     nodes: int = 1 << 62
     """The most nodes its tree can have without repeating itself: one per byte of
     its pickle (each value takes at least one)."""
@@ -117,7 +119,8 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
         wanted[key] = member
     starts = zips.data_starts(file, wanted.values(), head=head)
     starts_at = {key: starts[m.name][0] for key, m in wanted.items()}
-    return Saved(tree, starts_at, storages, big, nodes=len(data) + 16)
+    members = {key: zips.Stored(file, starts_at[key], m) for key, m in wanted.items()}
+    return Saved(tree, starts_at, storages, big, members, nodes=len(data) + 16)
 
 
 _LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
@@ -187,6 +190,11 @@ def _member(file: File, member: zips.Member, limit: int, head: bytes = b"") -> b
         raise CorruptCheckpointError(
             f"{file.path}: member {member.name!r} holds {len(data)} bytes, not the "
             f"{member.size} its directory declares; download or copy it again"
+        )
+    if zlib.crc32(data) != member.crc:
+        raise CorruptCheckpointError(
+            f"{file.path}: member {member.name!r}: "
+            f"{zips.crc_mismatch(member, zlib.crc32(data))}; download or copy it again"
         )
     return data
 
@@ -311,7 +319,8 @@ def tensor(
     where = f"{file.path}: tensor {name!r}"
     dtype = element_dtype(leaf.dtype.numpy, storage.dtype.numpy, saved.big_endian, where)
     capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
-    place = Place(file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride)
+    start, member = saved.starts[storage.key], saved.members.get(storage.key)
+    place = Place(file, start, capacity, leaf.offset, leaf.shape, leaf.stride, member)
     array = lazy(name, path, dtype, place, stacked)
     if leaf.dtype.name == _FP4_PAIRS:
         array = _fp4_codes(file.path, name, array)
