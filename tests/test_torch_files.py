@@ -376,6 +376,21 @@ def test_a_bin_model_opens_with_every_name_torch_load_shows() -> None:
     assert list(single) == shown["pytorch_model-00001-of-00003.bin"]
 
 
+def test_a_tied_name_is_kept_where_the_index_leaves_out_its_partner(tmp_path: Path) -> None:
+    # The index lists lm_head.weight but not the embedding it is tied to, which comes
+    # first in the shard: transformers loads lm_head.weight, so it is no tie to drop.
+    folder = tmp_path / "model"
+    shutil.copytree(FIXTURES / "gpt2_bin", folder)
+    index_path = folder / "pytorch_model.bin.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["transformer.wte.weight"]
+    index_path.write_text(json.dumps(index))
+    tree = lazyckpt.open(folder, flat=True)
+    assert sorted(tree) == sorted(index["weight_map"])
+    embedding = lazyckpt.open(FIXTURES / "gpt2_bin", flat=True)["transformer.wte.weight"]
+    np.testing.assert_array_equal(tree["lm_head.weight"].get(), embedding.get())
+
+
 def test_a_bin_model_on_the_hub_and_over_plain_https(hub: Any) -> None:
     files = _bin_files()
     # A repository with both forms reads safetensors; one with .bin only reads that.
