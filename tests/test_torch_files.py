@@ -485,9 +485,9 @@ def _shared(depth: int) -> bytes:
     [
         (_shared(40), lazyckpt.CorruptCheckpointError, "repeats or holds itself"),
         (
-            b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R.",
-            lazyckpt.UnsafePickleError,
-            "bytearray",
+            b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R.",  # (2 GiB of zeros)
+            lazyckpt.CorruptCheckpointError,
+            "a bytearray of other than bytes",
         ),
         # BUILD that would set attributes on an object lazyckpt made.
         (
@@ -787,3 +787,18 @@ def test_a_big_endian_file_swaps_bytes_by_its_storage_s_elements(tmp_path: Path)
     path = _members_zip(tmp_path / "i8.pt", over_floats, {"byteorder": b"big", "data/0": data})
     with pytest.raises(lazyckpt.UnsupportedCheckpointError, match="swaps its bytes in groups of 4"):
         lazyckpt.open(path)
+
+
+@pytest.mark.parametrize("stem", ["values", "values_legacy"])
+def test_bytearrays_and_layouts_read_as_bytes_and_names(stem: str) -> None:
+    # torch.load gives bytearrays and torch.strided: lazyckpt their bytes and name.
+    shown = json.loads((FIXTURES / f"{stem}_expected.json").read_text())
+    tree = lazyckpt.open(FIXTURES / f"{stem}.pt")
+    assert sorted(tree) == sorted(shown)
+    assert tree["bytes"] == bytes.fromhex(shown["bytes"]) and tree["empty"] == b""
+    assert tree["layout"] == shown["layout"]
+    assert tree["w"].get().tolist() == shown["w"]
+    with pytest.raises(
+        lazyckpt.UnsupportedCheckpointError, match=r"holds a Python set .* as a list"
+    ):
+        lazyckpt.open(FIXTURES / f"{stem}_set.pt")

@@ -220,6 +220,8 @@ def _entries(
                 f"{file.path} is not a flax msgpack file: bytes follow its map at byte {end} "
                 "(flax writes one map and nothing after)"
             )
+        if not tree:  # (`to_bytes({})`: no leaves, as `msgpack_restore` gives `{}`)
+            return
         for parts, leaf in _walk(flax_msgpack.lazy_tree(file, tree), file.path):
             yield parts, leaf, "/".join(parts)
     else:
