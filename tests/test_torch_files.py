@@ -726,10 +726,12 @@ def test_int_keys_of_one_hash_are_refused_in_linear_time(tmp_path: Path) -> None
     assert "an int wider than 64 bits" in outcomes["keys"]
 
 
-def _members_zip(path: Path, payload: bytes, members: dict[str, bytes]) -> Path:
+def _members_zip(
+    path: Path, payload: bytes, members: dict[str, bytes], pickle_name: str = "data.pkl"
+) -> Path:
     """A torch zip of the pickle `payload` and `members` (names under `archive/`)."""
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", payload)
+        archive.writestr(f"archive/{pickle_name}", payload)
         for name, data in members.items():
             archive.writestr(f"archive/{name}", data)
         archive.writestr("archive/version", "3\n")
@@ -759,9 +761,10 @@ def test_names_torch_does_not_tell_apart_by_case_are_refused(
 
 
 def test_members_are_found_ignoring_case_as_torch_finds_them(tmp_path: Path) -> None:
-    # torch 2.13 reads `BYTEORDER: big` as the byte order, and `DATA/0` as storage 0.
+    # torch 2.13 reads `BYTEORDER: big` as the byte order, `DATA/0` as storage 0 and
+    # `DATA.PKL` as the pickle.
     members = {"BYTEORDER": b"big", "DATA/0": _FLOATS.astype(">f4").tobytes()}
-    path = _members_zip(tmp_path / "upper.pt", _rebuilt(_FALSE_AND_HOOKS), members)
+    path = _members_zip(tmp_path / "upper.pt", _rebuilt(_FALSE_AND_HOOKS), members, "DATA.PKL")
     assert lazyckpt.open(path)["x"].get().tobytes() == _FLOATS.tobytes()
 
 

@@ -202,7 +202,7 @@ def _entries(
     head = file.known
     if head[:4] in (zips.MAGIC, zips.EMPTY):
         found = zips.members(file)
-        if any(name.endswith("/data.pkl") for name in found):
+        if any(torch_files.fold(name).endswith("/data.pkl") for name in found):
             yield from _torch(file, torch_files.read_zip(file, found, head), tied, kept)
         else:
             for name, array in npy.open_npz(file, found, head).items():

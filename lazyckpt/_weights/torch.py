@@ -97,7 +97,7 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
     big = order is not None and _byte_order(file, _member(file, order, 16, head))
     wanted = {}
     for key, storage in storages.items():
-        member = found.get(_fold(f"{prefix}data/{key}"))
+        member = found.get(fold(f"{prefix}data/{key}"))
         if member is None:
             raise CorruptCheckpointError(
                 f"{file.path}: its pickle names storage {key!r} but the archive has no "
@@ -126,7 +126,7 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
 _LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
-def _fold(name: str) -> str:
+def fold(name: str) -> str:
     """`name` as torch's zip reader (miniz) compares names: ASCII letters lowered."""
     return name.translate(_LOWER)
 
@@ -137,7 +137,7 @@ def _folded(file: File, found: dict[str, zips.Member]) -> dict[str, zips.Member]
     finds one or the other)."""
     out: dict[str, zips.Member] = {}
     for name, member in found.items():
-        other = out.setdefault(_fold(name), member)
+        other = out.setdefault(fold(name), member)
         if other is not member:
             raise CorruptCheckpointError(
                 f"{file.path}: its zip archive holds {other.name!r} and {name!r}, names "
