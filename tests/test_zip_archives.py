@@ -143,3 +143,18 @@ def test_verify_checks_a_stored_member_s_crc(tmp_path: Path, source: str) -> Non
         assert f"zip member {member!r}: its bytes have the CRC-32" in damage.problem
     if source == "npz":
         assert ([d.key for d in found.damaged], found.fine) == (["x"], ["y"])
+
+
+def test_a_deflated_member_s_crc_is_checked_after_reads_out_of_order(tmp_path: Path) -> None:
+    # Reads behind the stream inflate again from a kept copy, in pieces that need not
+    # meet where the CRC-32 so far ends: the check still reaches the member's end.
+    path = tmp_path / "flipped.npz"
+    words = np.random.default_rng(1).integers(0, 2**32, 3 << 20, np.uint32)  # (12 MiB)
+    np.savez_compressed(path, x=words)
+    _flip(path, path.stat().st_size // 3)
+    array = lazyckpt.open(path)["x"]
+    n = words.size
+    for at in (n * 3 // 4, n * 7 // 16):  # (9 MiB in, then back to 5.25 MiB: a kept copy)
+        array[at : at + 8].get()  # (before the end: nothing to check yet)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="its bytes have the CRC-32"):
+        array[n - 8 :].get()

@@ -139,8 +139,9 @@ class Inflater:
                     raise self._damaged(f"its data ends at {done} of {self.size} bytes")
                 continue
             end = done + len(piece)
-            if done == self._crc_done:
-                self._crc, self._crc_done = zlib.crc32(piece, self._crc), end
+            if done <= self._crc_done < end:  # (a pass from a mark may overlap it)
+                fresh = piece[self._crc_done - done :]
+                self._crc, self._crc_done = zlib.crc32(fresh, self._crc), end
                 self._check_crc()
             for wanted in self._waiting:
                 at = wanted.low + wanted.filled
