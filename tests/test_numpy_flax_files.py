@@ -426,3 +426,10 @@ def test_a_long_double_numpy_has_no_type_for_here_is_refused_by_name(tmp_path: P
         match=rf"other\.npy: dtype '{other}', a long double that NumPy has no type for",
     ):
         lazyckpt.open(path)
+
+
+def test_an_empty_flax_msgpack_opens_as_an_empty_tree(tmp_path: Path) -> None:
+    path = tmp_path / "empty.msgpack"
+    path.write_bytes(flax.serialization.to_bytes({}))
+    assert flax.serialization.msgpack_restore(path.read_bytes()) == {}
+    assert lazyckpt.open(path) == {} and lazyckpt.open(path, flat=True) == {}

@@ -3,8 +3,14 @@ read (a torch tensor saved with its negative or conjugate bit set: `x.conj()`, a
 `x.conj().imag`, whose values torch negates as it reads them).
 
 Negation is NumPy's, which flips the sign bit of a float (NaN too) and wraps an int
-(`-(-128)` is -128 in int8), as torch's does; the conjugate flips the sign of the
-imaginary part, and the negative of a conjugate that of the real part."""
+(`-(-128)` is -128 in int8), as torch's does for every value but some NaNs: torch
+negates bfloat16 and float16 through float32, and its scalar loop (a tensor shorter
+than its vector width, and the elements left after the vectors) turns every bfloat16
+NaN into 0x7FC0 and quiets a float16 signaling NaN, where its vectorized loop flips
+the sign bit as NumPy does. Which loop an element takes depends on its position and
+the machine, so NaN bits can differ there (the format notes say so). The conjugate
+flips the sign of the imaginary part, and the negative of a conjugate that of the
+real part."""
 
 from __future__ import annotations
 

@@ -9,6 +9,11 @@ verification goes on to the other arrays; an array whose chunks cannot even be l
 reported as not checked, with the reason. Arrays without checksums (zstd without its
 content checksum, as Orbax writes it, or no compression) are named too: for them a
 flipped bit inside the data decodes to a wrong value that nothing can detect.
+
+An array of a zip archive (`.npz`, `torch.save`) is checked against its member's
+CRC-32: a deflated member's as it is inflated to its end, a stored member's by
+reading the member whole once more. (Reads of a stored member's arrays read only the
+bytes they need, and cannot check a CRC-32 of the whole member.)
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
 from lazyckpt._storage.kvstore import check_unchanged, then
 from lazyckpt._text import fold, human_bytes
+from lazyckpt._weights.arrays import MemberArray
+from lazyckpt._weights.zips import Stored
 
 _SHOWN = 20  # damaged arrays listed in full by str(); the rest are counted
 _NAMES = 8  # folded key paths listed per line of names; the rest are counted
@@ -212,7 +219,9 @@ def verify(
             plans.append((path, array, _plan(array, problems.setdefault(path, _Problems()))))
         except CorruptCheckpointError as error:  # its chunks cannot even be listed
             not_checked.append(Damage(path, _line(_short(stored_array(array), str(error))), 0))
+    members = _zip_members(plans)
     total = sum(plan.nbytes for _, _, plan in plans)
+    total += sum(member.member.packed for member, _ in members.values())
     with shown(progress, total, "lazyckpt verify") as bar:
         scheduler = Scheduler(budget, bar)
         read_bytes, window = windows(scheduler.budget)
@@ -234,6 +243,13 @@ def verify(
                     held = HELD * nbytes
                     start = _tensorstore_start(stored, index)
                 scheduler.submit(start, found_here.append_if, held=held, work=nbytes)
+        for member, paths in members.values():
+            scheduler.submit(
+                _crc_start(member, read_bytes),
+                _noting([problems[path] for path in paths]),
+                held=read_bytes,
+                work=member.member.packed,
+            )
         scheduler.drain()
     check_unchanged(stored_array(array).store for _, array, _ in plans)
     damaged = [
@@ -250,6 +266,41 @@ def verify(
         not_checked=not_checked,
         fine=[path for path, _, _ in plans if not problems[path]],
     )
+
+
+def _zip_members(
+    plans: list[tuple[str, LazyArray, _Plan]],
+) -> dict[tuple[int, str, int], tuple[Stored, list[str]]]:
+    """The stored zip members that hold the arrays of `plans`, each with the key
+    paths of its arrays (tied tensors share one)."""
+    out: dict[tuple[int, str, int], tuple[Stored, list[str]]] = {}
+    for path, array, _ in plans:
+        stored = stored_array(array)
+        if isinstance(stored, MemberArray) and stored.member is not None:
+            member = stored.member
+            where = (id(member.file.store), member.file.key, member.member.header)
+            out.setdefault(where, (member, []))[1].append(path)
+    return out
+
+
+def _crc_start(member: Stored, piece: int) -> Callable[[], Any]:
+    def check() -> str | None:
+        try:
+            return member.problem(piece)
+        except CorruptCheckpointError as error:  # (cut short: a finding too)
+            return str(error)
+
+    return lambda: in_pool(check)
+
+
+def _noting(lists: list[_Problems]) -> Callable[[str | None], None]:
+    """Note a problem with a zip member under each array it holds."""
+
+    def note(problem: str | None) -> None:
+        for found in lists:
+            found.append_if(problem)
+
+    return note
 
 
 def _listed(

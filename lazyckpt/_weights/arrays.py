@@ -20,6 +20,7 @@ from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
 from lazyckpt._safetensors.read import RangeArray, contiguous_chunks
+from lazyckpt._weights import zips
 from lazyckpt._weights.files import File
 
 _FIX = "the file is damaged, download or copy it again"
@@ -32,7 +33,7 @@ about 600 bytes and a share of every read's planning)."""
 class Place:
     """Where a tensor's elements are: element `offset`, `shape` and `stride` (in
     elements) within a storage of `capacity` elements whose first byte is at `start`
-    of `file`."""
+    of `file`; `member`, the stored zip member that holds them, if one does."""
 
     file: File
     start: int
@@ -40,6 +41,14 @@ class Place:
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    member: zips.Stored | None = None
+
+
+@attrs.frozen(eq=False)
+class MemberArray(RangeArray):
+    """A `RangeArray` in a stored zip member, whose CRC-32 `verify` checks."""
+
+    member: zips.Stored | None = attrs.field(default=None, repr=False)
 
 
 @attrs.define
@@ -172,17 +181,20 @@ def _raw(
     start: int,
     shape: tuple[int, ...],
 ) -> LazyArray:
-    stored = RangeArray(
-        place.file.store,
-        name,
-        place.file.key,
-        "raw",
-        shape,
-        dtype,
-        contiguous_chunks(shape, dtype.itemsize),
-        False,
-        start=start,
-        file=place.file.path,
+    where = (place.file.store, name, place.file.key, "raw", shape, dtype)
+    chunks = contiguous_chunks(shape, dtype.itemsize)
+    stored = (
+        RangeArray(*where, chunks, False, start=start, file=place.file.path)
+        if place.member is None
+        else MemberArray(
+            *where,
+            chunks,
+            False,
+            checksummed=True,
+            start=start,
+            file=place.file.path,
+            member=place.member,
+        )
     )
     return LazyArray(path, stored, Selection.full(shape), dtype.newbyteorder("="))
 

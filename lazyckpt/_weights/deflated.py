@@ -27,6 +27,7 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.kvstore import then
 from lazyckpt._weights.files import File
+from lazyckpt._weights.zips import Member, crc_mismatch
 
 PIECE = 1 << 20
 """How many compressed bytes one read takes."""
@@ -50,14 +51,15 @@ class _Wanted:
 
 
 class Inflater:
-    """A deflated member of `file`: `packed` bytes at `start`, `size` bytes inflated.
+    """A deflated `member` of `file` whose data starts at `start`.
 
     Reads in flight at once (tensorstore asks for a view's chunks together, in any
     order) wait in one list; one thread at a time inflates forward from the lowest
     byte any of them wants and fills each as the stream passes it."""
 
-    def __init__(self, file: File, start: int, packed: int, size: int, name: str) -> None:
-        self.file, self.start, self.packed, self.size, self.name = file, start, packed, size, name
+    def __init__(self, file: File, start: int, member: Member) -> None:
+        self.file, self.start, self.member = file, start, member
+        self.packed, self.size, self.name = member.packed, member.size, member.name
         self._lock = threading.Condition()
         self._waiting: list[_Wanted] = []
         self._busy = False
@@ -68,11 +70,14 @@ class Inflater:
         self._at: tuple[int, int, Any, bytes] = (0, 0, zlib.decompressobj(-15), b"")
         self._recent: collections.deque[bytes] = collections.deque()  # its last pieces
         self._recent_end = 0  # where they end (a pass adds to them before it ends)
+        # The CRC-32 of its first `_crc_done` inflated bytes, checked at its end.
+        self._crc, self._crc_done = 0, 0
 
     def read(self, low: int, high: int) -> bytes:
         """The inflated bytes `[low, high)`."""
         wanted = _Wanted(low, high)
         with self._lock:
+            self._check_crc()
             if self._kept() <= low and high <= self._recent_end:
                 return self._from_recent(low, high)
             self._waiting.append(wanted)
@@ -134,6 +139,10 @@ class Inflater:
                     raise self._damaged(f"its data ends at {done} of {self.size} bytes")
                 continue
             end = done + len(piece)
+            if done <= self._crc_done < end:  # (a pass from a mark may overlap it)
+                fresh = piece[self._crc_done - done :]
+                self._crc, self._crc_done = zlib.crc32(fresh, self._crc), end
+                self._check_crc()
             for wanted in self._waiting:
                 at = wanted.low + wanted.filled
                 if done <= at < end:
@@ -154,6 +163,13 @@ class Inflater:
         if done >= self.size:  # (read to its end: nothing is behind to keep for)
             self._recent.clear()
             self._recent_end = 0
+
+    def _check_crc(self) -> None:
+        """Refuse the member once inflated to its end where its CRC-32 is not its
+        directory's, as np.load does: a read of its last bytes fails, and every read
+        after. (A read of bytes before cannot wait for the end to be checked.)"""
+        if self._crc_done >= self.size and self._crc != self.member.crc:
+            raise self._damaged(crc_mismatch(self.member, self._crc))
 
     def _kept(self) -> int:
         """Where what the last pass kept starts."""

@@ -39,8 +39,10 @@ _FIX = "the file is damaged, download or copy it again"
 
 
 def is_msgpack_map(head: bytes) -> bool:
-    """Whether `head` starts with a non-empty msgpack map (flax saves a dict)."""
-    return bool(head) and (0x81 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+    """Whether `head` starts with a msgpack map (flax saves a dict): a non-empty one,
+    or an empty one alone, the whole file (`to_bytes({})`; a pickle's first byte is
+    that of an empty map too)."""
+    return head == b"\x80" or (bool(head) and (0x81 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)))
 
 
 @attrs.frozen

@@ -35,6 +35,7 @@ def lazy(name: str, path: tuple[str, ...], dtype: np.dtype[Any], place: Place) -
         place.offset * n,
         (*place.shape, n),
         (*(s * n for s in place.stride), 1),
+        place.member,
     )
     return viewed(arrays.lazy(name, path, np.dtype(np.uint8), in_bytes), dtype)
 

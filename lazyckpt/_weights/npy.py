@@ -121,9 +121,16 @@ def header(data: bytes, where: str) -> Header | None:
     return Header(dtype, shape, fields["fortran_order"], skip + size)
 
 
-def place(file: File, start: int, head: Header, available: int, where: str) -> Place:
+def place(
+    file: File,
+    start: int,
+    head: Header,
+    available: int,
+    where: str,
+    member: zips.Stored | None = None,
+) -> Place:
     """Where an array whose `.npy` header `head` starts at `start` of `file` lies;
-    `available` is how many bytes its file or member holds."""
+    `available` is how many bytes its file or stored zip `member` holds."""
     nbytes = math.prod(head.shape) * head.dtype.itemsize
     if head.length + nbytes > available:
         raise CorruptCheckpointError(
@@ -131,7 +138,8 @@ def place(file: File, start: int, head: Header, available: int, where: str) -> P
             f"but {available - head.length} follow; {_FIX}"
         )
     stride = c_strides(head.shape[::-1])[::-1] if head.fortran else c_strides(head.shape)
-    return Place(file, start + head.length, max(math.prod(head.shape), 1), 0, head.shape, stride)
+    count = max(math.prod(head.shape), 1)
+    return Place(file, start + head.length, count, 0, head.shape, stride, member)
 
 
 def open_npy(file: File, name: str, path: tuple[str, ...]) -> LazyArray:
@@ -177,14 +185,14 @@ def open_npz(file: File, found: dict[str, zips.Member], head: bytes = b"") -> di
         )
         if npy is None:
             raise CorruptCheckpointError(f"{where}: its .npy header is cut short; {_FIX}")
-        out[key] = lazy(
-            key, tuple(key.split("/")), npy.dtype, place(file, start, npy, member.size, where)
-        )
+        stored = zips.Stored(file, start, member)
+        at = place(file, start, npy, member.size, where, stored)
+        out[key] = lazy(key, tuple(key.split("/")), npy.dtype, at)
     return out
 
 
 def _deflated(file: File, member: zips.Member, start: int, key: str, where: str) -> LazyArray:
-    inflater = Inflater(file, start, member.packed, member.size, member.name)
+    inflater = Inflater(file, start, member)
     try:
         first = zlib.decompressobj(-15).decompress(
             file.read(start, start + min(member.packed, 1 << 16), where), HEADER_LIMIT + 12
@@ -214,6 +222,7 @@ def _deflated(file: File, member: zips.Member, start: int, key: str, where: str)
         dtype,
         contiguous_chunks(shape, dtype.itemsize),
         False,
+        checksummed=True,  # (its CRC-32, checked when it is inflated to its end)
         inflater=inflater,
         offset=head.length,
     )

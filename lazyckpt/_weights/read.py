@@ -18,7 +18,7 @@ keys `1` and `"1"` of one map, a dotted key and nested keys that spell it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lazyckpt._array.tree import PathClash, nested
@@ -165,8 +165,9 @@ def _read(
     entries: list[Entry] = []
     for shard in shards:
         file = File(store, shard, paths.join(folder, shard))
-        for parts, leaf, name in _entries(file, tied):
-            if weight_map is not None and weight_map.get(name) != shard:
+        placed = _placed(weight_map, shard)
+        for parts, leaf, name in _entries(file, tied, placed):
+            if not placed(name):
                 continue  # the index places it elsewhere (or nowhere), as transformers does
             if several:  # files without an index (consolidated.00.pth, ...): by file
                 stem = shard.rsplit(".", 1)[0]
@@ -183,16 +184,26 @@ def _read(
     return entries
 
 
-def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
+def _placed(weight_map: dict[str, str] | None, shard: str) -> Callable[[str], bool]:
+    """Whether the index (if any) places a name in `shard`."""
+    if weight_map is None:
+        return lambda name: True
+    return lambda name: weight_map.get(name) == shard
+
+
+def _entries(
+    file: File, tied: set[str] | None = None, kept: Callable[[str], bool] = lambda name: True
+) -> Iterator[Entry]:
     """Each tensor (and plain value) of one file: its key path, leaf and flat name.
     With `tied`, a torch tensor that is an earlier one again (the same elements of the
-    same storage) is left out, its name added to `tied`."""
+    same storage) is left out, its name added to `tied`, where the earlier one is
+    `kept` (a name its index places in the file)."""
     file = file.knowing(_HEAD)
     head = file.known
     if head[:4] in (zips.MAGIC, zips.EMPTY):
         found = zips.members(file)
-        if any(name.endswith("/data.pkl") for name in found):
-            yield from _torch(file, torch_files.read_zip(file, found, head), tied)
+        if any(torch_files.fold(name).endswith("/data.pkl") for name in found):
+            yield from _torch(file, torch_files.read_zip(file, found, head), tied, kept)
         else:
             for name, array in npy.open_npz(file, found, head).items():
                 yield array.path, array, name  # type: ignore[misc]
@@ -200,7 +211,7 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
         name = file.key.rsplit(".", 1)[0]
         yield (name,), npy.open_npy(file, name, (name,)), name
     elif torch_files.is_legacy(head):
-        yield from _torch(file, torch_files.read_legacy(file, head), tied)
+        yield from _torch(file, torch_files.read_legacy(file, head), tied, kept)
     elif flax_msgpack.is_msgpack_map(head):
         tree, end = flax_msgpack.read_flax(file)
         file.read(end - 1, end, "the end of its data")
@@ -209,6 +220,8 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
                 f"{file.path} is not a flax msgpack file: bytes follow its map at byte {end} "
                 "(flax writes one map and nothing after)"
             )
+        if not tree:  # (`to_bytes({})`: no leaves, as `msgpack_restore` gives `{}`)
+            return
         for parts, leaf in _walk(flax_msgpack.lazy_tree(file, tree), file.path):
             yield parts, leaf, "/".join(parts)
     else:
@@ -218,8 +231,10 @@ def _entries(file: File, tied: set[str] | None = None) -> Iterator[Entry]:
         )
 
 
-def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Iterator[Entry]:
-    seen: set[Tensor] = set()
+def _torch(
+    file: File, saved: torch_files.Saved, tied: set[str] | None, kept: Callable[[str], bool]
+) -> Iterator[Entry]:
+    seen: set[Tensor] = set()  # (the tensors of names kept)
     stacked = Stacked()
     for parts, leaf in _walk(saved.tree, file.path, split=True, limit=saved.nodes):
         name = ".".join(parts)
@@ -227,7 +242,8 @@ def _torch(file: File, saved: torch_files.Saved, tied: set[str] | None) -> Itera
             if tied is not None and leaf in seen:
                 tied.add(name)
                 continue
-            seen.add(leaf)
+            if kept(name):
+                seen.add(leaf)
             yield parts, torch_files.tensor(file, saved, leaf, name, parts, stacked), name
         elif isinstance(leaf, DType):  # a dtype saved as a value
             yield parts, leaf.numpy, name

@@ -13,6 +13,7 @@ its little-endian bytes: where each starts follows from the counts alone.
 from __future__ import annotations
 
 import io
+import string
 import struct
 import zlib
 from collections.abc import Mapping
@@ -60,6 +61,8 @@ class Saved:
     starts: Mapping[str, int]
     storages: Mapping[str, Storage]
     big_endian: bool = False
+    members: Mapping[str, zips.Stored] = attrs.field(factory=dict)
+    """Each storage's zip member, by key (none in a legacy file)."""
     nodes: int = 1 << 62
     """The most nodes its tree can have without repeating itself: one per byte of
     its pickle (each value takes at least one)."""
@@ -79,6 +82,7 @@ def is_legacy(head: bytes) -> bool:
 def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Saved:
     """The table of a `torch.save` zip whose members are `found`; `head` is the file's
     first bytes, read already (where torch writes `data.pkl`)."""
+    found = _folded(file, found)
     pickles = [name for name in found if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1 or any(name.endswith("/constants.pkl") for name in found):
         kind = "a TorchScript archive" if pickles else "no torch.save archive"
@@ -90,10 +94,10 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
     data = _member(file, found[pickles[0]], PICKLE_LIMIT, head)
     tree, storages = _unpickled(data, file.path)
     order = found.get(prefix + "byteorder")
-    big = order is not None and _member(file, order, 16, head).strip() == b"big"
+    big = order is not None and _byte_order(file, _member(file, order, 16, head))
     wanted = {}
     for key, storage in storages.items():
-        member = found.get(f"{prefix}data/{key}")
+        member = found.get(fold(f"{prefix}data/{key}"))
         if member is None:
             raise CorruptCheckpointError(
                 f"{file.path}: its pickle names storage {key!r} but the archive has no "
@@ -115,7 +119,45 @@ def read_zip(file: File, found: dict[str, zips.Member], head: bytes = b"") -> Sa
         wanted[key] = member
     starts = zips.data_starts(file, wanted.values(), head=head)
     starts_at = {key: starts[m.name][0] for key, m in wanted.items()}
-    return Saved(tree, starts_at, storages, big, nodes=len(data) + 16)
+    members = {key: zips.Stored(file, starts_at[key], m) for key, m in wanted.items()}
+    return Saved(tree, starts_at, storages, big, members, nodes=len(data) + 16)
+
+
+_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def fold(name: str) -> str:
+    """`name` as torch's zip reader (miniz) compares names: ASCII letters lowered."""
+    return name.translate(_LOWER)
+
+
+def _folded(file: File, found: dict[str, zips.Member]) -> dict[str, zips.Member]:
+    """The members `found` by their names folded as torch looks them up, refusing two
+    names that fold alike: which of them torch reads is a guess (its sorted index
+    finds one or the other)."""
+    out: dict[str, zips.Member] = {}
+    for name, member in found.items():
+        other = out.setdefault(fold(name), member)
+        if other is not member:
+            raise CorruptCheckpointError(
+                f"{file.path}: its zip archive holds {other.name!r} and {name!r}, names "
+                "that torch.load does not tell apart (it looks members up ignoring case) "
+                "and reads one or the other; the archive is damaged or hostile, "
+                "download or copy it again"
+            )
+    return out
+
+
+def _byte_order(file: File, text: bytes) -> bool:
+    """Whether the `byteorder` member `text` says big-endian; torch refuses any other
+    text than `little` and `big`."""
+    if text not in (b"little", b"big"):
+        raise CorruptCheckpointError(
+            f"{file.path}: its byteorder member says {text[:16]!r}, where torch.save "
+            "writes b'little' or b'big' (torch.load refuses it too); the file is damaged, "
+            "download or copy it again"
+        )
+    return text == b"big"
 
 
 def _member(file: File, member: zips.Member, limit: int, head: bytes = b"") -> bytes:
@@ -148,6 +190,11 @@ def _member(file: File, member: zips.Member, limit: int, head: bytes = b"") -> b
         raise CorruptCheckpointError(
             f"{file.path}: member {member.name!r} holds {len(data)} bytes, not the "
             f"{member.size} its directory declares; download or copy it again"
+        )
+    if zlib.crc32(data) != member.crc:
+        raise CorruptCheckpointError(
+            f"{file.path}: member {member.name!r}: "
+            f"{zips.crc_mismatch(member, zlib.crc32(data))}; download or copy it again"
         )
     return data
 
@@ -232,16 +279,33 @@ def _check_counts(
             )
 
 
-def element_dtype(dtype: np.dtype[Any], big_endian: bool, path: str) -> np.dtype[Any]:
-    """`dtype` in the byte order the file `path` stores it in."""
-    if not big_endian or dtype.itemsize == 1:
+def element_dtype(
+    dtype: np.dtype[Any], storage: np.dtype[Any], big_endian: bool, where: str
+) -> np.dtype[Any]:
+    """`dtype`, a tensor's over a storage of `storage` elements, in the byte order the
+    file keeps it in (`where` names the tensor). torch.load swaps a big-endian file's
+    bytes by the storage's elements (a complex one's by its parts), not the tensor's:
+    over bytes (`UntypedStorage`) it swaps none."""
+    if not big_endian or _swapped(storage) == 1:
         return dtype
+    if _swapped(dtype) != _swapped(storage):
+        raise UnsupportedCheckpointError(
+            f"{where} holds {dtype.name} over a storage of {storage.name} in a big-endian "
+            f"torch file: torch.load swaps its bytes in groups of {_swapped(storage)}, as "
+            f"the storage's elements, then reads them as {dtype.name}, which lazyckpt does "
+            "not read; save it again on a little-endian machine"
+        )
     if dtype.kind not in "biufc":
         raise UnsupportedCheckpointError(
-            f"{path} is a big-endian torch file that holds {dtype.name}, which lazyckpt "
-            "reads in little-endian files only; save it again on a little-endian machine"
+            f"{where} is big-endian {dtype.name}, which lazyckpt reads in little-endian "
+            "torch files only; save it again on a little-endian machine"
         )
     return dtype.newbyteorder(">")
+
+
+def _swapped(dtype: np.dtype[Any]) -> int:
+    """How many bytes torch swaps at a time in elements of `dtype`."""
+    return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
 
 
 def tensor(
@@ -252,9 +316,11 @@ def tensor(
     float4 pairs as their two codes, and its conjugate and negative bits applied as it
     is read, as torch.load gives it."""
     storage = saved.storages[leaf.storage.key]
-    dtype = element_dtype(leaf.dtype.numpy, saved.big_endian, file.path)
+    where = f"{file.path}: tensor {name!r}"
+    dtype = element_dtype(leaf.dtype.numpy, storage.dtype.numpy, saved.big_endian, where)
     capacity = storage.numel * storage.dtype.numpy.itemsize // dtype.itemsize
-    place = Place(file, saved.starts[storage.key], capacity, leaf.offset, leaf.shape, leaf.stride)
+    start, member = saved.starts[storage.key], saved.members.get(storage.key)
+    place = Place(file, start, capacity, leaf.offset, leaf.shape, leaf.stride, member)
     array = lazy(name, path, dtype, place, stacked)
     if leaf.dtype.name == _FP4_PAIRS:
         array = _fp4_codes(file.path, name, array)

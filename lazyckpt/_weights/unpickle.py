@@ -251,6 +251,20 @@ def _complex(real: object = 0.0, imag: object = 0.0) -> complex:
     return complex(real, imag)  # (an int over a float's range raises OverflowError)
 
 
+_LAYOUTS = frozenset(
+    f"torch.{name}"
+    for name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+) | {"torch._mkldnn", "torch.jagged"}
+
+
+def _layout(name: object) -> str:
+    """`torch.serialization._get_layout`, a `torch.layout` value (`torch.strided`)
+    saved as a value: read as its name, as a `torch.device` is."""
+    if name not in _LAYOUTS:
+        raise ValueError("torch.serialization._get_layout of other than a layout's name")
+    return str(name)
+
+
 class _Marker:
     """A class named only as a tensor subclass's type (`torch.nn.Parameter`)."""
 
@@ -269,11 +283,14 @@ _GLOBALS: dict[tuple[str, str], object] = {
     ("torch", "device"): _device,
     ("collections", "OrderedDict"): _ordered_dict,
     ("_codecs", "encode"): _encode,
+    ("torch.serialization", "_get_layout"): _layout,
     ("builtins", "complex"): _complex,
     ("__builtin__", "complex"): _complex,  # (protocol 2, torch.save's, names it so)
 }
 
 
+_UNREAD_CONTAINERS = {("builtins", "set"), ("__builtin__", "set"), ("collections", "Counter")}
+"""Containers torch's weights-only loader allows that lazyckpt's trees do not hold."""
 _UNREAD_DTYPES = ("complex32", "chalf", "bits", "qint", "quint", "uint1", "int1", "int2")
 """torch dtypes that lazyckpt does not read (their names start so)."""
 _MAX_RANK = 64
@@ -295,9 +312,29 @@ class _Unpickler(Guarded):
             raise ValueError(f"more than {_ENCODED} bytes of encoded text")
         return out
 
+    def _bytearray(self, data: object = b"") -> bytes:
+        """`builtins.bytearray`, which torch's weights-only loader allows: read as the
+        `bytes` it holds (lazyckpt's leaves are read, never written), counted with
+        the encoded text (a pickle can copy one memoized value again and again)."""
+        if not isinstance(data, bytes):
+            raise ValueError("a bytearray of other than bytes")
+        self._encoded += len(data)
+        if self._encoded > _ENCODED:
+            raise ValueError(f"more than {_ENCODED} bytes of encoded text")
+        return data
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("_codecs", "encode"):
             return self._encode
+        if module in ("builtins", "__builtin__") and name == "bytearray":
+            return self._bytearray
+        if (module, name) in _UNREAD_CONTAINERS:
+            raise UnsupportedCheckpointError(
+                f"{self.path} holds a Python {name} (its pickle names {module}.{name}), "
+                "which torch.load reads but lazyckpt does not: its trees hold arrays, "
+                "numbers, strings, bytes and dicts, lists and tuples of them. Load the "
+                f"file with torch and save the {name} as a list or dict"
+            )
         found = _GLOBALS.get((module, name))
         if found is not None:
             return found

@@ -9,6 +9,7 @@ later, by range, by the engine."""
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterable
 
 import attrs
@@ -44,6 +45,40 @@ class Member:
     packed: int
     size: int
     bound: int
+    crc: int
+    """The CRC-32 of its bytes (inflated), which np.load checks as it reads a member
+    whole."""
+
+
+@attrs.frozen
+class Stored:
+    """A stored (uncompressed) member of `file` whose data starts at `start`: what
+    `verify` checks the CRC-32 of. Reads of a few of its bytes cannot: the CRC-32 is
+    of the whole member."""
+
+    file: File
+    start: int
+    member: Member
+
+    def problem(self, piece: int) -> str | None:
+        """What is wrong with the member's bytes, read `piece` bytes at a time: its
+        CRC-32 is not its directory's, or it ends early; None where nothing is."""
+        crc, at, stop = 0, self.start, self.start + self.member.packed
+        while at < stop:
+            end = min(at + piece, stop)
+            crc = zlib.crc32(self.file.read(at, end, f"zip member {self.member.name!r}"), crc)
+            at = end
+        if crc != self.member.crc:
+            return f"zip member {self.member.name!r}: {crc_mismatch(self.member, crc)}"
+        return None
+
+
+def crc_mismatch(member: Member, crc: int) -> str:
+    """The finding that `member`'s bytes have the CRC-32 `crc`, not its directory's."""
+    return (
+        f"its bytes have the CRC-32 {crc:08x} where the archive's directory says "
+        f"{member.crc:08x} (np.load refuses them too)"
+    )
 
 
 def members(file: File) -> dict[str, Member]:
@@ -98,9 +133,20 @@ def members(file: File) -> dict[str, Member]:
 
 
 def _one_end(file: File, tail: bytes, at: int) -> None:
-    """Refuse an end record at `at` that lies in the comment of another one before it
-    (its comment running to the file's end too): which directory is the archive's
-    would be a guess, and a record in a comment can hide it (torch refuses it)."""
+    """Refuse an end record at `at` that holds another record's signature in its
+    comment, or lies in the comment of another one before it (its comment running to
+    the file's end too): which directory is the archive's would be a guess. np.load
+    and torch take the last signature they find scanning back from the end, whether
+    its comment runs to the end or not, so a record hidden in a comment would give
+    them another directory than this one."""
+    after = tail.find(b"PK\x05\x06", at + 4)
+    if after >= 0:
+        raise CorruptCheckpointError(
+            f"{file.path}: its zip comment holds a second end record, {len(tail) - after} "
+            "bytes from its end, which zip readers (np.load, torch) take for the archive's "
+            "end instead of the one before it; the file is hostile or damaged, download "
+            "or copy it again"
+        )
     before = tail.rfind(b"PK\x05\x06", 0, at)
     while before >= 0:
         if before + _END.size + _comment(tail, before) == len(tail):
@@ -133,7 +179,7 @@ def _entries(file: File, directory: bytes, count: int, bound: int) -> Iterable[M
                 f"{file.path}: its zip directory ends early (at byte {at}); {_FIX}"
             )
         fields = _ENTRY.unpack_from(directory, at)
-        flags, method = fields[3], fields[4]
+        flags, method, crc = fields[3], fields[4], fields[7]
         packed, size, name_length, extra_length, comment_length = fields[8:13]
         header = fields[16]
         start = at + _ENTRY.size
@@ -141,6 +187,14 @@ def _entries(file: File, directory: bytes, count: int, bound: int) -> Iterable[M
         extra = directory[start + name_length : start + name_length + extra_length]
         at = start + name_length + extra_length + comment_length
         name = raw_name.decode("utf-8" if flags & 0x800 else "cp437", "replace")
+        if "\x00" in name:
+            # (Python's zipfile, np.load's, cuts a name at its first NUL; torch's
+            # zip reader keeps the NUL: each reads another member by the name)
+            raise CorruptCheckpointError(
+                f"{file.path}: zip member name {name!r} holds a NUL byte, where zip "
+                f"readers cut it or not (np.load reads it as {name.split(chr(0))[0]!r}); "
+                "the archive is damaged or hostile, download or copy it again"
+            )
         if flags & 0x1:
             raise UnsupportedCheckpointError(
                 f"{file.path}: zip member {name!r} is encrypted; lazyckpt reads plain "
@@ -152,7 +206,7 @@ def _entries(file: File, directory: bytes, count: int, bound: int) -> Iterable[M
                 f"{file.path}: zip member {name!r} is declared at bytes {header} to "
                 f"{header + packed}, past the archive's directory at {bound}; {_FIX}"
             )
-        yield Member(name, header, method, packed, size, bound)
+        yield Member(name, header, method, packed, size, bound, crc)
 
 
 def _zip64(
