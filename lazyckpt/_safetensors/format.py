@@ -253,9 +253,8 @@ def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
     """`(weight_map, metadata)` of a `model.safetensors.index.json`."""
     raw = json_or_corrupt(file, text, "the file is damaged")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    # (JSON's keys are strings; the values' types are gathered in C: 100,000 of them)
+    if not isinstance(weight_map, dict) or not set(map(type, weight_map.values())) <= {str}:
         raise CorruptCheckpointError(
             f"{file} has no 'weight_map' of tensor names to file names; the file is damaged"
         )
@@ -269,7 +268,7 @@ def parse_index(file: str, text: str) -> tuple[dict[str, str], dict[str, str]]:
         raise CorruptCheckpointError(
             f"{file} has metadata {str(metadata)[:40]}, expected an object; the file is damaged"
         )
-    return dict(weight_map), {str(k): str(v) for k, v in metadata.items()}
+    return weight_map, {str(k): str(v) for k, v in metadata.items()}
 
 
 def encode_header(

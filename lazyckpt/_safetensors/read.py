@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -213,50 +214,47 @@ def _tensors(
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name != INDEX]
     headers = _headers(folder, shards, store)
-    make = _Maker(store, folder, split)
     if weight_map is None:  # one file: its tensors in the header's order
         (shard,), (header,) = shards, headers
-        return {tensor.name: make(shard, tensor) for tensor in header.tensors}
+        file = paths.join(folder, shard)
+        return _arrays(store, [(shard, file, tensor) for tensor in header.tensors], split)
     # In the index's order; a tensor that the index places elsewhere (or nowhere) is
     # skipped, as Hugging Face skips it.
     tables = {
-        shard: {tensor.name: tensor for tensor in header.tensors}
+        shard: (paths.join(folder, shard), {tensor.name: tensor for tensor in header.tensors})
         for shard, header in zip(shards, headers, strict=True)
     }
-    by_name: dict[str, LazyArray] = {}
+    placed = []
     missing = []
     for name, shard in weight_map.items():
-        tensor = tables[shard].get(name)
+        file, table = tables[shard]
+        tensor = table.get(name)
         if tensor is None:
             missing.append(name)
         else:
-            by_name[name] = make(shard, tensor)
+            placed.append((shard, file, tensor))
     if missing:
         raise CorruptCheckpointError(
             f"{folder}/{INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
             "whose headers do not hold them; download or copy the model again"
         )
-    return by_name
+    return _arrays(store, placed, split)
 
 
-class _Maker:
-    """Makes each tensor's LazyArray over a `RangeArray`, sharing what tensors of one
-    shape and dtype share (a model of 100,000 tensors has a few dozen shapes)."""
-
-    def __init__(self, store: Store, folder: str, split: bool) -> None:
-        self.store, self.folder, self.split = store, folder, split
-        self.files: dict[str, str] = {}
-        self.layouts: dict[tuple[tuple[int, ...], np.dtype[Any]], _Layout] = {}
-
-    def __call__(self, shard: str, tensor: Tensor) -> LazyArray:
-        file = self.files.get(shard)
-        if file is None:
-            file = self.files[shard] = paths.join(self.folder, shard)
-        layout = self.layouts.get((tensor.shape, tensor.dtype))
+def _arrays(
+    store: Store, placed: list[tuple[str, str, Tensor]], split: bool
+) -> dict[str, LazyArray]:
+    """Each `(shard, file, tensor)`'s LazyArray over a `RangeArray`, by name. One loop
+    that shares what tensors of one shape and dtype share: a model of 100,000 tensors
+    has a few dozen shapes."""
+    layouts: dict[tuple[tuple[int, ...], np.dtype[Any]], _Layout] = {}
+    out = {}
+    for shard, file, tensor in placed:
+        layout = layouts.get((tensor.shape, tensor.dtype))
         if layout is None:
-            layout = self.layouts[tensor.shape, tensor.dtype] = _Layout.of(tensor)
+            layout = layouts[tensor.shape, tensor.dtype] = _Layout.of(tensor)
         stored = RangeArray(
-            self.store,
+            store,
             tensor.name,
             shard,
             "safetensors",
@@ -267,12 +265,14 @@ class _Maker:
             start=tensor.start,
             file=file,
         )
-        path = tuple(tensor.name.split(".")) if self.split else (tensor.name,)
+        # (each part kept once: a model repeats `model`, `layers`, `weight` 100,000 times)
+        path = tuple(map(sys.intern, tensor.name.split("."))) if split else (tensor.name,)
         array = LazyArray(path, stored, layout.selection, layout.native)
         if layout.packed:  # unpacked as it is read, one code per element
             node = PackedFP4(tensor.shape, tensor.dtype, array)
             array = LazyArray(path, node, Selection.full(tensor.shape), tensor.dtype)
-        return array
+        out[tensor.name] = array
+    return out
 
 
 @attrs.frozen
