@@ -118,6 +118,21 @@ def test_an_opened_tree_is_left_in_the_oldest_generation(tmp_path: Path) -> None
     assert gc.isenabled()
 
 
+def test_what_the_program_froze_stays_frozen(tmp_path: Path) -> None:
+    """A program that froze objects (before forking workers, say) keeps them frozen:
+    `open` leaves its tree to the collector then."""
+    sharded_model(tmp_path / "m", layers=3)
+    kept: list[object] = []
+    gc.freeze()
+    try:
+        tree = lazyckpt.open(tmp_path / "m")
+        # (the collector's generations list every tracked object but the frozen ones)
+        assert all(o is not kept for o in gc.get_objects())
+        assert len(list(lazyckpt.leaves(tree))) == 9
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize(
     ("items", "first", "second", "at"),
     [
