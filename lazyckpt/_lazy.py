@@ -24,6 +24,7 @@ from lazyckpt._array.gather import is_advanced
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
 from lazyckpt._array.sharding import SavedSharding
+from lazyckpt._array.tree import leaf_type
 from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.stored import StoredArray
@@ -69,6 +70,7 @@ def _unchanged(store: Store, values: _T) -> _T:
     return values
 
 
+@leaf_type
 @attrs.frozen(repr=False)
 class LazyArray:
     """An array in a checkpoint, or a view of one, that reads nothing until asked.

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import lazyckpt
-from lazyckpt._safetensors.read import contiguous_chunks
+from lazyckpt._safetensors.ranges import contiguous_chunks
 from tests.helpers import ROOT, orbax_save, rss_probe, stored_chunk_bytes
 
 _RNG = np.random.default_rng(0)

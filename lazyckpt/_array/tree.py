@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 Key = str | int
+_T = TypeVar("_T")
 Path = tuple[Key, ...]
 
 MAX_DEPTH = 512
@@ -71,9 +72,22 @@ def _for_jax(node: object) -> bool:
     """Whether `node`, not a plain container, is a pytree node, for jax to take apart.
     Before jax is imported, only a subclass of dict, list or tuple may be one (jax
     registers OrderedDict, defaultdict and NamedTuples itself): jax decides then."""
+    if type(node) in _LEAF_TYPES:
+        return False
     if "jax" in sys.modules:
         return not _tree_util().all_leaves((node,))
     return isinstance(node, dict | list | tuple)
+
+
+_LEAF_TYPES: set[type] = set()
+
+
+def leaf_type(kind: type[_T]) -> type[_T]:
+    """Mark `kind`, a type of lazyckpt's that no one registers as a pytree node, as a
+    leaf of every tree without asking jax: a walk of 100,000 LazyArrays asks it 100,000
+    times otherwise."""
+    _LEAF_TYPES.add(kind)
+    return kind
 
 
 def _remade(node: object, kids: dict[Any, Any]) -> Any:
@@ -265,7 +279,26 @@ def leaves(tree: object) -> Iterator[tuple[str, Any]]:
     >>> list(leaves({"a": [1, "x"], "b": None, "c": {}}))
     [('a/0', 1), ('a/1', 'x')]
     """
-    return ((keystr(path), leaf) for path, leaf in flatten(tree))
+    out: list[tuple[str, Any]] = []
+    with gc_paused():
+        _leaves_into(tree, None, out)
+    return iter(out)
+
+
+def _leaves_into(node: object, path: str | None, out: list[tuple[str, Any]]) -> None:
+    """`_flatten_into` with each key path as its string as it goes (None at the root),
+    joined once per node rather than once per leaf."""
+    kids = _plain(node)
+    if kids is not None:
+        for key, child in kids:
+            name = str(_dict_key(key))
+            _leaves_into(child, name if path is None else f"{path}/{name}", out)
+    elif not _for_jax(node):
+        out.append((path or "", node))
+    else:
+        above = () if path is None else (path,)
+        flat, _ = _tree_util().tree_flatten_with_path(node)
+        out.extend((keystr((*above, *path_of(key_path))), leaf) for key_path, leaf in flat)
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: object) -> Any:
@@ -407,6 +440,9 @@ class PathClash(Exception):
         self.first, self.second, self.at = first, second, at
 
 
+_ABSENT = object()
+
+
 def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, Any]:
     """Plain nested dicts holding each `(keys, leaf, source)` leaf at its key path.
 
@@ -414,29 +450,47 @@ def nested(items: Iterable[tuple[tuple[str, ...], object, str]]) -> dict[str, An
     {'a': {'b': 1, 'c': 2}}
     """
     root: dict[str, Any] = {}
-    sources: dict[tuple[str, ...], str] = {}
-    subtrees = {id(root)}  # the dicts this builds, told apart from leaves that are dicts
+    placed: list[tuple[tuple[str, ...], str]] = []  # (what a clash's message names)
+    # Each subtree this builds by its key path, told apart from leaves that are dicts:
+    # siblings (a layer's weights) find their parent in one look-up, not a walk.
+    subtrees: dict[tuple[str, ...], dict[str, Any]] = {(): root}
     for keys, leaf, source in items:
-        node = root
-        for depth, key in enumerate(keys[:-1]):
-            if key not in node:
-                child = node[key] = {}
-                subtrees.add(id(child))
-                node = child
-                continue
-            child = node[key]
-            if id(child) not in subtrees:  # a leaf where this path needs a subtree
-                prefix = keys[: depth + 1]
-                raise PathClash(sources[prefix], source, prefix)
-            node = child
+        node = subtrees.get(keys[:-1])
+        if node is None:
+            node = _subtree(subtrees, keys[:-1], placed, source)
         if keys[-1] in node:  # a leaf, or a subtree where this leaf goes
-            if keys in sources:
-                raise PathClash(sources[keys], source, keys)
-            inside = next(k for k in sources if k[: len(keys)] == keys)
-            raise PathClash(sources[inside], source, inside)
+            inside = next(k for k, _ in placed if k[: len(keys)] == keys)
+            raise PathClash(_placed_at(placed, inside), source, inside)
         node[keys[-1]] = leaf
-        sources[keys] = source
+        placed.append((keys, source))
     return root
+
+
+def _subtree(
+    subtrees: dict[tuple[str, ...], dict[str, Any]],
+    keys: tuple[str, ...],
+    placed: list[tuple[tuple[str, ...], str]],
+    source: str,
+) -> dict[str, Any]:
+    """The subtree of `nested`'s tree at `keys`, made below the deepest one there is."""
+    made = len(keys)
+    while keys[:made] not in subtrees:
+        made -= 1
+    node = subtrees[keys[:made]]
+    for depth in range(made, len(keys)):
+        if keys[depth] in node:  # a leaf where this path needs a subtree
+            prefix = keys[: depth + 1]
+            raise PathClash(_placed_at(placed, prefix), source, prefix)
+        child: dict[str, Any] = {}
+        node[keys[depth]] = subtrees[keys[: depth + 1]] = child
+        node = child
+    return node
+
+
+def _placed_at(placed: list[tuple[tuple[str, ...], str]], keys: tuple[str, ...]) -> str:
+    """The source of the leaf `nested` placed at `keys` (the first, where it placed
+    several one inside the other)."""
+    return next(source for at, source in placed if at == keys)
 
 
 @contextlib.contextmanager
@@ -445,7 +499,11 @@ def gc_paused() -> Iterator[None]:
 
     Opening and reading allocate a few objects per array, none in cycles, over which
     the collector's repeated passes cost a third of the time at 10,000 arrays
-    (docs/benchmarks.md, Design measurements).
+    (docs/benchmarks.md, Design measurements). On the way out, what was made meanwhile
+    goes to the oldest generation, where the passes it skipped would have put what
+    lives on (a tree): left in the youngest, the first pass after would walk it all,
+    0.3 s at 92,000 arrays. (Freezing and unfreezing at once moves it there; not when
+    the program has frozen objects itself, which unfreezing would release.)
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -453,4 +511,7 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from lazyckpt._array.sharding import saved_from_one_device
-from lazyckpt._array.tree import keystr
+from lazyckpt._array.tree import gc_paused, keystr
 from lazyckpt._display import as_given
 from lazyckpt._explore.rows import Row, is_array, layout, leaves_of, walk
 from lazyckpt._html import STYLE, array_row, array_text, key_cell, spec_of, times
@@ -152,6 +152,7 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@gc_paused()  # (its walk makes a node per entry, none in cycles: 150,000 for a large model)
 def summary(
     tree: object, title: str = "", *, depth: int | None = None, fold: bool = True
 ) -> Summary:

@@ -1,18 +1,16 @@
 """Opening safetensors files lazily: a file, or a Hugging Face model folder (sharded
 with `model.safetensors.index.json`), locally or in a bucket.
 
-Each tensor becomes a `LazyArray` whose stored array (`RangeArray`) reads byte ranges
-of its file through tensorstore's kvstore (file, s3, gcs): no mmap, so network
-filesystems and buckets behave. Its chunk grid cuts the tensor along its leading
-dimensions into runs of about `CHUNK_BYTES` that are contiguous in the file, so a
-read of a few embedding rows reads those rows' chunks and the engine's budget holds.
+Each tensor becomes a `LazyArray` over a `RangeArray` (`lazyckpt._safetensors.ranges`),
+which reads byte ranges of its file. A model of 100,000 tensors opens in one pass over
+its headers, sharing what tensors of one shape and dtype share.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import itertools
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -20,14 +18,9 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.geometry import bounds
 from lazyckpt._array.quant import PackedFP4
 from lazyckpt._array.selection import Selection
 from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
-from lazyckpt._display import given_repr
-from lazyckpt._engine.raw import read_raw
-from lazyckpt._engine.scheduler import in_pool
-from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -43,6 +36,7 @@ from lazyckpt._safetensors.format import (
     SINGLE,
     SUFFIX,
     Header,
+    Tensor,
     header_length,
     is_model_file,
     is_shard_name,
@@ -55,14 +49,12 @@ from lazyckpt._safetensors.over_http import (
     read_early,
     web_headers,
 )
+from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, then
 from lazyckpt._storage.sites import hub_listed
-from lazyckpt._storage.web import WebFiles, local_copy
+from lazyckpt._storage.web import WebFiles
 from lazyckpt._text import printable
-
-CHUNK_BYTES = 1 << 20
-"""About how many bytes of a tensor one chunk of its grid covers."""
 
 
 def is_safetensors(path: str) -> bool:
@@ -222,48 +214,86 @@ def _tensors(
     store = Store.open(folder, ocdbt=False, generation=generation, files=files)
     shards = [name for name in files if name != INDEX]
     headers = _headers(folder, shards, store)
-    by_name: dict[str, LazyArray] = {}
-    for shard, header in zip(shards, headers, strict=True):
+    if weight_map is None:  # one file: its tensors in the header's order
+        (shard,), (header,) = shards, headers
         file = paths.join(folder, shard)
-        for tensor in header.tensors:
-            if weight_map is not None and weight_map.get(tensor.name) != shard:
-                continue  # the index places it elsewhere (or nowhere): Hugging Face skips it
-            packed = tensor.dtype in PACKED.values()
-            dtype = np.dtype(np.uint8) if packed else tensor.dtype
-            shape = (*tensor.shape[:-1], tensor.shape[-1] // 2) if packed else tensor.shape
-            stored = RangeArray(
-                store,
-                tensor.name,
-                shard,
-                "safetensors",
-                shape,
-                dtype,
-                contiguous_chunks(shape, dtype.itemsize),
-                False,
-                start=tensor.start,
-                file=file,
-            )
-            path = tuple(tensor.name.split(".")) if split else (tensor.name,)
-            array = LazyArray(
-                path=path,
-                stored=stored,
-                selection=Selection.full(shape),
-                dtype=dtype.newbyteorder("="),
-            )
-            if packed:  # unpacked as it is read, one code per element
-                node = PackedFP4(tensor.shape, tensor.dtype, array)
-                array = LazyArray(path, node, Selection.full(tensor.shape), tensor.dtype)
-            by_name[tensor.name] = array
-    if weight_map is not None:
-        missing = [name for name in weight_map if name not in by_name]
-        if missing:
-            raise CorruptCheckpointError(
-                f"{folder}/{INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
-                "whose headers do not hold them; download or copy the model again"
-            )
-        order = {name: i for i, name in enumerate(weight_map)}
-        by_name = dict(sorted(by_name.items(), key=lambda item: order[item[0]]))
-    return by_name
+        return _arrays(store, [(shard, file, tensor) for tensor in header.tensors], split)
+    # In the index's order; a tensor that the index places elsewhere (or nowhere) is
+    # skipped, as Hugging Face skips it.
+    tables = {
+        shard: (paths.join(folder, shard), {tensor.name: tensor for tensor in header.tensors})
+        for shard, header in zip(shards, headers, strict=True)
+    }
+    placed = []
+    missing = []
+    for name, shard in weight_map.items():
+        file, table = tables[shard]
+        tensor = table.get(name)
+        if tensor is None:
+            missing.append(name)
+        else:
+            placed.append((shard, file, tensor))
+    if missing:
+        raise CorruptCheckpointError(
+            f"{folder}/{INDEX} places {missing[:3]} ({len(missing)} in all) in shards "
+            "whose headers do not hold them; download or copy the model again"
+        )
+    return _arrays(store, placed, split)
+
+
+def _arrays(
+    store: Store, placed: list[tuple[str, str, Tensor]], split: bool
+) -> dict[str, LazyArray]:
+    """Each `(shard, file, tensor)`'s LazyArray over a `RangeArray`, by name. One loop
+    that shares what tensors of one shape and dtype share: a model of 100,000 tensors
+    has a few dozen shapes."""
+    layouts: dict[tuple[tuple[int, ...], np.dtype[Any]], _Layout] = {}
+    out = {}
+    for shard, file, tensor in placed:
+        layout = layouts.get((tensor.shape, tensor.dtype))
+        if layout is None:
+            layout = layouts[tensor.shape, tensor.dtype] = _Layout.of(tensor)
+        stored = RangeArray(
+            store,
+            tensor.name,
+            shard,
+            "safetensors",
+            layout.shape,
+            layout.dtype,
+            layout.chunks,
+            False,
+            start=tensor.start,
+            file=file,
+        )
+        # (each part kept once: a model repeats `model`, `layers`, `weight` 100,000 times)
+        path = tuple(map(sys.intern, tensor.name.split("."))) if split else (tensor.name,)
+        array = LazyArray(path, stored, layout.selection, layout.native)
+        if layout.packed:  # unpacked as it is read, one code per element
+            node = PackedFP4(tensor.shape, tensor.dtype, array)
+            array = LazyArray(path, node, Selection.full(tensor.shape), tensor.dtype)
+        out[tensor.name] = array
+    return out
+
+
+@attrs.frozen
+class _Layout:
+    """What every tensor of one shape and dtype stores alike."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    """As stored: uint8 for packed dtypes, two values to a byte."""
+    native: np.dtype[Any]
+    chunks: tuple[int, ...]
+    selection: Selection
+    packed: bool
+
+    @staticmethod
+    def of(tensor: Tensor) -> _Layout:
+        packed = any(tensor.dtype == dtype for dtype in PACKED.values())
+        dtype = np.dtype(np.uint8) if packed else tensor.dtype
+        shape = (*tensor.shape[:-1], tensor.shape[-1] // 2) if packed else tensor.shape
+        chunks = contiguous_chunks(shape, dtype.itemsize)
+        return _Layout(shape, dtype, dtype.newbyteorder("="), chunks, Selection.full(shape), packed)
 
 
 def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> list[Header]:
@@ -325,137 +355,13 @@ def _read(
     return then(store.kvstore.read(key, byte_range=slice(start, stop)), value, failed)
 
 
-@functools.lru_cache(maxsize=4096)  # a model has a few dozen shapes in 100,000 tensors
-def contiguous_chunks(
-    shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES
-) -> tuple[int, ...]:
-    """A chunk shape `(1, ..., 1, k, full, ..., full)` of about `target` bytes: every
-    chunk is one contiguous run of the C-order bytes.
-
-    >>> contiguous_chunks((50257, 768), 4), contiguous_chunks((4, 8, 1 << 20), 2)
-    ((341, 768), (1, 1, 524288))
-    """
-    if math.prod(max(n, 1) for n in shape) * itemsize <= target:  # (most of a MoE file)
-        return tuple(max(n, 1) for n in shape)
-    chunks = list(shape)
-    inner = itemsize
-    for dim in range(len(shape) - 1, -1, -1):
-        if inner * shape[dim] <= target:
-            inner *= max(shape[dim], 1)
-            continue
-        chunks[dim] = max(1, target // inner)
-        for before in range(dim):
-            chunks[before] = 1
-        break
-    return tuple(max(n, 1) for n in chunks)
-
-
-@attrs.frozen(eq=False)
-class RangeArray(StoredArray):
-    """A tensor stored as raw C-order little-endian bytes at `start` in its file."""
-
-    start: int = 0
-    file: str = attrs.field(default="", repr=given_repr)
-
-    def raw_file(self) -> tuple[str, int] | None:
-        if not self.dtype.isnative:
-            return None
-        if paths.is_remote(self.file):
-            local = local_copy(self.file)  # a Hub file in the Hugging Face cache
-            return None if local is None else (local, self.start)
-        return self.file, self.start
-
-    def remote_raw(self) -> tuple[str, int] | None:
-        if not paths.is_remote(self.file) or not self.dtype.isnative or local_copy(self.file):
-            return None
-        return self.name, self.start
-
-    def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
-        return self.open_virtual(self._read_chunk)
-
-    def _read_chunk(
-        self, domain: ts.IndexDomain, array: np.ndarray, _: ts.VirtualChunkedReadParameters
-    ) -> ts.Future[None]:
-        """Fill one chunk of the grid from its byte range. Returns a future instead of
-        waiting: a storage client whose threads all waited here would never answer."""
-        start, stop = self.chunk_bytes(domain, self.start)
-
-        def fill(result: ts.KvStore.ReadResult) -> None:
-            if result.state != "value" or len(result.value) != stop - start:
-                raise CorruptCheckpointError(
-                    f"{self.file}: tensor {self.key!r} needs bytes {start} to {stop}, but "
-                    "the file ends before; it was truncated since it was opened"
-                )
-            array[...] = np.frombuffer(result.value, self.dtype).reshape(array.shape)
-
-        self.store.check_files([self.name])
-        return then(self.store.kvstore.read(self.name, byte_range=slice(start, stop)), fill)
-
-    def read(self, selection: Selection) -> ts.Future[np.ndarray]:
-        """The view's elements. Where the whole leading-dimension rows it touches are
-        little more than the view (a few embedding rows), they are read as one byte
-        range; otherwise by chunks."""
-        raw = read_raw(self, selection)
-        if raw is not None:  # straight into the result
-            return raw
-        shape = selection.shape
-        box = bounds(selection)
-        if not self.shape or 0 in shape or any(high <= low for low, high in box):
-            return super().read(selection)
-        rows = box[0][1] - box[0][0]
-        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
-        wanted = math.prod(shape) * self.dtype.itemsize
-        if rows * row_bytes > max(2 * wanted, CHUNK_BYTES):
-            return super().read(selection)
-        first = box[0][0]
-        start = self.start + first * row_bytes
-
-        def pick(result: ts.KvStore.ReadResult) -> np.ndarray:
-            if result.state != "value" or len(result.value) != rows * row_bytes:
-                raise self.read_error(
-                    CorruptCheckpointError(
-                        f"{self.file}: tensor {self.key!r} needs bytes {start} to "
-                        f"{start + rows * row_bytes}, but the file ends before; it was "
-                        "truncated or removed since it was opened"
-                    )
-                )
-            block = np.frombuffer(result.value, self.dtype).reshape((rows, *self.shape[1:]))
-            index = _indices(selection)
-            index[0] = index[0] - first
-            picked = block[np.ix_(*index)].astype(self.dtype.newbyteorder("="))
-            return np.ascontiguousarray(picked).reshape(shape)
-
-        def run() -> np.ndarray:
-            # On lazyckpt's threads, never the storage client's: what callers chain on
-            # this future (a check that the file is unchanged) may ask storage again.
-            span = slice(start, start + rows * row_bytes)
-            try:
-                self.store.check_files([self.name])
-                result = self.store.kvstore.read(self.name, byte_range=span).result()
-            except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
-                raise self.read_error(error) from None
-            return pick(result)
-
-        return in_pool(run)
-
-
-def _indices(selection: Selection) -> list[np.ndarray]:
-    """Per stored dimension, the stored indices the view reads, in view order."""
-    out = []
-    for entry in selection.stored:
-        if isinstance(entry, int):
-            out.append(np.array([entry]))
-        else:
-            out.append(entry.start + entry.step * np.arange(entry.count))
-    return out
-
-
 def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
     """Names split on `.` into nested dicts: `a.b.0.w` -> `{"a": {"b": {"0": {"w": ...}}}}`
     (each LazyArray's path already is its name split on `.`).
     A name that is also the start of others (`a.b` and `a.b.c`) cannot nest."""
-    deep = next((name for name in tensors if name.count(".") >= MAX_DEPTH), None)
-    if deep is not None:
+    # (counted in C: a model names 100,000 tensors)
+    if max(map(str.count, tensors, itertools.repeat(".")), default=0) >= MAX_DEPTH:
+        deep = next(name for name in tensors if name.count(".") >= MAX_DEPTH)
         raise CorruptCheckpointError(
             f"{path}: tensor name {printable(deep[:60])}... has {deep.count('.') + 1} "
             f"'.'-separated parts, more than the {MAX_DEPTH} levels a tree can nest; open "

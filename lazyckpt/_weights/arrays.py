@@ -19,7 +19,7 @@ from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
-from lazyckpt._safetensors.read import RangeArray, contiguous_chunks
+from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._weights import zips
 from lazyckpt._weights.files import File
 

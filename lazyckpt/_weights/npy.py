@@ -24,7 +24,7 @@ from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import MAX_BYTES, MAX_RANK
-from lazyckpt._safetensors.read import contiguous_chunks
+from lazyckpt._safetensors.ranges import contiguous_chunks
 from lazyckpt._weights import longdouble, zips
 from lazyckpt._weights.arrays import Place, c_strides
 from lazyckpt._weights.deflated import DeflatedArray, Inflater
