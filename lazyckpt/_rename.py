@@ -6,7 +6,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from lazyckpt._array.tree import PathClash, leaves, nested
+from lazyckpt._array.nesting import PathClash, nested
+from lazyckpt._array.tree import leaves
 from lazyckpt._errors import RenameError
 
 

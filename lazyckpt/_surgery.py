@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._array import compose
-from lazyckpt._array.tree import PathClash, leaves, nested
+from lazyckpt._array.nesting import PathClash, nested
+from lazyckpt._array.tree import leaves
 from lazyckpt._errors import LazyIndexError, LazyTypeError, NoMatchError
 from lazyckpt._lazy import LazyArray, composed
 from lazyckpt._text import ascii_int

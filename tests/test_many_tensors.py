@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import lazyckpt
-from lazyckpt._array.tree import PathClash, nested
+from lazyckpt._array.nesting import PathClash, nested
 
 SHAPES = [(4, 8), (8,), (2, 3, 4)]
 

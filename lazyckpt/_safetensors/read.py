@@ -18,9 +18,10 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._array.nesting import PathClash, nested
 from lazyckpt._array.quant import PackedFP4
 from lazyckpt._array.selection import Selection
-from lazyckpt._array.tree import MAX_DEPTH, PathClash, nested
+from lazyckpt._array.tree import MAX_DEPTH
 from lazyckpt._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

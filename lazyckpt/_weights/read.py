@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lazyckpt._array.tree import PathClash, nested
+from lazyckpt._array.nesting import PathClash, nested
 from lazyckpt._errors import (
     CorruptCheckpointError,
     LazyckptError,
