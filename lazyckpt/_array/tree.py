@@ -285,14 +285,19 @@ def leaves(tree: object) -> Iterator[tuple[str, Any]]:
     return iter(out)
 
 
-def _leaves_into(node: object, path: str | None, out: list[tuple[str, Any]]) -> None:
+def _leaves_into(
+    node: object, path: str | None, out: list[tuple[str, Any]], depth: int = 0
+) -> None:
     """`_flatten_into` with each key path as its string as it goes (None at the root),
-    joined once per node rather than once per leaf."""
+    joined once per node rather than once per leaf; a recursion (faster than a loop
+    over a stack), refused past `MAX_DEPTH` as `fold_tree` refuses."""
     kids = _plain(node)
     if kids is not None:
         for key, child in kids:
             name = str(_dict_key(key))
-            _leaves_into(child, name if path is None else f"{path}/{name}", out)
+            if depth == MAX_DEPTH:
+                raise too_deep((*(path or "").split("/"), name))
+            _leaves_into(child, name if path is None else f"{path}/{name}", out, depth + 1)
     elif not _for_jax(node):
         out.append((path or "", node))
     else:
