@@ -31,7 +31,7 @@ import numpy as np
 
 from lazyckpt import _on_device as on_device
 from lazyckpt._array import compose
-from lazyckpt._array.geometry import Box, box_bytes
+from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
@@ -88,22 +88,22 @@ def put_staged(
     gate = _Gate(half, scheduler)
     planned = [_plan(array, regions, half) for array, _, regions in placements]
     streamed = [
-        (array[_slices(shard.region)], shard)
-        for (array, _, _), (shards, pieces) in zip(placements, planned, strict=True)
+        (array[as_slices(shard.region)], shard)
+        for (array, _, _), (shards, pieces, _) in zip(placements, planned, strict=True)
         if pieces is None
         for shard in shards
     ]
     with concurrent.futures.ThreadPoolExecutor(_COMPILERS) as compilers:
         try:
-            for shards, pieces in planned:  # (assembling compiled while the reads run)
+            for shards, pieces, _ in planned:  # (assembling compiled while the reads run)
                 for k, shard in enumerate(shards):
                     if pieces is None or len(pieces[k]) > 1:
                         cut = pieces[k] if pieces is not None else []
                         shard.prepare(compilers, {_shape(piece) for piece in cut})
-            for (array, _, _), (shards, pieces) in zip(placements, planned, strict=True):
+            for (array, _, _), (shards, pieces, together) in zip(placements, planned, strict=True):
                 if pieces is None:
                     continue
-                if _together(array, shards, half):
+                if together:
                     _fill(array, [(shard, shard.region) for shard in shards], gate, scheduler)
                     continue
                 for shard, cut in zip(shards, pieces, strict=True):
@@ -125,7 +125,7 @@ def put_staged(
             compilers.shutdown(cancel_futures=True)  # (not compiled for nothing first)
             scheduler.abandon()
             raise
-        finished = [[shard.finished() for shard in shards] for shards, _ in planned]
+        finished = [[shard.finished() for shard in shards] for shards, _, _ in planned]
     placed: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(
             array.shape, sharding, [buffer for buffers in done for buffer in buffers]
@@ -143,24 +143,19 @@ _COMPILERS = 4
 
 def _plan(
     array: LazyArray, regions: dict[Box, list[jax.Device]], half: int
-) -> tuple[list[_Shard], list[list[Box]] | None]:
-    """`array`'s shards, with the pieces each is filled in, or None where they are
-    streamed: each region whole where all fit `half` together, cut where the bytes lie
-    raw in a file."""
+) -> tuple[list[_Shard], list[list[Box]] | None, bool]:
+    """`array`'s shards, the pieces each is filled in (None where they are streamed),
+    and whether they are filled together, in one read: each region whole where all fit
+    `half` together, cut where the bytes lie raw in a file."""
     shards = [
         _Shard(array.key, region, devices, array.dtype) for region, devices in regions.items()
     ]
     itemsize = array.dtype.itemsize
-    if _together(array, shards, half):
-        return shards, [[shard.region] for shard in shards]
+    if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half:
+        return shards, [[shard.region] for shard in shards], True
     if _raw(array):
-        return shards, [_pieces(shard.region, itemsize, half) for shard in shards]
-    return shards, None
-
-
-def _together(array: LazyArray, shards: Sequence[_Shard], half: int) -> bool:
-    """Whether `array`'s shards are filled in one read: all of them fit `half`."""
-    return sum(box_bytes(shard.region, array.dtype.itemsize) for shard in shards) <= half
+        return shards, [_pieces(shard.region, itemsize, half) for shard in shards], False
+    return shards, None, False
 
 
 def _shape(box: Box) -> tuple[int, ...]:
@@ -171,10 +166,6 @@ def _raw(array: LazyArray) -> bool:
     """Whether `array`'s bytes lie raw in a file, so that any box of it is read alone."""
     stored = array.stored
     return not (isinstance(stored, compose.Node) or decodes(stored) or source(stored) is None)
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(low, high) for low, high in box)
 
 
 def _pieces(region: Box, itemsize: int, half: int) -> list[Box]:
@@ -220,18 +211,12 @@ def _fill(
             gate.reserve(nbytes)
             buffers.append(None)
         out = buffers[-1]
-        shape = tuple(high - low for low, high in piece)
-        destinations.append(
-            Destination(
-                piece, dtype, aligned=True, out=None if out is None else _shaped(out, shape, dtype)
-            )
-        )
+        shaped = None if out is None else _shaped(out, _shape(piece), dtype)
+        destinations.append(Destination(piece, dtype, aligned=True, out=shaped))
 
     def send() -> None:
         for (shard, piece), destination, buffer in zip(pieces, destinations, buffers, strict=True):
-            index = tuple(
-                slice(p[0] - r[0], p[1] - r[0]) for p, r in zip(piece, shard.region, strict=True)
-            )
+            index = slices(piece, shard.region)
             values = destination.buffer()
             destination.out = None  # (held by the transfer until it is done, not here)
             held = values.nbytes if buffer is None else buffer.nbytes
@@ -333,7 +318,7 @@ class _Shard:
     ) -> None:
         self.key, self.region = key, region
         self.devices, self.dtype = list(devices), np.dtype(dtype)
-        self.shape = tuple(high - low for low, high in region)
+        self.shape = _shape(region)
         self.written = on_device.written_dtype(self.dtype)
         self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
         """Whether the devices copy what is sent out of host memory, which can then be

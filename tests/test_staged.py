@@ -110,10 +110,8 @@ def test_views_and_targets_take_the_same_path(files: dict[str, Path], tmp_path: 
         assert _bits(restored[key]) == (expected.dtype, expected.tobytes())
 
 
-def test_the_pieces_in_flight_stay_within_half_the_budget(
-    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The host bytes of pieces filled and not yet sent, counted as they are let in."""
+def _held_after_reserves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """What the gate holds after each of its reservations, as they are made."""
     seen: list[int] = []
     reserve = staged._Gate.reserve
 
@@ -122,6 +120,14 @@ def test_the_pieces_in_flight_stay_within_half_the_budget(
         seen.append(gate.held)
 
     monkeypatch.setattr(staged._Gate, "reserve", counted)
+    return seen
+
+
+def test_the_pieces_in_flight_stay_within_half_the_budget(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host bytes of pieces filled and not yet sent, counted as they are let in."""
+    seen = _held_after_reserves(monkeypatch)
     budget = 3 * MiB
     for kind in ("orbax", "safetensors"):
         seen.clear()
@@ -188,14 +194,7 @@ def test_raw_shards_that_fit_alone_but_not_together_are_filled_one_by_one(
     together: what the gate holds stays within half the budget."""
     values = np.random.default_rng(4).standard_normal((2048, 2048), np.float32)  # 16 MiB
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
-    seen: list[int] = []
-    reserve = staged._Gate.reserve
-
-    def counted(gate: staged._Gate, nbytes: int) -> None:
-        reserve(gate, nbytes)
-        seen.append(gate.held)
-
-    monkeypatch.setattr(staged._Gate, "reserve", counted)
+    seen = _held_after_reserves(monkeypatch)
     budget = 6 * MiB
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     tree = lazyckpt.open(tmp_path / "model.safetensors")
