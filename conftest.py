@@ -10,6 +10,16 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+# Programs compiled for devices are cached per machine (`lazyckpt._programs`): the
+# tests' go to a folder of their own, gone at exit, never the user's cache.
+if "LAZYCKPT_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["LAZYCKPT_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="lazyckpt-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
 from typing import Any
 
 import jax

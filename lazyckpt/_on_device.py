@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lazyckpt import _programs as programs
 from lazyckpt._array.dtypes import finfo, issubdtype
 
 if TYPE_CHECKING:
@@ -37,6 +38,17 @@ def written_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype
 
 
+def _abstract(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def _device(array: jax.Array) -> jax.Device:
+    (device,) = array.devices()
+    return device
+
+
 @functools.cache
 def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
     import jax
@@ -46,15 +58,16 @@ def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) 
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def compile_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> None:
-    """Compile `empty` for this shape, dtype and device ahead of its first call."""
-    _empty_fn(shape, np.dtype(dtype), device).lower().compile()
+def compile_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
+    """The program behind `empty` for this shape, dtype and device (`_programs`:
+    compiled, or loaded where an earlier process compiled it)."""
+    return programs.compiled(_empty_fn(shape, np.dtype(dtype), device), (), device)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> jax.Array:
     """A buffer for a shard on `device`, made there (zeros: JAX has no uninitialized
     arrays; the device fills it far faster than the host sends)."""
-    result: jax.Array = _empty_fn(shape, np.dtype(dtype), device)()
+    result: jax.Array = compile_empty(shape, dtype, device)()
     return result
 
 
@@ -68,40 +81,29 @@ def _write_fn() -> Any:
     return jax.jit(write, donate_argnums=0)
 
 
+def compile_write(
+    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
+) -> Any:
+    """The program behind `write` for a buffer of `shape` and pieces of shape `piece`;
+    starts are traced, so one program serves every position of a piece."""
+    import jax
+
+    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
+    buffer, part = _abstract(shape, dtype, device), _abstract(piece, dtype, device)
+    return programs.compiled(_write_fn(), (buffer, part, starts), device)
+
+
 def write(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.Array:
-    """`buffer` with `piece` at `starts`, in place (the buffer is donated); starts are
-    traced, so one compilation serves every position of a piece of that shape."""
-    result: jax.Array = _write_fn()(buffer, piece, tuple(np.int32(s) for s in starts))
+    """`buffer` with `piece` at `starts`, in place (the buffer is donated)."""
+    program = compile_write(buffer.shape, piece.shape, buffer.dtype, _device(buffer))
+    result: jax.Array = program(buffer, piece, tuple(np.int32(s) for s in starts))
     return result
 
 
-def compile_for(
-    function: Any, *arguments: tuple[tuple[int, ...], np.dtype[Any], jax.Device]
-) -> None:
-    """Compile the jitted `function` for arguments of these shapes, dtypes and devices,
-    ahead of its first call (which then finds it compiled)."""
-    import jax
-
-    function.lower(
-        *(
-            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-            for shape, dtype, device in arguments
-        )
-    ).compile()
-
-
-def compile_write(
-    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
-) -> None:
-    import jax
-
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
-    _write_fn().lower(
-        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-        jax.ShapeDtypeStruct(piece, dtype, sharding=sharding),
-        starts,
-    ).compile()
+def compile_for(function: Any, shape: tuple[int, ...], dtype: np.dtype[Any], device: Any) -> Any:
+    """The jitted `function` of one array of this shape and dtype on `device`, as a
+    program (compiled, or loaded where an earlier process compiled it)."""
+    return programs.compiled(function, (_abstract(shape, dtype, device),), device)
 
 
 @functools.cache
@@ -113,7 +115,8 @@ def bitcast_fn(dtype: np.dtype[Any]) -> Any:
 
 def bitcast(buffer: jax.Array, dtype: np.dtype[Any]) -> jax.Array:
     """`buffer`'s unsigned integers as `dtype`, in place (donated)."""
-    result: jax.Array = bitcast_fn(np.dtype(dtype))(buffer)
+    program = compile_for(bitcast_fn(np.dtype(dtype)), buffer.shape, buffer.dtype, _device(buffer))
+    result: jax.Array = program(buffer)
     return result
 
 
@@ -171,4 +174,5 @@ def holds_fn(ranges: tuple[tuple[int, int], ...]) -> Any:
 def holds_any(buffer: jax.Array, ranges: tuple[tuple[int, int], ...]) -> bool:
     """Whether any of `buffer`'s integers falls in `ranges` (on its device: integer
     comparisons, exact, one pass over its memory)."""
-    return bool(holds_fn(ranges)(buffer))
+    program = compile_for(holds_fn(ranges), buffer.shape, buffer.dtype, _device(buffer))
+    return bool(program(buffer))

@@ -356,13 +356,11 @@ class _Shard:
     def _compile_finish(self) -> None:
         changed = on_device.changed_patterns(self.devices[0], self.dtype)
         if changed:
-            on_device.compile_for(
-                on_device.holds_fn(changed), (self.shape, self.device_dtype, self.devices[0])
-            )
+            holds = on_device.holds_fn(changed)
+            on_device.compile_for(holds, self.shape, self.device_dtype, self.devices[0])
         for device in self.devices:
-            on_device.compile_for(
-                on_device.bitcast_fn(self.dtype), (self.shape, self.device_dtype, device)
-            )
+            bitcast = on_device.bitcast_fn(self.dtype)
+            on_device.compile_for(bitcast, self.shape, self.device_dtype, device)
 
     def write(self, index: tuple[slice, ...], values: np.ndarray) -> list[jax.Array]:
         """Send `values` (`index` of this region) to every device and write them in;

@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
         "_materialize",
         "_staged",
         "_on_device",
+        "_programs",
         "_broadcast",
         "_surgery",
         "_rename",
