@@ -295,15 +295,15 @@ def _leaves_into(
     model's tree holds 100,000 of them."""
     kids = _plain(node)
     if kids is not None:
-        above = "" if path is None else f"{path}/"
+        prefix = "" if path is None else f"{path}/"
         for key, child in kids:
             name = key if type(key) is str else str(_dict_key(key))
             if depth == MAX_DEPTH:
                 raise too_deep((*(path or "").split("/"), name))
             if type(child) in _LEAF_TYPES:
-                out.append((above + name, child))
+                out.append((prefix + name, child))
             else:
-                _leaves_into(child, above + name, out, depth + 1)
+                _leaves_into(child, prefix + name, out, depth + 1)
     elif not _for_jax(node):
         out.append((path or "", node))
     else:
