@@ -124,9 +124,15 @@ different locks): not a lock (and a list) per array, which cost 15 MiB of the
 135 MiB that opening 92,000 safetensors tensors took."""
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, slots=False)
 class StoredArray:
-    """One array as stored: its zarr driver, shape, dtype and chunking."""
+    """One array as stored: its zarr driver, shape, dtype and chunking.
+
+    Not slotted, nor are its subclasses for tensors by the 100,000 (`RangeArray`):
+    attrs sets a frozen slotted instance's 16 fields by `object.__setattr__` one call
+    each, and a frozen dict instance's in its dict: opening 92,000 safetensors
+    tensors 7% faster (0.87 s -> 0.81 s) for 11 MiB more.
+    """
 
     store: Store = attrs.field(repr=False)
     key: str
