@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +171,32 @@ def test_arrays_are_opened_with_one_batched_metadata_read(saved: tuple[Path, Any
     """Opening does not open a TensorStore per array; arrays open on first read."""
     lazy = lazyckpt.open(saved[0])
     arrays = [leaf for _, leaf in lazyckpt.leaves(lazy) if isinstance(leaf, LazyArray)]
-    assert all(not stored_array(a)._opened for a in arrays)
+    assert all(stored_array(a)._opened is None for a in arrays)
     arrays[0].get()
-    assert stored_array(arrays[0])._opened and not stored_array(arrays[1])._opened
+    assert stored_array(arrays[0])._opened is not None
+    assert stored_array(arrays[1])._opened is None
+
+
+def test_an_array_opened_by_threads_at_once_is_opened_once(saved: tuple[Path, Any]) -> None:
+    """Arrays share 64 locks for their first open: each still opens once, whichever
+    thread comes first, and every caller gets that one future."""
+    lazy = lazyckpt.open(saved[0])
+    stored = [
+        stored_array(leaf) for _, leaf in lazyckpt.leaves(lazy) if isinstance(leaf, LazyArray)
+    ]
+    start = threading.Barrier(8)
+
+    def open_all(_: int) -> list[object]:
+        start.wait()
+        return [array.open() for array in stored]
+
+    with ThreadPoolExecutor(8) as pool:
+        opened = list(pool.map(open_all, range(8)))
+    assert stored
+    for i, array in enumerate(stored):
+        assert array._opened is not None
+        assert all(futures[i] is array._opened for futures in opened)
+    assert_tree_equal(lazyckpt.load(lazy), jax.tree.map(host_value, saved[1]))
 
 
 def test_lazy_array_is_a_jax_leaf_and_frozen(saved: tuple[Path, Any]) -> None:

@@ -290,14 +290,20 @@ def _leaves_into(
 ) -> None:
     """`_flatten_into` with each key path as its string as it goes (None at the root),
     joined once per node rather than once per leaf; a recursion (faster than a loop
-    over a stack), refused past `MAX_DEPTH` as `fold_tree` refuses."""
+    over a stack), refused past `MAX_DEPTH` as `fold_tree` refuses. A child of a
+    type marked `leaf_type` (a LazyArray) is taken where it is, without a call: a
+    model's tree holds 100,000 of them."""
     kids = _plain(node)
     if kids is not None:
+        prefix = "" if path is None else f"{path}/"
         for key, child in kids:
-            name = str(_dict_key(key))
+            name = key if type(key) is str else str(_dict_key(key))
             if depth == MAX_DEPTH:
                 raise too_deep((*(path or "").split("/"), name))
-            _leaves_into(child, name if path is None else f"{path}/{name}", out, depth + 1)
+            if type(child) in _LEAF_TYPES:
+                out.append((prefix + name, child))
+            else:
+                _leaves_into(child, prefix + name, out, depth + 1)
     elif not _for_jax(node):
         out.append((path or "", node))
     else:

@@ -117,9 +117,22 @@ class Codec:
 _METADATA = (".zarray", "zarr.json")
 
 
-@attrs.frozen(eq=False)
+_OPENING = tuple(threading.Lock() for _ in range(64))
+"""Each held while the first `open` of the arrays hashed to it starts (it checks
+their files, as many as an OCDBT database's, so arrays opened at once mostly take
+different locks): not a lock (and a list) per array, which cost 15 MiB of the
+135 MiB that opening 92,000 safetensors tensors took."""
+
+
+@attrs.frozen(eq=False, slots=False)
 class StoredArray:
-    """One array as stored: its zarr driver, shape, dtype and chunking."""
+    """One array as stored: its zarr driver, shape, dtype and chunking.
+
+    Not slotted, nor are its subclasses for tensors by the 100,000 (`RangeArray`):
+    attrs sets a frozen slotted instance's 15 fields by `object.__setattr__` one call
+    each, and a frozen dict instance's in its dict: opening 92,000 safetensors
+    tensors 7% faster (0.87 s -> 0.81 s) for 11 MiB more.
+    """
 
     store: Store = attrs.field(repr=False)
     key: str
@@ -137,8 +150,8 @@ class StoredArray:
     """Whether its chunks carry checksums that reading verifies (`ZarrInfo`)."""
     keys: ChunkKeys | None = attrs.field(default=None, repr=False)
     """Where its chunks are stored, when lazyckpt knows the key encoding."""
-    _opened: list[ts.Future[ts.TensorStore]] = attrs.field(factory=list, init=False, repr=False)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _opened: ts.Future[ts.TensorStore] | None = attrs.field(default=None, init=False, repr=False)
+    """Set once, by the first `open`."""
 
     def open(self) -> ts.Future[ts.TensorStore]:
         """Open the array once; later calls share the same future.
@@ -149,13 +162,20 @@ class StoredArray:
             chunk = math.prod(self.chunks) * self.dtype.itemsize
             check_fits(f"a stored chunk of {self.key!r} ({self.chunks})", chunk)
             tensorstore_io(f"{self.store.location}: {self.key}")
-        with self._lock:
-            if not self._opened and self.inline is not None:
-                self._opened.append(ready(ts.array(self.inline)))
-            elif not self._opened:
-                opened: ts.Future[ts.TensorStore] = then(ready(None), self._open_checked)
-                self._opened.append(then(opened, self._check, self.read_error))
-            return self._opened[0]
+        opened = self._opened
+        if opened is None:
+            with _OPENING[hash(self) % len(_OPENING)]:
+                opened = self._opened
+                if opened is None:
+                    opened = self._first_open()
+                    object.__setattr__(self, "_opened", opened)
+        return opened
+
+    def _first_open(self) -> ts.Future[ts.TensorStore]:
+        if self.inline is not None:
+            return ready(ts.array(self.inline))
+        opened: ts.Future[ts.TensorStore] = then(ready(None), self._open_checked)
+        return then(opened, self._check, self.read_error)
 
     def _open_checked(self, _: None) -> ts.Future[ts.TensorStore]:
         # Opening reads the array's metadata (in an OCDBT database, the b-tree too).

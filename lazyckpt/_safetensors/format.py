@@ -13,6 +13,7 @@ an allocation by a declared size.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -86,6 +87,11 @@ class Tensor(NamedTuple):
     start: int
     """The offset of its first byte in the file."""
     nbytes: int
+
+
+_tensor = functools.partial(tuple.__new__, Tensor)
+"""`Tensor` from a tuple of its fields, without the Python call of its `__new__`:
+a model's headers declare 100,000 of them."""
 
 
 @attrs.frozen
@@ -163,7 +169,7 @@ def _tensors(file: str, raw: dict[str, Any], data_start: int) -> list[Tensor]:
         ):
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes == end - begin and nbytes <= MAX_BYTES:
-                out.append(Tensor(name, dtype, tuple(shape), data_start + begin, nbytes))
+                out.append(_tensor((name, dtype, tuple(shape), data_start + begin, nbytes)))
                 continue
         out.append(_checked(file, name, entry, data_start))
     return out

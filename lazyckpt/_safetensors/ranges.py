@@ -56,7 +56,7 @@ def contiguous_chunks(
     return tuple(max(n, 1) for n in chunks)
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, slots=False)  # (made by the 100,000: see StoredArray)
 class RangeArray(StoredArray):
     """A tensor stored as raw C-order little-endian bytes at `start` in its file."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -251,28 +251,29 @@ def _arrays(
     layouts: dict[tuple[tuple[int, ...], np.dtype[Any]], _Layout] = {}
     out = {}
     for shard, file, tensor in placed:
-        layout = layouts.get((tensor.shape, tensor.dtype))
+        name, dtype, shape, start, _ = tensor  # (one unpacking, not a look-up each)
+        layout = layouts.get((shape, dtype))
         if layout is None:
-            layout = layouts[tensor.shape, tensor.dtype] = _Layout.of(tensor)
+            layout = layouts[shape, dtype] = _Layout.of(tensor)
         stored = RangeArray(
             store,
-            tensor.name,
+            name,
             shard,
             "safetensors",
             layout.shape,
             layout.dtype,
             layout.chunks,
             False,
-            start=tensor.start,
+            start=start,
             file=file,
         )
         # (each part kept once: a model repeats `model`, `layers`, `weight` 100,000 times)
-        path = tuple(map(sys.intern, tensor.name.split("."))) if split else (tensor.name,)
+        path = tuple(map(sys.intern, name.split("."))) if split else (name,)
         array = LazyArray(path, stored, layout.selection, layout.native)
         if layout.packed:  # unpacked as it is read, one code per element
-            node = PackedFP4(tensor.shape, tensor.dtype, array)
-            array = LazyArray(path, node, Selection.full(tensor.shape), tensor.dtype)
-        out[tensor.name] = array
+            node = PackedFP4(shape, dtype, array)
+            array = LazyArray(path, node, Selection.full(shape), dtype)
+        out[name] = array
     return out
 
 
@@ -369,10 +370,10 @@ def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:
             "it with flat=True"
         )
     try:
-        # (each path is its name's str parts, split once by `_tensors`)
-        return nested(
-            (cast(tuple[str, ...], leaf.path), leaf, name) for name, leaf in tensors.items()
-        )
+        # (each path is its name's str parts, split once by `_tensors`; cast once, not
+        # once per tensor)
+        items = ((leaf.path, leaf, name) for name, leaf in tensors.items())
+        return nested(cast(Iterable[tuple[tuple[str, ...], LazyArray, str]], items))
     except PathClash as clash:
         raise UnsupportedCheckpointError(
             f"{path}: tensor names {clash.first!r} and {clash.second!r} cannot both be "
