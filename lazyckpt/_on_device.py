@@ -100,7 +100,9 @@ def write(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.A
     return result
 
 
-def compile_for(function: Any, shape: tuple[int, ...], dtype: np.dtype[Any], device: Any) -> Any:
+def compile_for(
+    function: Any, shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
+) -> Any:
     """The jitted `function` of one array of this shape and dtype on `device`, as a
     program (compiled, or loaded where an earlier process compiled it)."""
     return programs.compiled(function, (_abstract(shape, dtype, device),), device)
@@ -131,6 +133,9 @@ def changed_patterns(device: jax.Device, dtype: np.dtype[Any]) -> tuple[tuple[in
 
     key = (device.platform, device.device_kind, np.dtype(dtype))
     if key not in CHANGED:
+        # (on the first device of its kind, whichever shard asks: one program for all)
+        alike = [d for d in device.client.local_devices() if d.device_kind == device.device_kind]
+        device = min(alike, key=lambda d: d.id, default=device)
         unsigned = written_dtype(np.dtype(dtype))
         patterns = np.arange(1 << (8 * unsigned.itemsize), dtype=unsigned)
         back = np.asarray(jax.device_get(bitcast(jax.device_put(patterns, device), dtype)))

@@ -51,13 +51,14 @@ def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> A
     import jax
 
     signature = tuple((leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(arguments))
-    key = (function, signature, device)
+    key = (function, signature, device, jax.config.read("jax_enable_x64"))
     with _LOCK:
         future = _LOADED.get(key)
-        first = future is None
-        if first:
-            future = _LOADED[key] = concurrent.futures.Future()
-    assert future is not None
+        if future is not None:
+            first = False
+        else:
+            first, future = True, concurrent.futures.Future()
+            _LOADED[key] = future
     if not first:
         return future.result()
     try:
@@ -67,35 +68,37 @@ def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> A
     except BaseException as error:
         with _LOCK:
             del _LOADED[key]  # (asked again, it is tried again)
-        future.set_exception(error)
+        future.set_exception(error)  # (and those waiting are told)
         raise
     future.set_result(program)
     return program
 
 
 def folder() -> Path | None:
-    """The cache folder, made if missing; None where there is none to use."""
+    """The cache folder, made if missing; None where there is none to use (no home
+    folder to put it in, a read-only one, a folder others can write)."""
     configured = os.environ.get(CACHE_VARIABLE)
     if configured == "":
         return None
-    if configured is not None:
-        root = Path(configured).expanduser()
-    else:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lazyckpt"
-    path = root / "programs"
     try:
+        if configured is not None:
+            root = Path(configured).expanduser()
+        else:
+            home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+            root = Path(home) / "lazyckpt"
+        path = root / "programs"
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        return None  # (a read-only home, say: compiled each time, as without a cache)
-    return path if _owned(path) else None
+        return path if _owned(path.stat()) else None
+    except (OSError, RuntimeError):  # (RuntimeError: no home folder, as in containers)
+        return None
 
 
-def _owned(path: Path) -> bool:
-    """Whether `path` is the user's alone: owned by them, writable by no one else."""
+def _owned(info: os.stat_result) -> bool:
+    """Whether what `info` describes is the user's alone: owned by them, writable by
+    no one else."""
     getuid = getattr(os, "getuid", None)
     if getuid is None:
         return True  # (no owners to compare)
-    info = path.stat()
     return info.st_uid == getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -126,16 +129,19 @@ def _load(name: str, lowered: Any, device: jax.Device) -> Any:
     path = folder()
     if path is None:
         return None
-    file = path / f"{name}.bin"
     try:
-        if not _owned(file):
-            return None
-        payload = file.read_bytes()
+        # (opened, then checked: the file read is the file whose owner was checked)
+        descriptor = os.open(path / f"{name}.bin", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(descriptor, "rb") as file:
+            if not _owned(os.fstat(file.fileno())):
+                return None
+            payload = file.read()
         return serialize_executable.deserialize_and_load(
             payload, lowered.in_tree, lowered.out_tree, device.client, [device]
         )
-    except FileNotFoundError:
-        return None
     except Exception:  # noqa: BLE001 - any damage to a cached file: compiled instead
         return None
 

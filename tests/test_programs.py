@@ -5,11 +5,13 @@ switched off only costs a compilation. CPU devices stand in for an accelerator
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +187,78 @@ def test_loaded_programs_update_the_buffer_in_place(cache: Path, compiled: list[
     expected = np.zeros((8, 4), np.uint16)
     expected[2:4] = np.arange(8).reshape(2, 4)
     np.testing.assert_array_equal(np.asarray(result), expected)
+
+
+def test_threads_asking_for_one_program_share_one_compilation(
+    cache: Path, compiled: list[str]
+) -> None:
+    device, written = jax.devices()[0], np.dtype(np.uint16)
+    start = threading.Barrier(8)
+
+    def ask() -> Any:
+        start.wait()
+        return on_device.compile_write((16, 8), (4, 8), written, device)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        programs_ = list(pool.map(lambda _: ask(), range(8)))
+    assert len(compiled) == 1
+    assert all(program is programs_[0] for program in programs_)
+
+
+def test_threads_waiting_on_a_failed_compilation_are_told(cache: Path) -> None:
+    """Those waiting for a program whose compilation fails get its error, none hangs,
+    and asked again it is tried again."""
+    device = jax.devices()[0]
+    start = threading.Barrier(8)
+
+    def refused(x: jax.Array) -> jax.Array:
+        raise ValueError("refused to trace")
+
+    function = jax.jit(refused)
+
+    def ask() -> Any:
+        start.wait()
+        return programs.compiled(
+            function, (on_device._abstract((4,), np.dtype(np.float32), device),), device
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        asked = [pool.submit(ask) for _ in range(8)]
+        errors = [future.exception(timeout=120) for future in asked]
+    assert all(isinstance(error, ValueError) for error in errors), errors
+    assert not programs._LOADED
+    with pytest.raises(ValueError, match="refused to trace"):
+        programs.compiled(
+            function, (on_device._abstract((4,), np.dtype(np.float32), device),), device
+        )
+
+
+def test_a_file_others_can_write_is_not_loaded(
+    tmp_path: Path, cache: Path, compiled: list[str]
+) -> None:
+    path = _weights(tmp_path)
+    assert _placed_bits(path) == np.load(path + ".npy").tobytes()
+    files = sorted(cache.iterdir())
+    for file in files:
+        file.chmod(0o664)
+    _forget()
+    compiled.clear()
+    assert _placed_bits(path) == np.load(path + ".npy").tobytes()
+    assert len(compiled) == len(files)
+
+
+def test_no_cache_without_a_home_folder(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose user has no home folder (a container run as a bare user id)
+    places as without a cache."""
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(programs.CACHE_VARIABLE)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    assert programs.folder() is None
+    path = _weights(tmp_path)
+    assert _placed_bits(path) == np.load(path + ".npy").tobytes()
