@@ -14,7 +14,8 @@ as lowered for its arguments, the device it runs on, the versions of jax, jaxlib
 the device's runtime, and the flags given to XLA. jax loads an executable through
 pickle, so files are trusted only in a folder that the user alone owns and can write;
 elsewhere, or where a file cannot be loaded, the program is compiled as if there were
-no cache. A placement never fails because of the cache.
+no cache. A placement never fails because of the cache. The folder holds at most
+`LIMIT` bytes: the programs used longest ago go first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,6 +141,8 @@ def _load(name: str, lowered: Any, device: jax.Device) -> Any:
             if not _owned(os.fstat(file.fileno())):
                 return None
             payload = file.read()
+            with contextlib.suppress(OSError):
+                os.utime(file.fileno())  # (used now: kept over those used longer ago)
         return serialize_executable.deserialize_and_load(
             payload, lowered.in_tree, lowered.out_tree, device.client, [device]
         )
@@ -160,6 +164,7 @@ def _compile(name: str, lowered: Any) -> Any:
     except Exception:  # noqa: BLE001 - an executable this jax cannot serialize
         return program
     _write(path / f"{name}.bin", payload)
+    _trim(path)
     return program
 
 
@@ -177,3 +182,29 @@ def _write(file: Path, payload: bytes) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+
+
+LIMIT = 256 << 20
+"""The most bytes of programs kept: a program is 60-750 KiB, and each upgrade of jax
+or of the device's runtime makes a new set."""
+
+
+def _trim(path: Path) -> None:
+    """The programs used longest ago removed while the folder holds over `LIMIT`
+    (a program loaded counts as used then), and what a process that stopped while
+    writing left behind."""
+    files = []
+    for file in path.iterdir():
+        with contextlib.suppress(OSError):
+            info = file.stat()
+            if file.suffix == ".tmp" and info.st_mtime < time.time() - 3600:
+                file.unlink()
+            elif file.suffix == ".bin":
+                files.append((info.st_mtime, info.st_size, file))
+    total = sum(size for _, size, _ in files)
+    for _, size, file in sorted(files):
+        if total <= LIMIT:
+            break
+        with contextlib.suppress(OSError):
+            file.unlink()
+        total -= size

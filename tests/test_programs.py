@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -262,3 +263,36 @@ def test_no_cache_without_a_home_folder(
     assert programs.folder() is None
     path = _weights(tmp_path)
     assert _placed_bits(path) == np.load(path + ".npy").tobytes()
+
+
+def test_the_folder_keeps_the_programs_used_last_within_its_limit(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Programs loaded lately are kept, those used longest ago go once the folder is
+    over its limit, and what a writer that stopped halfway left is cleared."""
+    path = _weights(tmp_path)
+    _placed_bits(path)
+    current = {file.name for file in cache.iterdir()}
+    day_ago = time.time() - 86400
+    for file in cache.iterdir():
+        os.utime(file, (day_ago, day_ago))
+    _forget()
+    _placed_bits(path)  # loads them: used now
+    assert all(file.stat().st_mtime > day_ago + 3600 for file in cache.iterdir())
+    old = [cache / f"{n:064x}.bin" for n in range(4)]
+    for file in old:
+        file.write_bytes(b"\0" * (64 << 10))
+        os.utime(file, (day_ago, day_ago))
+    stale = cache / "abandoned.tmp"
+    stale.write_bytes(b"\0" * 100)
+    os.utime(stale, (day_ago, day_ago))
+    kept = sum(file.stat().st_size for file in cache.iterdir() if file.name in current)
+    monkeypatch.setattr(programs, "LIMIT", kept + (64 << 10))
+    values = np.random.default_rng(1).standard_normal((2048, 512), np.float32)
+    save_file({"w": values.astype(ml_dtypes.bfloat16)}, str(tmp_path / "other.safetensors"))
+    _placed_bits(str(tmp_path / "other.safetensors"))  # new programs written
+    names = {file.name for file in cache.iterdir()}
+    assert current <= names
+    assert not any(file.name in names for file in old)
+    assert stale.name not in names
+    assert sum(file.stat().st_size for file in cache.iterdir()) <= programs.LIMIT
