@@ -259,11 +259,11 @@ def compiling_only(path: str) -> dict[str, Any]:
     def compile_all() -> Any:
         buffer = on_device.empty(shape, written, device)
         band = (max(1, (128 << 20) // 4 // (shape[1] * 2)), shape[1])  # a 256 MiB budget's
-        on_device.compile_write(shape, band, written, device)
+        on_device.write_program(shape, band, written, device)
         changed = on_device.changed_patterns(device, bf16)
         if changed:
-            on_device.compile_for(on_device.holds_fn(changed), shape, written, device)
-        on_device.compile_for(on_device.bitcast_fn(bf16), shape, written, device)
+            on_device.program_for(on_device.holds_fn(changed), shape, written, device)
+        on_device.program_for(on_device.bitcast_fn(bf16), shape, written, device)
         return buffer
 
     return measure(compile_all)

@@ -58,7 +58,7 @@ def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) 
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def compile_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
+def empty_program(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
     """The program behind `empty` for this shape, dtype and device (`_programs`:
     compiled, or loaded where an earlier process compiled it)."""
     return programs.compiled(_empty_fn(shape, np.dtype(dtype), device), (), device)
@@ -67,7 +67,7 @@ def compile_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Devi
 def empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> jax.Array:
     """A buffer for a shard on `device`, made there (zeros: JAX has no uninitialized
     arrays; the device fills it far faster than the host sends)."""
-    result: jax.Array = compile_empty(shape, dtype, device)()
+    result: jax.Array = empty_program(shape, dtype, device)()
     return result
 
 
@@ -81,7 +81,7 @@ def _write_fn() -> Any:
     return jax.jit(write, donate_argnums=0)
 
 
-def compile_write(
+def write_program(
     shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
 ) -> Any:
     """The program behind `write` for a buffer of `shape` and pieces of shape `piece`;
@@ -95,12 +95,12 @@ def compile_write(
 
 def write(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.Array:
     """`buffer` with `piece` at `starts`, in place (the buffer is donated)."""
-    program = compile_write(buffer.shape, piece.shape, buffer.dtype, _device(buffer))
+    program = write_program(buffer.shape, piece.shape, buffer.dtype, _device(buffer))
     result: jax.Array = program(buffer, piece, tuple(np.int32(s) for s in starts))
     return result
 
 
-def compile_for(
+def program_for(
     function: Any, shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
 ) -> Any:
     """The jitted `function` of one array of this shape and dtype on `device`, as a
@@ -117,7 +117,7 @@ def bitcast_fn(dtype: np.dtype[Any]) -> Any:
 
 def bitcast(buffer: jax.Array, dtype: np.dtype[Any]) -> jax.Array:
     """`buffer`'s unsigned integers as `dtype`, in place (donated)."""
-    program = compile_for(bitcast_fn(np.dtype(dtype)), buffer.shape, buffer.dtype, _device(buffer))
+    program = program_for(bitcast_fn(np.dtype(dtype)), buffer.shape, buffer.dtype, _device(buffer))
     result: jax.Array = program(buffer)
     return result
 
@@ -179,5 +179,5 @@ def holds_fn(ranges: tuple[tuple[int, int], ...]) -> Any:
 def holds_any(buffer: jax.Array, ranges: tuple[tuple[int, int], ...]) -> bool:
     """Whether any of `buffer`'s integers falls in `ranges` (on its device: integer
     comparisons, exact, one pass over its memory)."""
-    program = compile_for(holds_fn(ranges), buffer.shape, buffer.dtype, _device(buffer))
+    program = program_for(holds_fn(ranges), buffer.shape, buffer.dtype, _device(buffer))
     return bool(program(buffer))

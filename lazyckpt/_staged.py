@@ -330,16 +330,16 @@ class _Shard:
     def prepare(
         self, compilers: concurrent.futures.Executor, pieces: Collection[tuple[int, ...]]
     ) -> None:
-        """Start compiling the programs that make this shard's buffers and assemble it
-        from pieces of the shapes `pieces` (others are compiled when they come). The
-        buffers themselves are made by the first piece that is not the whole shard:
-        a streamed shard may come whole, as one block."""
+        """Start compiling (or loading, `_programs`) the programs that make this shard's
+        buffers and assemble it from pieces of the shapes `pieces` (others when they
+        come). The buffers themselves are made by the first piece that is not the
+        whole shard: a streamed shard may come whole, as one block."""
         self.preparing = [
-            compilers.submit(on_device.compile_empty, self.shape, self.device_dtype, device)
+            compilers.submit(on_device.empty_program, self.shape, self.device_dtype, device)
             for device in self.devices
         ]
         self.preparing += [
-            compilers.submit(on_device.compile_write, self.shape, piece, self.device_dtype, device)
+            compilers.submit(on_device.write_program, self.shape, piece, self.device_dtype, device)
             for piece in pieces
             for device in self.devices
         ]
@@ -357,10 +357,10 @@ class _Shard:
         changed = on_device.changed_patterns(self.devices[0], self.dtype)
         if changed:
             holds = on_device.holds_fn(changed)
-            on_device.compile_for(holds, self.shape, self.device_dtype, self.devices[0])
+            on_device.program_for(holds, self.shape, self.device_dtype, self.devices[0])
+        bitcast = on_device.bitcast_fn(self.dtype)
         for device in self.devices:
-            bitcast = on_device.bitcast_fn(self.dtype)
-            on_device.compile_for(bitcast, self.shape, self.device_dtype, device)
+            on_device.program_for(bitcast, self.shape, self.device_dtype, device)
 
     def write(self, index: tuple[slice, ...], values: np.ndarray) -> list[jax.Array]:
         """Send `values` (`index` of this region) to every device and write them in;

@@ -176,8 +176,8 @@ def test_loaded_programs_update_the_buffer_in_place(cache: Path, compiled: list[
     second copy of a shard in device memory)."""
     device = jax.devices()[0]
     written = np.dtype(np.uint16)
-    on_device.compile_empty((8, 4), written, device)
-    on_device.compile_write((8, 4), (2, 4), written, device)
+    on_device.empty_program((8, 4), written, device)
+    on_device.write_program((8, 4), (2, 4), written, device)
     _forget()
     compiled.clear()
     buffer = on_device.empty((8, 4), written, device)
@@ -198,7 +198,7 @@ def test_threads_asking_for_one_program_share_one_compilation(
 
     def ask() -> Any:
         start.wait()
-        return on_device.compile_write((16, 8), (4, 8), written, device)
+        return on_device.write_program((16, 8), (4, 8), written, device)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         programs_ = list(pool.map(lambda _: ask(), range(8)))
