@@ -65,8 +65,10 @@ def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> A
         return future.result()
     try:
         lowered = function.lower(*arguments)
-        name = _name(lowered, device)
-        program = _load(name, lowered, device) or _compile(name, lowered)
+        file, path = None, folder()
+        if path is not None:
+            file = path / f"{_name(lowered, device)}.bin"
+        program = _load(file, lowered, device) or _compile(file, lowered)
     except BaseException as error:
         with _LOCK:
             del _LOADED[key]  # (asked again, it is tried again)
@@ -122,27 +124,26 @@ def _name(lowered: Any, device: jax.Device) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _load(name: str, lowered: Any, device: jax.Device) -> Any:
-    """The program `name` from the cache folder, or None where it is not there or
-    cannot be loaded (written by a process that stopped halfway, say: it is then
+def _load(file: Path | None, lowered: Any, device: jax.Device) -> Any:
+    """The program in `file` (None: no cache folder), or None where it is not there
+    or cannot be loaded (written by a process that stopped halfway, say: it is then
     compiled and written again)."""
     from jax.experimental import serialize_executable
 
-    path = folder()
-    if path is None:
+    if file is None:
         return None
     try:
         # (opened, then checked: the file read is the file whose owner was checked)
-        descriptor = os.open(path / f"{name}.bin", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        descriptor = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
-        with os.fdopen(descriptor, "rb") as file:
-            if not _owned(os.fstat(file.fileno())):
+        with os.fdopen(descriptor, "rb") as opened:
+            if not _owned(os.fstat(opened.fileno())):
                 return None
-            payload = file.read()
+            payload = opened.read()
             with contextlib.suppress(OSError):
-                os.utime(file.fileno())  # (used now: kept over those used longer ago)
+                os.utime(opened.fileno())  # (used now: kept over those used longer ago)
         return serialize_executable.deserialize_and_load(
             payload, lowered.in_tree, lowered.out_tree, device.client, [device]
         )
@@ -150,21 +151,20 @@ def _load(name: str, lowered: Any, device: jax.Device) -> Any:
         return None
 
 
-def _compile(name: str, lowered: Any) -> Any:
-    """`lowered` compiled, and written to the cache folder where there is one (a file
+def _compile(file: Path | None, lowered: Any) -> Any:
+    """`lowered` compiled, and written as `file` where there is a cache folder (a file
     that cannot be written leaves the folder as it was)."""
     from jax.experimental import serialize_executable
 
     program = lowered.compile()
-    path = folder()
-    if path is None:
+    if file is None:
         return program
     try:
         payload, _, _ = serialize_executable.serialize(program)
     except Exception:  # noqa: BLE001 - an executable this jax cannot serialize
         return program
-    _write(path / f"{name}.bin", payload)
-    _trim(path)
+    _write(file, payload)
+    _trim(file.parent)
     return program
 
 
