@@ -34,7 +34,7 @@ from lazyckpt._array import compose
 from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
-from lazyckpt._engine.memory import Destination, result_empty
+from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.raw import source
 from lazyckpt._engine.scheduler import Scheduler
@@ -85,8 +85,8 @@ def put_staged(
 
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
-    gate = _Gate(half, scheduler)
     planned = [_plan(array, regions, half) for array, _, regions in placements]
+    gate = _Gate(half, scheduler, BufferPool(half))
     streamed = [
         (array[as_slices(shard.region)], shard)
         for (array, _, _), (shards, pieces, _) in zip(placements, planned, strict=True)
@@ -111,7 +111,9 @@ def put_staged(
                         _fill(array, [(shard, piece)], gate, scheduler)
             scheduler.drain()
             if streamed:
-                blocks = iter_blocks([v for v, _ in streamed], half, progress)
+                # Its jobs' blocks (the other half) come from the pool too.
+                gate.pool.limit = budget
+                blocks = iter_blocks([v for v, _ in streamed], half, progress, pool=gate.pool)
                 for position, index, values in blocks:
                     held = _held_bytes(values)
                     if not values.flags.c_contiguous:  # a piece of a block shared by regions
@@ -201,35 +203,25 @@ def _fill(
     """Fill each `(shard, piece)` of `array` in one read once the gate lets their bytes
     in (each stored chunk read once for all), then send each to its shard's devices."""
     dtype = array.dtype
-    buffers: list[np.ndarray | None] = []
-    destinations = []
+    destinations, held = [], []
     for shard, piece in pieces:
-        nbytes = box_bytes(piece, dtype.itemsize)
         if shard.copies:
-            buffers.append(gate.take(nbytes))
+            out, nbytes = gate.take(_shape(piece), dtype)
         else:  # the devices adopt host memory: a buffer of its own
+            out, nbytes = None, box_bytes(piece, dtype.itemsize)
             gate.reserve(nbytes)
-            buffers.append(None)
-        out = buffers[-1]
-        shaped = None if out is None else _shaped(out, _shape(piece), dtype)
-        destinations.append(Destination(piece, dtype, aligned=True, out=shaped))
+        destinations.append(Destination(piece, dtype, aligned=True, out=out))
+        held.append(nbytes)
 
     def send() -> None:
-        for (shard, piece), destination, buffer in zip(pieces, destinations, buffers, strict=True):
+        for (shard, piece), destination, nbytes in zip(pieces, destinations, held, strict=True):
             index = slices(piece, shard.region)
             values = destination.buffer()
             destination.out = None  # (held by the transfer until it is done, not here)
-            held = values.nbytes if buffer is None else buffer.nbytes
-            gate.sent(held, shard.write(index, values), buffer)
+            gate.sent(nbytes, shard.write(index, values))
         destinations.clear()
 
     schedule_fill(array, destinations, scheduler, send)
-
-
-def _shaped(buffer: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """The first bytes of a pooled byte buffer as an array of `shape` and `dtype`."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 class _Gate:
@@ -237,53 +229,39 @@ class _Gate:
     `limit` (one piece at least): a piece waits for reads to finish, whose pieces go
     out, or for the oldest transfer.
 
-    Pieces bound for devices that copy them out of host memory are filled into byte
-    buffers kept from piece to piece (`take`), so that memory is faulted in once,
-    not for every piece: fresh pages cost more than the copy into them (a gVisor
-    host measured 0.75 GB/s through fresh buffers, over 10 GB/s through reused
-    ones). Kept buffers count towards the limit; the oldest is let go to make room.
+    Pieces bound for devices that copy them out of host memory are filled into buffers
+    of `pool`, whose memory is filled again by later pieces once their transfers have
+    let go of them: fresh pages cost more than the copy into them (a gVisor host
+    measured 0.75 GB/s through fresh buffers, over 10 GB/s through reused ones).
     """
 
-    def __init__(self, limit: int, scheduler: Scheduler) -> None:
-        self.limit, self.scheduler = limit, scheduler
+    def __init__(self, limit: int, scheduler: Scheduler, pool: BufferPool) -> None:
+        self.limit, self.scheduler, self.pool = limit, scheduler, pool
         self.held = 0
-        self.kept: list[np.ndarray] = []  # free buffers, oldest first
-        self.sending: collections.deque[tuple[int, list[jax.Array], np.ndarray | None]] = (
-            collections.deque()
-        )
+        self.sending: collections.deque[tuple[int, list[jax.Array]]] = collections.deque()
 
     def reserve(self, nbytes: int) -> None:
         """Wait until `nbytes` more may be held, then hold them."""
         while self.held and self.held + nbytes > self.limit and self._wait_one():
             pass
-        self._make_room(nbytes)
         self.held += nbytes
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A byte buffer of at least `nbytes`, held until its piece is `sent` and
-        transferred: a kept one where one fits, else a new one."""
-        while True:
-            fits = [b for b in self.kept if b.nbytes >= nbytes]
-            buffer = min(fits, key=lambda b: b.nbytes) if fits else None
-            size = buffer.nbytes if buffer is not None else nbytes
-            if not self.held or self.held + size <= self.limit or not self._wait_one():
-                break
-        if buffer is None:
-            self._make_room(nbytes)
-            buffer = result_empty((nbytes,), np.uint8)
-        else:
-            self.kept = [b for b in self.kept if b is not buffer]
-        self.held += buffer.nbytes
-        return buffer
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, int]:
+        """An array from the pool, and the bytes held for it (its buffer's, which may
+        be a little larger) until its piece is `sent` and transferred."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.reserve(nbytes)
+        values = self.pool.empty(shape, dtype)
+        self.held += _held_bytes(values) - nbytes
+        return values, _held_bytes(values)
 
-    def sent(self, nbytes: int, arrays: list[jax.Array], buffer: np.ndarray | None = None) -> None:
-        """`nbytes` are held until `arrays` are on their devices; `buffer` is kept then."""
-        self.sending.append((nbytes, arrays, buffer))
+    def sent(self, nbytes: int, arrays: list[jax.Array]) -> None:
+        """`nbytes` are held until `arrays` are on their devices."""
+        self.sending.append((nbytes, arrays))
 
     def drain(self) -> None:
         while self.sending:
             self._wait_oldest()
-        self.kept.clear()
 
     def _wait_one(self) -> bool:
         """Let some held bytes go: the oldest transfer's, or a read's (whose piece is then
@@ -293,19 +271,12 @@ class _Gate:
             return True
         return self.scheduler.finish_one()
 
-    def _make_room(self, nbytes: int) -> None:
-        """Let kept buffers go, oldest first, until `nbytes` more fit beside them."""
-        while self.kept and self.held + sum(b.nbytes for b in self.kept) + nbytes > self.limit:
-            self.kept.pop(0)
-
     def _wait_oldest(self) -> None:
         import jax
 
-        nbytes, arrays, buffer = self.sending.popleft()
+        nbytes, arrays = self.sending.popleft()
         jax.block_until_ready(arrays)
         self.held -= nbytes
-        if buffer is not None:
-            self.kept.append(buffer)
 
 
 class _Shard:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 import tracemalloc
@@ -17,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt._array.geometry import chunk_blocks
+from lazyckpt._engine import memory
 from lazyckpt._engine.stored import StoredArray
-from tests.helpers import LAYOUTS, rss_probe, stored_chunk_bytes
+from tests.helpers import LAYOUTS, orbax_save, rss_probe, stored_chunk_bytes
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +355,58 @@ def test_many_small_arrays_are_read_in_batches(
     for key, value in tree.items():
         assert placed[key].sharding == sharding, key
         np.testing.assert_array_equal(np.asarray(placed[key]), value, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def one_chunk(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A 32 MiB array that orbax stores as one zstd chunk (one device: one shard)."""
+    value = np.random.default_rng(1).standard_normal((8192, 1024), dtype=np.float32)
+    path = orbax_save(tmp_path_factory.mktemp("one") / "ckpt", {"w": value}, zarr3=True)
+    return path, value
+
+
+def test_streamed_blocks_reuse_memory_nothing_holds(
+    one_chunk: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk streamed in blocks is decoded into the memory of blocks the consumer has
+    let go of, not into fresh memory each time; blocks the consumer keeps are never
+    written again."""
+    path, value = one_chunk
+    w = lazyckpt.open(path)["w"]
+    assert w.chunks == w.shape
+    made: list[int] = []
+    new_map = mmap.mmap
+
+    def counted_map(fileno: int, length: int) -> mmap.mmap:
+        made.append(length)
+        return new_map(fileno, length)
+
+    monkeypatch.setattr(mmap, "mmap", counted_map)
+    budget = 16 << 20
+    blocks = 0
+    for _, index, block in lazyckpt.iter_blocks(w, memory_budget=budget):
+        np.testing.assert_array_equal(block, value[index])
+        blocks += 1
+        del block
+    assert blocks >= 8 and len(made) <= 3, (blocks, made)
+    made.clear()
+    kept = list(lazyckpt.iter_blocks(w, memory_budget=budget))
+    assert len(made) == len(kept)  # each kept block its own memory
+    for _, index, block in kept:
+        np.testing.assert_array_equal(block, value[index])
+
+
+def test_a_buffer_pool_reuses_only_free_memory_and_keeps_within_its_limit() -> None:
+    pool = memory.BufferPool(6 << 20)
+    first = pool.empty((1 << 20,), np.float32)  # 4 MiB
+    view = first[10:20]
+    del first
+    first_again = pool.empty((1 << 20,), np.float32)
+    assert not np.shares_memory(first_again, view)  # a view keeps its memory in use
+    assert pool.held == 8 << 20
+    del view, first_again
+    small = pool.empty((1 << 19,), np.float32)  # 2 MiB, in a free 4 MiB map
+    assert pool.held == 8 << 20
+    large = pool.empty((2 << 20,), np.float32)  # 8 MiB: the other free map let go
+    assert pool.held == 12 << 20
+    assert small.nbytes + large.nbytes == 10 << 20

@@ -6,6 +6,7 @@ measured as the peak above what the read returns."""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,7 +24,6 @@ from safetensors.numpy import save_file
 import lazyckpt
 import lazyckpt._on_device as on_device
 import lazyckpt._staged as staged
-from lazyckpt._engine.memory import result_empty
 from tests.helpers import orbax_save, rss_probe
 
 MiB = 1 << 20
@@ -212,18 +212,12 @@ def test_rows_wider_than_a_piece_are_cut_along_the_next_dimension(
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
     seen: list[int] = []
     reserve = staged._Gate.reserve
-    take = staged._Gate.take
 
     def counted_reserve(gate: staged._Gate, nbytes: int) -> None:
         seen.append(nbytes)
         reserve(gate, nbytes)
 
-    def counted_take(gate: staged._Gate, nbytes: int) -> np.ndarray:
-        seen.append(nbytes)
-        return take(gate, nbytes)
-
     monkeypatch.setattr(staged._Gate, "reserve", counted_reserve)
-    monkeypatch.setattr(staged._Gate, "take", counted_take)
     budget = 512 << 10
     tree = lazyckpt.open(tmp_path / "model.safetensors")
     placed = lazyckpt.device_put(
@@ -258,25 +252,28 @@ def test_64_bit_values_without_x64_are_placed_as_jax_places_them(
 def test_pieces_bound_for_copying_devices_reuse_their_buffers(
     files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where devices copy what is sent (an accelerator's), pieces are filled into byte
-    buffers kept from piece to piece, so that few are ever made; what is held, kept
-    buffers too, stays within half the budget."""
+    """Where devices copy what is sent (an accelerator's), pieces are filled into the
+    memory of earlier pieces whose transfers are done, so that few buffers are ever
+    made; what pieces hold stays within half the budget, and what the pool keeps
+    within the budget."""
     monkeypatch.setattr(staged, "ADOPTING_PLATFORMS", frozenset())
     made: list[int] = []
-    seen: list[int] = []
-    empty = result_empty
+    seen: list[tuple[int, int]] = []
+    new_map = mmap.mmap
     take = staged._Gate.take
 
-    def counted_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        made.append(int(np.prod(shape)))
-        return empty(shape, dtype)
+    def counted_map(fileno: int, length: int) -> mmap.mmap:
+        made.append(length)
+        return new_map(fileno, length)
 
-    def counted_take(gate: staged._Gate, nbytes: int) -> np.ndarray:
-        buffer = take(gate, nbytes)
-        seen.append(gate.held + sum(b.nbytes for b in gate.kept))
-        return buffer
+    def counted_take(
+        gate: staged._Gate, shape: tuple[int, ...], dtype: Any
+    ) -> tuple[np.ndarray, int]:
+        taken = take(gate, shape, dtype)
+        seen.append((gate.held, gate.pool.held))
+        return taken
 
-    monkeypatch.setattr(staged, "result_empty", counted_empty)
+    monkeypatch.setattr(mmap, "mmap", counted_map)
     monkeypatch.setattr(staged._Gate, "take", counted_take)
     budget = 3 * MiB
     placed = lazyckpt.device_put(
@@ -287,7 +284,8 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
     for key, expected in _raw_values().items():
         assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
     assert len(seen) >= 12 and len(made) <= len(seen) // 3, (made, seen)
-    assert max(seen) <= budget // 2, seen
+    assert max(held for held, _ in seen) <= budget // 2, seen
+    assert max(pooled for _, pooled in seen) <= budget // 2, seen
 
 
 @pytest.mark.parametrize("present", [True, False])

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import tensorstore as ts
 
-from lazyckpt._engine.memory import MemoryGuard, settle_allocator
+from lazyckpt._engine.memory import BufferPool, MemoryGuard, settle_allocator
 from lazyckpt._engine.progress import Progress
 from lazyckpt._storage import network
 from lazyckpt._storage.per_process import PerProcess
@@ -108,6 +108,8 @@ class Scheduler:
         self._pending = collections.deque()
         self._in_flight = 0
         self.guard = MemoryGuard(self.budget)
+        self.pool: BufferPool | None = None
+        """Where blocks streamed within this budget are filled (`iter_blocks`)."""
         settle_allocator(self.budget)
 
     def submit(

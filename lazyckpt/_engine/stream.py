@@ -59,7 +59,7 @@ from lazyckpt._engine.bands import (
 )
 from lazyckpt._engine.decode import ChunkStream, decodes, job_bytes
 from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
-from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool, stream_block
 from lazyckpt._engine.share import Sharing, by_position, sharings
@@ -123,6 +123,7 @@ def iter_blocks(
     grids: Sequence[tuple[int, ...] | None] | None = None,
     *,
     share: bool = True,
+    pool: BufferPool | None = None,
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     """`(position, index, values)` for consecutive blocks of each ArrayView in `arrays`,
     where `arrays[position][index]` equals `values`.
@@ -135,8 +136,13 @@ def iter_blocks(
     With `share`, views of one stored array that cover it together (`unstack`) are
     streamed as one (`lazyckpt._engine.share`), so that each stored chunk is read once;
     their blocks then come in the stored array's order.
+
+    Blocks are filled into buffers of `pool` (by default one of the budget's size),
+    reused once the consumer and everything else have let go of them.
     """
     limits = Scheduler(budget)
+    buffers = pool if pool is not None else BufferPool(limits.budget)
+    limits.pool = buffers
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
     limits.guard.slack = limits.budget // 16
@@ -192,7 +198,7 @@ def iter_blocks(
         active[0] = (job, job.step())  # decode the next block while this one is used
         yield from _handed(job, blocks, leaves, progress)
         del blocks, result
-        limits.guard.check(reserved)
+        limits.guard.check(max(reserved, buffers.held))
     check_unchanged(stores(arrays))
 
 
@@ -262,11 +268,17 @@ def _jobs(
         found = strided_bands(array, grid, block)
         if found is not None:  # inside one stored chunk: decoded once, band by band
             chunk, cut_bands, nbytes = found
-            steps = _chunk_bands(array, chunk, lambda: cut_bands, read_bytes, window, grid, block)
+            steps = _chunk_bands(
+                array, chunk, lambda: cut_bands, read_bytes, window, grid, block, limits.pool
+            )
             yield _Job(position, held - block + max(block, nbytes), steps)
             return
         for region in view_bands(array, block // itemsize, grid):  # each decoded on its own
-            yield _Job(position, held, iter([_decoded_block(array, region, read_bytes, window)]))
+            yield _Job(
+                position,
+                held,
+                iter([_decoded_block(array, region, read_bytes, window, limits.pool)]),
+            )
         return
     origins = view_origins(mapping, len(stored.shape))
     box = to_stored(array, mapping, whole)
@@ -283,7 +295,7 @@ def _jobs(
         for region in blocks:
             # A cell of `grid` may be larger than a block: counted as it is.
             nbytes = box_bytes(region, itemsize)
-            steps = iter([_decoded_block(array, region, read_bytes, window)])
+            steps = iter([_decoded_block(array, region, read_bytes, window, limits.pool)])
             yield _Job(position, held - block + max(block, nbytes), steps)
         return
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
@@ -296,7 +308,7 @@ def _jobs(
         cut = functools.partial(slabs, overlap, order, itemsize, block, unit=unit, split_at=split)
         bands = functools.partial(slabs_in_view, array, cut)
         nbytes = band_bytes(overlap, order, split, unit, itemsize, block)
-        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block)
+        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block, limits.pool)
         yield _Job(position, held - block + max(block, nbytes), steps)
 
 
@@ -363,16 +375,18 @@ def _composed_jobs(
     itemsize = array.dtype.itemsize
     cells = grid if grid is not None else fitted(compose.view_chunks(array), itemsize, block)
     for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):
-        yield _Job(position, block * 3, iter([_filled(array, region, block)]))
+        yield _Job(position, block * 3, iter([_filled(array, region, block, limits.pool)]))
 
 
-def _filled(array: ArrayView, region: Box, budget: int) -> Callable[[], ts.Future[Block]]:
+def _filled(
+    array: ArrayView, region: Box, budget: int, pool: BufferPool | None
+) -> Callable[[], ts.Future[Block]]:
     """A step that fills `array[region]` through the engine, within `budget`, on the
     consumer's thread (the engine's own jobs run on the decoding threads)."""
 
     def fill() -> ts.Future[Block]:
         scheduler = Scheduler(budget)
-        destination = Destination(region, array.dtype)
+        destination = Destination(region, array.dtype, pool=pool)
         schedule_fill(array, [destination], scheduler, lambda: None)
         scheduler.drain()
         return ready((as_slices(region), destination.buffer(), destination.out_nbytes()))
@@ -399,12 +413,12 @@ def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
 
 
 def _decoded_block(
-    array: ArrayView, region: Box, read_bytes: int, window: int
+    array: ArrayView, region: Box, read_bytes: int, window: int, pool: BufferPool | None
 ) -> Callable[[], ts.Future[Block]]:
     """A step that fills one block, `array[region]`, from every chunk it touches."""
 
     def fill() -> Block:
-        destination = Destination(region, array.dtype)
+        destination = Destination(region, array.dtype, pool=pool)
         selection = array.selection[as_slices(region)]
         box = bounds(selection)
         for index in chunks_in(box, stored_array(array).chunks) if box else [()]:
@@ -423,6 +437,7 @@ def _chunk_bands(
     window: int,
     grid: tuple[int, ...] | None,
     block: int,
+    pool: BufferPool | None,
 ) -> Iterator[Callable[[], ts.Future[object]]]:
     """Steps that decode one chunk larger than a block, each up to the end of its next
     band (a box of the view, whole cells of `grid`, that the chunk's decode completes,
@@ -435,7 +450,7 @@ def _chunk_bands(
     def produce() -> Iterator[Block]:
         ChunkStream(stored_array(array), index, read_bytes).check()
         regions = list(bands())
-        destinations = [Destination(region, array.dtype) for region in regions]
+        destinations = [Destination(region, array.dtype, pool=pool) for region in regions]
         users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
         itemsize = array.dtype.itemsize
         for completed in decode_slabs(array, index, users, read_bytes, window):
