@@ -41,7 +41,6 @@ from lazyckpt._array.geometry import (
     slabs,
     slices,
     stored_map,
-    strided_block,
     to_stored,
     view_origins,
 )
@@ -58,62 +57,15 @@ from lazyckpt._engine.bands import (
     widened,
 )
 from lazyckpt._engine.decode import ChunkStream, decodes, job_bytes
-from lazyckpt._engine.fill import decode_into, decode_slabs, read_box, schedule_fill, windows
+from lazyckpt._engine.fill import decode_into, decode_slabs, schedule_fill, windows
+from lazyckpt._engine.jobs import END, SKIP, Block, Job, picked, ts_jobs, ts_step
 from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool, stream_block
-from lazyckpt._engine.share import Sharing, by_position, sharings
-from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
-from lazyckpt._storage.kvstore import check_unchanged, ready, then
+from lazyckpt._engine.share import by_position, sharings
+from lazyckpt._engine.stored import check_plain, stored_array, stores
+from lazyckpt._storage.kvstore import check_unchanged, ready
 from lazyckpt._storage.paths import is_remote
-
-_END = object()
-_SKIP = object()  # a step whose block holds none of the view's elements
-Block = tuple[tuple[slice, ...], np.ndarray, int]
-"""What a job's step produces: a block's index in the view, its values, and its size."""
-
-
-class _Job:
-    """Consecutive blocks of one array; `step()` starts producing the next, a future
-    of `(index, values, work)` or `_END`. Steps of one job run one after another."""
-
-    def __init__(
-        self,
-        position: int,
-        held: int,
-        steps: Iterator[Callable[[], ts.Future[object]]],
-        sharing: Sharing | None = None,
-    ) -> None:
-        self.position, self.held, self._steps = position, held, steps
-        self.sharing = sharing
-        """Views of one stored array that this job's blocks are cut into."""
-
-    def step(self) -> ts.Future[object]:
-        start = next(self._steps, None)
-        if start is None:
-            return ready(_END)
-        result: ts.Future[object] = start()
-        return result
-
-    def steps(self) -> Iterator[Callable[[], ts.Future[object]]]:
-        return self._steps
-
-    def placed(self, place: compose.Place) -> _Job:
-        """This job's blocks as blocks of a composed view that this array is part of."""
-
-        def move(result: object) -> object:
-            if result is _END or result is _SKIP:
-                return result
-            assert isinstance(result, tuple)
-            index, values, work = result
-            # The block's work is counted once, with its first piece.
-            return [
-                (moved, piece, work if i == 0 else 0)
-                for i, (moved, piece) in enumerate(place(index, values))
-            ]
-
-        steps = (lambda start=start: then(start(), move) for start in self._steps)
-        return _Job(self.position, self.held, steps)
 
 
 def iter_blocks(
@@ -159,7 +111,7 @@ def iter_blocks(
     found = [leaf.array for leaf in leaves], [leaf.grid for leaf in leaves]
     owner = by_position(sharings(*found, block)) if share else {}
 
-    def every_job() -> Iterator[_Job]:
+    def every_job() -> Iterator[Job]:
         for i, leaf in enumerate(leaves):
             sharing = owner.get(i)
             if sharing is None:
@@ -167,10 +119,10 @@ def iter_blocks(
                     yield job if leaf.place is None else job.placed(leaf.place)
             elif sharing.positions[0] == i:
                 for job in _jobs(i, sharing.base, limits, sharing.grid):
-                    yield _Job(i, job.held, job.steps(), sharing)
+                    yield Job(i, job.held, job.steps(), sharing)
 
     jobs = every_job()
-    active: collections.deque[tuple[_Job, ts.Future[object]]] = collections.deque()
+    active: collections.deque[tuple[Job, ts.Future[object]]] = collections.deque()
     reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
 
@@ -185,12 +137,12 @@ def iter_blocks(
     while active:
         job, pending = active[0]
         result = pending.result()
-        if result is _END:
+        if result is END:
             active.popleft()
             reserved -= job.held
             start_more()
             continue
-        if result is _SKIP:
+        if result is SKIP:
             active[0] = (job, job.step())
             continue
         assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
@@ -203,7 +155,7 @@ def iter_blocks(
 
 
 def _handed(
-    job: _Job, blocks: list[Block], leaves: Sequence[_Leaf], progress: Progress | None
+    job: Job, blocks: list[Block], leaves: Sequence[_Leaf], progress: Progress | None
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     """`iter_blocks`' answers for one step's blocks (in a frame of their own, which
     keeps no reference to them once they are handed over: a piece of a band would
@@ -225,7 +177,7 @@ def _handed(
 
 def _jobs(
     position: int, array: ArrayView, limits: Scheduler, grid: tuple[int, ...] | None
-) -> Iterator[_Job]:
+) -> Iterator[Job]:
     """The jobs that stream one view, in order."""
     stored = array.stored
     if isinstance(stored, compose.Node):
@@ -239,21 +191,22 @@ def _jobs(
     whole = tuple((0, n) for n in array.shape)
     if 0 in array.shape or (mapping is None and not decodes(stored)):
         index = as_slices(whole)
-        yield _Job(position, array.nbytes * HELD, iter([_ts_step(array, index, array.nbytes)]))
+        yield Job(position, array.nbytes * HELD, iter([ts_step(array, index, array.nbytes)]))
         return
     if not decodes(stored):
         assert mapping is not None
         if grid is None:
-            yield from _ts_jobs(position, array, mapping, limits)
+            yield from ts_jobs(position, array, mapping, limits)
             return
         cells = widened(array, grid, itemsize, block)
         for part in chunk_blocks(whole, cells, itemsize, block):
             index = as_slices(part)
             held = box_bytes(part, itemsize) * HELD
-            yield _Job(position, held, iter([_ts_step(array, index, box_bytes(part, itemsize))]))
+            yield Job(position, held, iter([ts_step(array, index, box_bytes(part, itemsize))]))
         return
     read_bytes, window = windows(budget)
     window = min(window, block)
+    pool = limits.pool
     held = job_bytes(read_bytes, window) + block
     if mapping is None and grid is None:
         # Strided: the box around the view, streamed as a unit-stride view (each stored
@@ -261,7 +214,7 @@ def _jobs(
         box = bounds(array.selection)
         base = array._rebased(Selection.full(stored.shape)[as_slices(box)])
         for inner in _jobs(position, base, limits, None):
-            yield _picked(inner, array.selection, box)
+            yield picked(inner, array.selection, box)
         return
     if mapping is None:  # strided, in whole cells of `grid`
         assert grid is not None
@@ -269,15 +222,13 @@ def _jobs(
         if found is not None:  # inside one stored chunk: decoded once, band by band
             chunk, cut_bands, nbytes = found
             steps = _chunk_bands(
-                array, chunk, lambda: cut_bands, read_bytes, window, grid, block, limits.pool
+                array, chunk, lambda: cut_bands, read_bytes, window, grid, block, pool
             )
-            yield _Job(position, held - block + max(block, nbytes), steps)
+            yield Job(position, held - block + max(block, nbytes), steps)
             return
         for region in view_bands(array, block // itemsize, grid):  # each decoded on its own
-            yield _Job(
-                position,
-                held,
-                iter([_decoded_block(array, region, read_bytes, window, limits.pool)]),
+            yield Job(
+                position, held, iter([_decoded_block(array, region, read_bytes, window, pool)])
             )
         return
     origins = view_origins(mapping, len(stored.shape))
@@ -295,8 +246,8 @@ def _jobs(
         for region in blocks:
             # A cell of `grid` may be larger than a block: counted as it is.
             nbytes = box_bytes(region, itemsize)
-            steps = iter([_decoded_block(array, region, read_bytes, window, limits.pool)])
-            yield _Job(position, held - block + max(block, nbytes), steps)
+            steps = iter([_decoded_block(array, region, read_bytes, window, pool)])
+            yield Job(position, held - block + max(block, nbytes), steps)
         return
     assert stored.codec is not None, "only arrays that lazyckpt decodes come here"
     order = stored.codec.order
@@ -308,8 +259,8 @@ def _jobs(
         cut = functools.partial(slabs, overlap, order, itemsize, block, unit=unit, split_at=split)
         bands = functools.partial(slabs_in_view, array, cut)
         nbytes = band_bytes(overlap, order, split, unit, itemsize, block)
-        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block, limits.pool)
-        yield _Job(position, held - block + max(block, nbytes), steps)
+        steps = _chunk_bands(array, chunk, bands, read_bytes, window, grid, block, pool)
+        yield Job(position, held - block + max(block, nbytes), steps)
 
 
 @attrs.frozen
@@ -368,14 +319,14 @@ def _then(
 
 def _composed_jobs(
     position: int, array: ArrayView, limits: Scheduler, grid: tuple[int, ...] | None
-) -> Iterator[_Job]:
+) -> Iterator[Job]:
     """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
     grid that cuts across parts), each filled from its parts through the engine."""
     block = stream_block(limits.budget)
     itemsize = array.dtype.itemsize
     cells = grid if grid is not None else fitted(compose.view_chunks(array), itemsize, block)
     for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):
-        yield _Job(position, block * 3, iter([_filled(array, region, block, limits.pool)]))
+        yield Job(position, block * 3, iter([_filled(array, region, block, limits.pool)]))
 
 
 def _filled(
@@ -392,24 +343,6 @@ def _filled(
         return ready((as_slices(region), destination.buffer(), destination.out_nbytes()))
 
     return fill
-
-
-def _picked(job: _Job, selection: Selection, box: Box) -> _Job:
-    """`job`, which streams the stored `box` around a strided view, with each block cut
-    down to the view's elements in it (`_SKIP` where there are none)."""
-
-    def pick(result: object) -> object:
-        if result is _END:
-            return _END
-        assert isinstance(result, tuple)
-        index, values, _ = result
-        found = strided_block(selection, box, index, values)
-        if found is None:
-            return _SKIP
-        return (*found, found[1].nbytes)
-
-    steps = (lambda start=start: then(start(), pick) for start in job.steps())
-    return _Job(job.position, job.held, steps)
 
 
 def _decoded_block(
@@ -443,7 +376,7 @@ def _chunk_bands(
     band (a box of the view, whole cells of `grid`, that the chunk's decode completes,
     in decode order; for an unstrided view a slab along its leading stored dimension),
     handing it over in blocks (`pieces`: views of the band, which is freed with the
-    last); the last step's result is `_END`. The chunk's stored bytes are checked
+    last); the last step's result is `END`. The chunk's stored bytes are checked
     against its declared size before its bands are planned: a damaged header may
     declare petabytes."""
 
@@ -462,49 +395,4 @@ def _chunk_bands(
                 del band  # (and no piece of it is left in this frame)
 
     bands_out = produce()
-    return itertools.repeat(lambda: in_pool(lambda: next(bands_out, _END)))
-
-
-def _ts_step(
-    array: ArrayView, index: tuple[slice, ...], nbytes: int
-) -> Callable[[], ts.Future[Block]]:
-    return lambda: then(array[index].read(), lambda values: (index, values, nbytes))
-
-
-def _ts_jobs(
-    position: int, array: ArrayView, mapping: Sequence[tuple[int, int] | None], limits: Scheduler
-) -> Iterator[_Job]:
-    """Blocks read by tensorstore: whole chunks, grouped up to a block's share."""
-    stored = stored_array(array)
-    box = to_stored(array, mapping, tuple((0, n) for n in array.shape))
-    # In-memory values, and raw bytes (straight into place: a local file's, or ranges
-    # of a remote one's), are read by the view itself.
-    by_view = (
-        stored.inline is not None
-        or stored.raw_file() is not None
-        or stored.remote_raw() is not None
-    )
-    opened = None if by_view else stored.open()
-    origins = view_origins(mapping, len(stored.shape))
-    itemsize = stored.dtype.itemsize
-    for part in chunk_blocks(box, stored.chunks, itemsize, limits.block_bytes):
-        index, shape = in_view(mapping, part, origins)
-        nbytes = box_bytes(part, itemsize)
-        held = ts_held(stored, part)
-        if opened is None:
-            yield _Job(position, held, iter([_ts_step(array, index, array[index].nbytes)]))
-            continue
-
-        def start(
-            part: Box = part,
-            index: tuple[slice, ...] = index,
-            shape: tuple[int, ...] = shape,
-            n: int = nbytes,
-        ) -> ts.Future[Block]:
-            future = read_box(stored, opened, part)()
-            return then(
-                future,
-                lambda data: (index, data.reshape(shape).astype(array.dtype, copy=False), n),
-            )
-
-        yield _Job(position, held, iter([start]))
+    return itertools.repeat(lambda: in_pool(lambda: next(bands_out, END)))
