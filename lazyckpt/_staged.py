@@ -120,7 +120,7 @@ def put_staged(
                         values = np.ascontiguousarray(values)
                         held += values.nbytes
                     gate.reserve(held)
-                    gate.sent(held, streamed[position][1].write(index, values))
+                    gate.sent(held, streamed[position][1].write(index, values), values)
                     del values
             gate.drain()
         except BaseException:
@@ -218,7 +218,7 @@ def _fill(
             index = slices(piece, shard.region)
             values = destination.buffer()
             destination.out = None  # (held by the transfer until it is done, not here)
-            gate.sent(nbytes, shard.write(index, values))
+            gate.sent(nbytes, shard.write(index, values), values)
         destinations.clear()
 
     schedule_fill(array, destinations, scheduler, send)
@@ -238,7 +238,8 @@ class _Gate:
     def __init__(self, limit: int, scheduler: Scheduler, pool: BufferPool) -> None:
         self.limit, self.scheduler, self.pool = limit, scheduler, pool
         self.held = 0
-        self.sending: collections.deque[tuple[int, list[jax.Array]]] = collections.deque()
+        self.sending: collections.deque[tuple[int, list[jax.Array], np.ndarray]]
+        self.sending = collections.deque()
 
     def reserve(self, nbytes: int) -> None:
         """Wait until `nbytes` more may be held, then hold them."""
@@ -252,12 +253,13 @@ class _Gate:
         nbytes = math.prod(shape) * dtype.itemsize
         self.reserve(nbytes)
         values = self.pool.empty(shape, dtype)
-        self.held += _held_bytes(values) - nbytes
+        self.reserve(_held_bytes(values) - nbytes)
         return values, _held_bytes(values)
 
-    def sent(self, nbytes: int, arrays: list[jax.Array]) -> None:
-        """`nbytes` are held until `arrays` are on their devices."""
-        self.sending.append((nbytes, arrays))
+    def sent(self, nbytes: int, arrays: list[jax.Array], values: np.ndarray) -> None:
+        """`nbytes` are held, and `values` (sent as `arrays`) kept from the pool, until
+        `arrays` are on their devices."""
+        self.sending.append((nbytes, arrays, values))
 
     def drain(self) -> None:
         while self.sending:
@@ -274,7 +276,7 @@ class _Gate:
     def _wait_oldest(self) -> None:
         import jax
 
-        nbytes, arrays = self.sending.popleft()
+        nbytes, arrays, _ = self.sending.popleft()
         jax.block_until_ready(arrays)
         self.held -= nbytes
 

@@ -396,17 +396,24 @@ def test_streamed_blocks_reuse_memory_nothing_holds(
         np.testing.assert_array_equal(block, value[index])
 
 
-def test_a_buffer_pool_reuses_only_free_memory_and_keeps_within_its_limit() -> None:
-    pool = memory.BufferPool(6 << 20)
+def test_a_buffer_pool_reuses_only_free_memory_and_keeps_within_its_limits() -> None:
+    """Memory is reused once no view of it is left, and not before; free buffers are let
+    go where the pool would hold more than `limit`, or keep more than `keep` free."""
+    pool = memory.BufferPool(6 << 20, keep=5 << 20)
     first = pool.empty((1 << 20,), np.float32)  # 4 MiB
     view = first[10:20]
     del first
-    first_again = pool.empty((1 << 20,), np.float32)
-    assert not np.shares_memory(first_again, view)  # a view keeps its memory in use
-    assert pool.held == 8 << 20
-    del view, first_again
-    small = pool.empty((1 << 19,), np.float32)  # 2 MiB, in a free 4 MiB map
-    assert pool.held == 8 << 20
-    large = pool.empty((2 << 20,), np.float32)  # 8 MiB: the other free map let go
-    assert pool.held == 12 << 20
-    assert small.nbytes + large.nbytes == 10 << 20
+    second = pool.empty((1 << 20,), np.float32)
+    assert not np.shares_memory(second, view)  # a view keeps its memory in use
+    assert pool.held == 8 << 20  # over `limit`: nothing free to let go
+    view[:] = 1.0
+    del second
+    third = pool.empty((1 << 19,), np.float32)  # 2 MiB, in the free 4 MiB buffer
+    third[:] = 2.0
+    assert pool.held == 8 << 20 and (view == 1.0).all()
+    del view, third  # two 4 MiB buffers free: over `keep` and `limit`, one let go
+    large = pool.empty((2 << 20,), np.float32)  # 8 MiB: neither fits, so both let go
+    assert pool.held == 8 << 20 and large.nbytes == 8 << 20
+    del large
+    small = pool.empty((1 << 18,), np.float32)  # 1 MiB: the free 8 MiB is too large
+    assert pool.held == 1 << 20 and small.nbytes == 1 << 20

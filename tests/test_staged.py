@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 import lazyckpt
 import lazyckpt._on_device as on_device
 import lazyckpt._staged as staged
+from lazyckpt._engine import memory
 from tests.helpers import orbax_save, rss_probe
 
 MiB = 1 << 20
@@ -340,3 +341,22 @@ def test_a_shard_larger_than_the_budget_stays_near_it(tmp_path: Path, kind: str)
     found = rss_probe(path, "staged", budget)
     assert found["kept"] == 256 * MiB
     assert found["peak"] - found["kept"] <= 1.25 * budget, found
+
+
+def test_a_piece_in_flight_keeps_its_memory_until_its_transfer_is_done() -> None:
+    """Whatever the runtime holds during a transfer, the gate keeps what it sent until
+    the transfer is waited for: only then may a later piece be filled into it."""
+    from lazyckpt._engine.scheduler import Scheduler
+
+    gate = staged._Gate(64 * MiB, Scheduler(64 * MiB), memory.BufferPool(64 * MiB))
+    values, held = gate.take((4 * MiB,), np.dtype(np.uint8))
+    address = values.ctypes.data
+    gate.sent(held, [jax.device_put(values.copy(), jax.devices()[0])], values)
+    del values
+    second, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
+    addresses = {address, second.ctypes.data}
+    assert len(addresses) == 2
+    gate.drain()
+    del second
+    third, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
+    assert third.ctypes.data in addresses and gate.pool.held == 8 * MiB  # nothing new

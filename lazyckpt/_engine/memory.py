@@ -9,6 +9,7 @@ opts out with `malloc_tuning(False)`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import ctypes
@@ -155,7 +156,7 @@ class MemoryGuard:
 
     def __init__(self, budget: int) -> None:
         self.slack = budget // 4
-        self.start = _rss()
+        self.start = self.baseline = _rss()
         self.results = 0
         self._lock = threading.Lock()
         self._checked = -math.inf
@@ -173,16 +174,22 @@ class MemoryGuard:
             return  # (reading the RSS costs a file read: not for each of many small jobs)
         self._checked = moment
         now = _rss()
-        bound = self.results + in_flight + self.slack
-        if now is None or now - self.start <= bound:
+        if now is None or self.baseline is None:
             return
+        bound = self.results + in_flight + self.slack
+        if now - self.baseline <= bound:
+            self.start = self.baseline  # (what a trim could not return is gone)
+            return
+        if now - self.start <= bound:
+            return  # (over only by what a trim could not return before)
         release_free_memory()
         after = _rss()
         if after is not None and now - after < self.slack // 2:
-            # Little came back: what is left is not the allocator's to return (a
-            # device runtime's staging buffers, say). Not trimmed for again, which
-            # cost 9 ms a call on a gVisor host, 79 times in one 2 GiB placement.
-            self.start += max(0, after - self.start - bound)
+            # Little came back: the rest is not the allocator's to return (a device
+            # runtime's staging buffers, say). Trimmed for again only once the process
+            # grows past this (a trim cost 9 ms on a gVisor host, tried 79 times in one
+            # 2 GiB placement), or again from the start once the rest is gone.
+            self.start = max(self.start, after - bound)
 
 
 @attrs.define(eq=False)
@@ -255,20 +262,26 @@ class BufferPool:
     keeps each buffer's memory (an anonymous map) and only a weak reference to the
     array it handed out over it, which every view of that array keeps alive: a block
     that a caller still holds, or that a transfer still reads from, is never written
-    again. Free maps are let go, largest first, where keeping them would take what the
-    pool holds past `limit` bytes.
+    again. A buffer comes back when that array is gone (the reference's callback).
+    Free buffers are let go, largest first, where keeping them would take what the
+    pool holds past `limit` bytes, or what it keeps free past `keep`.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, keep: int | None = None) -> None:
         self.limit = limit
-        self._maps: list[tuple[mmap.mmap, weakref.ref[np.ndarray]]] = []
+        self.keep = limit if keep is None else keep
         self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+        self._in_use: dict[int, weakref.ref[np.ndarray]] = {}  # by id() of the map
+        self._back: collections.deque[mmap.mmap] = collections.deque()
+        """Maps whose arrays are gone, put here by the references' callbacks (which may
+        run on any thread, even one inside `empty`: a deque, no lock)."""
+        self._held = 0
 
     @property
     def held(self) -> int:
         """Bytes of every buffer the pool keeps, in use or free."""
-        with self._lock:
-            return sum(len(memory) for memory, _ in self._maps)
+        return self._held
 
     def empty(self, shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
         """An uninitialized array, in a free buffer of the pool where one is large enough
@@ -279,21 +292,26 @@ class BufferPool:
         if nbytes < MAPPED_BYTES:
             return aligned_empty(shape, dtype)
         with self._lock:
-            free = [(memory, ref) for memory, ref in self._maps if ref() is None]
-            fits = [memory for memory, _ in free if nbytes <= len(memory) <= 2 * nbytes]
+            while self._back:
+                memory = self._back.popleft()
+                del self._in_use[id(memory)]
+                self._free.append(memory)
+            fits = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]
+            memory = min(fits, key=len) if fits else mmap.mmap(-1, nbytes)
             if fits:
-                memory = min(fits, key=len)
-                self._maps = [(m, ref) for m, ref in self._maps if m is not memory]
+                self._free.remove(memory)
             else:
-                held = sum(len(m) for m, _ in self._maps)
-                for dropped, _ in sorted(free, key=lambda entry: -len(entry[0])):
-                    if held + nbytes <= self.limit:
-                        break
-                    held -= len(dropped)
-                    self._maps = [(m, ref) for m, ref in self._maps if m is not dropped]
-                memory = mmap.mmap(-1, nbytes)
+                self._held += nbytes
+            self._free.sort(key=len)
+            while self._free and (self._held > self.limit or sum(map(len, self._free)) > self.keep):
+                self._held -= len(self._free.pop())
             whole = np.frombuffer(memory, np.uint8)
-            self._maps.append((memory, weakref.ref(whole)))
+            back = self._back
+
+            def came_back(_: object, memory: mmap.mmap = memory) -> None:
+                back.append(memory)
+
+            self._in_use[id(memory)] = weakref.ref(whole, came_back)
         return whole[:nbytes].view(dtype).reshape(shape)
 
 

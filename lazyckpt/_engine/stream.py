@@ -89,16 +89,17 @@ def iter_blocks(
     streamed as one (`lazyckpt._engine.share`), so that each stored chunk is read once;
     their blocks then come in the stored array's order.
 
-    Blocks are filled into buffers of `pool` (by default one of the budget's size),
-    reused once the consumer and everything else have let go of them.
+    Blocks are filled into buffers of `pool` (by default one that keeps at most a
+    block free), reused once the consumer and everything else have let go of them.
     """
     limits = Scheduler(budget)
-    buffers = pool if pool is not None else BufferPool(limits.budget)
-    limits.pool = buffers
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
     limits.guard.slack = limits.budget // 16
     block = stream_block(limits.budget)
+    # (free: at most the block the consumer is counted for, which it has let go)
+    buffers = pool if pool is not None else BufferPool(limits.budget, keep=block)
+    limits.pool = buffers
     cells = list(grids) if grids is not None else [None] * len(arrays)
     for array in arrays:
         check_plain(array)
