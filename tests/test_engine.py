@@ -417,3 +417,7 @@ def test_a_buffer_pool_reuses_only_free_memory_and_keeps_within_its_limits() -> 
     del large
     small = pool.empty((1 << 18,), np.float32)  # 1 MiB: the free 8 MiB is too large
     assert pool.held == 1 << 20 and small.nbytes == 1 << 20
+    others = [pool.empty((1 << 20,), np.float32) for _ in range(2)]  # 2 x 4 MiB
+    del small, others
+    pool.settle()  # free buffers let go now, not at the next `empty`
+    assert pool.held == 5 << 20  # within `keep`: the 1 MiB and one 4 MiB buffer

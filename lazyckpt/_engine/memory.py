@@ -157,6 +157,8 @@ class MemoryGuard:
     def __init__(self, budget: int) -> None:
         self.slack = budget // 4
         self.start = self.baseline = _rss()
+        self.left: float = math.inf
+        """The process's size after the last trim that returned little."""
         self.results = 0
         self._lock = threading.Lock()
         self._checked = -math.inf
@@ -177,8 +179,10 @@ class MemoryGuard:
         if now is None or self.baseline is None:
             return
         bound = self.results + in_flight + self.slack
+        if now - self.baseline <= bound or now < self.left - self.slack:
+            self.start = self.baseline  # (what a trim could not return is gone, or going)
+            self.left = math.inf
         if now - self.baseline <= bound:
-            self.start = self.baseline  # (what a trim could not return is gone)
             return
         if now - self.start <= bound:
             return  # (over only by what a trim could not return before)
@@ -188,8 +192,9 @@ class MemoryGuard:
             # Little came back: the rest is not the allocator's to return (a device
             # runtime's staging buffers, say). Trimmed for again only once the process
             # grows past this (a trim cost 9 ms on a gVisor host, tried 79 times in one
-            # 2 GiB placement), or again from the start once the rest is gone.
-            self.start = max(self.start, after - bound)
+            # 2 GiB placement), or from the start again once the process is back within
+            # bounds or has shrunk by the slack since.
+            self.start, self.left = max(self.start, after - bound), after
 
 
 @attrs.define(eq=False)
@@ -292,19 +297,14 @@ class BufferPool:
         if nbytes < MAPPED_BYTES:
             return aligned_empty(shape, dtype)
         with self._lock:
-            while self._back:
-                memory = self._back.popleft()
-                del self._in_use[id(memory)]
-                self._free.append(memory)
+            self._take_back()
             fits = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]
             memory = min(fits, key=len) if fits else mmap.mmap(-1, nbytes)
             if fits:
                 self._free.remove(memory)
             else:
                 self._held += nbytes
-            self._free.sort(key=len)
-            while self._free and (self._held > self.limit or sum(map(len, self._free)) > self.keep):
-                self._held -= len(self._free.pop())
+            self._let_go()
             whole = np.frombuffer(memory, np.uint8)
             back = self._back
 
@@ -313,6 +313,24 @@ class BufferPool:
 
             self._in_use[id(memory)] = weakref.ref(whole, came_back)
         return whole[:nbytes].view(dtype).reshape(shape)
+
+    def settle(self) -> None:
+        """Let go of free buffers beyond the pool's bounds now, not at the next `empty`
+        (which may never come: the next array may be read by tensorstore)."""
+        with self._lock:
+            self._take_back()
+            self._let_go()
+
+    def _take_back(self) -> None:
+        while self._back:
+            memory = self._back.popleft()
+            del self._in_use[id(memory)]
+            self._free.append(memory)
+
+    def _let_go(self) -> None:
+        self._free.sort(key=len)
+        while self._free and (self._held > self.limit or sum(map(len, self._free)) > self.keep):
+            self._held -= len(self._free.pop())
 
 
 def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike, alignment: int = 64) -> np.ndarray:

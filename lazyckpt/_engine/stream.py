@@ -151,6 +151,7 @@ def iter_blocks(
         active[0] = (job, job.step())  # decode the next block while this one is used
         yield from _handed(job, blocks, leaves, progress)
         del blocks, result
+        buffers.settle()
         limits.guard.check(max(reserved, buffers.held))
     check_unchanged(stores(arrays))
 
