@@ -253,8 +253,9 @@ class _Gate:
         nbytes = math.prod(shape) * dtype.itemsize
         self.reserve(nbytes)
         values = self.pool.empty(shape, dtype)
-        self.reserve(_held_bytes(values) - nbytes)
-        return values, _held_bytes(values)
+        held = _held_bytes(values)
+        self.reserve(held - nbytes)
+        return values, held
 
     def sent(self, nbytes: int, arrays: list[jax.Array], values: np.ndarray) -> None:
         """`nbytes` are held, and `values` (sent as `arrays`) kept from the pool, until

@@ -179,10 +179,11 @@ class MemoryGuard:
         if now is None or self.baseline is None:
             return
         bound = self.results + in_flight + self.slack
-        if now - self.baseline <= bound or now < self.left - self.slack:
+        within = now - self.baseline <= bound
+        if within or now < self.left - self.slack:
             self.start = self.baseline  # (what a trim could not return is gone, or going)
             self.left = math.inf
-        if now - self.baseline <= bound:
+        if within:
             return
         if now - self.start <= bound:
             return  # (over only by what a trim could not return before)
