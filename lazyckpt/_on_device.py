@@ -16,13 +16,20 @@ brought back and sent whole from the host instead (exact, over the budget, with 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import math
+import threading
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lazyckpt import _programs as programs
 from lazyckpt._array.dtypes import finfo, issubdtype
+from lazyckpt._array.geometry import Box
+from lazyckpt._errors import OverBudgetWarning, warn
+from lazyckpt._text import human_bytes
 
 if TYPE_CHECKING:
     import jax
@@ -181,3 +188,114 @@ def holds_any(buffer: jax.Array, ranges: tuple[tuple[int, int], ...]) -> bool:
     comparisons, exact, one pass over its memory)."""
     program = program_for(holds_fn(ranges), buffer.shape, buffer.dtype, _device(buffer))
     return bool(program(buffer))
+
+
+ADOPTING_PLATFORMS = frozenset({"cpu"})
+"""Device platforms whose arrays may be host buffers handed to them, not copies."""
+
+
+class Shard:
+    """One region of a placed array on its devices: a buffer on each, written block by
+    block (as unsigned integers for floats narrower than 32 bits), or the one block
+    that covers it."""
+
+    def __init__(
+        self, key: str, region: Box, devices: Sequence[jax.Device], dtype: np.dtype[Any]
+    ) -> None:
+        self.key, self.region = key, region
+        self.devices, self.dtype = list(devices), np.dtype(dtype)
+        self.shape = tuple(high - low for low, high in region)
+        self.written = written_dtype(self.dtype)
+        self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
+        """Whether the devices copy what is sent out of host memory, which can then be
+        used again once the transfer is done."""
+        self.buffers: list[jax.Array] | None = None
+        self.whole = False
+        self.preparing: list[concurrent.futures.Future[None]] = []
+        self._writing = threading.Lock()
+
+    def prepare(
+        self, compilers: concurrent.futures.Executor, pieces: Collection[tuple[int, ...]]
+    ) -> None:
+        """Start compiling (or loading, `_programs`) the programs that make this shard's
+        buffers and assemble it from pieces of the shapes `pieces` (others when they
+        come). The buffers themselves are made by the first piece that is not the
+        whole shard: a streamed shard may come whole, as one block."""
+        self.preparing = [
+            compilers.submit(empty_program, self.shape, self.device_dtype, device)
+            for device in self.devices
+        ]
+        self.preparing += [
+            compilers.submit(write_program, self.shape, piece, self.device_dtype, device)
+            for piece in pieces
+            for device in self.devices
+        ]
+        if self.written != self.dtype:
+            self.preparing.append(compilers.submit(self._compile_finish))
+
+    @property
+    def device_dtype(self) -> np.dtype[Any]:
+        """The dtype of the buffers on the devices (without jax's 64-bit types, 32 bits)."""
+        import jax
+
+        return np.dtype(jax.dtypes.canonicalize_dtype(self.written))
+
+    def _compile_finish(self) -> None:
+        changed = changed_patterns(self.devices[0], self.dtype)
+        if changed:
+            holds = holds_fn(changed)
+            program_for(holds, self.shape, self.device_dtype, self.devices[0])
+        bitcast = bitcast_fn(self.dtype)
+        for device in self.devices:
+            program_for(bitcast, self.shape, self.device_dtype, device)
+
+    def write(self, index: tuple[slice, ...], values: np.ndarray) -> list[jax.Array]:
+        """Send `values` (`index` of this region) to every device and write them in;
+        the arrays sent, for the caller to wait on."""
+        import jax
+
+        if values.shape == self.shape:  # the whole region in one block
+            self.buffers = [
+                jax.device_put(values, device, may_alias=not self.copies) for device in self.devices
+            ]
+            self.whole = True
+            return self.buffers
+        sent = [
+            jax.device_put(values.view(self.written), device, may_alias=not self.copies)
+            for device in self.devices
+        ]
+        starts = tuple(s.indices(n)[0] for s, n in zip(index, self.shape, strict=True))
+        with self._writing:  # (each write donates the buffer the one before made)
+            if self.buffers is None:
+                self.buffers = [
+                    empty(self.shape, self.device_dtype, device) for device in self.devices
+                ]
+            self.buffers = [
+                write(buffer, piece, starts)
+                for buffer, piece in zip(self.buffers, sent, strict=True)
+            ]
+        return sent
+
+    def finished(self) -> list[jax.Array]:
+        """The shard on each device, in its own dtype."""
+        import jax
+
+        for preparing in self.preparing:
+            preparing.result()
+        assert self.buffers is not None
+        if self.whole or self.written == self.dtype:
+            return self.buffers
+        changed = changed_patterns(self.devices[0], self.dtype)
+        if changed and holds_any(self.buffers[0], changed):
+            size = human_bytes(math.prod(self.shape) * self.dtype.itemsize)
+            kind = self.devices[0].device_kind
+            warn(
+                f"{self.key}: a shard of {size} went to {kind} whole from host memory, over "
+                f"memory_budget: it holds {self.dtype} values that {kind} changes when it "
+                "assembles a shard from pieces (NaN payloads or subnormals), and they must "
+                "arrive bit for bit",
+                OverBudgetWarning,
+            )
+            host = np.asarray(jax.device_get(self.buffers[0])).view(self.dtype)
+            return [jax.device_put(host, device) for device in self.devices]
+        return [bitcast(buffer, self.dtype) for buffer in self.buffers]

@@ -31,9 +31,19 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._array.geometry import Box, bounds, box_bytes, intersect, product, to_stored
+from lazyckpt._array import compose
+from lazyckpt._array.geometry import (
+    Box,
+    bounds,
+    box_bytes,
+    intersect,
+    product,
+    stored_map,
+    to_stored,
+)
 from lazyckpt._array.selection import Range, Selection
 from lazyckpt._array.view import ArrayView
+from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
@@ -114,6 +124,26 @@ def source(stored: StoredArray) -> Source | None:
     if remote is not None:
         return Source(stored, remote[1], key=remote[0])
     return None
+
+
+def local_runs(array: ArrayView, region: Box) -> tuple[str, list[Part]] | None:
+    """Where the box `region` of `array` lies raw in a local file, in `array`'s order
+    and dtype, in runs of `MIN_RUN` bytes or more: the file and the runs, as
+    `read_parts` reads them into a C-ordered buffer of the region; None otherwise
+    (`schedule_fill` then chooses how to read it)."""
+    if isinstance(array.stored, compose.Node) or decodes(array.stored):
+        return None
+    mapping = stored_map(array)
+    stored = stored_array(array)
+    found = source(stored) if stored.inline is None else None
+    if mapping is None or found is None or found.file is None or array.dtype != stored.dtype:
+        return None
+    dims = [entry[0] for entry in mapping if entry is not None]
+    box = to_stored(array, mapping, region)
+    itemsize = stored.dtype.itemsize
+    if dims != sorted(set(dims)) or not _long_runs(stored.shape, box, itemsize, MIN_RUN):
+        return None
+    return found.file, list(_runs(stored.shape, box, itemsize, found.start))
 
 
 def request_bytes(held: int) -> int:
