@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from safetensors.numpy import save_file
 import lazyckpt
 import lazyckpt._on_device as on_device
 import lazyckpt._staged as staged
-from lazyckpt._engine import memory
+from lazyckpt._engine import memory, raw
 from tests.helpers import orbax_save, rss_probe
 
 MiB = 1 << 20
@@ -308,16 +309,16 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
     assert max(pooled for _, pooled in seen) <= budget // 2 + MiB, seen
 
 
-@pytest.mark.parametrize("budget", [256 << 10, 3 * MiB, None], ids=["pieces", "rows", "whole"])
-@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y")])
-def test_raw_pieces_read_and_sent_by_threads_arrive_bit_for_bit(
-    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, budget: int | None, spec: P
-) -> None:
-    """Bound for devices that copy, the pieces of arrays stored raw in a local file are
-    read and sent by threads of their own (`_Senders`); several pieces of one shard
-    written at once, and shards whose runs are too short for it (columns), arrive
-    exactly."""
+@pytest.fixture
+def copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU devices taken for devices that copy what is sent, and pieces of any size
+    read and sent by threads of their own (`_Senders`)."""
     monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    monkeypatch.setattr(staged, "SENT_ALONE", 0)
+
+
+def _sent_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many reads each `_Senders.run` is given, from now on."""
     sent: list[int] = []
     run = staged._Senders.run
 
@@ -326,6 +327,19 @@ def test_raw_pieces_read_and_sent_by_threads_arrive_bit_for_bit(
         run(senders, reads)
 
     monkeypatch.setattr(staged._Senders, "run", counted)
+    return sent
+
+
+@pytest.mark.usefixtures("copying")
+@pytest.mark.parametrize("budget", [256 << 10, 3 * MiB, None], ids=["pieces", "rows", "whole"])
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y")])
+def test_raw_pieces_read_and_sent_by_threads_arrive_bit_for_bit(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, budget: int | None, spec: P
+) -> None:
+    """Bound for devices that copy, the pieces of arrays stored raw in a local file are
+    read and sent by threads of their own; several pieces of one shard written at
+    once, and shards whose runs are too short for it (columns), arrive exactly."""
+    sent = _sent_reads(monkeypatch)
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     placed = lazyckpt.device_put(
         lazyckpt.open(files["safetensors"]), NamedSharding(mesh, spec), memory_budget=budget
@@ -336,46 +350,125 @@ def test_raw_pieces_read_and_sent_by_threads_arrive_bit_for_bit(
     assert bool(sent) == (spec != P(None, "y")), sent  # (rows of 2 KiB: too short alone)
 
 
-def test_raw_pieces_sent_by_threads_stay_within_half_the_budget(
+@pytest.mark.usefixtures("copying")
+def test_views_read_and_sent_by_threads_equal_what_get_reads(files: dict[str, Path]) -> None:
+    """Sliced views, new axes, picked indices and views empty along a new axis (whose
+    stored box is not empty) equal `.get()`."""
+    w = lazyckpt.open(files["safetensors"])["bf16"]
+    views = {
+        "rows": w[3:700],
+        "new axes": w[None, 2:62, :, None],
+        "picked": w[5, None],
+        "empty on a new axis": w[None][0:0],
+        "empty inside": w[:, None][:, 0:0],
+    }
+    placed = lazyckpt.device_put(
+        views, SingleDeviceSharding(jax.devices()[0]), memory_budget=256 << 10
+    )
+    for key, view in views.items():
+        assert placed[key].shape == view.shape, key
+        assert _bits(placed[key]) == _bits(view.get()), key
+
+
+def test_only_large_pieces_are_read_and_sent_by_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces of `SENT_ALONE` bytes or more go to the sending threads; smaller ones
+    through the engine, which keeps more of them in flight."""
+    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    sent = _sent_reads(monkeypatch)
+    values = {
+        "large": np.arange(staged.SENT_ALONE // 4, dtype=np.float32).reshape(-1, 1024),
+        "small": np.arange(1 << 19, dtype=np.float32).reshape(-1, 1024),  # 2 MiB
+    }
+    save_file(values, str(tmp_path / "model.safetensors"))
+    placed = lazyckpt.device_put(
+        lazyckpt.open(tmp_path / "model.safetensors"),
+        SingleDeviceSharding(jax.devices()[0]),
+        memory_budget=64 * MiB,
+    )
+    assert sent == [1], sent
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+
+
+@pytest.mark.usefixtures("copying")
+def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pieces the sending threads hold, from their read to the end of their
-    transfer, stay within half the budget, in buffers used again."""
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    transfer, stay within half the budget as they are let in (and with what buffers
+    used again hold besides, within the budget), in buffers used again."""
     values, tree = _three_arrays_of_16_mib(tmp_path)
     made = _counting_maps(monkeypatch)
-    seen: list[int] = []
-    hold = staged._Senders.hold
+    let_in: list[int] = []
+    held: list[int] = []
+    hold, grow = staged._Senders.hold, staged._Senders.grow
 
-    def counted(senders: staged._Senders, nbytes: int, *, wait: bool = True) -> bool:
-        held = hold(senders, nbytes, wait=wait)
-        if wait:  # (once a piece; a larger buffer's rest is held without waiting)
-            seen.append(senders.held)
-        return held
+    def counted_hold(senders: staged._Senders, nbytes: int) -> bool:
+        taken = hold(senders, nbytes)
+        let_in.append(senders.held)
+        return taken
 
-    monkeypatch.setattr(staged._Senders, "hold", counted)
+    def counted_grow(senders: staged._Senders, nbytes: int) -> None:
+        grow(senders, nbytes)
+        held.append(senders.held)
+
+    monkeypatch.setattr(staged._Senders, "hold", counted_hold)
+    monkeypatch.setattr(staged._Senders, "grow", counted_grow)
     budget = 8 * MiB  # (pieces of 1 MiB)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
     for key, expected in values.items():
         assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
-    assert len(seen) == 48 and max(seen) <= budget // 2, seen
-    assert len(made) <= len(seen) // 4, made  # (on CPU, pending writes keep a few)
+    assert len(let_in) == 48 and max(let_in) <= budget // 2, let_in
+    assert max(held) <= budget, held
+    assert len(made) <= len(let_in) // 4, made  # (on CPU, pending writes keep a few)
 
 
+@pytest.mark.usefixtures("copying")
+def test_the_first_failure_of_a_sending_thread_stops_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One read failing: the other threads take no further piece, and that failure is
+    the one raised."""
+    values = {f"w{k}": np.full((512, 1024), k, np.float32) for k in range(40)}  # 2 MiB
+    save_file(values, str(tmp_path / "model.safetensors"))
+    tree = lazyckpt.open(tmp_path / "model.safetensors")
+    calls: list[int] = []
+    lock = threading.Lock()
+    read_parts = raw.read_parts
+
+    def failing(*args: Any) -> None:
+        with lock:
+            calls.append(len(calls))
+            first = len(calls) == 2
+        if first:
+            raise lazyckpt.CorruptCheckpointError("the second read")
+        time.sleep(0.01)
+        read_parts(*args)
+
+    monkeypatch.setattr(staged, "read_parts", failing)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the second read$"):
+        lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB)
+    assert len(calls) <= 2 + 2 * staged._SENDERS, calls
+
+
+@pytest.mark.usefixtures("copying")
 def test_a_file_truncated_under_the_sending_threads_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file cut short after it was opened: the threads stop, and the error says the
     checkpoint changed, as any read's does."""
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
-    values = {f"w{k}": np.full((256, 1024), k, np.float32) for k in range(8)}
+    values = {f"w{k}": np.full((512, 1024), k, np.float32) for k in range(8)}  # 2 MiB
     path = tmp_path / "model.safetensors"
     save_file(values, str(path))
     tree = lazyckpt.open(path)
     with open(path, "r+b") as file:
         file.truncate(path.stat().st_size // 2)
+    sent = _sent_reads(monkeypatch)
     with pytest.raises(lazyckpt.LazyckptError, match="changed since it was opened"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=8 * MiB)
+    assert sent == [8], sent
 
 
 @pytest.mark.parametrize("present", [True, False])

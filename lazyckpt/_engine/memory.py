@@ -14,7 +14,6 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import gc
 import math
 import mmap
 import os
@@ -274,9 +273,15 @@ class BufferPool:
     pool holds past `limit` bytes, or what it keeps free past `keep`.
     """
 
-    def __init__(self, limit: int, keep: int | None = None) -> None:
+    def __init__(
+        self, limit: int, keep: int | None = None, release: Callable[[], None] | None = None
+    ) -> None:
         self.limit = limit
         self.keep = limit if keep is None else keep
+        self.release = release
+        """Called before new memory is made while some buffers are out: lets what keeps
+        arrays of the pool's past their use let go (JAX, of host arrays it sent to an
+        accelerator: `lazyckpt._on_device.release_sent`)."""
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
         self._in_use: dict[int, weakref.ref[np.ndarray]] = {}  # by id() of the map
@@ -298,12 +303,8 @@ class BufferPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MAPPED_BYTES:
             return aligned_empty(shape, dtype)
-        if self._in_use and not self._fits(nbytes):
-            # JAX lets go of a host array it sent to an accelerator only when the
-            # collector runs (its callback releases what the runtime's threads dropped),
-            # long after the transfer (never, in 0.5 s on a TPU host): collecting the
-            # youngest generation, about a millisecond, costs less than fresh memory.
-            gc.collect(0)
+        if self.release is not None and self._in_use and not self._fits(nbytes):
+            self.release()  # (new memory costs more than asking)
         with self._lock:
             self._take_back()
             fits = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]

@@ -24,7 +24,7 @@ import errno
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -126,11 +126,11 @@ def source(stored: StoredArray) -> Source | None:
     return None
 
 
-def local_runs(array: ArrayView, region: Box) -> tuple[str, list[Part]] | None:
+def local_runs(array: ArrayView, region: Box) -> tuple[str, Iterator[Part]] | None:
     """Where the box `region` of `array` lies raw in a local file, in `array`'s order
-    and dtype, in runs of `MIN_RUN` bytes or more: the file and the runs, as
-    `read_parts` reads them into a C-ordered buffer of the region; None otherwise
-    (`schedule_fill` then chooses how to read it)."""
+    and dtype, in runs of `MIN_RUN` bytes or more: the file and the runs (made as they
+    are read), as `read_parts` reads them into a C-ordered buffer of the region; None
+    otherwise (`schedule_fill` then chooses how to read it)."""
     if isinstance(array.stored, compose.Node) or decodes(array.stored):
         return None
     mapping = stored_map(array)
@@ -143,7 +143,9 @@ def local_runs(array: ArrayView, region: Box) -> tuple[str, list[Part]] | None:
     itemsize = stored.dtype.itemsize
     if dims != sorted(set(dims)) or not _long_runs(stored.shape, box, itemsize, MIN_RUN):
         return None
-    return found.file, list(_runs(stored.shape, box, itemsize, found.start))
+    if box_bytes(region, itemsize) == 0:  # (empty along a new axis: its stored box is not)
+        return found.file, iter(())
+    return found.file, _runs(stored.shape, box, itemsize, found.start)
 
 
 def request_bytes(held: int) -> int:
@@ -303,7 +305,7 @@ def _jobs(runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
 
 
 def read_parts(
-    file: str, stored: StoredArray, parts: list[Part], buffer: memoryview, what: str = ""
+    file: str, stored: StoredArray, parts: Iterable[Part], buffer: memoryview, what: str = ""
 ) -> None:
     """Read each `(file offset, buffer offset, length)` of `parts` from `file` into
     `buffer`; a file that ends too soon is an error naming `what` (default: the
