@@ -195,11 +195,12 @@ def release_sent() -> None:
 
     The runtime lets go of a sent array on a thread of its own, where it cannot drop a
     Python reference; JAX drops those in a callback of Python's garbage collector
-    (jax-ml/jax#14882), which lazyckpt pauses while it places a tree (`gc_paused`): on
-    a TPU host a sent 64 MiB array was still referenced 0.5 s after its transfer, so
-    the memory it was sent from was never filled again. This runs that callback alone
-    (no collection, no finalizers); a collection of the youngest generation where this
-    JAX has none.
+    (jax-ml/jax#14882) and when a jitted program is next called. lazyckpt pauses the
+    collector while it places a tree (`gc_paused`), and a shard sent whole calls no
+    program: on a TPU host a sent 64 MiB array was still referenced 0.5 s after its
+    transfer, so the memory it was sent from was not filled again. This runs that
+    callback alone: no collection, which would run other objects' finalizers on
+    lazyckpt's threads. A JAX without it is left to its own time.
     """
     import gc
 
@@ -207,7 +208,6 @@ def release_sent() -> None:
         if getattr(callback, "__name__", "") == "_xla_gc_callback":
             callback("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
             return
-    gc.collect(0)
 
 
 ADOPTING_PLATFORMS = frozenset({"cpu"})

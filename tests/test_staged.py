@@ -6,6 +6,7 @@ measured as the peak above what the read returns."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import mmap
 import threading
 import time
@@ -423,6 +424,44 @@ def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     assert len(let_in) == 48 and max(let_in) <= budget // 2, let_in
     assert max(held) <= budget, held
     assert len(made) <= len(let_in) // 4, made  # (on CPU, pending writes keep a few)
+
+
+@pytest.mark.usefixtures("copying")
+def test_buffers_come_back_once_jax_lets_go_of_what_it_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on an accelerator's host, where JAX keeps a host array it sent until its
+    garbage-collector callback runs (and `device_put` pauses the collector): the
+    placement runs that callback before it makes new memory, with no collection, and
+    fills the same buffer again."""
+    from jax._src import lib  # (what JAX's callback calls; kept here until it runs)
+
+    runtime = lib._jax  # type: ignore[attr-defined]
+    kept: list[np.ndarray] = []
+    put, collect_garbage = jax.device_put, runtime.collect_garbage
+
+    def copying_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            kept.append(x)
+            x = x.copy()
+        return put(x, *args, **kwargs)
+
+    def collected() -> None:
+        kept.clear()
+        collect_garbage()
+
+    collections: list[int] = []
+    monkeypatch.setattr(jax, "device_put", copying_put)
+    monkeypatch.setattr(runtime, "collect_garbage", collected)
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collections.append(generation))
+    values, tree = _three_arrays_of_16_mib(tmp_path)
+    made = _counting_maps(monkeypatch)
+    placed = lazyckpt.device_put(
+        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=32 * MiB
+    )
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert made == [16 * MiB] and not collections, (made, collections)
 
 
 @pytest.mark.usefixtures("copying")
