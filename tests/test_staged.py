@@ -510,6 +510,39 @@ def test_a_file_truncated_under_the_sending_threads_is_a_clear_error(
     assert sent == [8], sent
 
 
+@pytest.mark.parametrize("copies", [False, True], ids=["engine", "threads"])
+def test_the_progress_bar_ends_at_its_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: bool
+) -> None:
+    """Bands of one shape (the last overlaps the one before, its rows read twice): the
+    bar stops at the bytes placed, not past them."""
+    pytest.importorskip("tqdm")
+    from lazyckpt._engine import progress
+
+    if copies:
+        monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+        monkeypatch.setattr(staged, "SENT_ALONE", 0)
+    values = np.random.default_rng(7).standard_normal((1000, 1024), np.float32)  # 4 MiB
+    save_file({"w": values}, str(tmp_path / "model.safetensors"))
+    ended: list[tuple[int, int]] = []
+    close = progress.Progress.close
+
+    def closed(bar: progress.Progress) -> None:
+        assert bar._bar is not None
+        ended.append((bar._bar.n, bar._total))
+        close(bar)
+
+    monkeypatch.setattr(progress.Progress, "close", closed)
+    placed = lazyckpt.device_put(
+        lazyckpt.open(tmp_path / "model.safetensors"),
+        SingleDeviceSharding(jax.devices()[0]),
+        memory_budget=2 * MiB,
+        progress=True,
+    )
+    assert _bits(placed["w"]) == (values.dtype, values.tobytes())
+    assert ended == [(values.nbytes, values.nbytes)], ended
+
+
 @pytest.mark.parametrize("present", [True, False])
 def test_a_device_that_changes_bit_patterns_gets_the_shard_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, present: bool

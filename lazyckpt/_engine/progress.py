@@ -63,7 +63,7 @@ class Progress:
     def _drawn(self) -> Any:
         return _tqdm()(
             total=self._total,
-            initial=self._done,
+            initial=min(self._done, self._total),
             desc=self._label,
             unit="B",
             unit_scale=True,
@@ -86,14 +86,17 @@ class Progress:
         return cls(total, label) if enabled else None
 
     def advance(self, nbytes: int) -> None:
+        """Count `nbytes` more done; the bar stops at its total (pieces cut to one shape
+        read a few rows twice)."""
         with self._lock:
+            shown = max(0, min(nbytes, self._total - self._done))
             self._done += nbytes
             if self._closed:
                 return  # (a late bar drawn now would never be closed)
             if self._bar is None and time.monotonic() - self._start >= LATE_SECONDS:
                 self._bar = self._drawn()  # (from what is done so far)
             elif self._bar is not None:
-                self._bar.update(nbytes)
+                self._bar.update(shown)
 
     def close(self) -> None:
         with self._lock:
