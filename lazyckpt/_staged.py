@@ -33,13 +33,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from lazyckpt._array import compose
 from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
-from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import Part, local_runs, read_parts, source
+from lazyckpt._engine.raw import Part, lies_raw, local_runs, read_parts
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._engine.stream import iter_blocks
@@ -164,19 +162,13 @@ def _plan(
     itemsize = array.dtype.itemsize
     if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half:
         return shards, [[shard.region] for shard in shards], True
-    if _raw(array):
+    if lies_raw(array):
         return shards, [_pieces(shard.region, itemsize, half) for shard in shards], False
     return shards, None, False
 
 
 def _shape(box: Box) -> tuple[int, ...]:
     return tuple(high - low for low, high in box)
-
-
-def _raw(array: LazyArray) -> bool:
-    """Whether `array`'s bytes lie raw in a file, so that any box of it is read alone."""
-    stored = array.stored
-    return not (isinstance(stored, compose.Node) or decodes(stored) or source(stored) is None)
 
 
 def _pieces(region: Box, itemsize: int, half: int) -> list[Box]:
@@ -322,7 +314,7 @@ class _Senders:
         import jax
 
         shard, piece = read.shard, read.piece
-        held = box_bytes(piece, shard.dtype.itemsize)
+        held = nbytes = box_bytes(piece, shard.dtype.itemsize)
         if not self.hold(held):
             return
         try:
@@ -342,7 +334,7 @@ class _Senders:
         finally:
             self.release(held)
         if self.progress is not None:
-            self.progress.advance(box_bytes(piece, shard.dtype.itemsize))
+            self.progress.advance(nbytes)
 
 
 _SENDERS = 4

@@ -307,7 +307,7 @@ class BufferPool:
             self.release()  # (new memory costs more than asking)
         with self._lock:
             self._take_back()
-            fits = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]
+            fits = self._fitting(nbytes)
             memory = min(fits, key=len) if fits else mmap.mmap(-1, nbytes)
             if fits:
                 self._free.remove(memory)
@@ -324,10 +324,15 @@ class BufferPool:
         return whole[:nbytes].view(dtype).reshape(shape)
 
     def _fits(self, nbytes: int) -> bool:
-        """Whether a free buffer (or one come back) can hold `nbytes`, as `empty` picks."""
+        """Whether a free buffer (or one come back) can hold `nbytes`."""
         with self._lock:
             self._take_back()
-            return any(nbytes <= len(m) <= 2 * nbytes for m in self._free)
+            return bool(self._fitting(nbytes))
+
+    def _fitting(self, nbytes: int) -> list[mmap.mmap]:
+        """The free buffers that `empty` may fill with `nbytes`: large enough, and at
+        most twice the size."""
+        return [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]
 
     def settle(self) -> None:
         """Let go of free buffers beyond the pool's bounds now, not at the next `empty`

@@ -126,22 +126,41 @@ def source(stored: StoredArray) -> Source | None:
     return None
 
 
+def lies_raw(array: ArrayView) -> bool:
+    """Whether `array`'s bytes lie raw in a file (not a composed view, not encoded
+    chunks), so that any box of it is read alone."""
+    if isinstance(array.stored, compose.Node):
+        return False
+    stored = stored_array(array)
+    return not (decodes(stored) or source(stored) is None)
+
+
+def _in_order(array: ArrayView, mapping: Sequence[tuple[int, int] | None]) -> Source | None:
+    """Where `array`'s stored bytes lie raw, where the view keeps their dtype and the
+    order of their dimensions (a box of it is then runs of them); None otherwise."""
+    stored = stored_array(array)
+    found = source(stored)
+    dims = [entry[0] for entry in mapping if entry is not None]
+    if found is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
+        return None
+    return found
+
+
 def local_runs(array: ArrayView, region: Box) -> tuple[str, Iterator[Part]] | None:
     """Where the box `region` of `array` lies raw in a local file, in `array`'s order
     and dtype, in runs of `MIN_RUN` bytes or more: the file and the runs (made as they
     are read), as `read_parts` reads them into a C-ordered buffer of the region; None
     otherwise (`schedule_fill` then chooses how to read it)."""
-    if isinstance(array.stored, compose.Node) or decodes(array.stored):
+    if not lies_raw(array) or stored_array(array).inline is not None:
         return None
     mapping = stored_map(array)
-    stored = stored_array(array)
-    found = source(stored) if stored.inline is None else None
-    if mapping is None or found is None or found.file is None or array.dtype != stored.dtype:
+    found = _in_order(array, mapping) if mapping is not None else None
+    if mapping is None or found is None or found.file is None:
         return None
-    dims = [entry[0] for entry in mapping if entry is not None]
+    stored = found.stored
     box = to_stored(array, mapping, region)
     itemsize = stored.dtype.itemsize
-    if dims != sorted(set(dims)) or not _long_runs(stored.shape, box, itemsize, MIN_RUN):
+    if not _long_runs(stored.shape, box, itemsize, MIN_RUN):
         return None
     if box_bytes(region, itemsize) == 0:  # (empty along a new axis: its stored box is not)
         return found.file, iter(())
@@ -168,9 +187,8 @@ def schedule_raw(
     raw bytes in the view's order and dtype with long enough runs; False (and nothing
     scheduled) otherwise."""
     stored = stored_array(array)
-    found = source(stored)
-    dims = [entry[0] for entry in mapping if entry is not None]
-    if found is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
+    found = _in_order(array, mapping)
+    if found is None:
         return False
     itemsize = stored.dtype.itemsize
     boxes = [to_stored(array, mapping, d.region) for d in destinations]
