@@ -15,8 +15,9 @@ pieces whose transfers have not finished (`_Gate`): a piece is let go once its c
 the device is ready, and its host buffer is filled again by a later piece, since
 faulting in fresh pages costs more than the copy. A shard that one piece holds whole
 is sent as that piece, with no buffer to write into. Large pieces read raw from a
-local file are each read, sent and waited for by one of a few threads, so that what the
-runtime does on the host for each transfer runs on several at once (`_Senders`).
+local file are each sent and waited for by one of a few threads, so that what the
+runtime does on the host for each transfer runs on several at once, and read in parts
+by several threads at once (`_Senders`).
 A shard on its devices, the programs that make, write and finish it there, and how
 its values arrive bit for bit, are in `lazyckpt._on_device`.
 """
@@ -37,7 +38,7 @@ from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import Part, lies_raw, local_runs, read_parts
+from lazyckpt._engine.raw import PIECE, Part, grouped, lies_raw, local_runs, read_parts
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._engine.stream import iter_blocks
@@ -240,16 +241,16 @@ class _Read:
 
 class _Senders:
     """Pieces whose bytes lie raw in a local file, each read into a buffer from `pool`
-    and sent by one of `_SENDERS` threads, which waits for its transfer before it takes
-    the next. The pieces between their read and the end of their transfer hold at most
+    (in parts, by `_READERS` threads at once) and sent by one of `_SENDERS` threads,
+    which waits for its transfer before it takes the next. The pieces between their read and the end of their transfer hold at most
     `limit` bytes (one piece at least), and where a buffer used again is larger than its
     piece (at most twice), its extra besides: within twice `limit`, the whole budget,
     whose other half reads nothing meanwhile (the engine's fills come after).
 
     Reading on the decoding threads and sending every piece from one thread (the
     scheduler's completions) moved 2.7-3.0 GB/s on a TPU host: what the runtime does on
-    the host for each transfer ran one at a time. Here each thread reads, sends and
-    waits for its own (docs/benchmarks.md, section 29).
+    the host for each transfer ran one at a time. Here each thread sends and waits for
+    its own, and a piece's parts are read at once (docs/benchmarks.md, section 29).
     """
 
     def __init__(self, limit: int, pool: BufferPool, progress: Progress | None) -> None:
@@ -257,6 +258,7 @@ class _Senders:
         self.held = 0
         self._room = threading.Condition()
         self._failed: list[BaseException] = []
+        self._readers: concurrent.futures.Executor
 
     def run(self, reads: Sequence[_Read]) -> None:
         """Send every one of `reads`; the first failure stops the threads (each
@@ -273,7 +275,10 @@ class _Senders:
                 self._send(read)
 
         count = min(_SENDERS, len(reads))
-        with concurrent.futures.ThreadPoolExecutor(count, "lazyckpt-send") as threads:
+        with (
+            concurrent.futures.ThreadPoolExecutor(_READERS, "lazyckpt-read") as self._readers,
+            concurrent.futures.ThreadPoolExecutor(count, "lazyckpt-send") as threads,
+        ):
             running = [threads.submit(work) for _ in range(count)]
             try:
                 concurrent.futures.wait(running)
@@ -325,7 +330,7 @@ class _Senders:
             extra = _held_bytes(values) - held
             self.grow(extra)
             held += extra
-            read_parts(read.file, read.stored, read.runs, values.reshape(-1).view(np.uint8).data)
+            self._read(read, values.reshape(-1).view(np.uint8).data)
             jax.block_until_ready(shard.write(slices(piece, shard.region), values))
             del values  # (its buffer goes back to the pool)
         except BaseException as error:  # noqa: BLE001 - raised by `run`
@@ -336,11 +341,30 @@ class _Senders:
         if self.progress is not None:
             self.progress.advance(nbytes)
 
+    def _read(self, read: _Read, buffer: memoryview) -> None:
+        """`read`'s runs into `buffer`, in parts of about `PIECE` bytes read at once by
+        the reading threads; the first error is raised once every part is done with
+        `buffer`."""
+        parts = [
+            self._readers.submit(read_parts, read.file, read.stored, job, buffer)
+            for job in grouped(read.runs, PIECE)
+        ]
+        concurrent.futures.wait(parts)
+        for part in parts:
+            part.result()
 
-_SENDERS = 4
-"""Threads of `_Senders`. Measured on a TPU v5e host (3 GiB of 64 MiB bfloat16
-arrays from safetensors, each thread reading a whole array and sending it): 4 threads
-5.3-6.0 GB/s, 6 threads 5.2-5.6 GB/s, 8 threads 4.3-4.9 GB/s."""
+
+_SENDERS = 3
+"""Threads of `_Senders`, each sending one piece at a time."""
+
+_READERS = 8
+"""Threads reading the senders' pieces, in parts of `PIECE` bytes. One positioned read
+of a whole 64 MiB piece moved about 2 GB/s on a TPU v5e host. Measured there by hand
+(3 GiB of 64 MiB pieces from one file, each sent whole and waited for), in GB/s:
+4 senders, each reading its own piece whole: 3.6-3.7 (6: 3.8-3.9, 3: 3.3-3.5); their
+pieces read in parts of 16 MiB by 4 threads: 4.3-4.4, by 8: 4.7-4.8; 3 senders and 8
+threads reading parts of 8 MiB: 5.2; readers and senders apart (6 threads reading
+whole pieces into 8 buffers, 2-4 sending): 2.7-3.1."""
 
 
 def _fill(
@@ -392,6 +416,7 @@ class _Gate:
 
     def reserve(self, nbytes: int) -> None:
         """Wait until `nbytes` more may be held, then hold them."""
+        self._let_go_done()
         while self.held and self.held + nbytes > self.limit and self._wait_one():
             pass
         self.held += nbytes
@@ -429,6 +454,21 @@ class _Gate:
         nbytes, arrays, _ = self.sending.popleft()
         jax.block_until_ready(arrays)
         self.held -= nbytes
+
+    def _let_go_done(self) -> None:
+        """Let go of the pieces whose transfers are done, oldest first, without waiting:
+        their memory may then be filled again by the next piece, not only once the
+        gate is full (kept until then, the pool made as many buffers again as the gate
+        may hold)."""
+        while self.sending and all(_done(array) for array in self.sending[0][1]):
+            self.held -= self.sending.popleft()[0]
+
+
+def _done(array: jax.Array) -> bool:
+    """Whether `array`'s transfer is done, asked without waiting (`is_ready`, which
+    jax's arrays have but its `Array` type does not declare; False where absent)."""
+    is_ready = getattr(array, "is_ready", None)
+    return bool(is_ready()) if is_ready is not None else False
 
 
 def _held_bytes(values: np.ndarray) -> int:

@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import ml_dtypes
@@ -492,6 +492,59 @@ def test_the_first_failure_of_a_sending_thread_stops_the_others(
     assert len(calls) <= 2 + 2 * staged._SENDERS, calls
 
 
+def _parts_of_a_32_mib_piece(folder: Path) -> tuple[np.ndarray, Any]:
+    values = np.arange(8 * MiB, dtype=np.float32).reshape(-1, 1024)  # 32 MiB, one piece
+    save_file({"w": values}, str(folder / "model.safetensors"))
+    return values, lazyckpt.open(folder / "model.safetensors")
+
+
+@pytest.mark.usefixtures("copying")
+def test_a_large_piece_is_read_in_parts_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece of several `PIECE`s is read in parts by the reading threads, all at
+    once: each part waits until every other has started."""
+    values, tree = _parts_of_a_32_mib_piece(tmp_path)
+    parts = 32 * MiB // raw.PIECE
+    together = threading.Barrier(parts, timeout=60)
+    seen: list[tuple[str, int]] = []
+    read_parts = raw.read_parts
+
+    def read_together(file: str, stored: Any, job: list[raw.Part], buffer: Any) -> None:
+        seen.append((threading.current_thread().name, sum(length for _, _, length in job)))
+        together.wait()  # (broken, and raised, where the parts are read one by one)
+        read_parts(file, stored, job, buffer)
+
+    monkeypatch.setattr(staged, "read_parts", read_together)
+    placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
+    assert _bits(placed["w"]) == (values.dtype, values.tobytes())
+    assert sorted(length for _, length in seen) == [raw.PIECE] * parts, seen
+    assert all(name.startswith("lazyckpt-read") for name, _ in seen), seen
+
+
+@pytest.mark.usefixtures("copying")
+def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first part failing: the piece's other parts, still writing into its buffer,
+    finish before the error is raised (and the buffer goes back to the pool)."""
+    _, tree = _parts_of_a_32_mib_piece(tmp_path)
+    finished: list[int] = []
+    read_parts = raw.read_parts
+
+    def first_fails(file: str, stored: Any, job: list[raw.Part], buffer: Any) -> None:
+        if job[0][1] == 0:
+            raise lazyckpt.CorruptCheckpointError("the first part")
+        time.sleep(0.2)
+        read_parts(file, stored, job, buffer)
+        finished.append(job[0][1])
+
+    monkeypatch.setattr(staged, "read_parts", first_fails)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the first part$"):
+        lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
+    assert len(finished) == 32 * MiB // raw.PIECE - 1, finished
+
+
 @pytest.mark.usefixtures("copying")
 def test_a_file_truncated_under_the_sending_threads_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -597,20 +650,37 @@ def test_a_shard_larger_than_the_budget_stays_near_it(tmp_path: Path, kind: str)
     assert found["peak"] - found["kept"] <= 1.25 * budget, found
 
 
+class _Transfer:
+    """A transfer that is done once said so, or once waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_ready(self) -> bool:
+        return self.done
+
+    def block_until_ready(self) -> _Transfer:
+        self.done = True
+        return self
+
+
 def test_a_piece_in_flight_keeps_its_memory_until_its_transfer_is_done() -> None:
     """Whatever the runtime holds during a transfer, the gate keeps what it sent until
-    the transfer is waited for: only then may a later piece be filled into it."""
+    the transfer is done: only then may a later piece be filled into it, and then
+    without the gate waiting for anything."""
     from lazyckpt._engine.scheduler import Scheduler
 
     gate = staged._Gate(64 * MiB, Scheduler(64 * MiB), memory.BufferPool(64 * MiB))
+    first, second = _Transfer(), _Transfer()
     values, held = gate.take((4 * MiB,), np.dtype(np.uint8))
     address = values.ctypes.data
-    gate.sent(held, [jax.device_put(values.copy(), jax.devices()[0])], values)
+    gate.sent(held, [cast(Any, first)], values)
     del values
-    second, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
-    addresses = {address, second.ctypes.data}
-    assert len(addresses) == 2
-    gate.drain()
-    del second
-    third, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
-    assert third.ctypes.data in addresses and gate.pool.held == 8 * MiB  # nothing new
+    values, held = gate.take((4 * MiB,), np.dtype(np.uint8))
+    assert values.ctypes.data != address  # (the first is in flight)
+    gate.sent(held, [cast(Any, second)], values)
+    del values
+    first.done = True
+    values, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
+    assert values.ctypes.data == address and gate.pool.held == 8 * MiB  # nothing new
+    assert not second.done and gate.held == 8 * MiB  # (the second: not waited for)

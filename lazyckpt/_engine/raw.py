@@ -97,7 +97,7 @@ class Source:
         requests of at most `piece` bytes, but no fewer than `MIN_REQUEST` (never a
         sliver of a run left over, nor a request that spans two runs)."""
         if self.file is not None:
-            yield from _jobs(runs, piece)
+            yield from grouped(runs, piece)
             return
         for file_at, buffer_at, length in runs:
             if length == 0:
@@ -304,7 +304,7 @@ def piece_bytes(scheduler: Scheduler) -> int:
     return min(PIECE, max(MIN_RUN, scheduler.block_bytes))
 
 
-def _jobs(runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
+def grouped(runs: Iterator[Part], piece: int) -> Iterator[list[Part]]:
     """Runs grouped, and long ones cut, into jobs of about `piece` bytes."""
     job: list[Part] = []
     size = 0
