@@ -38,7 +38,7 @@ from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import PIECE, Part, grouped, lies_raw, local_runs, read_parts
+from lazyckpt._engine.raw import Part, grouped, lies_raw, local_runs, read_parts
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._engine.stream import iter_blocks
@@ -342,12 +342,12 @@ class _Senders:
             self.progress.advance(nbytes)
 
     def _read(self, read: _Read, buffer: memoryview) -> None:
-        """`read`'s runs into `buffer`, in parts of about `PIECE` bytes read at once by
-        the reading threads; the first error is raised once every part is done with
+        """`read`'s runs into `buffer`, in parts of about `READ_PART` bytes read at once
+        by the reading threads; the first error is raised once every part is done with
         `buffer`."""
         parts = [
             self._readers.submit(read_parts, read.file, read.stored, job, buffer)
-            for job in grouped(read.runs, PIECE)
+            for job in grouped(read.runs, READ_PART)
         ]
         concurrent.futures.wait(parts)
         for part in parts:
@@ -357,14 +357,18 @@ class _Senders:
 _SENDERS = 3
 """Threads of `_Senders`, each sending one piece at a time."""
 
-_READERS = 8
-"""Threads reading the senders' pieces, in parts of `PIECE` bytes. One positioned read
-of a whole 64 MiB piece moved about 2 GB/s on a TPU v5e host. Measured there by hand
-(3 GiB of 64 MiB pieces from one file, each sent whole and waited for), in GB/s:
-4 senders, each reading its own piece whole: 3.6-3.7 (6: 3.8-3.9, 3: 3.3-3.5); their
-pieces read in parts of 16 MiB by 4 threads: 4.3-4.4, by 8: 4.7-4.8; 3 senders and 8
-threads reading parts of 8 MiB: 5.2; readers and senders apart (6 threads reading
-whole pieces into 8 buffers, 2-4 sending): 2.7-3.1."""
+_READERS = 6
+"""Threads reading the senders' pieces, in parts of `READ_PART` bytes."""
+
+READ_PART = 16 << 20
+"""Bytes of a piece that one reading thread reads. One positioned read of a whole
+64 MiB piece moves about 2 GB/s on a TPU v5e host, and 4-6 threads reading whole
+pieces were slower than fewer threads reading parts. Measured there, 3 GiB of 64 MiB
+bfloat16 arrays from one safetensors file placed by lazyckpt (best of three, in a
+process that had placed them once), in GB/s: 3 senders and 6 readers of 16 MiB parts
+5.75-5.96; of 8 MiB 4.8, of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
+5.1, 4 senders 5.7; 4 senders each reading its own piece whole (no readers) 3.9-4.2
+(docs/benchmarks.md, section 29)."""
 
 
 def _fill(

@@ -502,10 +502,10 @@ def _parts_of_a_32_mib_piece(folder: Path) -> tuple[np.ndarray, Any]:
 def test_a_large_piece_is_read_in_parts_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A piece of several `PIECE`s is read in parts by the reading threads, all at
+    """A piece of several `READ_PART`s is read in parts by the reading threads, all at
     once: each part waits until every other has started."""
     values, tree = _parts_of_a_32_mib_piece(tmp_path)
-    parts = 32 * MiB // raw.PIECE
+    parts = 32 * MiB // staged.READ_PART
     together = threading.Barrier(parts, timeout=60)
     seen: list[tuple[str, int]] = []
     read_parts = raw.read_parts
@@ -518,7 +518,7 @@ def test_a_large_piece_is_read_in_parts_at_once(
     monkeypatch.setattr(staged, "read_parts", read_together)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
     assert _bits(placed["w"]) == (values.dtype, values.tobytes())
-    assert sorted(length for _, length in seen) == [raw.PIECE] * parts, seen
+    assert sorted(length for _, length in seen) == [staged.READ_PART] * parts, seen
     assert all(name.startswith("lazyckpt-read") for name, _ in seen), seen
 
 
@@ -542,7 +542,7 @@ def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
     monkeypatch.setattr(staged, "read_parts", first_fails)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the first part$"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
-    assert len(finished) == 32 * MiB // raw.PIECE - 1, finished
+    assert len(finished) == 32 * MiB // staged.READ_PART - 1, finished
 
 
 @pytest.mark.usefixtures("copying")
