@@ -79,8 +79,8 @@ def put_staged(
     pieces that read only their own bytes; elsewhere its regions are streamed
     together (`iter_blocks`: each stored chunk decoded once, in slabs where it is
     larger than a block). Large pieces whose bytes lie raw in a local file go first, each
-    read, sent and waited for by one of a few threads of their own (`_Senders`); the
-    engine's fills, then the streams, follow.
+    sent and waited for by one of a few threads of their own, its parts read by several
+    at once (`_Senders`); the engine's fills, then the streams, follow.
     """
     import jax
 
@@ -242,9 +242,10 @@ class _Read:
 class _Senders:
     """Pieces whose bytes lie raw in a local file, each read into a buffer from `pool`
     (in parts, by `_READERS` threads at once) and sent by one of `_SENDERS` threads,
-    which waits for its transfer before it takes the next. The pieces between their read and the end of their transfer hold at most
-    `limit` bytes (one piece at least), and where a buffer used again is larger than its
-    piece (at most twice), its extra besides: within twice `limit`, the whole budget,
+    which waits for its transfer before it takes the next. The pieces between their
+    read and the end of their transfer hold at most `limit` bytes (one piece at least),
+    and where a buffer used again is larger than its piece (at most twice), its extra
+    besides: within twice `limit`, the whole budget,
     whose other half reads nothing meanwhile (the engine's fills come after).
 
     Reading on the decoding threads and sending every piece from one thread (the
@@ -345,11 +346,12 @@ class _Senders:
         """`read`'s runs into `buffer`, in parts of about `READ_PART` bytes read at once
         by the reading threads; the first error is raised once every part is done with
         `buffer`."""
-        parts = [
-            self._readers.submit(read_parts, read.file, read.stored, job, buffer)
-            for job in grouped(read.runs, READ_PART)
-        ]
-        concurrent.futures.wait(parts)
+        parts: list[concurrent.futures.Future[None]] = []
+        try:
+            for job in grouped(read.runs, READ_PART):
+                parts.append(self._readers.submit(read_parts, read.file, read.stored, job, buffer))
+        finally:  # (the runs may fail as they are made: the parts sent off finish first)
+            concurrent.futures.wait(parts)
         for part in parts:
             part.result()
 
@@ -366,9 +368,9 @@ READ_PART = 16 << 20
 pieces were slower than fewer threads reading parts. Measured there, 3 GiB of 64 MiB
 bfloat16 arrays from one safetensors file placed by lazyckpt (best of three, in a
 process that had placed them once), in GB/s: 3 senders and 6 readers of 16 MiB parts
-5.75-5.96; of 8 MiB 4.8, of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
-5.1, 4 senders 5.7; 4 senders each reading its own piece whole (no readers) 3.9-4.2
-(docs/benchmarks.md, section 29)."""
+5.58-5.96 (three trials), of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
+5.1, 4 senders 5.7; 3 senders and 8 readers of 8 MiB 4.8; 4 senders each reading its
+own piece whole (no readers) 4.0-4.2 (docs/benchmarks.md, section 29)."""
 
 
 def _fill(
@@ -460,7 +462,7 @@ class _Gate:
         self.held -= nbytes
 
     def _let_go_done(self) -> None:
-        """Let go of the pieces whose transfers are done, oldest first, without waiting:
+        """Let go of the oldest pieces while their transfers are done, without waiting:
         their memory may then be filled again by the next piece, not only once the
         gate is full (kept until then, the pool made as many buffers again as the gate
         may hold)."""

@@ -527,10 +527,12 @@ def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first part failing: the piece's other parts, still writing into its buffer,
-    finish before the error is raised (and the buffer goes back to the pool)."""
+    finish before its bytes are let go and the error is raised."""
     _, tree = _parts_of_a_32_mib_piece(tmp_path)
     finished: list[int] = []
+    at_release: list[int] = []
     read_parts = raw.read_parts
+    release = staged._Senders.release
 
     def first_fails(file: str, stored: Any, job: list[raw.Part], buffer: Any) -> None:
         if job[0][1] == 0:
@@ -539,10 +541,30 @@ def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
         read_parts(file, stored, job, buffer)
         finished.append(job[0][1])
 
+    def released(senders: staged._Senders, nbytes: int) -> None:
+        at_release.append(len(finished))
+        release(senders, nbytes)
+
     monkeypatch.setattr(staged, "read_parts", first_fails)
+    monkeypatch.setattr(staged._Senders, "release", released)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the first part$"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
-    assert len(finished) == 32 * MiB // staged.READ_PART - 1, finished
+    assert at_release == [32 * MiB // staged.READ_PART - 1], at_release
+
+
+@pytest.mark.usefixtures("copying")
+def test_pieces_of_many_runs_are_read_in_parts_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh: jax.sharding.Mesh
+) -> None:
+    """Column shards: each piece is many runs of 128 KiB, which parts cut and group."""
+    values = np.random.default_rng(0).random((64, 65536), dtype=np.float32)  # 16 MiB
+    save_file({"w": values}, str(tmp_path / "model.safetensors"))
+    sent = _sent_reads(monkeypatch)
+    monkeypatch.setattr(staged, "READ_PART", 300 << 10)
+    tree = lazyckpt.open(tmp_path / "model.safetensors")
+    placed = lazyckpt.device_put(tree, NamedSharding(mesh, P(None, "y")), memory_budget="8MiB")
+    assert sent, sent
+    assert _bits(placed["w"]) == (values.dtype, values.tobytes())
 
 
 @pytest.mark.usefixtures("copying")
@@ -684,3 +706,22 @@ def test_a_piece_in_flight_keeps_its_memory_until_its_transfer_is_done() -> None
     values, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
     assert values.ctypes.data == address and gate.pool.held == 8 * MiB  # nothing new
     assert not second.done and gate.held == 8 * MiB  # (the second: not waited for)
+
+
+class _Unready:
+    """A transfer of a runtime whose arrays cannot say whether they are ready."""
+
+    def block_until_ready(self) -> _Unready:
+        return self
+
+
+def test_a_gate_whose_transfers_cannot_say_keeps_their_pieces_until_it_waits() -> None:
+    from lazyckpt._engine.scheduler import Scheduler
+
+    gate = staged._Gate(64 * MiB, Scheduler(64 * MiB), memory.BufferPool(64 * MiB))
+    values, held = gate.take((4 * MiB,), np.dtype(np.uint8))
+    address = values.ctypes.data
+    gate.sent(held, [cast(Any, _Unready())], values)
+    del values
+    values, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
+    assert values.ctypes.data != address and gate.held == 8 * MiB
