@@ -2,6 +2,7 @@
 safetensors library + `jax.device_put`, on the same files, in the same run.
 
     python benchmarks/bench_device.py [--root DIR] [--gib 3] [--big-gib 2] [--repeat N]
+    python benchmarks/bench_device.py --shapes [--gib 3] [--repeat N]
 
 Run it on a machine with a TPU or GPU; where JAX finds none it says so and measures
 on the CPU devices instead. Two checkpoints, each written as Orbax (orbax-checkpoint's
@@ -24,6 +25,10 @@ whole tree on the first device (`SingleDeviceSharding`):
   device are kept across processes (`LAZYCKPT_CACHE_DIR`, here a folder of the run's
   own): for `big`, the cases named "first use" start with none, as on a new machine,
   and compile them; the others load them.
+
+`--shapes` measures instead, on the tree from safetensors, the shapes of the threads
+that read and send its raw pieces (`SHAPES`): the best of N placements each (at
+least 3), in one process.
 
 Printed: seconds, GB/s, peak host memory above the process's baseline (the kernel's
 high-water mark, reset before the restore), and lazyckpt's speed over each peer.
@@ -298,6 +303,37 @@ def compiling_only(path: str) -> dict[str, Any]:
     return measure(compile_all)
 
 
+SHAPES = [(3, 6, 16), (2, 6, 16), (4, 6, 16), (3, 4, 16), (3, 8, 16), (3, 6, 8), (3, 6, 32)]
+"""Shapes of lazyckpt's threads that `--shapes` compares: sending threads, reading
+threads, MiB a reading thread reads at a time (`lazyckpt._staged`)."""
+
+
+def thread_shapes(path: str, rounds: int) -> dict[str, float]:
+    """The best of `rounds` placements of `path` with each of `SHAPES`, in a process
+    that placed it once first; the shapes taken in turn each round, so that a drift of
+    the machine falls on all of them."""
+    import jax
+
+    import lazyckpt
+    from lazyckpt import _staged
+
+    sharding = _sharding()
+
+    def place() -> Any:
+        return jax.block_until_ready(lazyckpt.device_put(lazyckpt.open(path), sharding))
+
+    place()
+    best: dict[str, float] = {"cpu": not _staged.staged(sharding)}
+    for _ in range(rounds):
+        for senders, readers, part in SHAPES:
+            _staged._SENDERS, _staged._READERS, _staged.READ_PART = senders, readers, part << 20
+            start = time.perf_counter()
+            place()
+            name = f"{senders} senders, {readers} readers, {part} MiB parts"
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    return best
+
+
 def _big_shape(path: str) -> tuple[int, ...]:
     import lazyckpt
 
@@ -314,9 +350,23 @@ def main() -> None:
     parser.add_argument(
         "--only", help="run only the cases whose name starts with this (`lazyckpt`)"
     )
+    parser.add_argument(
+        "--shapes",
+        action="store_true",
+        help="only compare shapes of lazyckpt's reading threads on the tree from safetensors",
+    )
     args = parser.parse_args()
     print(machine())
     root = fresh_dir(args.root)
+    if args.shapes:
+        _, safetensors = in_fresh_process(make, root, "tree", args.gib)
+        data = os.path.getsize(safetensors)
+        best = in_fresh_process(thread_shapes, safetensors, max(3, args.repeat))
+        if best.pop("cpu", False):
+            print("CPU devices adopt the host buffers: no shape below sends anything")
+        for name, seconds in best.items():
+            print(f"{name:40} {seconds:6.3f} s {data / seconds / 1e9:6.2f} GB/s")
+        return
     # The programs lazyckpt compiles for the device, kept across processes: the cases
     # named "first use" start without them, the others find them there.
     programs = root / "programs"
