@@ -305,7 +305,7 @@ def compiling_only(path: str) -> dict[str, Any]:
 
 SHAPES = [(3, 6, 16), (2, 6, 16), (4, 6, 16), (3, 4, 16), (3, 8, 16), (3, 6, 8), (3, 6, 32)]
 """Shapes of lazyckpt's threads that `--shapes` compares: sending threads, reading
-threads, MiB a reading thread reads at a time (`lazyckpt._staged`)."""
+threads, MiB a reading thread reads at a time (`lazyckpt._senders`)."""
 
 
 def thread_shapes(path: str, rounds: int) -> dict[str, float]:
@@ -315,6 +315,7 @@ def thread_shapes(path: str, rounds: int) -> dict[str, float]:
     import jax
 
     import lazyckpt
+    from lazyckpt import _senders as threads
     from lazyckpt import _staged
 
     sharding = _sharding()
@@ -326,7 +327,7 @@ def thread_shapes(path: str, rounds: int) -> dict[str, float]:
     best: dict[str, float] = {"cpu": not _staged.staged(sharding)}
     for _ in range(rounds):
         for senders, readers, part in SHAPES:
-            _staged._SENDERS, _staged._READERS, _staged.READ_PART = senders, readers, part << 20
+            threads._SENDERS, threads._READERS, threads.READ_PART = senders, readers, part << 20
             start = time.perf_counter()
             place()
             name = f"{senders} senders, {readers} readers, {part} MiB parts"

@@ -17,7 +17,7 @@ faulting in fresh pages costs more than the copy. A shard that one piece holds w
 is sent as that piece, with no buffer to write into. Large pieces read raw from a
 local file are each sent and waited for by one of a few threads, so that what the
 runtime does on the host for each transfer runs on several at once, and read in parts
-by several threads at once (`_Senders`).
+by several threads at once (`lazyckpt._senders`).
 A shard on its devices, the programs that make, write and finish it there, and how
 its values arrive bit for bit, are in `lazyckpt._on_device`.
 """
@@ -27,23 +27,21 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
 
-from lazyckpt._array.geometry import Box, as_slices, box_bytes, slices
+from lazyckpt._array.geometry import Box, as_slices, box_bytes, box_shape, slices
 from lazyckpt._engine.fill import schedule_fill
-from lazyckpt._engine.memory import BufferPool, Destination
+from lazyckpt._engine.memory import BufferPool, Destination, held_bytes
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import Part, grouped, lies_raw, local_runs, read_parts
+from lazyckpt._engine.raw import lies_raw
 from lazyckpt._engine.scheduler import Scheduler
-from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._on_device import Shard, release_sent
+from lazyckpt._senders import Senders, direct_reads
 
 if TYPE_CHECKING:
     import jax
@@ -80,7 +78,7 @@ def put_staged(
     together (`iter_blocks`: each stored chunk decoded once, in slabs where it is
     larger than a block). Large pieces whose bytes lie raw in a local file go first, each
     sent and waited for by one of a few threads of their own, its parts read by several
-    at once (`_Senders`); the engine's fills, then the streams, follow.
+    at once (`lazyckpt._senders`); the engine's fills, then the streams, follow.
     """
     import jax
 
@@ -100,7 +98,7 @@ def put_staged(
                 for k, shard in enumerate(shards):
                     if pieces is None or len(pieces[k]) > 1:
                         cut = pieces[k] if pieces is not None else []
-                        shard.prepare(compilers, {_shape(piece) for piece in cut})
+                        shard.prepare(compilers, {box_shape(piece) for piece in cut})
             fills = [
                 (array, fill)
                 for (array, _, _), (shards, pieces, together) in zip(
@@ -111,12 +109,12 @@ def put_staged(
             ]
             direct, rest = [], []
             for array, fill in fills:
-                reads = _direct(array, fill)
+                reads = direct_reads(array, fill)
                 direct += reads
                 if not reads:
                     rest.append((array, fill))
             if direct:
-                _Senders(half, gate.pool, progress).run(direct)
+                Senders(half, gate.pool, progress).run(direct)
             for array, fill in rest:
                 _fill(array, fill, gate, scheduler)
             scheduler.drain()
@@ -125,7 +123,7 @@ def put_staged(
                 gate.pool.limit = budget
                 blocks = iter_blocks([v for v, _ in streamed], half, progress, pool=gate.pool)
                 for position, index, values in blocks:
-                    held = _held_bytes(values)
+                    held = held_bytes(values)
                     if not values.flags.c_contiguous:  # a piece of a block shared by regions
                         values = np.ascontiguousarray(values)
                         held += values.nbytes
@@ -168,10 +166,6 @@ def _plan(
     return shards, None, False
 
 
-def _shape(box: Box) -> tuple[int, ...]:
-    return tuple(high - low for low, high in box)
-
-
 def _pieces(region: Box, itemsize: int, half: int) -> list[Box]:
     """`region` itself where it holds at most `half` bytes; else cut into boxes of at
     most a quarter of that: bands of its leading dimension, and where one index of
@@ -205,174 +199,6 @@ def _fills(
     return [[(shard, piece)] for shard, cut in zip(shards, pieces, strict=True) for piece in cut]
 
 
-def _direct(array: LazyArray, fill: Sequence[tuple[Shard, Box]]) -> list[_Read]:
-    """`fill`'s pieces as reads of raw bytes in a local file, for `_Senders`; none
-    where some piece is smaller than `SENT_ALONE`, its bytes do not lie raw there or
-    its devices adopt host memory."""
-    reads = []
-    for shard, piece in fill:
-        large = box_bytes(piece, shard.dtype.itemsize) >= SENT_ALONE
-        found = local_runs(array, piece) if shard.copies and large else None
-        if found is None:
-            return []
-        reads.append(_Read(shard, piece, *found, stored_array(array)))
-    return reads
-
-
-SENT_ALONE = 8 << 20
-"""The smallest piece `_Senders` reads and sends; smaller ones go to the engine, which
-keeps up to half the budget in flight where each sending thread waits for one.
-Provisional: on the chip only 64 MiB pieces were measured; on CPU devices made to
-copy, 200 arrays of 1.56 MiB took 0.12-0.15 s through the engine against 0.18-0.26 s
-through the threads, 32 of 2 MiB a little less through the threads, 32 of 8 MiB
-alike."""
-
-
-@attrs.frozen
-class _Read:
-    """A piece of a shard whose bytes lie raw in `file`, in `runs` (made as read)."""
-
-    shard: Shard
-    piece: Box
-    file: str
-    runs: Iterator[Part]
-    stored: StoredArray
-
-
-class _Senders:
-    """Pieces whose bytes lie raw in a local file, each read into a buffer from `pool`
-    (in parts, by `_READERS` threads at once) and sent by one of `_SENDERS` threads,
-    which waits for its transfer before it takes the next. The pieces between their
-    read and the end of their transfer hold at most `limit` bytes (one piece at least),
-    and where a buffer used again is larger than its piece (at most twice), its extra
-    besides: within twice `limit`, the whole budget,
-    whose other half reads nothing meanwhile (the engine's fills come after).
-
-    Reading on the decoding threads and sending every piece from one thread (the
-    scheduler's completions) moved 2.7-3.0 GB/s on a TPU host: what the runtime does on
-    the host for each transfer ran one at a time. Here each thread sends and waits for
-    its own, and a piece's parts are read at once (docs/benchmarks.md, section 29).
-    """
-
-    def __init__(self, limit: int, pool: BufferPool, progress: Progress | None) -> None:
-        self.limit, self.pool, self.progress = limit, pool, progress
-        self.held = 0
-        self._room = threading.Condition()
-        self._failed: list[BaseException] = []
-        self._readers: concurrent.futures.Executor
-
-    def run(self, reads: Sequence[_Read]) -> None:
-        """Send every one of `reads`; the first failure stops the threads (each
-        finishes the piece it has) and is raised once they have."""
-        pending = iter(reads)
-        lock = threading.Lock()
-
-        def work() -> None:
-            while not self._failed:
-                with lock:
-                    read = next(pending, None)
-                if read is None:
-                    return
-                self._send(read)
-
-        count = min(_SENDERS, len(reads))
-        with (
-            concurrent.futures.ThreadPoolExecutor(_READERS, "lazyckpt-read") as self._readers,
-            concurrent.futures.ThreadPoolExecutor(count, "lazyckpt-send") as threads,
-        ):
-            running = [threads.submit(work) for _ in range(count)]
-            try:
-                concurrent.futures.wait(running)
-            except BaseException as error:  # (interrupted: the threads stop too)
-                self._fail(error)
-                raise
-        if self._failed:
-            raise self._failed[0]
-
-    def hold(self, nbytes: int) -> bool:
-        """Hold `nbytes` more once they fit `limit` (at once where nothing is held);
-        False (and nothing held) where a thread failed meanwhile."""
-        with self._room:
-            self._room.wait_for(
-                lambda: not self.held or self.held + nbytes <= self.limit or self._failed
-            )
-            if self._failed:
-                return False
-            self.held += nbytes
-            return True
-
-    def grow(self, nbytes: int) -> None:
-        """Hold `nbytes` more at once."""
-        with self._room:
-            self.held += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._room:
-            self.held -= nbytes
-            self._room.notify_all()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._room:
-            self._failed.append(error)
-            self._room.notify_all()
-
-    def _send(self, read: _Read) -> None:
-        import jax
-
-        shard, piece = read.shard, read.piece
-        held = nbytes = box_bytes(piece, shard.dtype.itemsize)
-        if not self.hold(held):
-            return
-        try:
-            values = self.pool.empty(_shape(piece), shard.dtype)
-            # A buffer used again may be larger, at most twice the piece: memory the
-            # pool holds already, held at once (waiting for it while holding the
-            # piece could wait forever).
-            extra = _held_bytes(values) - held
-            self.grow(extra)
-            held += extra
-            self._read(read, values.reshape(-1).view(np.uint8).data)
-            jax.block_until_ready(shard.write(slices(piece, shard.region), values))
-            del values  # (its buffer goes back to the pool)
-        except BaseException as error:  # noqa: BLE001 - raised by `run`
-            self._fail(error)  # (before its bytes are let go: no thread takes another)
-            return
-        finally:
-            self.release(held)
-        if self.progress is not None:
-            self.progress.advance(nbytes)
-
-    def _read(self, read: _Read, buffer: memoryview) -> None:
-        """`read`'s runs into `buffer`, in parts of about `READ_PART` bytes read at once
-        by the reading threads; the first error is raised once every part is done with
-        `buffer`."""
-        parts: list[concurrent.futures.Future[None]] = []
-        try:
-            for job in grouped(read.runs, READ_PART):
-                parts.append(self._readers.submit(read_parts, read.file, read.stored, job, buffer))
-        finally:  # (the runs may fail as they are made: the parts sent off finish first)
-            concurrent.futures.wait(parts)
-        for part in parts:
-            part.result()
-
-
-_SENDERS = 3
-"""Threads of `_Senders`, each sending one piece at a time."""
-
-_READERS = 6
-"""Threads reading the senders' pieces, in parts of `READ_PART` bytes."""
-
-READ_PART = 16 << 20
-"""Bytes of a piece that one reading thread reads. One positioned read of a whole
-64 MiB piece moves about 2 GB/s on a TPU v5e host, and 4-6 threads reading whole
-pieces were slower than fewer threads reading parts. Measured there, 3 GiB of 64 MiB
-bfloat16 arrays from one safetensors file placed by lazyckpt (best of three, in a
-process that had placed them once), in GB/s: 3 senders and 6 readers of 16 MiB parts
-5.58-5.96 (three trials), of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
-5.1, 4 senders 5.7; 3 senders and 8 readers of 8 MiB 4.8; 4 senders each reading its
-own piece whole (no readers) 4.0-4.2 (docs/benchmarks.md, section 29)."""
-
-
 def _fill(
     array: LazyArray,
     pieces: Sequence[tuple[Shard, Box]],
@@ -385,7 +211,7 @@ def _fill(
     destinations, held = [], []
     for shard, piece in pieces:
         if shard.copies:
-            out, nbytes = gate.take(_shape(piece), dtype)
+            out, nbytes = gate.take(box_shape(piece), dtype)
         else:  # the devices adopt host memory: a buffer of its own
             out, nbytes = None, box_bytes(piece, dtype.itemsize)
             gate.reserve(nbytes)
@@ -433,7 +259,7 @@ class _Gate:
         nbytes = math.prod(shape) * dtype.itemsize
         self.reserve(nbytes)
         values = self.pool.empty(shape, dtype)
-        held = _held_bytes(values)
+        held = held_bytes(values)
         self.reserve(held - nbytes)
         return values, held
 
@@ -475,11 +301,3 @@ def _done(array: jax.Array) -> bool:
     jax's arrays have but its `Array` type does not declare; False where absent)."""
     is_ready = getattr(array, "is_ready", None)
     return bool(is_ready()) if is_ready is not None else False
-
-
-def _held_bytes(values: np.ndarray) -> int:
-    """The host memory that keeping `values` keeps: all of the array it is a view of."""
-    base: Any = values
-    while isinstance(base.base, np.ndarray):
-        base = base.base
-    return int(base.nbytes)

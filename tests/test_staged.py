@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 
 import lazyckpt
 import lazyckpt._on_device as on_device
+import lazyckpt._senders as sending
 import lazyckpt._staged as staged
 from lazyckpt._engine import memory, raw
 from tests.helpers import orbax_save, rss_probe
@@ -313,21 +314,21 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
 @pytest.fixture
 def copying(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU devices taken for devices that copy what is sent, and pieces of any size
-    read and sent by threads of their own (`_Senders`)."""
+    read and sent by threads of their own (`lazyckpt._senders`)."""
     monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
-    monkeypatch.setattr(staged, "SENT_ALONE", 0)
+    monkeypatch.setattr(sending, "SENT_ALONE", 0)
 
 
 def _sent_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many reads each `_Senders.run` is given, from now on."""
+    """How many reads each `Senders.run` is given, from now on."""
     sent: list[int] = []
-    run = staged._Senders.run
+    run = sending.Senders.run
 
-    def counted(senders: staged._Senders, reads: Any) -> None:
+    def counted(senders: sending.Senders, reads: Any) -> None:
         sent.append(len(reads))
         run(senders, reads)
 
-    monkeypatch.setattr(staged._Senders, "run", counted)
+    monkeypatch.setattr(sending.Senders, "run", counted)
     return sent
 
 
@@ -379,7 +380,7 @@ def test_only_large_pieces_are_read_and_sent_by_threads(
     monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
     sent = _sent_reads(monkeypatch)
     values = {
-        "large": np.arange(staged.SENT_ALONE // 4, dtype=np.float32).reshape(-1, 1024),
+        "large": np.arange(sending.SENT_ALONE // 4, dtype=np.float32).reshape(-1, 1024),
         "small": np.arange(1 << 19, dtype=np.float32).reshape(-1, 1024),  # 2 MiB
     }
     save_file(values, str(tmp_path / "model.safetensors"))
@@ -404,19 +405,19 @@ def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     made = _counting_maps(monkeypatch)
     let_in: list[int] = []
     held: list[int] = []
-    hold, grow = staged._Senders.hold, staged._Senders.grow
+    hold, grow = sending.Senders.hold, sending.Senders.grow
 
-    def counted_hold(senders: staged._Senders, nbytes: int) -> bool:
+    def counted_hold(senders: sending.Senders, nbytes: int) -> bool:
         taken = hold(senders, nbytes)
         let_in.append(senders.held)
         return taken
 
-    def counted_grow(senders: staged._Senders, nbytes: int) -> None:
+    def counted_grow(senders: sending.Senders, nbytes: int) -> None:
         grow(senders, nbytes)
         held.append(senders.held)
 
-    monkeypatch.setattr(staged._Senders, "hold", counted_hold)
-    monkeypatch.setattr(staged._Senders, "grow", counted_grow)
+    monkeypatch.setattr(sending.Senders, "hold", counted_hold)
+    monkeypatch.setattr(sending.Senders, "grow", counted_grow)
     budget = 8 * MiB  # (pieces of 1 MiB)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
     for key, expected in values.items():
@@ -486,10 +487,10 @@ def test_the_first_failure_of_a_sending_thread_stops_the_others(
         time.sleep(0.01)
         read_parts(*args)
 
-    monkeypatch.setattr(staged, "read_parts", failing)
+    monkeypatch.setattr(sending, "read_parts", failing)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the second read$"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB)
-    assert len(calls) <= 2 + 2 * staged._SENDERS, calls
+    assert len(calls) <= 2 + 2 * sending._SENDERS, calls
 
 
 def _parts_of_a_32_mib_piece(folder: Path) -> tuple[np.ndarray, Any]:
@@ -505,7 +506,7 @@ def test_a_large_piece_is_read_in_parts_at_once(
     """A piece of several `READ_PART`s is read in parts by the reading threads, all at
     once: each part waits until every other has started."""
     values, tree = _parts_of_a_32_mib_piece(tmp_path)
-    parts = 32 * MiB // staged.READ_PART
+    parts = 32 * MiB // sending.READ_PART
     together = threading.Barrier(parts, timeout=60)
     seen: list[tuple[str, int]] = []
     read_parts = raw.read_parts
@@ -515,10 +516,10 @@ def test_a_large_piece_is_read_in_parts_at_once(
         together.wait()  # (broken, and raised, where the parts are read one by one)
         read_parts(file, stored, job, buffer)
 
-    monkeypatch.setattr(staged, "read_parts", read_together)
+    monkeypatch.setattr(sending, "read_parts", read_together)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
     assert _bits(placed["w"]) == (values.dtype, values.tobytes())
-    assert sorted(length for _, length in seen) == [staged.READ_PART] * parts, seen
+    assert sorted(length for _, length in seen) == [sending.READ_PART] * parts, seen
     assert all(name.startswith("lazyckpt-read") for name, _ in seen), seen
 
 
@@ -532,7 +533,7 @@ def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
     finished: list[int] = []
     at_release: list[int] = []
     read_parts = raw.read_parts
-    release = staged._Senders.release
+    release = sending.Senders.release
 
     def first_fails(file: str, stored: Any, job: list[raw.Part], buffer: Any) -> None:
         if job[0][1] == 0:
@@ -541,15 +542,15 @@ def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
         read_parts(file, stored, job, buffer)
         finished.append(job[0][1])
 
-    def released(senders: staged._Senders, nbytes: int) -> None:
+    def released(senders: sending.Senders, nbytes: int) -> None:
         at_release.append(len(finished))
         release(senders, nbytes)
 
-    monkeypatch.setattr(staged, "read_parts", first_fails)
-    monkeypatch.setattr(staged._Senders, "release", released)
+    monkeypatch.setattr(sending, "read_parts", first_fails)
+    monkeypatch.setattr(sending.Senders, "release", released)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the first part$"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=None)
-    assert at_release == [32 * MiB // staged.READ_PART - 1], at_release
+    assert at_release == [32 * MiB // sending.READ_PART - 1], at_release
 
 
 @pytest.mark.usefixtures("copying")
@@ -560,7 +561,7 @@ def test_pieces_of_many_runs_are_read_in_parts_exactly(
     values = np.random.default_rng(0).random((64, 65536), dtype=np.float32)  # 16 MiB
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
     sent = _sent_reads(monkeypatch)
-    monkeypatch.setattr(staged, "READ_PART", 300 << 10)
+    monkeypatch.setattr(sending, "READ_PART", 300 << 10)
     tree = lazyckpt.open(tmp_path / "model.safetensors")
     placed = lazyckpt.device_put(tree, NamedSharding(mesh, P(None, "y")), memory_budget="8MiB")
     assert sent, sent
@@ -596,7 +597,7 @@ def test_the_progress_bar_ends_at_its_total(
 
     if copies:
         monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
-        monkeypatch.setattr(staged, "SENT_ALONE", 0)
+        monkeypatch.setattr(sending, "SENT_ALONE", 0)
     values = np.random.default_rng(7).standard_normal((1000, 1024), np.float32)  # 4 MiB
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
     ended: list[tuple[int, int]] = []

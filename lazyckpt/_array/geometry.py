@@ -28,6 +28,10 @@ def box_bytes(box: Box, itemsize: int) -> int:
     return math.prod(high - low for low, high in box) * itemsize
 
 
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(high - low for low, high in box)
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
     return out if all(low < high for low, high in out) else None

@@ -353,6 +353,14 @@ class BufferPool:
             self._held -= len(self._free.pop())
 
 
+def held_bytes(values: np.ndarray) -> int:
+    """The host memory that keeping `values` keeps: all of the array it is a view of."""
+    base: Any = values
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return int(base.nbytes)
+
+
 def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike, alignment: int = 64) -> np.ndarray:
     """An uninitialized array whose data starts on an `alignment`-byte boundary, which
     lets `jax.device_put` on CPU adopt it without a copy."""

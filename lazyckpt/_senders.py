@@ -1,0 +1,195 @@
+"""Pieces whose bytes lie raw in a local file, read and sent to their devices by
+threads of their own (`Senders`), for `lazyckpt._staged`.
+
+What the runtime does on the host for one transfer, before and after the copy, runs on
+the thread that sends: several sending threads let several transfers run at once. A
+piece is read into a buffer of the placement's pool in parts, by several reading
+threads at once, since one positioned read of a large piece runs on one core at a
+fraction of the page cache's speed. The pieces between their read and the end of their
+transfer are held within a bound of their own (`Senders.hold`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from lazyckpt._array.geometry import Box, box_bytes, box_shape, slices
+from lazyckpt._engine.memory import BufferPool, held_bytes
+from lazyckpt._engine.progress import Progress
+from lazyckpt._engine.raw import Part, grouped, local_runs, read_parts
+from lazyckpt._engine.stored import StoredArray, stored_array
+from lazyckpt._lazy import LazyArray
+from lazyckpt._on_device import Shard
+
+
+def direct_reads(array: LazyArray, fill: Sequence[tuple[Shard, Box]]) -> list[Read]:
+    """`fill`'s pieces as reads of raw bytes in a local file, for `Senders`; none
+    where some piece is smaller than `SENT_ALONE`, its bytes do not lie raw there or
+    its devices adopt host memory."""
+    reads = []
+    for shard, piece in fill:
+        large = box_bytes(piece, shard.dtype.itemsize) >= SENT_ALONE
+        found = local_runs(array, piece) if shard.copies and large else None
+        if found is None:
+            return []
+        reads.append(Read(shard, piece, *found, stored_array(array)))
+    return reads
+
+
+SENT_ALONE = 8 << 20
+"""The smallest piece `Senders` reads and sends; smaller ones go to the engine, which
+keeps up to half the budget in flight where each sending thread waits for one.
+Provisional: on the chip only 64 MiB pieces were measured; on CPU devices made to
+copy, 200 arrays of 1.56 MiB took 0.12-0.15 s through the engine against 0.18-0.26 s
+through the threads, 32 of 2 MiB a little less through the threads, 32 of 8 MiB
+alike."""
+
+
+@attrs.frozen
+class Read:
+    """A piece of a shard whose bytes lie raw in `file`, in `runs` (made as read)."""
+
+    shard: Shard
+    piece: Box
+    file: str
+    runs: Iterator[Part]
+    stored: StoredArray
+
+
+class Senders:
+    """Pieces whose bytes lie raw in a local file, each read into a buffer from `pool`
+    (in parts, by `_READERS` threads at once) and sent by one of `_SENDERS` threads,
+    which waits for its transfer before it takes the next. The pieces between their
+    read and the end of their transfer hold at most `limit` bytes (one piece at least),
+    and where a buffer used again is larger than its piece (at most twice), its extra
+    besides: within twice `limit`. A placement gives them half its budget, and its
+    other half reads nothing meanwhile (the engine's fills come after).
+
+    Reading on the decoding threads and sending every piece from one thread (the
+    scheduler's completions) moved 2.7-3.0 GB/s on a TPU host: what the runtime does on
+    the host for each transfer ran one at a time. Here each thread sends and waits for
+    its own, and a piece's parts are read at once (docs/benchmarks.md, section 29).
+    """
+
+    def __init__(self, limit: int, pool: BufferPool, progress: Progress | None) -> None:
+        self.limit, self.pool, self.progress = limit, pool, progress
+        self.held = 0
+        self._room = threading.Condition()
+        self._failed: list[BaseException] = []
+        self._readers: concurrent.futures.Executor
+
+    def run(self, reads: Sequence[Read]) -> None:
+        """Send every one of `reads`; the first failure stops the threads (each
+        finishes the piece it has) and is raised once they have."""
+        pending = iter(reads)
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not self._failed:
+                with lock:
+                    read = next(pending, None)
+                if read is None:
+                    return
+                self._send(read)
+
+        count = min(_SENDERS, len(reads))
+        with (
+            concurrent.futures.ThreadPoolExecutor(_READERS, "lazyckpt-read") as self._readers,
+            concurrent.futures.ThreadPoolExecutor(count, "lazyckpt-send") as threads,
+        ):
+            running = [threads.submit(work) for _ in range(count)]
+            try:
+                concurrent.futures.wait(running)
+            except BaseException as error:  # (interrupted: the threads stop too)
+                self._fail(error)
+                raise
+        if self._failed:
+            raise self._failed[0]
+
+    def hold(self, nbytes: int) -> bool:
+        """Hold `nbytes` more once they fit `limit` (at once where nothing is held);
+        False (and nothing held) where a thread failed meanwhile."""
+        with self._room:
+            self._room.wait_for(
+                lambda: not self.held or self.held + nbytes <= self.limit or self._failed
+            )
+            if self._failed:
+                return False
+            self.held += nbytes
+            return True
+
+    def grow(self, nbytes: int) -> None:
+        """Hold `nbytes` more at once."""
+        with self._room:
+            self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._room:
+            self.held -= nbytes
+            self._room.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._room:
+            self._failed.append(error)
+            self._room.notify_all()
+
+    def _send(self, read: Read) -> None:
+        import jax
+
+        shard, piece = read.shard, read.piece
+        held = nbytes = box_bytes(piece, shard.dtype.itemsize)
+        if not self.hold(held):
+            return
+        try:
+            values = self.pool.empty(box_shape(piece), shard.dtype)
+            # A buffer used again may be larger, at most twice the piece: memory the
+            # pool holds already, held at once (waiting for it while holding the
+            # piece could wait forever).
+            extra = held_bytes(values) - held
+            self.grow(extra)
+            held += extra
+            self._read(read, values.reshape(-1).view(np.uint8).data)
+            jax.block_until_ready(shard.write(slices(piece, shard.region), values))
+            del values  # (its buffer goes back to the pool)
+        except BaseException as error:  # noqa: BLE001 - raised by `run`
+            self._fail(error)  # (before its bytes are let go: no thread takes another)
+            return
+        finally:
+            self.release(held)
+        if self.progress is not None:
+            self.progress.advance(nbytes)
+
+    def _read(self, read: Read, buffer: memoryview) -> None:
+        """`read`'s runs into `buffer`, in parts of about `READ_PART` bytes read at once
+        by the reading threads; the first error is raised once every part is done with
+        `buffer`."""
+        parts: list[concurrent.futures.Future[None]] = []
+        try:
+            for job in grouped(read.runs, READ_PART):
+                parts.append(self._readers.submit(read_parts, read.file, read.stored, job, buffer))
+        finally:  # (the runs may fail as they are made: the parts sent off finish first)
+            concurrent.futures.wait(parts)
+        for part in parts:
+            part.result()
+
+
+_SENDERS = 3
+"""Threads of `Senders`, each sending one piece at a time."""
+
+_READERS = 6
+"""Threads reading the senders' pieces, in parts of `READ_PART` bytes."""
+
+READ_PART = 16 << 20
+"""Bytes of a piece that one reading thread reads. One positioned read of a whole
+64 MiB piece moves about 2 GB/s on a TPU v5e host, and 4-6 threads reading whole
+pieces were slower than fewer threads reading parts. Measured there, 3 GiB of 64 MiB
+bfloat16 arrays from one safetensors file placed by lazyckpt (best of three, in a
+process that had placed them once), in GB/s: 3 senders and 6 readers of 16 MiB parts
+5.58-5.96 (three trials), of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
+5.1, 4 senders 5.7; 3 senders and 8 readers of 8 MiB 4.8; 4 senders each reading its
+own piece whole (no readers) 4.0-4.2 (docs/benchmarks.md, section 29)."""
