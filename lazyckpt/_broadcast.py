@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt._array.geometry import Box
+from lazyckpt._array.geometry import Box, box_shape
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.progress import Progress
@@ -249,7 +249,7 @@ def _schedule(plan: _Plan, scheduler: Scheduler) -> list[np.ndarray]:
     destinations = []
     for found in plan.regions:
         region = found.region
-        buffer = result_empty(tuple(high - low for low, high in region), array.dtype)
+        buffer = result_empty(box_shape(region), array.dtype)
         buffer[...] = 0
         buffers.append(buffer)
         scheduler.guard.keep(buffer.nbytes)

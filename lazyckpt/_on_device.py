@@ -27,7 +27,7 @@ import numpy as np
 
 from lazyckpt import _programs as programs
 from lazyckpt._array.dtypes import finfo, issubdtype
-from lazyckpt._array.geometry import Box
+from lazyckpt._array.geometry import Box, box_shape
 from lazyckpt._errors import OverBudgetWarning, warn
 from lazyckpt._text import human_bytes
 
@@ -224,7 +224,7 @@ class Shard:
     ) -> None:
         self.key, self.region = key, region
         self.devices, self.dtype = list(devices), np.dtype(dtype)
-        self.shape = tuple(high - low for low, high in region)
+        self.shape = box_shape(region)
         self.written = written_dtype(self.dtype)
         self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
         """Whether the devices copy what is sent out of host memory, which can then be

@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._array import compose
-from lazyckpt._array.geometry import Box, as_slices, bounds, box_bytes, stored_map, to_stored
+from lazyckpt._array.geometry import (
+    Box,
+    as_slices,
+    bounds,
+    box_bytes,
+    box_shape,
+    stored_map,
+    to_stored,
+)
 from lazyckpt._array.reshape import Reshape
 from lazyckpt._array.selection import NewAxis, Range, Selection
 from lazyckpt._array.view import ArrayView
@@ -98,7 +106,7 @@ def _computed(
     temporaries, then compute `out` from them (after the parts' own copies)."""
     values = []
     for part, part_box in zip(node.parts, node.inputs(box), strict=True):
-        temporary = np.empty(tuple(high - low for low, high in part_box), part.dtype)
+        temporary = np.empty(box_shape(part_box), part.dtype)
         lower(part, part_box, temporary, by_array, after)
         values.append(temporary)
     after.append(lambda: node.compute(box, values, out))
@@ -139,7 +147,7 @@ def _through_temporary(
     after: list[Callable[[], None]],
     pick: Callable[[np.ndarray], np.ndarray],
 ) -> None:
-    temporary = np.empty(tuple(high - low for low, high in region), array.dtype)
+    temporary = np.empty(box_shape(region), array.dtype)
     lower(array, region, temporary, by_array, after)
     after.append(lambda: np.copyto(out, pick(temporary), casting="unsafe"))
 

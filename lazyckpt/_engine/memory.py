@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from lazyckpt._array.geometry import box_shape
 from lazyckpt._errors import TooLargeError
 from lazyckpt._text import human_bytes
 
@@ -220,7 +221,7 @@ class Destination:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(high - low for low, high in self.region)
+        return box_shape(self.region)
 
     def out_nbytes(self) -> int:
         return math.prod(self.shape) * int(np.dtype(self.dtype).itemsize)

@@ -36,6 +36,7 @@ from lazyckpt._array.geometry import (
     Box,
     bounds,
     box_bytes,
+    box_shape,
     intersect,
     product,
     stored_map,
@@ -258,7 +259,7 @@ def read_raw(stored: StoredArray, selection: Selection) -> ts.Future[np.ndarray]
     itemsize = stored.dtype.itemsize
     if dims != sorted(dims) or not _long_runs(stored.shape, box, itemsize, found.min_run):
         return None
-    out = result_empty(tuple(high - low for low, high in box), stored.dtype)
+    out = result_empty(box_shape(box), stored.dtype)
     buffer = out.reshape(-1).view(np.uint8).data
     # All at once: the read holds no more than its result.
     piece = PIECE if found.file is not None else request_bytes(out.nbytes)

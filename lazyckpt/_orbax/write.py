@@ -22,7 +22,7 @@ import numpy as np
 import tensorstore as ts
 from numpy.typing import DTypeLike
 
-from lazyckpt._array.geometry import Box, box_bytes, chunk_blocks, on_grid
+from lazyckpt._array.geometry import Box, box_bytes, box_shape, chunk_blocks, on_grid
 from lazyckpt._engine.scheduler import HELD, Scheduler
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._lazy import LazyArray
@@ -234,7 +234,7 @@ def _assemble(
     """The values of `block`, copied together from the shards that overlap it."""
 
     def values() -> np.ndarray:
-        out = np.empty(tuple(high - low for low, high in block), dtype)
+        out = np.empty(box_shape(block), dtype)
         for data, part, box in parts:
             local = tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(part, box, strict=True))
             into = tuple(
