@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
         "_placement",
         "_materialize",
         "_staged",
+        "_senders",
         "_on_device",
         "_programs",
         "_broadcast",
