@@ -308,10 +308,11 @@ SHAPES = [(3, 6, 16), (2, 6, 16), (4, 6, 16), (3, 4, 16), (3, 8, 16), (3, 6, 8),
 threads, MiB a reading thread reads at a time (`lazyckpt._senders`)."""
 
 
-def thread_shapes(path: str, rounds: int) -> dict[str, float]:
-    """The best of `rounds` placements of `path` with each of `SHAPES`, in a process
-    that placed it once first; the shapes taken in turn each round, so that a drift of
-    the machine falls on all of them."""
+def thread_shapes(path: str, rounds: int) -> dict[str, Any]:
+    """The best of `rounds` placements of `path` with each of `SHAPES` (`best`), in a
+    process that placed it once first; the shapes taken in turn each round, so that a
+    drift of the machine falls on all of them. `sent`: whether the threads sent
+    anything (CPU devices adopt host buffers instead)."""
     import jax
 
     import lazyckpt
@@ -324,7 +325,7 @@ def thread_shapes(path: str, rounds: int) -> dict[str, float]:
         return jax.block_until_ready(lazyckpt.device_put(lazyckpt.open(path), sharding))
 
     place()
-    best: dict[str, float] = {"cpu": not _staged.staged(sharding)}
+    best: dict[str, float] = {}
     for _ in range(rounds):
         for senders, readers, part in SHAPES:
             threads._SENDERS, threads._READERS, threads.READ_PART = senders, readers, part << 20
@@ -332,7 +333,7 @@ def thread_shapes(path: str, rounds: int) -> dict[str, float]:
             place()
             name = f"{senders} senders, {readers} readers, {part} MiB parts"
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
-    return best
+    return {"best": best, "sent": _staged.staged(sharding)}
 
 
 def _big_shape(path: str) -> tuple[int, ...]:
@@ -362,10 +363,10 @@ def main() -> None:
     if args.shapes:
         _, safetensors = in_fresh_process(make, root, "tree", args.gib)
         data = os.path.getsize(safetensors)
-        best = in_fresh_process(thread_shapes, safetensors, max(3, args.repeat))
-        if best.pop("cpu", False):
+        shapes = in_fresh_process(thread_shapes, safetensors, max(3, args.repeat))
+        if not shapes["sent"]:
             print("CPU devices adopt the host buffers: no shape below sends anything")
-        for name, seconds in best.items():
+        for name, seconds in shapes["best"].items():
             print(f"{name:40} {seconds:6.3f} s {data / seconds / 1e9:6.2f} GB/s")
         return
     # The programs lazyckpt compiles for the device, kept across processes: the cases

@@ -588,7 +588,7 @@ def test_a_file_truncated_under_the_sending_threads_is_a_clear_error(
 
 @pytest.mark.parametrize("copies", [False, True], ids=["engine", "threads"])
 def test_the_progress_bar_ends_at_its_total(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, copies: bool
 ) -> None:
     """Bands of one shape (the last overlaps the one before, its rows read twice): the
     bar stops at the bytes placed, not past them."""
@@ -596,8 +596,7 @@ def test_the_progress_bar_ends_at_its_total(
     from lazyckpt._engine import progress
 
     if copies:
-        monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
-        monkeypatch.setattr(sending, "SENT_ALONE", 0)
+        request.getfixturevalue("copying")
     values = np.random.default_rng(7).standard_normal((1000, 1024), np.float32)  # 4 MiB
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
     ended: list[tuple[int, int]] = []

@@ -155,8 +155,10 @@ def local_runs(array: ArrayView, region: Box) -> tuple[str, Iterator[Part]] | No
     if not lies_raw(array) or stored_array(array).inline is not None:
         return None
     mapping = stored_map(array)
-    found = _in_order(array, mapping) if mapping is not None else None
-    if mapping is None or found is None or found.file is None:
+    if mapping is None:
+        return None
+    found = _in_order(array, mapping)
+    if found is None or found.file is None:
         return None
     stored = found.stored
     box = to_stored(array, mapping, region)
