@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeGuard
 
 import numpy as np
-import tensorstore as ts
 import zstandard
 
 from lazyckpt._array.geometry import Box, chunk_box
 from lazyckpt._array.view import Stored
 from lazyckpt._engine.memory import populate
+from lazyckpt._engine.sources import FileSource, KvSource
 from lazyckpt._engine.stored import Codec, StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import changed_error
@@ -79,77 +79,6 @@ class _Decoding(Protocol):
     def close(self) -> None: ...
 
 
-class _Source:
-    """The stored bytes `[start, stop)` of one key (to the value's end when `stop` is
-    None), read in windows of `window` bytes, one window ahead."""
-
-    def __init__(
-        self, kvstore: ts.KvStore, key: str, start: int, stop: int | None, window: int
-    ) -> None:
-        self.kvstore, self.key, self.window, self.stop = kvstore, key, window, stop
-        self.next_start = self._origin = start
-        self.ahead = self._request()
-        self.held = b""
-
-    def _request(self) -> tuple[ts.Future[ts.KvStore.ReadResult], int] | None:
-        start = self.next_start
-        if self.stop is not None and start >= self.stop:
-            return None
-        end = start + self.window if self.stop is None else min(start + self.window, self.stop)
-        self.next_start = end
-        return self.kvstore.read(self.key, byte_range=slice(start, end)), start
-
-    def _take(self) -> tuple[str, bytes]:
-        if self.ahead is None:
-            return "value", b""
-        future, start = self.ahead
-        try:
-            result = future.result()
-        except ValueError as error:
-            if self.stop is not None or "OUT_OF_RANGE" not in str(error):
-                raise
-            # A window past the end of a value of unknown size: read what is left. The
-            # window before it was whole, so a value that ends right there is no error
-            # (a file read over HTTP says OUT_OF_RANGE, as a server answers 416).
-            self.ahead = None
-            try:
-                result = self.kvstore.read(self.key, byte_range=slice(start, None)).result()
-            except ValueError as again:
-                if "OUT_OF_RANGE" not in str(again):
-                    raise
-                return "value", b""
-            return result.state, result.value
-        if result.state != "value":
-            self.ahead = None
-            return result.state, b""
-        self.ahead = self._request()
-        return "value", result.value
-
-    def check_length(self, length: int) -> bool:
-        """Whether the bytes hold at least `length` from where they start."""
-        if self.stop is not None:
-            return self.stop - self._origin >= length
-        last = self._origin + length - 1
-        try:
-            result = self.kvstore.read(self.key, byte_range=slice(last, last + 1)).result()
-        except ValueError as error:
-            if "OUT_OF_RANGE" not in str(error):
-                raise
-            return False
-        return bool(result.state == "value")
-
-    def first(self) -> str:
-        """Read the first window; the key's state (`value` or `missing`)."""
-        state, self.held = self._take()
-        return state
-
-    def read(self, size: int = -1) -> bytes:
-        if self.held:
-            data, self.held = self.held, b""
-            return data
-        return self._take()[1]
-
-
 class ChunkStream:
     """One stored chunk's values, decoded slab by slab in its stream order.
 
@@ -169,7 +98,7 @@ class ChunkStream:
         self.done = 0  # decoded bytes so far
         self.key = self.codec.chunk_key(stored.name, index, stored.chunks)
         self._reader: _Decoding | None = None
-        self._source: _Source | None = None
+        self._source: KvSource | FileSource | None = None
         self._missing = False
         self._opened = False
         self._scratch: bytearray | None = None
@@ -185,20 +114,24 @@ class ChunkStream:
             if located is None:
                 self._missing = True
                 return
-            start, stop = located
-            source = _Source(self.stored.store.kvstore, self.key, start, stop, self.read_bytes)
-            state = source.first()
+            source = self._source_of(*located)
+            try:
+                state = source.first()
+            except BaseException:
+                source.close()
+                raise
         except LazyckptError:
             raise
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
             raise self.stored.read_error(error) from None
         if state != "value":
+            source.close()
             self._missing = True
             return
         self._source = source
         if not self.codec.zstd:
             return
-        head = source.held[:18]
+        head = bytes(source.held[:18])
         try:
             declared = zstandard.frame_content_size(head)
         except zstandard.ZstdError as error:
@@ -209,6 +142,21 @@ class ChunkStream:
             source,  # type: ignore[arg-type]  # any object with read() will do
             read_size=self.read_bytes,
             read_across_frames=False,
+        )
+
+    def _source_of(self, start: int, stop: int | None) -> KvSource | FileSource:
+        """The stored bytes `[start, stop)` of the chunk's key: read from the local file
+        that holds them where the store can tell which (`Store.local_file`), else
+        through its kvstore."""
+        store = self.stored.store
+        local = store.local_file(self.key)
+        if local is None:
+            return KvSource(store.kvstore, self.key, start, stop, self.read_bytes)
+        path, offset, length = local
+        if length is not None:
+            stop = length if stop is None else min(stop, length)
+        return FileSource(
+            path, offset + start, None if stop is None else offset + stop, self.read_bytes
         )
 
     def check(self) -> None:
@@ -291,20 +239,17 @@ class ChunkStream:
         if self._reader is not None:
             return int(self._reader.readinto(memory))
         assert self._source is not None
-        data = self._source.read(len(memory))
-        if len(data) > len(memory):  # raw bytes arrive in whole windows: keep the rest
-            self._source.held = data[len(memory) :]
-            data = data[: len(memory)]
-        memory[: len(data)] = data
-        return len(data)
+        return self._source.readinto(memory)
 
     def finish(self) -> None:
         """After the last slab: check that the stored bytes end with the chunk."""
         if self._missing or not self._opened or self.done < self.total:
             return
         try:
-            extra = self._reader.read(1) if self._reader is not None else None
-            if extra is None and self._source is not None:
+            extra: bytes | memoryview | None = None
+            if self._reader is not None:
+                extra = self._reader.read(1)
+            elif self._source is not None:
                 extra = self._source.read(1)
         except zstandard.ZstdError:
             extra = b"?"  # bytes after the frame that are no zstd frame either
@@ -319,7 +264,9 @@ class ChunkStream:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-        self._source = None
+        if self._source is not None:
+            self._source.close()
+            self._source = None
         self._scratch = None
 
 

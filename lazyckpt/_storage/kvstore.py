@@ -277,6 +277,21 @@ class Store:
         )
         return cls(location, ocdbt, context, spec, kvstore, generation, files, index, web)
 
+    def local_file(self, key: str) -> tuple[str, int, int | None] | None:
+        """Where `key`'s value lies in a local file, for positioned reads of it: the
+        file, the value's offset in it and its length (None: to the file's end); None
+        where only the kvstore reads it (a bucket, HTTP, an OCDBT database whose index
+        was not built or does not place the key in a data file)."""
+        if paths.is_remote(self.location):
+            return None
+        if not self.ocdbt:
+            return os.path.join(self.location, key), 0, None
+        place = self.index.known(key) if self.index is not None else None
+        if not isinstance(place, tuple):
+            return None
+        file, offset, length = place
+        return os.path.join(self.location, file), offset, length
+
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""
         if is_web(self.location) and not self.ocdbt:

@@ -79,6 +79,13 @@ class Index:
                 self._places = _walk(self.base, root[0])
             return self._places
 
+    def known(self, key: str) -> Place | None:
+        """`key`'s place where the index was built (the first read decides), else
+        None, as for a key that is not there."""
+        with self._lock:
+            places = self._places
+        return None if places is None else places.get(key.encode())
+
     def read(
         self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch
     ) -> list[Value] | None:
