@@ -103,6 +103,8 @@ class Scheduler:
             raise ValueError(f"memory_budget must be a positive number of bytes, not {budget}")
         # Blocks small enough that several fit, to keep every core decoding.
         self.block_bytes = max(1, self.budget // (HELD * _BLOCKS_IN_FLIGHT))
+        self.stream_block = stream_block(self.budget)
+        """The bytes of one block of a stream within this budget (`iter_blocks`)."""
         self.progress = progress
         self._pending: collections.deque[tuple[ts.Future[Any], int, int, Callable[[Any], None]]]
         self._pending = collections.deque()

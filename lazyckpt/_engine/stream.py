@@ -18,6 +18,7 @@ import collections
 import functools
 import itertools
 import math
+import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -61,7 +62,7 @@ from lazyckpt._engine.fill import decode_into, decode_slabs, schedule_fill, wind
 from lazyckpt._engine.jobs import END, SKIP, Block, Job, picked, ts_jobs, ts_step
 from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool, stream_block
+from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import by_position, sharings
 from lazyckpt._engine.stored import check_plain, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready
@@ -76,6 +77,8 @@ def iter_blocks(
     *,
     share: bool = True,
     pool: BufferPool | None = None,
+    in_order: bool = True,
+    block: int | None = None,
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     """`(position, index, values)` for consecutive blocks of each ArrayView in `arrays`,
     where `arrays[position][index]` equals `values`.
@@ -91,12 +94,21 @@ def iter_blocks(
 
     Blocks are filled into buffers of `pool` (by default one that keeps at most a
     block free), reused once the consumer and everything else have let go of them.
+
+    `block` is the most bytes of a block (by default an eighth of the budget).
+
+    Without `in_order`, blocks come as they are ready, each job going on as soon as
+    its block is handed over: every job in flight decodes at once (in order, those
+    behind the first wait with one block ready), as placing arrays on accelerators
+    wants, where any order will do.
     """
     limits = Scheduler(budget)
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
     limits.guard.slack = limits.budget // 16
-    block = stream_block(limits.budget)
+    if block is not None:
+        limits.stream_block = max(1, min(block, limits.budget))
+    block = limits.stream_block
     # (free: at most the block the consumer is counted for, which it has let go)
     buffers = pool if pool is not None else BufferPool(limits.budget, keep=block)
     limits.pool = buffers
@@ -123,37 +135,88 @@ def iter_blocks(
                     yield Job(i, job.held, job.steps(), sharing)
 
     jobs = every_job()
-    active: collections.deque[tuple[Job, ts.Future[object]]] = collections.deque()
+    steps: _Steps = _InOrder() if in_order else _AsReady()
     reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
 
     def start_more() -> None:
         nonlocal reserved, upcoming
-        while upcoming is not None and (not active or reserved + upcoming.held <= limits.budget):
+        while upcoming is not None and (not steps or reserved + upcoming.held <= limits.budget):
             reserved += upcoming.held
-            active.append((upcoming, upcoming.step()))
+            steps.start(upcoming)
             upcoming = next(jobs, None)
 
     start_more()
-    while active:
-        job, pending = active[0]
-        result = pending.result()
+    while steps:
+        job, result = steps.next()
         if result is END:
-            active.popleft()
+            steps.end(job)
             reserved -= job.held
             start_more()
             continue
         if result is SKIP:
-            active[0] = (job, job.step())
+            steps.go_on(job)
             continue
         assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
         blocks = result if isinstance(result, list) else [result]
-        active[0] = (job, job.step())  # decode the next block while this one is used
+        steps.go_on(job)  # decode the next block while this one is used
         yield from _handed(job, blocks, leaves, progress)
         del blocks, result
         buffers.settle()
         limits.guard.check(max(reserved, buffers.held))
     check_unchanged(stores(arrays))
+
+
+class _InOrder:
+    """The jobs in flight, their blocks taken in the order the jobs started: the first
+    job's, to its end, then the next one's."""
+
+    def __init__(self) -> None:
+        self.active: collections.deque[tuple[Job, ts.Future[object]]] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def start(self, job: Job) -> None:
+        self.active.append((job, job.step()))
+
+    def next(self) -> tuple[Job, object]:
+        job, pending = self.active[0]
+        return job, pending.result()
+
+    def go_on(self, job: Job) -> None:
+        self.active[0] = (job, job.step())
+
+    def end(self, job: Job) -> None:
+        self.active.popleft()
+
+
+class _AsReady:
+    """The jobs in flight, their blocks taken as they are ready, whichever job's."""
+
+    def __init__(self) -> None:
+        self.ready: queue.SimpleQueue[tuple[Job, ts.Future[object]]] = queue.SimpleQueue()
+        self.running = 0
+
+    def __bool__(self) -> bool:
+        return self.running > 0
+
+    def start(self, job: Job) -> None:
+        self.running += 1
+        self.go_on(job)
+
+    def next(self) -> tuple[Job, object]:
+        job, done = self.ready.get()
+        return job, done.result()
+
+    def go_on(self, job: Job) -> None:
+        job.step().add_done_callback(lambda done: self.ready.put((job, done)))
+
+    def end(self, job: Job) -> None:
+        self.running -= 1
+
+
+_Steps = _InOrder | _AsReady
 
 
 def _handed(
@@ -188,7 +251,7 @@ def _jobs(
     stored = stored_array(array)
     mapping = stored_map(array)
     budget = limits.budget
-    block = stream_block(budget)
+    block = limits.stream_block
     itemsize = stored.dtype.itemsize
     whole = tuple((0, n) for n in array.shape)
     if 0 in array.shape or (mapping is None and not decodes(stored)):
@@ -324,7 +387,7 @@ def _composed_jobs(
 ) -> Iterator[Job]:
     """Blocks of a composed view that cannot be streamed as its parts (a reshape, a
     grid that cuts across parts), each filled from its parts through the engine."""
-    block = stream_block(limits.budget)
+    block = limits.stream_block
     itemsize = array.dtype.itemsize
     cells = grid if grid is not None else fitted(compose.view_chunks(array), itemsize, block)
     for region in chunk_blocks(tuple((0, n) for n in array.shape), cells, itemsize, block):

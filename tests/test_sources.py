@@ -1,0 +1,173 @@
+"""Where decoded chunks' stored bytes come from (`lazyckpt._engine.sources`): a local
+file's bytes read by lazyckpt into reused memory, tensorstore's kvstore elsewhere;
+and streams whose chunks decode at once, their blocks taken as they are ready
+(`iter_blocks(in_order=False)`, as placing on accelerators takes them)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import SingleDeviceSharding
+
+import lazyckpt
+import lazyckpt._staged as staged
+from lazyckpt._engine import sources
+from lazyckpt._engine.decode import ChunkStream
+from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage.metrics import direct_bytes_read
+from tests.helpers import orbax_save
+
+MiB = 1 << 20
+
+
+def _values(count: int = 2) -> dict[str, np.ndarray]:
+    """`count` float32 arrays of 4 MiB, one stored chunk each, half of their bits
+    random (zstd keeps about three quarters of their bytes)."""
+    rng = np.random.default_rng(3)
+    return {f"w{i}": rng.standard_normal((1024, 1024)).astype(np.float32) for i in range(count)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return orbax_save(tmp_path_factory.mktemp("sources") / "orbax", _values())
+
+
+def _tensorstore_file_bytes() -> int:
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(int(v.get("value", 0)) for metric in found for v in metric["values"])
+
+
+def test_chunks_in_local_data_files_are_read_by_lazyckpt(checkpoint: Path) -> None:
+    """A chunk in an OCDBT data file: its stored bytes read by lazyckpt (counted as
+    its direct reads), not by tensorstore's file kvstore, and decoded exactly."""
+    tree = lazyckpt.open(checkpoint)
+    stored = tree["w0"].stored
+    key = stored.codec.chunk_key(stored.name, (0, 0), stored.chunks)
+    place = stored.store.local_file(key)
+    assert place is not None and Path(place[0]).parent.name == "d", place
+    length = place[2]
+    assert length is not None and length < 4 * MiB  # (compressed)
+    direct, through_tensorstore = direct_bytes_read(), _tensorstore_file_bytes()
+    values = tree["w0"].get()
+    assert direct_bytes_read() - direct >= length
+    assert _tensorstore_file_bytes() - through_tensorstore < length // 8
+    assert values.tobytes() == _values()["w0"].tobytes()
+
+
+def test_many_windows_through_two_buffers_decode_exactly(checkpoint: Path) -> None:
+    """Windows of 4 KiB, hundreds of them, through the two buffers that take turns:
+    zstd is handed one while the other is read into, and decodes every value."""
+    stored = lazyckpt.open(checkpoint)["w1"].stored
+    stream = ChunkStream(stored, (0, 0), 4 << 10)
+    out = bytearray(4 * MiB)
+    try:
+        stream.next(((0, 1024), (0, 1024)), memoryview(out))
+        stream.finish()
+    finally:
+        stream.close()
+    assert bytes(out) == _values()["w1"].tobytes()
+
+
+def test_a_data_file_cut_short_is_named(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "orbax"))
+    tree = lazyckpt.open(copy)
+    stored = tree["w0"].stored
+    path, offset, length = stored.store.local_file(
+        stored.codec.chunk_key(stored.name, (0, 0), stored.chunks)
+    )
+    with open(path, "r+b") as file:
+        file.truncate(offset + length // 2)
+    with pytest.raises(CorruptCheckpointError, match=r"ocdbt\.process_0/d/\w+: holds \d+ bytes"):
+        tree["w0"].get()
+    Path(path).unlink()
+    with pytest.raises(
+        CorruptCheckpointError, match=r"d/\w+ is missing, and the checkpoint places"
+    ):
+        tree["w0"].get()
+
+
+def test_buffers_are_handed_on_while_sources_are_open(tmp_path: Path) -> None:
+    """Window buffers go from a source that closes to the next one, and are let go of
+    once none is open."""
+    file = tmp_path / "bytes"
+    file.write_bytes(bytes(range(256)) * 64)
+    first = sources.FileSource(str(file), 0, None, 1024)
+    second = sources.FileSource(str(file), 0, None, 1024)
+    assert first.first() == "value" and bytes(first.read()) == bytes(range(256)) * 4
+    first.close()
+    third = sources.FileSource(str(file), 1024, 2048, 1024)
+    assert third.first() == "value" and bytes(third.read()) == bytes(range(256)) * 4
+    assert third.read() == b""
+    second.close()
+    third.close()
+    assert not sources._windows._free and sources._windows._open == 0
+
+
+def test_streams_as_ready_decode_their_chunks_at_once(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken as they are ready, a job goes on while an earlier one is not done: the
+    first chunk's second slab waits for the second chunk's second slab, which a stream
+    in the jobs' order would decode only after the whole first chunk."""
+    tree = lazyckpt.open(checkpoint)
+    second_of_w1 = threading.Event()
+    waited: list[bool] = []
+    real = ChunkStream.next
+
+    def next_slab(stream: ChunkStream, slab: Any, into: Any = None) -> Any:
+        if stream.stored.key == "w0" and stream.done:
+            waited.append(second_of_w1.wait(timeout=30))
+        out = real(stream, slab, into)
+        if stream.stored.key == "w1" and stream.done > MiB:
+            second_of_w1.set()
+        return out
+
+    monkeypatch.setattr(ChunkStream, "next", next_slab)
+    # A block of 1 MiB: four slabs a chunk; room for both jobs at once.
+    blocks = iter_blocks([tree["w0"], tree["w1"]], 24 * MiB, in_order=False, block=MiB)
+    got = {position: [] for position in (0, 1)}
+    for position, index, values in blocks:
+        got[position].append((index, values.copy()))
+    assert waited and all(waited)
+    for position, key in enumerate(("w0", "w1")):
+        whole = np.empty((1024, 1024), np.float32)
+        for index, values in got[position]:
+            whole[index] = values
+        assert whole.tobytes() == _values()[key].tobytes()
+
+
+def test_placements_stream_chunks_larger_than_a_block(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bound for an accelerator, an array whose stored chunks are larger than a block
+    of half the budget is streamed (many chunks decode at once, each holding a block),
+    not filled whole; one with small chunks, or raw bytes, is filled whole."""
+    monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
+    tree = lazyckpt.open(checkpoint)
+    budget = 16 * MiB  # half 8 MiB, a block 1 MiB: the 4 MiB chunks are larger
+    assert staged._large_chunks(tree["w0"], budget // 2)
+    assert not staged._large_chunks(tree["w0"], 64 * MiB)
+    assert not staged._large_chunks(tree["w0"].T, budget // 2)  # (a composed view)
+    small = lazyckpt.open(lazyckpt.save(tmp_path / "small", _values(1), chunk_bytes=256 << 10))
+    assert not staged._large_chunks(small["w0"], budget // 2)
+    streamed: list[int] = []
+    real = staged.iter_blocks
+
+    def counted(views: Any, *args: Any, **kwargs: Any) -> Any:
+        streamed.append(len(views))
+        return real(views, *args, **kwargs)
+
+    monkeypatch.setattr(staged, "iter_blocks", counted)
+    placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
+    assert streamed == [2]
+    for key, expected in _values().items():
+        assert np.asarray(jax.device_get(placed[key])).tobytes() == expected.tobytes()
