@@ -5,7 +5,10 @@ and streams whose chunks decode at once, their blocks taken as they are ready
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,21 +98,55 @@ def test_a_data_file_cut_short_is_named(checkpoint: Path, tmp_path: Path) -> Non
         tree["w0"].get()
 
 
-def test_buffers_are_handed_on_while_sources_are_open(tmp_path: Path) -> None:
-    """Window buffers go from a source that closes to the next one, and are let go of
-    once none is open."""
+def test_buffers_are_handed_on_while_sources_are_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Window buffers go from a source that closes to the next one; no more are kept
+    free than are in use, and none once none is."""
+    monkeypatch.setattr(sources, "_windows", sources._Windows())
     file = tmp_path / "bytes"
     file.write_bytes(bytes(range(256)) * 64)
     first = sources.FileSource(str(file), 0, None, 1024)
     second = sources.FileSource(str(file), 0, None, 1024)
     assert first.first() == "value" and bytes(first.read()) == bytes(range(256)) * 4
+    handed = {id(buffer) for buffer in first._buffers}
     first.close()
     third = sources.FileSource(str(file), 1024, 2048, 1024)
+    assert {id(buffer) for buffer in third._buffers} == handed
     assert third.first() == "value" and bytes(third.read()) == bytes(range(256)) * 4
     assert third.read() == b""
+    more = [sources.FileSource(str(file), 0, None, 1024) for _ in range(3)]
+    for source in more:
+        source.close()
+    assert sources._windows._kept <= sources._windows._taken == 4  # (second's and third's)
     second.close()
     third.close()
-    assert not sources._windows._free and sources._windows._open == 0
+    assert sources._windows._kept == sources._windows._taken == 0
+    assert not any(sources._windows._free.values())
+
+
+def test_a_source_closed_mid_read_waits_for_its_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing waits for the window being read ahead: its buffer goes to the next
+    source only once nothing writes into it."""
+    file = tmp_path / "bytes"
+    file.write_bytes(bytes(4096))
+    finished: list[float] = []
+    real = sources.pread_into
+
+    def slow(fd: int, view: memoryview, offset: int) -> int:
+        time.sleep(0.3)
+        done = real(fd, view, offset)
+        finished.append(time.monotonic())
+        return done
+
+    monkeypatch.setattr(sources, "pread_into", slow)
+    source = sources.FileSource(str(file), 0, None, 1024)
+    assert source.first() == "value"  # (the second window now read ahead)
+    source.close()
+    closed = time.monotonic()
+    assert len(finished) == 2 and finished[-1] <= closed
 
 
 def test_streams_as_ready_decode_their_chunks_at_once(
@@ -125,7 +162,7 @@ def test_streams_as_ready_decode_their_chunks_at_once(
 
     def next_slab(stream: ChunkStream, slab: Any, into: Any = None) -> Any:
         if stream.stored.key == "w0" and stream.done:
-            waited.append(second_of_w1.wait(timeout=30))
+            waited.append(second_of_w1.wait(timeout=10))
         out = real(stream, slab, into)
         if stream.stored.key == "w1" and stream.done > MiB:
             second_of_w1.set()
@@ -163,6 +200,7 @@ def test_placements_stream_chunks_larger_than_a_block(
     real = staged.iter_blocks
 
     def counted(views: Any, *args: Any, **kwargs: Any) -> Any:
+        assert kwargs["in_order"] is False  # (blocks as they are ready)
         streamed.append(len(views))
         return real(views, *args, **kwargs)
 
@@ -171,3 +209,76 @@ def test_placements_stream_chunks_larger_than_a_block(
     assert streamed == [2]
     for key, expected in _values().items():
         assert np.asarray(jax.device_get(placed[key])).tobytes() == expected.tobytes()
+
+
+def test_names_that_leave_the_checkpoint_are_left_to_the_driver(checkpoint: Path) -> None:
+    """A data file or chunk key that names a path outside the checkpoint's folder (a
+    hostile b-tree or metadata) is never opened by lazyckpt: tensorstore's driver
+    reads it, and refuses such names."""
+    store = lazyckpt.open(checkpoint)["w0"].stored.store
+    place = store.index.locate("w0/0.0") if store.index is not None else None
+    assert isinstance(place, tuple) and store.local_file("w0/0.0") is not None
+    for file in ("../../etc/passwd", "/etc/passwd", "d/../../x", "d//x", "./d/x"):
+        store.index._places[b"w0/0.0"] = (file, 0, 10)
+        assert store.local_file("w0/0.0") is None, file
+    store.index._places[b"w0/0.0"] = place
+
+
+def test_chunks_are_read_from_their_files_where_open_did_not_walk_the_tree(
+    tmp_path: Path,
+) -> None:
+    """An array of many chunks: `open` reads too few of the database's keys to walk
+    its b-tree, and the first chunk read walks it."""
+    values = {"w": np.random.default_rng(4).standard_normal((64, 65536)).astype(np.float32)}
+    path = lazyckpt.save(tmp_path / "many", values, chunk_bytes=1 << 20)  # 16 chunks
+    tree = lazyckpt.open(path)
+    index = tree["w"].stored.store.index
+    assert index is not None and not index.walked
+    direct = direct_bytes_read()
+    assert tree["w"].get().tobytes() == values["w"].tobytes()
+    assert index.walked and direct_bytes_read() - direct > 8 * MiB
+
+
+def test_a_checkpoint_replaced_after_open_is_said_so(checkpoint: Path, tmp_path: Path) -> None:
+    """Read from the files of a checkpoint saved again since `open`: the error says it
+    changed, not that it is damaged."""
+    import shutil
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "orbax"))
+    tree = lazyckpt.open(copy)
+    shutil.rmtree(copy)
+    orbax_save(copy, _values())
+    with pytest.raises(lazyckpt.CheckpointChangedError):
+        tree["w0"].get()
+
+
+def test_a_forked_child_reads_chunks_from_their_files(checkpoint: Path, tmp_path: Path) -> None:
+    """In a child forked after the parent read (tensorstore's threads are not in the
+    child, nor the reading threads), a chunk the b-tree placed is read by lazyckpt."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, sys\n"
+        "import lazyckpt\n"
+        "tree = lazyckpt.open(sys.argv[1])\n"
+        "tree['w0'].get()\n"
+        "read, write = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        message = tree['w1'].get().tobytes().hex()[:64]\n"
+        "    except BaseException as error:\n"
+        "        message = f'{type(error).__name__}: {error}'\n"
+        "    os.write(write, message.encode())\n"
+        "    os._exit(0)\n"
+        "os.close(write)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(os.read(read, 4096).decode())\n"
+    )
+    found = subprocess.run(
+        [sys.executable, str(script), str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert found.stdout.strip() == _values()["w1"].tobytes().hex()[:64], found.stderr[-2000:]

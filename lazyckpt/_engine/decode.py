@@ -54,7 +54,8 @@ def decodes(stored: Stored) -> TypeGuard[StoredArray]:
 
 def stream_bytes(read_bytes: int) -> int:
     """Host bytes one open chunk stream holds besides its scratch slab: the read ahead
-    (tensorstore's buffer and its Python copy), the read being decoded, and zstd's
+    (through a kvstore, tensorstore's buffer and its Python copy; from a file, one
+    window), the read being decoded, and zstd's
     decoding window (512 KiB for Orbax's level 1 and 3 frames; counted generously)."""
     return 3 * read_bytes + (1 << 20)
 
@@ -120,9 +121,8 @@ class ChunkStream:
             except BaseException:
                 source.close()
                 raise
-        except LazyckptError:
-            raise
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None
         if state != "value":
             source.close()
@@ -151,6 +151,7 @@ class ChunkStream:
         store = self.stored.store
         local = store.local_file(self.key)
         if local is None:
+            store.check_tensorstore()
             return KvSource(store.kvstore, self.key, start, stop, self.read_bytes)
         path, offset, length = local
         if length is not None:
@@ -181,6 +182,7 @@ class ChunkStream:
         if self.codec.shard is None:
             return 0, None
         where = shard_index_range(self.codec, self.index, self.stored.chunks)
+        self.stored.store.check_tensorstore()
         result = self.stored.store.kvstore.read(self.key, byte_range=where).result()
         if result.state != "value":
             return None
@@ -229,9 +231,8 @@ class ChunkStream:
                 got += n
         except zstandard.ZstdError as error:
             raise self._fail(f"does not decode ({error})") from None
-        except LazyckptError:
-            raise
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None
         self.done += got
 
@@ -253,9 +254,8 @@ class ChunkStream:
                 extra = self._source.read(1)
         except zstandard.ZstdError:
             extra = b"?"  # bytes after the frame that are no zstd frame either
-        except LazyckptError:
-            raise
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
+            # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None
         if extra:
             raise self._fail(f"holds more than its {self.total} decoded bytes")

@@ -7,8 +7,8 @@ on a TPU machine (gVisor, 13 cores), decoding 64 MiB zstd chunks of an Orbax
 checkpoint on 4 to 12 threads stopped at 2.1-2.5 GB/s through tensorstore's reads
 (each window read into new memory and copied into a new `bytes`), which alone
 stopped at 2.4 GB/s however many threads read; zstandard decoded the same frames at
-8 GB/s on 12 threads, and positioned reads of the file into reused buffers ran at
-6.8 GB/s on 6.
+8 GB/s on 12 threads, and positioned reads of a file into reused buffers ran at
+4.7-6.9 GB/s on 6 (in different runs).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tensorstore as ts
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.local import open_regular, pread_into
 from lazyckpt._storage.metrics import count_direct
+from lazyckpt._storage.per_process import PerProcess
 
 
 class KvSource:
@@ -127,7 +128,11 @@ class FileSource:
         self.fd = open_regular(path)
         self.stop = stop
         if self.fd is not None and stop is None:
-            self.stop = os.fstat(self.fd).st_size
+            try:
+                self.stop = os.fstat(self.fd).st_size
+            except OSError:
+                os.close(self.fd)
+                raise
         self._buffers = [_windows.take(window), _windows.take(window)]
         self._turn = 0
         self._ahead: concurrent.futures.Future[memoryview] | None = None
@@ -142,7 +147,7 @@ class FileSource:
             return
         buffer = memoryview(self._buffers[self._turn])[: end - start]
         self._turn ^= 1
-        self._ahead = _reads().submit(self._fill, self.fd, buffer, start)
+        self._ahead = _READS.get().submit(self._fill, self.fd, buffer, start)
 
     def _fill(self, fd: int, buffer: memoryview, start: int) -> memoryview:
         done = pread_into(fd, buffer, start)
@@ -208,43 +213,46 @@ class FileSource:
 
 
 class _Windows:
-    """Buffers of open file sources, handed on to the next ones as sources close and
-    let go of once none is open: the pages of a buffer made anew are faulted in
-    again (slow under gVisor), those of one handed on are not."""
+    """Buffers of open file sources, handed on to the next ones as sources close: the
+    pages of a buffer made anew are faulted in again (slow under gVisor), those of
+    one handed on are not. No more are kept free than are in use (what the sources
+    open now will hand back anyway), and none once none is in use."""
 
     def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)  # (a lock held at the fork)
+
+    def reset(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[bytearray]] = {}
-        self._open = 0
+        self._kept = 0
+        self._taken = 0
 
     def take(self, size: int) -> bytearray:
         with self._lock:
-            self._open += 1
+            self._taken += 1
             free = self._free.get(size)
             if free:
+                self._kept -= 1
                 return free.pop()
         return bytearray(size)
 
     def give(self, buffer: bytearray) -> None:
         with self._lock:
-            self._open -= 1
-            if self._open:
+            self._taken -= 1
+            if self._kept < self._taken:
                 self._free.setdefault(len(buffer), []).append(buffer)
-            else:
-                self._free.clear()
+                self._kept += 1
+            while self._kept > self._taken:  # (fewer in use now: let go of the rest)
+                size = next(size for size, free in self._free.items() if free)
+                self._free[size].pop()
+                self._kept -= 1
 
 
 _windows = _Windows()
-_READS: list[concurrent.futures.ThreadPoolExecutor] = []
-_READS_LOCK = threading.Lock()
-
-
-def _reads() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read file sources' windows ahead (made on first use)."""
-    with _READS_LOCK:
-        if not _READS:
-            workers = max(4, os.cpu_count() or 1)
-            _READS.append(
-                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lazyckpt-read")
-            )
-        return _READS[0]
+_READS = PerProcess(
+    lambda: concurrent.futures.ThreadPoolExecutor(
+        max(4, os.cpu_count() or 1), thread_name_prefix="lazyckpt-read"
+    )
+)
+"""The threads that read file sources' windows ahead (a forked child makes its own)."""

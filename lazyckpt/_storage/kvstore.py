@@ -154,6 +154,14 @@ def check_unchanged(stores: Iterable[Store]) -> None:
         store.check_unchanged()
 
 
+def _inside(relative: str) -> bool:
+    """Whether the path `relative` names a file inside the folder it is relative to
+    (a hostile checkpoint's names are read by tensorstore's driver, whose errors say
+    what is wrong with them)."""
+    parts = relative.split("/")
+    return bool(relative) and not relative.startswith("/") and not {"..", "", "."} & set(parts)
+
+
 @attrs.frozen(eq=False)
 class Store:
     """Where one PyTree item's arrays live, and the context used to read them."""
@@ -277,17 +285,27 @@ class Store:
         )
         return cls(location, ocdbt, context, spec, kvstore, generation, files, index, web)
 
+    def check_tensorstore(self) -> None:
+        """Before a read through tensorstore's kvstore: refused by name in a forked
+        child, where tensorstore would abort (`tensorstore_io`)."""
+        if not isinstance(self.kvstore, WebFiles):
+            tensorstore_io(self.location)
+
     def local_file(self, key: str) -> tuple[str, int, int | None] | None:
         """Where `key`'s value lies in a local file, for positioned reads of it: the
         file, the value's offset in it and its length (None: to the file's end); None
         where only the kvstore reads it (a bucket, HTTP, an OCDBT database whose index
-        was not built or does not place the key in a data file)."""
+        was not walked or does not place the key in a data file)."""
         if paths.is_remote(self.location):
             return None
         if not self.ocdbt:
-            return os.path.join(self.location, key), 0, None
-        place = self.index.known(key) if self.index is not None else None
-        if not isinstance(place, tuple):
+            return (os.path.join(self.location, key), 0, None) if _inside(key) else None
+        if self.index is None:
+            return None
+        if not self.index.walked:
+            self.check_tensorstore()  # (the walk reads through tensorstore)
+        place = self.index.locate(key)
+        if not isinstance(place, tuple) or not _inside(place[0]):
             return None
         file, offset, length = place
         return os.path.join(self.location, file), offset, length

@@ -34,7 +34,8 @@ def count_request() -> None:
 
 def direct_bytes_read() -> int:
     """Bytes read from files without tensorstore in this process so far: a local
-    safetensors source's, which a save's own reads of its destination never add to."""
+    safetensors source's, or the stored bytes of chunks that lazyckpt decodes from
+    local files; a save's own reads of its destination never add to it."""
     return _DIRECT[0]
 
 

@@ -62,6 +62,8 @@ class Index:
     alone, so that no byte outside the values is read."""
     _places: dict[bytes, Place] | None = attrs.field(default=None, init=False)
     _decided: bool = attrs.field(default=False, init=False)
+    _walked: bool = attrs.field(default=False, init=False)
+    """Whether `locate` tried the walk (once)."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def places(self, wanted: int) -> dict[bytes, Place] | None:
@@ -79,10 +81,22 @@ class Index:
                 self._places = _walk(self.base, root[0])
             return self._places
 
-    def known(self, key: str) -> Place | None:
-        """`key`'s place where the index was built (the first read decides), else
-        None, as for a key that is not there."""
+    @property
+    def walked(self) -> bool:
+        """Whether the b-tree was walked, or tried: `locate` reads nothing more."""
+        return self._places is not None or self._walked
+
+    def locate(self, key: str) -> Place | None:
+        """`key`'s place, for a read of a large value (a chunk of a MiB or more, whose
+        read costs far more than a walk): the b-tree is walked now if the first read
+        did not find it worth it, where it is small enough (`MAX_TREE_BYTES`); None
+        where it cannot be walked or holds no such key."""
         with self._lock:
+            if self._places is None and not self._walked:
+                self._walked = self._decided = True
+                root = _newest_root(_dump(self.base, None))
+                if root is not None and root[2] <= MAX_TREE_BYTES:
+                    self._places = _walk(self.base, root[0])
             places = self._places
         return None if places is None else places.get(key.encode())
 
