@@ -24,6 +24,7 @@ from lazyckpt._engine import sources
 from lazyckpt._engine.decode import ChunkStream
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import direct_bytes_read
 from tests.helpers import orbax_save
 
@@ -133,7 +134,7 @@ def test_a_source_closed_mid_read_waits_for_its_read_ahead(
     file = tmp_path / "bytes"
     file.write_bytes(bytes(4096))
     finished: list[float] = []
-    real = sources.pread_into
+    real = pread_into
 
     def slow(fd: int, view: memoryview, offset: int) -> int:
         time.sleep(0.3)
@@ -171,7 +172,7 @@ def test_streams_as_ready_decode_their_chunks_at_once(
     monkeypatch.setattr(ChunkStream, "next", next_slab)
     # A block of 1 MiB: four slabs a chunk; room for both jobs at once.
     blocks = iter_blocks([tree["w0"], tree["w1"]], 24 * MiB, in_order=False, block=MiB)
-    got = {position: [] for position in (0, 1)}
+    got: dict[int, list[tuple[Any, np.ndarray]]] = {0: [], 1: []}
     for position, index, values in blocks:
         got[position].append((index, values.copy()))
     assert waited and all(waited)
@@ -197,7 +198,7 @@ def test_placements_stream_chunks_larger_than_a_block(
     small = lazyckpt.open(lazyckpt.save(tmp_path / "small", _values(1), chunk_bytes=256 << 10))
     assert not staged._large_chunks(small["w0"], budget // 2)
     streamed: list[int] = []
-    real = staged.iter_blocks
+    real = iter_blocks
 
     def counted(views: Any, *args: Any, **kwargs: Any) -> Any:
         assert kwargs["in_order"] is False  # (blocks as they are ready)
