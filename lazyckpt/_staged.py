@@ -184,10 +184,11 @@ def _plan(
 
 
 def _large_chunks(array: LazyArray, half: int) -> bool:
-    """Whether lazyckpt decodes `array`'s stored chunks and each is larger than a block
-    of a stream within `half`: filled whole, such a chunk would be decoded by one
-    thread while holding all of its memory, so that few decode at once; streamed, each
-    holds a block or two, and many decode together."""
+    """Whether lazyckpt decodes `array`'s stored chunks and each is larger than the
+    engine's block within `half` (an eighth of it; streamed here in blocks of half
+    that): filled whole, such a chunk would be decoded by one thread while holding
+    all of its memory, so that few decode at once; streamed, each holds a block or
+    two, and many decode together."""
     if isinstance(array.stored, compose.Node) or not decodes(array.stored):
         return False
     stored = array.stored

@@ -5,6 +5,7 @@ and streams whose chunks decode at once, their blocks taken as they are ready
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -219,10 +220,35 @@ def test_names_that_leave_the_checkpoint_are_left_to_the_driver(checkpoint: Path
     store = lazyckpt.open(checkpoint)["w0"].stored.store
     place = store.index.locate("w0/0.0") if store.index is not None else None
     assert isinstance(place, tuple) and store.local_file("w0/0.0") is not None
-    for file in ("../../etc/passwd", "/etc/passwd", "d/../../x", "d//x", "./d/x"):
+    for file in ("../../etc/passwd", "/etc/passwd", "d/../../x", "d//x", "./d/x", "d\\..\\x"):
         store.index._places[b"w0/0.0"] = (file, 0, 10)
         assert store.local_file("w0/0.0") is None, file
     store.index._places[b"w0/0.0"] = place
+
+
+def test_chunk_keys_that_leave_a_folder_are_left_to_the_driver(tmp_path: Path) -> None:
+    folder = orbax_save(tmp_path / "folder", _values(1), use_ocdbt=False)
+    store = lazyckpt.open(folder)["w0"].stored.store
+    assert store.local_file("w0/0.0") == (str(folder / "w0" / "0.0"), 0, None)
+    for key in ("../outside", "/etc/passwd", "w0/../../x", "w0\x00y", "w0\\..\\x"):
+        assert store.local_file(key) is None, key
+
+
+def test_a_source_closed_in_a_forked_child_lets_the_parent_keep_its_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed in another process than the one that opened it (a fork), a source
+    closes its file and hands nothing back: the windows and the reading thread are
+    the parent's."""
+    monkeypatch.setattr(sources, "_windows", sources._Windows())
+    file = tmp_path / "bytes"
+    file.write_bytes(bytes(4096))
+    source = sources.FileSource(str(file), 0, None, 1024)
+    assert source.first() == "value"
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)
+    source.close()
+    assert source.fd is None and sources._windows._taken == 2
 
 
 def test_chunks_are_read_from_their_files_where_open_did_not_walk_the_tree(
@@ -255,13 +281,16 @@ def test_a_checkpoint_replaced_after_open_is_said_so(checkpoint: Path, tmp_path:
 
 def test_a_forked_child_reads_chunks_from_their_files(checkpoint: Path, tmp_path: Path) -> None:
     """In a child forked after the parent read (tensorstore's threads are not in the
-    child, nor the reading threads), a chunk the b-tree placed is read by lazyckpt."""
+    child, nor the reading threads), a chunk the b-tree placed is read by lazyckpt; one
+    whose b-tree was not walked before the fork is refused by name (walking it would
+    take tensorstore, which aborts a forked child)."""
     script = tmp_path / "fork.py"
     script.write_text(
         "import os, sys\n"
         "import lazyckpt\n"
         "tree = lazyckpt.open(sys.argv[1])\n"
-        "tree['w0'].get()\n"
+        "if sys.argv[2] == 'read':\n"
+        "    tree['w0'].get()\n"
         "read, write = os.pipe()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
@@ -275,11 +304,23 @@ def test_a_forked_child_reads_chunks_from_their_files(checkpoint: Path, tmp_path
         "os.waitpid(pid, 0)\n"
         "print(os.read(read, 4096).decode())\n"
     )
-    found = subprocess.run(
-        [sys.executable, str(script), str(checkpoint)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+
+    def child(path: Path, before: str) -> str:
+        found = subprocess.run(
+            [sys.executable, str(script), str(path), before],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return found.stdout.strip() + found.stderr[-2000:]
+
+    assert child(checkpoint, "read") == _values()["w1"].tobytes().hex()[:64]
+    # Eight chunks in one array: `open` reads too few keys to walk the b-tree.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = np.random.default_rng(5).standard_normal((2048, 1024)).astype(np.float32)
+    sharded = jax.device_put(
+        rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     )
-    assert found.stdout.strip() == _values()["w1"].tobytes().hex()[:64], found.stderr[-2000:]
+    unwalked = orbax_save(tmp_path / "unwalked", {"w0": sharded, "w1": sharded})
+    assert child(unwalked, "open").startswith("StorageAccessError: ")

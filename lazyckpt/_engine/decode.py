@@ -30,7 +30,7 @@ from lazyckpt._array.view import Stored
 from lazyckpt._engine.memory import populate
 from lazyckpt._engine.sources import FileSource, KvSource
 from lazyckpt._engine.stored import Codec, StoredArray
-from lazyckpt._errors import CorruptCheckpointError, LazyckptError
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError, StorageAccessError
 from lazyckpt._storage.kvstore import changed_error
 
 READ_BYTES = 4 << 20
@@ -121,6 +121,8 @@ class ChunkStream:
             except BaseException:
                 source.close()
                 raise
+        except StorageAccessError:
+            raise  # (not read in this process: not the checkpoint's doing)
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
             # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None
@@ -225,15 +227,17 @@ class ChunkStream:
             while got < len(memory):
                 n = self._readinto(memory[got:])
                 if not n:
-                    raise self._fail(
-                        f"ends after {self.done + got} of its {self.total} decoded bytes"
-                    )
+                    break
                 got += n
         except zstandard.ZstdError as error:
             raise self._fail(f"does not decode ({error})") from None
+        except StorageAccessError:
+            raise  # (not read in this process: not the checkpoint's doing)
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
             # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None
+        if got < len(memory):
+            raise self._fail(f"ends after {self.done + got} of its {self.total} decoded bytes")
         self.done += got
 
     def _readinto(self, memory: memoryview) -> int:
@@ -254,6 +258,8 @@ class ChunkStream:
                 extra = self._source.read(1)
         except zstandard.ZstdError:
             extra = b"?"  # bytes after the frame that are no zstd frame either
+        except StorageAccessError:
+            raise  # (not read in this process: not the checkpoint's doing)
         except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
             # (ours too: a checkpoint replaced since `open` is said so, not damaged)
             raise self.stored.read_error(error) from None

@@ -123,6 +123,7 @@ class FileSource:
 
     def __init__(self, path: str, start: int, stop: int | None, window: int) -> None:
         self.path, self.window = path, window
+        self._process = os.getpid()
         self._origin = self._next = start
         self._known = stop is not None
         self.fd = open_regular(path)
@@ -200,6 +201,12 @@ class FileSource:
         return len(data)
 
     def close(self) -> None:
+        if os.getpid() != self._process:  # (in a fork: no reading thread, no windows here)
+            self._ahead, self._buffers, self.held = None, [], b""
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            return
         if self._ahead is not None:  # (its buffer is written until it is done)
             concurrent.futures.wait([self._ahead])
             self._ahead = None
@@ -243,8 +250,10 @@ class _Windows:
             if self._kept < self._taken:
                 self._free.setdefault(len(buffer), []).append(buffer)
                 self._kept += 1
-            while self._kept > self._taken:  # (fewer in use now: let go of the rest)
-                size = next(size for size, free in self._free.items() if free)
+            while self._kept > max(0, self._taken):  # (fewer in use: let go of the rest)
+                size = next((size for size, free in self._free.items() if free), None)
+                if size is None:
+                    break
                 self._free[size].pop()
                 self._kept -= 1
 

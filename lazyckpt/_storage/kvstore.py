@@ -159,7 +159,13 @@ def _inside(relative: str) -> bool:
     (a hostile checkpoint's names are read by tensorstore's driver, whose errors say
     what is wrong with them)."""
     parts = relative.split("/")
-    return bool(relative) and not relative.startswith("/") and not {"..", "", "."} & set(parts)
+    return (
+        bool(relative)
+        and not relative.startswith("/")
+        and not {"..", "", "."} & set(parts)
+        and "\\" not in relative
+        and "\0" not in relative
+    )
 
 
 @attrs.frozen(eq=False)
