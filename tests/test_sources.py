@@ -6,6 +6,7 @@ and streams whose chunks decode at once, their blocks taken as they are ready
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,8 +34,8 @@ MiB = 1 << 20
 
 
 def _values(count: int = 2) -> dict[str, np.ndarray]:
-    """`count` float32 arrays of 4 MiB, one stored chunk each, half of their bits
-    random (zstd keeps about three quarters of their bytes)."""
+    """`count` float32 arrays of 4 MiB, one stored chunk each, random normal values
+    (which zstd shrinks a little)."""
     rng = np.random.default_rng(3)
     return {f"w{i}": rng.standard_normal((1024, 1024)).astype(np.float32) for i in range(count)}
 
@@ -81,8 +82,6 @@ def test_many_windows_through_two_buffers_decode_exactly(checkpoint: Path) -> No
 
 
 def test_a_data_file_cut_short_is_named(checkpoint: Path, tmp_path: Path) -> None:
-    import shutil
-
     copy = Path(shutil.copytree(checkpoint, tmp_path / "orbax"))
     tree = lazyckpt.open(copy)
     stored = tree["w0"].stored
@@ -269,8 +268,6 @@ def test_chunks_are_read_from_their_files_where_open_did_not_walk_the_tree(
 def test_a_checkpoint_replaced_after_open_is_said_so(checkpoint: Path, tmp_path: Path) -> None:
     """Read from the files of a checkpoint saved again since `open`: the error says it
     changed, not that it is damaged."""
-    import shutil
-
     copy = Path(shutil.copytree(checkpoint, tmp_path / "orbax"))
     tree = lazyckpt.open(copy)
     shutil.rmtree(copy)
