@@ -3,6 +3,7 @@ safetensors library + `jax.device_put`, on the same files, in the same run.
 
     python benchmarks/bench_device.py [--root DIR] [--gib 3] [--big-gib 2] [--repeat N]
     python benchmarks/bench_device.py --shapes [--gib 3] [--repeat N]
+    python benchmarks/bench_device.py --stages [--gib 3]
 
 Run it on a machine with a TPU or GPU; where JAX finds none it says so and measures
 on the CPU devices instead. Two checkpoints, each written as Orbax (orbax-checkpoint's
@@ -31,7 +32,9 @@ whole tree on the first device (`SingleDeviceSharding`):
 
 `--shapes` measures instead, on the tree from safetensors, the shapes of the threads
 that read and send its raw pieces (`SHAPES`): the best of N placements each (at
-least 3), in one process.
+least 3), in one process. `--stages` times the stages of a placement of the tree from
+Orbax (`STAGES`: decoding, waiting for blocks, sending, waiting for room), each
+summed over its threads, in a process that placed it once.
 
 Printed: seconds, GB/s, peak host memory above the process's baseline (the kernel's
 high-water mark, reset before the restore), and lazyckpt's speed over each peer.
@@ -349,6 +352,60 @@ def thread_shapes(path: str, rounds: int) -> dict[str, Any]:
     return {"best": best, "sent": _staged.staged(sharding)}
 
 
+STAGES = {
+    ("lazyckpt._engine.decode", "ChunkStream", "next"): "decoding slabs, reads included",
+    ("lazyckpt._engine.decode", "ChunkStream", "_open"): "opening chunks",
+    ("lazyckpt._engine.stream", "_AsReady", "next"): "waiting for a block",
+    ("lazyckpt._on_device", "Shard", "write"): "sending blocks",
+    ("lazyckpt._staged", "_Gate", "reserve"): "waiting for room",
+}
+"""What `--stages` times: (module, class, method) and what it is called."""
+
+
+def stage_times(path: str) -> dict[str, Any]:
+    """Where a placement of `path` spends its time, in a process that placed it once:
+    the seconds spent in each of `STAGES`, summed over the threads that ran it, beside
+    the placement's own. CPU devices are made to take the accelerators' path (pieces
+    sent, and copied out of host memory), so that it runs anywhere."""
+    import collections
+    import importlib
+    import threading
+
+    import jax
+
+    import lazyckpt
+    from lazyckpt import _on_device, _staged
+
+    sharding = _sharding()
+    if not _staged.staged(sharding):
+        _staged.STAGED_PLATFORMS = frozenset({*_staged.STAGED_PLATFORMS, "cpu"})
+        _on_device.ADOPTING_PLATFORMS = frozenset()
+    spent: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    for (module, owner, name), label in STAGES.items():
+        cls = getattr(importlib.import_module(module), owner)
+        real = getattr(cls, name)
+
+        def timed(*args: Any, real: Any = real, label: str = label, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[label] += time.perf_counter() - start
+
+        setattr(cls, name, timed)
+
+    def place() -> Any:
+        return jax.block_until_ready(lazyckpt.device_put(lazyckpt.open(path), sharding))
+
+    place()
+    spent.clear()
+    start = time.perf_counter()
+    place()
+    return {"placement": time.perf_counter() - start, **spent}
+
+
 def _big_shape(path: str) -> tuple[int, ...]:
     import lazyckpt
 
@@ -370,9 +427,19 @@ def main() -> None:
         action="store_true",
         help="only compare shapes of lazyckpt's reading threads on the tree from safetensors",
     )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="only time the stages of a placement of the tree from Orbax",
+    )
     args = parser.parse_args()
     print(machine())
     root = fresh_dir(args.root)
+    if args.stages:
+        orbax, _ = in_fresh_process(make, root, "tree", args.gib)
+        for name, seconds in in_fresh_process(stage_times, orbax).items():
+            print(f"{name:40} {seconds:7.3f} s")
+        return
     if args.shapes:
         _, safetensors = in_fresh_process(make, root, "tree", args.gib)
         data = os.path.getsize(safetensors)
