@@ -672,6 +672,21 @@ def test_a_shard_larger_than_the_budget_stays_near_it(tmp_path: Path, kind: str)
     assert found["peak"] - found["kept"] <= 1.25 * budget, found
 
 
+@pytest.mark.slow
+def test_many_large_chunks_streamed_at_once_stay_near_the_budget(tmp_path: Path) -> None:
+    """Eight arrays of 16 MiB, one zstd chunk each, placed with a 32 MiB budget: their
+    chunks stream at once, blocks taken as they are ready, and the process grows by
+    what it returns and at most 1.25 times the budget besides."""
+    rng = np.random.default_rng(2)
+    values = {f"w{i}": rng.standard_normal((1024, 4096), np.float32) for i in range(8)}
+    path = orbax_save(tmp_path / "orbax", values)
+    del values
+    budget = 32 * MiB
+    found = rss_probe(path, "staged", budget)
+    assert found["kept"] == 128 * MiB
+    assert found["peak"] - found["kept"] <= 1.25 * budget, found
+
+
 class _Transfer:
     """A transfer that is done once said so, or once waited for."""
 
