@@ -25,7 +25,33 @@ from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.per_process import PerProcess
 
 
-class KvSource:
+class _Windowed:
+    """What both sources hand out: whole windows (zstd's reader takes any length), the
+    bytes `held` over from one first (the first window, read to check the header, or
+    what a `readinto` left of one), then the next window (`_window`)."""
+
+    held: memoryview | bytes
+
+    def _window(self) -> memoryview | bytes:
+        raise NotImplementedError
+
+    def read(self, size: int = -1) -> memoryview | bytes:
+        if self.held:
+            data, self.held = self.held, b""
+            return data
+        return self._window()
+
+    def readinto(self, memory: memoryview) -> int:
+        """Copy the next bytes into `memory`; how many (0 at the end)."""
+        data = self.read(len(memory))
+        if len(data) > len(memory):  # (bytes arrive in whole windows: keep the rest)
+            self.held = data[len(memory) :]
+            data = data[: len(memory)]
+        memory[: len(data)] = data
+        return len(data)
+
+
+class KvSource(_Windowed):
     """The stored bytes `[start, stop)` of one key (to the value's end when `stop` is
     None), read through `kvstore` in windows of `window` bytes, one window ahead."""
 
@@ -89,27 +115,15 @@ class KvSource:
         state, self.held = self._take()
         return state
 
-    def read(self, size: int = -1) -> bytes:
-        if self.held:
-            data, self.held = self.held, b""
-            return data
+    def _window(self) -> bytes:
         return self._take()[1]
-
-    def readinto(self, memory: memoryview) -> int:
-        """Copy the next bytes into `memory`; how many (0 at the end)."""
-        data = self.read(len(memory))
-        if len(data) > len(memory):  # (bytes arrive in whole windows: keep the rest)
-            self.held = data[len(memory) :]
-            data = data[: len(memory)]
-        memory[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         self.ahead = None
         self.held = b""
 
 
-class FileSource:
+class FileSource(_Windowed):
     """The bytes `[start, stop)` of the local file `path` (to its end when `stop` is
     None), read with positioned reads into two buffers of `window` bytes, the next
     one filled ahead on a reading thread while the caller works through the one it
@@ -161,7 +175,7 @@ class FileSource:
             )
         return buffer
 
-    def _take(self) -> memoryview | bytes:
+    def _window(self) -> memoryview | bytes:
         if self._ahead is None:
             return b""
         data = self._ahead.result()
@@ -182,23 +196,8 @@ class FileSource:
                 )
             return "missing"
         self._request()
-        self.held = self._take()
+        self.held = self._window()
         return "value"
-
-    def read(self, size: int = -1) -> memoryview | bytes:
-        if self.held:
-            data, self.held = self.held, b""
-            return data
-        return self._take()
-
-    def readinto(self, memory: memoryview) -> int:
-        """Copy the next bytes into `memory`; how many (0 at the end)."""
-        data = self.read(len(memory))
-        if len(data) > len(memory):  # (the rest of a window: handed out next)
-            self.held = data[len(memory) :]
-            data = data[: len(memory)]
-        memory[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if os.getpid() != self._process:  # (in a fork: no reading thread, no windows here)

@@ -379,8 +379,7 @@ class Store:
         it worth building (values already known, or futures of the data files' bytes),
         else a future of each key's read through the driver."""
         self.check_files(keys)
-        if not isinstance(self.kvstore, WebFiles):
-            tensorstore_io(self.location)
+        self.check_tensorstore()
         found = self.index.read(keys, byte_ranges, batch) if self.index else None
         if found is not None:
             return found

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import threading
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -81,9 +81,7 @@ class Index:
             # Decided once, at the first read (`open`'s of every array's header): built
             # later, the walk would read again the nodes that the driver has read.
             self._decided = True
-            root = _newest_root(_dump(self.base, None))
-            if root is not None and wanted * WORTH >= root[1] and root[2] <= MAX_TREE_BYTES:
-                self._places = _walk(self.base, root[0])
+            self._places = _walked(self.base, lambda keys: wanted * WORTH >= keys)
             return self._places
 
     @property
@@ -98,9 +96,7 @@ class Index:
         `MAX_TREE_BYTES`); None where it is not walked or holds no such key."""
         with self._lock:
             if self._places is None and not self._walked:
-                root = _newest_root(_dump(self.base, None))
-                if root is not None and root[1] <= LOCATE_KEYS and root[2] <= MAX_TREE_BYTES:
-                    self._places = _walk(self.base, root[0])
+                self._places = _walked(self.base, lambda keys: keys <= LOCATE_KEYS)
                 # (set once walked: a child forked meanwhile is told, by `Store`'s check
                 # before any walk, not left waiting on this lock)
                 self._walked = self._decided = True
@@ -209,6 +205,15 @@ def _newest_root(manifest: Any) -> tuple[str, int, int] | None:
         return root["location"], int(statistics["num_keys"]), int(statistics["num_tree_bytes"])
     except (TypeError, KeyError, ValueError):
         return None
+
+
+def _walked(base: ts.KvStore, worth: Callable[[int], bool]) -> dict[bytes, Place] | None:
+    """Every key's place, from the newest version's b-tree, where `worth` says its number
+    of keys is worth the walk and it is at most `MAX_TREE_BYTES`; else None."""
+    root = _newest_root(_dump(base, None))
+    if root is None or not worth(root[1]) or root[2] > MAX_TREE_BYTES:
+        return None
+    return _walk(base, root[0])
 
 
 def _walk(base: ts.KvStore, root: str) -> dict[bytes, Place] | None:
