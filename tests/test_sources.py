@@ -217,22 +217,57 @@ def test_sent_blocks_are_sent_by_the_threads_that_decode_them(checkpoint: Path) 
         assert whole.tobytes() == _values()[key].tobytes()
 
 
-def test_a_failed_send_is_raised_and_stops_the_streams(checkpoint: Path) -> None:
-    """The first send that fails is raised by `send_blocks`, and no job sends another
-    block once it has returned (each finishes the step it is in)."""
+class _Abort(BaseException):
+    """Not an `Exception`: what a callback's thread would swallow."""
+
+
+@pytest.mark.parametrize("error", [OSError("the device went away"), _Abort("went away")])
+def test_a_failed_send_is_raised_and_stops_the_streams(
+    checkpoint: Path, error: BaseException
+) -> None:
+    """The first send that fails is raised by `send_blocks` (whatever it raises), and
+    once it has returned, every job has stopped: no block is sent after."""
     tree = lazyckpt.open(checkpoint)
     sent: list[int] = []
 
     def send(position: int, index: Any, values: np.ndarray) -> None:
         sent.append(position)
         if len(sent) == 3:
-            raise OSError("the device went away")
+            raise error
 
-    with pytest.raises(OSError, match="went away"):
+    with pytest.raises(type(error), match="went away"):
         send_blocks([tree["w0"], tree["w1"]], 24 * MiB, send, block=256 << 10)
     count = len(sent)
-    time.sleep(0.5)
+    time.sleep(0.2)
     assert len(sent) == count < 32  # (32 blocks in all)
+
+
+@pytest.mark.parametrize(("budget", "several"), [(4 * MiB, False), (24 * MiB, True)])
+def test_sending_jobs_in_flight_are_those_the_budget_holds(
+    checkpoint: Path, budget: int, several: bool
+) -> None:
+    """Where the budget holds one job (its stream and its block), its blocks are sent
+    one at a time: the first send waits a while for another to start beside it, and
+    none does; where it holds several, one does."""
+    tree = lazyckpt.open(checkpoint)
+    lock, beside = threading.Lock(), threading.Event()
+    sending, overlapped = [0], list[bool]()
+
+    def send(position: int, index: Any, values: np.ndarray) -> None:
+        with lock:
+            sending[0] += 1
+            if sending[0] > 1:
+                beside.set()
+            first = not overlapped
+            if first:
+                overlapped.append(False)
+        if first:
+            overlapped[0] = beside.wait(timeout=10 if several else 1)
+        with lock:
+            sending[0] -= 1
+
+    send_blocks([tree["w0"], tree["w1"]], budget, send, block=MiB)
+    assert overlapped == [several]
 
 
 def test_placements_stream_chunks_larger_than_a_block(

@@ -141,33 +141,6 @@ def test_the_pieces_in_flight_stay_within_half_the_budget(
     assert len(seen) > 3 and max(seen) <= budget // 2, seen
 
 
-def test_streamed_blocks_sent_at_once_stay_within_the_budget(
-    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Decoded chunks larger than a block are streamed, each decoding thread sending
-    its own blocks: the bytes of those being sent at once, counted as each starts."""
-    send, lock = staged._send_block, threading.Lock()
-    sending, seen = [0], []
-
-    def counted(shards: Any, position: int, index: Any, values: np.ndarray) -> None:
-        with lock:
-            sending[0] += values.nbytes
-            seen.append(sending[0])
-        try:
-            send(shards, position, index, values)
-        finally:
-            with lock:
-                sending[0] -= values.nbytes
-
-    monkeypatch.setattr(staged, "_send_block", counted)
-    budget = 3 * MiB
-    tree = lazyckpt.open(files["orbax"])
-    placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
-    assert len(seen) > 3 and max(seen) <= budget, seen
-    for key, view in tree.items():
-        assert _bits(placed[key]) == _bits(view.get()), key
-
-
 @pytest.mark.parametrize("budget", [64 * MiB, 4 * MiB], ids=["one-fill", "streamed"])
 def test_a_chunk_shared_by_shards_is_read_once(
     tmp_path: Path,

@@ -6,7 +6,9 @@ blocks on the decoding threads, only its end coming back.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
+import threading
 from collections.abc import Callable
 
 import tensorstore as ts
@@ -71,71 +73,108 @@ class AsReady:
 
 
 class Sending:
-    """The jobs in flight, each handing its blocks to `send` on a decoding thread as
-    it makes them and going on once `send` returns: no block waits for the consumer,
-    which is told only of each job's end (or failure). `stop` lets each job finish
-    the step it is in and start no other."""
+    """The jobs in flight, each handing its blocks to `send` as it makes them (on the
+    decoding thread that made the block, or, where a block comes from another thread,
+    tensorstore's, on a decoding thread) and going on once `send` returns: no block
+    waits for the consumer, which is told only of each job's end or failure (`next`,
+    or nothing for `WAIT_SECONDS`). `stop` waits until every job has finished the
+    step or send it is in and started no other."""
 
     def __init__(self, send: Callable[[Job, list[Block]], None]) -> None:
         self.send = send
-        self.ended: queue.SimpleQueue[tuple[Job, ts.Future[object]]] = queue.SimpleQueue()
+        self.ended: queue.SimpleQueue[tuple[Job, BaseException | None]] = queue.SimpleQueue()
         self.running = 0
         self.stopped = False
+        self._driving = 0  # jobs that have neither ended nor seen `stopped`
+        self._quiet = threading.Condition()
 
     def __bool__(self) -> bool:
         return self.running > 0
 
     def start(self, job: Job) -> None:
         self.running += 1
-        self.go_on(job)
+        with self._quiet:
+            self._driving += 1
+        self._drive(job, None)
 
-    def next(self) -> tuple[Job, object]:
-        job, done = self.ended.get()
-        return job, done.result()  # (END, or a step's or a send's failure raised)
+    def next(self) -> tuple[Job | None, object]:
+        """A job's `END`, or its failure raised; `(None, None)` after `WAIT_SECONDS`
+        without either (the consumer's chance to check memory)."""
+        try:
+            job, error = self.ended.get(timeout=WAIT_SECONDS)
+        except queue.Empty:
+            return None, None
+        if error is not None:
+            raise error
+        return job, END
 
     def go_on(self, job: Job) -> None:
-        job.step().add_done_callback(lambda done: self._made(job, done))
+        raise AssertionError("sending jobs go on by themselves")
 
     def end(self, job: Job) -> None:
         self.running -= 1
 
     def stop(self) -> None:
         self.stopped = True
+        with self._quiet:
+            self._quiet.wait_for(lambda: self._driving == 0)
 
-    def _made(self, job: Job, done: ts.Future[object]) -> None:
-        """A step of `job` is done (on whichever thread finished it: a tensorstore read's
-        may be tensorstore's own, so the send runs on a decoding thread)."""
-        if self.stopped:
-            return
+    def _drive(self, job: Job, done: ts.Future[object] | None) -> None:
+        """Take `job` on from its step `done` (None: from its start) until a step is
+        not done yet: its block sent, the next step started. A failure anywhere ends
+        the job with it (raised by `next`): nothing is left to a callback's thread."""
         try:
-            result = done.result()
-        except Exception:  # noqa: BLE001 - raised by `next`
-            self.ended.put((job, done))
-            return
-        if result is END:
-            self.ended.put((job, done))
-            return
-        if result is SKIP:
-            in_pool(lambda: self.go_on(job))
-            return
-        assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
-        blocks = result if isinstance(result, list) else [result]
-        in_pool(lambda: self._send(job, blocks)).add_done_callback(
-            lambda sent: self._sent(job, sent)
-        )
+            while not self.stopped:
+                if done is not None:
+                    result = done.result()
+                    if result is END:
+                        self._finish(job, None)
+                        return
+                    if result is not SKIP:
+                        assert isinstance(result, (tuple, list))  # a block, or its pieces
+                        blocks = result if isinstance(result, list) else [result]
+                        if not _decoding():  # (tensorstore's thread: not kept waiting)
+                            in_pool(functools.partial(self._send_then_drive, job, blocks))
+                            return
+                        self.send(job, blocks)
+                        del blocks, result
+                        if self.stopped:
+                            break
+                done = job.step()
+                if not done.done():
+                    # (where it is done meanwhile, the callback runs here: once more)
+                    done.add_done_callback(lambda later: self._drive(job, later))
+                    return
+            self._finish(job, None, stopped=True)
+        except BaseException as error:  # noqa: BLE001 - raised by `next`
+            self._finish(job, error)
 
-    def _send(self, job: Job, blocks: list[Block]) -> None:
-        if not self.stopped:  # (stopped while it waited for a thread: not sent)
-            self.send(job, blocks)
-
-    def _sent(self, job: Job, sent: ts.Future[None]) -> None:
+    def _send_then_drive(self, job: Job, blocks: list[Block]) -> None:
         try:
-            sent.result()
-        except Exception:  # noqa: BLE001 - raised by `next`
-            self.ended.put((job, sent))
+            if not self.stopped:
+                self.send(job, blocks)
+        except BaseException as error:  # noqa: BLE001 - raised by `next`
+            self._finish(job, error)
             return
-        if not self.stopped:
-            self.go_on(job)
+        del blocks
+        self._drive(job, None)
+
+    def _finish(self, job: Job, error: BaseException | None, stopped: bool = False) -> None:
+        if not stopped:
+            self.ended.put((job, error))
+        with self._quiet:
+            self._driving -= 1
+            self._quiet.notify_all()
+
+
+WAIT_SECONDS = 0.25
+"""How long the consumer of sending jobs waits for one to end before it looks at the
+process's memory (`lazyckpt._engine.memory`'s guard, and the pool's free buffers)."""
+
+
+def _decoding() -> bool:
+    """Whether this thread is one of the decoding pools' (`in_pool`)."""
+    return threading.current_thread().name.startswith(("lazyckpt-decode", "lazyckpt-wait"))
 
 
 Steps = InOrder | AsReady | Sending

@@ -114,12 +114,15 @@ def send_blocks(
     block: int | None = None,
 ) -> None:
     """Every block `iter_blocks` would make of `arrays`, handed to `send(position,
-    index, values)` on the decoding thread that made it, in no order; a job goes on
-    to its next block once `send` returns, having let go of `values` (and may not
-    keep it). Blocks never wait for a consumer: each job decodes and sends its own,
-    as many at once as `budget` holds jobs, each holding its stream and its block,
-    and where its blocks are cut into pieces (views sharing a stored array), a copy
-    of a block besides (`send` may make a piece contiguous)."""
+    index, values)` on the decoding thread that made it (a block tensorstore reads:
+    on a decoding thread), in no order; a job goes on to its next block once `send`
+    returns, having let go of `values` (and may not keep it). Blocks never wait for a
+    consumer: each job decodes and sends its own, as many at once as `budget` holds
+    jobs, each holding its stream and its block, and where its blocks are cut into
+    pieces that need not be contiguous (views sharing a stored array, parts of a
+    composed view, strided views), a copy of a block besides (`send` may make a piece
+    contiguous). The first failure, of a step or of `send`, is raised once every job
+    has finished the step or send it was in."""
     for _ in _stream(arrays, budget, progress, None, True, pool, block, False, send):
         pass
 
@@ -168,14 +171,17 @@ def _stream(
                     yield Job(i, job.held, job.steps(), sharing)
 
     def sent(job: Job, blocks: list[Block]) -> None:
-        assert send is not None
+        assert send is not None and sending is not None
         for position, index, values in _handed(job, blocks, leaves, progress):
+            if sending.stopped:  # (a block cut into pieces: none sent once stopped)
+                return
             send(position, index, values)
 
     jobs = every_job()
+    sending = Sending(sent) if send is not None else None
     steps: Steps
-    if send is not None:
-        steps, reserved = Sending(sent), 0  # (no consumer holds a block)
+    if sending is not None:
+        steps, reserved = sending, 0  # (no consumer holds a block)
     else:
         steps, reserved = InOrder() if in_order else AsReady(), block
     upcoming = next(jobs, None)
@@ -195,6 +201,10 @@ def _stream(
         start_more()
         while steps:
             job, result = steps.next()
+            if job is None:  # (sending jobs: none ended for a while)
+                buffers.settle()
+                limits.guard.check(max(reserved, buffers.held))
+                continue
             if result is END:
                 steps.end(job)
                 reserved -= held(job)
