@@ -13,8 +13,8 @@ is updated in place: no second copy of the shard in device memory, and on the ho
 only the pieces being read and those being sent. Half the budget reads, half carries
 pieces whose transfers have not finished (`_Gate`): a piece is let go once its copy on
 the device is ready, and its host buffer is filled again by a later piece, since
-faulting in fresh pages costs more than the copy. Streamed blocks are each sent by the
-decoding thread that made it, which waits for the transfer before it decodes the
+faulting in fresh pages costs more than the copy. A streamed block is sent by the
+decoding thread that made it, which waits for its transfer before it decodes the
 next, the streams holding the whole budget. A shard that one piece holds whole
 is sent as that piece, with no buffer to write into. Large pieces read raw from a
 local file are each sent and waited for by one of a few threads, so that what the
