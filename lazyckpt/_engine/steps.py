@@ -14,7 +14,7 @@ from collections.abc import Callable
 import tensorstore as ts
 
 from lazyckpt._engine.jobs import END, SKIP, Block, Job
-from lazyckpt._engine.scheduler import in_pool
+from lazyckpt._engine.scheduler import in_pool, on_pool_thread
 
 
 class InOrder:
@@ -133,7 +133,7 @@ class Sending:
                     if result is not SKIP:
                         assert isinstance(result, (tuple, list))  # a block, or its pieces
                         blocks = result if isinstance(result, list) else [result]
-                        if not _decoding():  # (tensorstore's thread: not kept waiting)
+                        if not on_pool_thread():  # (tensorstore's: not kept waiting)
                             in_pool(functools.partial(self._send_then_drive, job, blocks))
                             return
                         self.send(job, blocks)
@@ -170,11 +170,6 @@ class Sending:
 WAIT_SECONDS = 0.25
 """How long the consumer of sending jobs waits for one to end before it looks at the
 process's memory (`lazyckpt._engine.memory`'s guard, and the pool's free buffers)."""
-
-
-def _decoding() -> bool:
-    """Whether this thread is one of the decoding pools' (`in_pool`)."""
-    return threading.current_thread().name.startswith(("lazyckpt-decode", "lazyckpt-wait"))
 
 
 Steps = InOrder | AsReady | Sending

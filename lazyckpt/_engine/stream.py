@@ -197,20 +197,22 @@ def _stream(
             steps.start(upcoming)
             upcoming = next(jobs, None)
 
+    def settle() -> None:
+        buffers.settle()
+        limits.guard.check(max(reserved, buffers.held))
+
     try:
         start_more()
         while steps:
             job, result = steps.next()
             if job is None:  # (sending jobs: none ended for a while)
-                buffers.settle()
-                limits.guard.check(max(reserved, buffers.held))
+                settle()
                 continue
             if result is END:
                 steps.end(job)
                 reserved -= held(job)
                 start_more()
-                buffers.settle()
-                limits.guard.check(max(reserved, buffers.held))
+                settle()
                 continue
             if result is SKIP:
                 steps.go_on(job)
@@ -220,8 +222,7 @@ def _stream(
             steps.go_on(job)  # decode the next block while this one is used
             yield from _handed(job, blocks, leaves, progress)
             del blocks, result
-            buffers.settle()
-            limits.guard.check(max(reserved, buffers.held))
+            settle()
     finally:
         steps.stop()
     check_unchanged(stores(arrays))
