@@ -38,7 +38,7 @@ whole tree on the first device (`SingleDeviceSharding`):
 `--shapes` measures instead, on the tree from safetensors, the shapes of the threads
 that read and send its raw pieces (`SHAPES`): the best of N placements each (at
 least 3), in one process. `--stages` times the stages of a placement of the tree from
-Orbax (`STAGES`: decoding, sending, waiting for the streams, waiting for room), each
+Orbax (`STAGES`: decoding, waiting for blocks, sending, waiting for room), each
 summed over its threads, in a process that placed it once.
 
 `--kind tree` or `--kind big` runs one checkpoint's cases (and its ceilings): the
@@ -425,13 +425,11 @@ def thread_shapes(path: str, rounds: int) -> dict[str, Any]:
 STAGES = {
     ("lazyckpt._engine.decode", "ChunkStream", "next"): "decoding slabs, reads included",
     ("lazyckpt._engine.decode", "ChunkStream", "_open"): "opening chunks",
-    ("lazyckpt._staged", None, "_send_block"): "sending blocks, waiting for each",
-    ("lazyckpt._on_device", "Shard", "write"): "sending blocks, without the wait",
-    ("lazyckpt._engine.steps", "Sending", "next"): "waiting for streams to end",
+    ("lazyckpt._engine.stream", "_AsReady", "next"): "waiting for a block",
+    ("lazyckpt._on_device", "Shard", "write"): "sending blocks",
     ("lazyckpt._staged", "_Gate", "reserve"): "waiting for room",
 }
-"""What `--stages` times: (module, class or None for a function of the module, name)
-and what it is called."""
+"""What `--stages` times: (module, class, method) and what it is called."""
 
 
 def stage_times(path: str) -> dict[str, Any]:
@@ -455,8 +453,7 @@ def stage_times(path: str) -> dict[str, Any]:
     spent: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     for (module, owner, name), label in STAGES.items():
-        found = importlib.import_module(module)
-        cls = found if owner is None else getattr(found, owner)
+        cls = getattr(importlib.import_module(module), owner)
         real = getattr(cls, name)
 
         def timed(*args: Any, real: Any = real, label: str = label, **kwargs: Any) -> Any:

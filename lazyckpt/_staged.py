@@ -6,16 +6,14 @@ staged on the host: filled whole, a shard of 2 GiB would need 2 GiB of host memo
 whatever the budget, and many in flight more. Here an array's shards are filled
 together where they fit half the budget (each stored chunk read once for all), and
 otherwise in pieces: bands read raw where the bytes lie raw in a file, or blocks
-streamed from the stored chunks (`_engine.stream.send_blocks`, each chunk read once
+streamed from the stored chunks (`_engine.stream.iter_blocks`, each chunk read once
 for all shards). Every piece is sent to its devices as it comes and written into the
 shard's buffer there by a jitted `dynamic_update_slice` that donates the buffer, so it
 is updated in place: no second copy of the shard in device memory, and on the host
 only the pieces being read and those being sent. Half the budget reads, half carries
 pieces whose transfers have not finished (`_Gate`): a piece is let go once its copy on
 the device is ready, and its host buffer is filled again by a later piece, since
-faulting in fresh pages costs more than the copy. A streamed block is sent by the
-decoding thread that made it, which waits for its transfer before it decodes the
-next, the streams holding the whole budget. A shard that one piece holds whole
+faulting in fresh pages costs more than the copy. A shard that one piece holds whole
 is sent as that piece, with no buffer to write into. Large pieces read raw from a
 local file are each sent and waited for by one of a few threads, so that what the
 runtime does on the host for each transfer runs on several at once, and read in parts
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,7 +40,7 @@ from lazyckpt._engine.memory import BufferPool, Destination, held_bytes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.raw import lies_raw
 from lazyckpt._engine.scheduler import MIN_BLOCK, Scheduler, stream_block
-from lazyckpt._engine.stream import send_blocks
+from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._on_device import Shard, release_sent
 from lazyckpt._senders import Senders, direct_reads
@@ -80,12 +77,10 @@ def put_staged(
     place, chunks decoded on every core, each once for all regions), each region sent
     whole. Otherwise, where its bytes lie raw in a file, each region is filled in
     pieces that read only their own bytes; elsewhere its regions are streamed
-    together (`send_blocks`: each stored chunk decoded once, in slabs where it is
-    larger than a block, each block sent by the thread that decoded it, the streams
-    holding the whole budget). Large pieces whose bytes lie raw in a local file go
-    first, each sent and waited for by one of a few threads of their own, its parts
-    read by several at once (`lazyckpt._senders`); the engine's fills, then the
-    streams, follow.
+    together (`iter_blocks`: each stored chunk decoded once, in slabs where it is
+    larger than a block). Large pieces whose bytes lie raw in a local file go first, each
+    sent and waited for by one of a few threads of their own, its parts read by several
+    at once (`lazyckpt._senders`); the engine's fills, then the streams, follow.
     """
     import jax
 
@@ -126,18 +121,24 @@ def put_staged(
                 _fill(array, fill, gate, scheduler)
             scheduler.drain()
             if streamed:
-                # The streams take the whole budget: each job holds its block until
-                # it is on the devices (the gate's pieces sent first).
-                gate.drain()
+                # Its jobs' blocks (the other half) come from the pool too.
                 gate.pool.limit = budget
-                send_blocks(
+                blocks = iter_blocks(
                     [v for v, _ in streamed],
-                    budget,
-                    functools.partial(_send_block, [shard for _, shard in streamed]),
+                    half,
                     progress,
                     pool=gate.pool,
-                    block=max(MIN_BLOCK, budget // _STREAM_BLOCKS),
+                    in_order=False,
+                    block=max(MIN_BLOCK, half // _STREAM_BLOCKS),
                 )
+                for position, index, values in blocks:
+                    held = held_bytes(values)
+                    if not values.flags.c_contiguous:  # a piece of a block shared by regions
+                        values = np.ascontiguousarray(values)
+                        held += values.nbytes
+                    gate.reserve(held)
+                    gate.sent(held, streamed[position][1].write(index, values), values)
+                    del values
             gate.drain()
         except BaseException:
             compilers.shutdown(cancel_futures=True)  # (not compiled for nothing first)
@@ -154,25 +155,11 @@ def put_staged(
     return placed
 
 
-_STREAM_BLOCKS = 32
-"""Blocks of a stream that the budget holds: four times the engine's (`stream_block`),
-so that many chunks decode at once (each job holds its stream and a block). Measured
-on a TPU v5e (13 cores), a 3 GiB Orbax tree of 64 MiB zstd chunks, when a sixteenth
-of half the budget, blocks taken by the placing thread: 2.13 GB/s, against 1.76 with
-an eighth of half and 1.17 with a quarter."""
-
-
-def _send_block(
-    shards: Sequence[Shard], position: int, index: tuple[slice, ...], values: np.ndarray
-) -> None:
-    """A block of `shards[position]` sent and written into it, once its transfer is
-    done (on the decoding thread that made it: `send_blocks`)."""
-    import jax
-
-    if not values.flags.c_contiguous:  # a piece of a block shared by regions
-        values = np.ascontiguousarray(values)
-    jax.block_until_ready(shards[position].write(index, values))
-
+_STREAM_BLOCKS = 16
+"""Blocks of a stream that the reads' half of the budget holds: twice the engine's
+(`stream_block`), so that more chunks decode at once (each job holds its stream and
+a block). Measured on a TPU v5e (13 cores), a 3 GiB Orbax tree of 64 MiB zstd chunks:
+2.13 GB/s, against 1.76 with an eighth and 1.17 with a quarter."""
 
 _COMPILERS = 4
 """Threads making shards' buffers and compiling their assembly while the reads run

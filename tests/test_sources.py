@@ -1,8 +1,7 @@
 """Where decoded chunks' stored bytes come from (`lazyckpt._engine.sources`): a local
 file's bytes read by lazyckpt into reused memory, tensorstore's kvstore elsewhere;
 and streams whose chunks decode at once, their blocks taken as they are ready
-(`iter_blocks(in_order=False)`) or sent by the threads that decode them
-(`send_blocks`, as placing on accelerators does)."""
+(`iter_blocks(in_order=False)`, as placing on accelerators takes them)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import lazyckpt
 import lazyckpt._staged as staged
 from lazyckpt._engine import sources
 from lazyckpt._engine.decode import ChunkStream
-from lazyckpt._engine.stream import iter_blocks, send_blocks
+from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import direct_bytes_read
@@ -184,98 +183,12 @@ def test_streams_as_ready_decode_their_chunks_at_once(
         assert whole.tobytes() == _values()[key].tobytes()
 
 
-def test_sent_blocks_are_sent_by_the_threads_that_decode_them(checkpoint: Path) -> None:
-    """`send_blocks` hands each block to `send` on a decoding thread, and a job goes on
-    while another's send is not done: the first chunk's second block waits there for
-    the second chunk's second block, which would never come were blocks sent one at a
-    time, or by the consumer."""
-    tree = lazyckpt.open(checkpoint)
-    second_of_w1 = threading.Event()
-    waited: list[bool] = []
-    got: dict[int, list[tuple[Any, np.ndarray]]] = {0: [], 1: []}
-    threads: set[int] = set()
-    lock = threading.Lock()
-
-    def send(position: int, index: Any, values: np.ndarray) -> None:
-        with lock:
-            threads.add(threading.get_ident())
-            got[position].append((index, values.copy()))
-            count = len(got[position])
-        if position == 0 and count == 2:
-            waited.append(second_of_w1.wait(timeout=10))
-        if position == 1 and count == 2:
-            second_of_w1.set()
-
-    # A block of 1 MiB: four a chunk; room for both jobs at once.
-    send_blocks([tree["w0"], tree["w1"]], 24 * MiB, send, block=MiB)
-    assert waited == [True]
-    assert threading.get_ident() not in threads
-    for position, key in enumerate(("w0", "w1")):
-        whole = np.empty((1024, 1024), np.float32)
-        for index, values in got[position]:
-            whole[index] = values
-        assert whole.tobytes() == _values()[key].tobytes()
-
-
-class _Abort(BaseException):
-    """Not an `Exception`: what a callback's thread would swallow."""
-
-
-@pytest.mark.parametrize("error", [OSError("the device went away"), _Abort("went away")])
-def test_a_failed_send_is_raised_and_stops_the_streams(
-    checkpoint: Path, error: BaseException
-) -> None:
-    """The first send that fails is raised by `send_blocks` (whatever it raises), and
-    once it has returned, every job has stopped: no block is sent after."""
-    tree = lazyckpt.open(checkpoint)
-    sent: list[int] = []
-
-    def send(position: int, index: Any, values: np.ndarray) -> None:
-        sent.append(position)
-        if len(sent) == 3:
-            raise error
-
-    with pytest.raises(type(error), match="went away"):
-        send_blocks([tree["w0"], tree["w1"]], 24 * MiB, send, block=256 << 10)
-    count = len(sent)
-    time.sleep(0.2)
-    assert len(sent) == count < 32  # (32 blocks in all)
-
-
-@pytest.mark.parametrize(("budget", "several"), [(4 * MiB, False), (24 * MiB, True)])
-def test_sending_jobs_in_flight_are_those_the_budget_holds(
-    checkpoint: Path, budget: int, several: bool
-) -> None:
-    """Where the budget holds one job (its stream and its block), its blocks are sent
-    one at a time: the first send waits a while for another to start beside it, and
-    none does; where it holds several, one does."""
-    tree = lazyckpt.open(checkpoint)
-    lock, beside = threading.Lock(), threading.Event()
-    sending, overlapped = [0], list[bool]()
-
-    def send(position: int, index: Any, values: np.ndarray) -> None:
-        with lock:
-            sending[0] += 1
-            if sending[0] > 1:
-                beside.set()
-            first = not overlapped
-            if first:
-                overlapped.append(False)
-        if first:
-            overlapped[0] = beside.wait(timeout=10 if several else 1)
-        with lock:
-            sending[0] -= 1
-
-    send_blocks([tree["w0"], tree["w1"]], budget, send, block=MiB)
-    assert overlapped == [several]
-
-
 def test_placements_stream_chunks_larger_than_a_block(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bound for an accelerator, an array whose stored chunks are larger than a block
-    of half the budget is streamed (many chunks decode at once, each holding a block
-    and sending it), not filled whole; one with small chunks, or raw bytes, is filled whole."""
+    of half the budget is streamed (many chunks decode at once, each holding a block),
+    not filled whole; one with small chunks, or raw bytes, is filled whole."""
     monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
     tree = lazyckpt.open(checkpoint)
     budget = 16 * MiB  # half 8 MiB, a block 1 MiB: the 4 MiB chunks are larger
@@ -285,13 +198,14 @@ def test_placements_stream_chunks_larger_than_a_block(
     small = lazyckpt.open(lazyckpt.save(tmp_path / "small", _values(1), chunk_bytes=256 << 10))
     assert not staged._large_chunks(small["w0"], budget // 2)
     streamed: list[int] = []
-    real = send_blocks
+    real = iter_blocks
 
     def counted(views: Any, *args: Any, **kwargs: Any) -> Any:
+        assert kwargs["in_order"] is False  # (blocks as they are ready)
         streamed.append(len(views))
         return real(views, *args, **kwargs)
 
-    monkeypatch.setattr(staged, "send_blocks", counted)
+    monkeypatch.setattr(staged, "iter_blocks", counted)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
     assert streamed == [2]
     for key, expected in _values().items():

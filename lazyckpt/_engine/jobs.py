@@ -48,9 +48,6 @@ class Job:
         self.position, self.held, self._steps = position, held, steps
         self.sharing = sharing
         """Views of one stored array that this job's blocks are cut into."""
-        self.cut = sharing is not None
-        """Whether its blocks are handed on in pieces (shared among views, placed in a
-        composed one, or picked from strided): pieces that need not be contiguous."""
 
     def step(self) -> ts.Future[object]:
         start = next(self._steps, None)
@@ -77,9 +74,7 @@ class Job:
             ]
 
         steps = (lambda start=start: then(start(), move) for start in self._steps)
-        placed = Job(self.position, self.held, steps)
-        placed.cut = True
-        return placed
+        return Job(self.position, self.held, steps)
 
 
 def picked(job: Job, selection: Selection, box: Box) -> Job:
@@ -97,9 +92,7 @@ def picked(job: Job, selection: Selection, box: Box) -> Job:
         return (*found, found[1].nbytes)
 
     steps = (lambda start=start: then(start(), pick) for start in job.steps())
-    strided = Job(job.position, job.held, steps)
-    strided.cut = True
-    return strided
+    return Job(job.position, job.held, steps)
 
 
 def ts_step(

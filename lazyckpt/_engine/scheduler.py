@@ -12,7 +12,6 @@ import collections
 import concurrent.futures
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,17 +62,11 @@ def waiting_pool_size() -> int:
     return max(pool_size(), network.options().connections)
 
 
-_DECODING, _WAITING = "lazyckpt-decode", "lazyckpt-wait"  # (the pools' thread names)
 # Made at first use, and again in a forked child, which has none of their threads.
-_POOL = PerProcess(lambda: concurrent.futures.ThreadPoolExecutor(pool_size(), _DECODING))
+_POOL = PerProcess(lambda: concurrent.futures.ThreadPoolExecutor(pool_size(), "lazyckpt-decode"))
 _WAITING_POOL = PerProcess(
-    lambda: concurrent.futures.ThreadPoolExecutor(waiting_pool_size(), _WAITING)
+    lambda: concurrent.futures.ThreadPoolExecutor(waiting_pool_size(), "lazyckpt-wait")
 )
-
-
-def on_pool_thread() -> bool:
-    """Whether this thread is one of the pools' that `in_pool` runs jobs on."""
-    return threading.current_thread().name.startswith((_DECODING, _WAITING))
 
 
 def in_pool(fn: Callable[[], T], *, waits: bool = False) -> ts.Future[T]:

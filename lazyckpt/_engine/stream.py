@@ -14,9 +14,11 @@ within the budget.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
+import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -62,7 +64,6 @@ from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import by_position, sharings
-from lazyckpt._engine.steps import AsReady, InOrder, Sending, Steps
 from lazyckpt._engine.stored import check_plain, stored_array, stores
 from lazyckpt._storage.kvstore import check_unchanged, ready
 from lazyckpt._storage.paths import is_remote
@@ -101,43 +102,6 @@ def iter_blocks(
     behind the first wait with one block ready), as placing arrays on accelerators
     wants, where any order will do.
     """
-    yield from _stream(arrays, budget, progress, grids, share, pool, block, in_order, None)
-
-
-def send_blocks(
-    arrays: Sequence[ArrayView],
-    budget: int | None,
-    send: Callable[[int, tuple[slice, ...], np.ndarray], None],
-    progress: Progress | None = None,
-    *,
-    pool: BufferPool | None = None,
-    block: int | None = None,
-) -> None:
-    """Every block `iter_blocks` would make of `arrays`, handed to `send(position,
-    index, values)` on the decoding thread that made it (a block tensorstore reads:
-    on a decoding thread), in no order; a job goes on to its next block once `send`
-    returns, having let go of `values` (and may not keep it). Blocks never wait for a
-    consumer: each job decodes and sends its own, as many at once as `budget` holds
-    jobs, each holding its stream and its block, and where its blocks are cut into
-    pieces that need not be contiguous (views sharing a stored array, parts of a
-    composed view, strided views), a copy of a block besides (`send` may make a piece
-    contiguous). The first failure, of a step or of `send`, is raised once every job
-    has finished the step or send it was in."""
-    for _ in _stream(arrays, budget, progress, None, True, pool, block, False, send):
-        pass
-
-
-def _stream(
-    arrays: Sequence[ArrayView],
-    budget: int | None,
-    progress: Progress | None,
-    grids: Sequence[tuple[int, ...] | None] | None,
-    share: bool,
-    pool: BufferPool | None,
-    block: int | None,
-    in_order: bool,
-    send: Callable[[int, tuple[slice, ...], np.ndarray], None] | None,
-) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
     limits = Scheduler(budget)
     # Streams promise their peak within the budget and a little: trim freed buffers
     # sooner than a load does (whose results are most of what it holds anyway).
@@ -170,62 +134,89 @@ def _stream(
                 for job in _jobs(i, sharing.base, limits, sharing.grid):
                     yield Job(i, job.held, job.steps(), sharing)
 
-    def sent(job: Job, blocks: list[Block]) -> None:
-        assert send is not None and sending is not None
-        for position, index, values in _handed(job, blocks, leaves, progress):
-            if sending.stopped:  # (a block cut into pieces: none sent once stopped)
-                return
-            send(position, index, values)
-
     jobs = every_job()
-    sending = Sending(sent) if send is not None else None
-    steps: Steps
-    if sending is not None:
-        steps, reserved = sending, 0  # (no consumer holds a block)
-    else:
-        steps, reserved = InOrder() if in_order else AsReady(), block
+    steps: _Steps = _InOrder() if in_order else _AsReady()
+    reserved = block  # the block the consumer holds
     upcoming = next(jobs, None)
-
-    def held(job: Job) -> int:
-        # (where `send` may copy a piece of a block to send it)
-        return job.held + (block if send is not None and job.cut else 0)
 
     def start_more() -> None:
         nonlocal reserved, upcoming
-        while upcoming is not None and (not steps or reserved + held(upcoming) <= limits.budget):
-            reserved += held(upcoming)
+        while upcoming is not None and (not steps or reserved + upcoming.held <= limits.budget):
+            reserved += upcoming.held
             steps.start(upcoming)
             upcoming = next(jobs, None)
 
-    def settle() -> None:
+    start_more()
+    while steps:
+        job, result = steps.next()
+        if result is END:
+            steps.end(job)
+            reserved -= job.held
+            start_more()
+            continue
+        if result is SKIP:
+            steps.go_on(job)
+            continue
+        assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
+        blocks = result if isinstance(result, list) else [result]
+        steps.go_on(job)  # decode the next block while this one is used
+        yield from _handed(job, blocks, leaves, progress)
+        del blocks, result
         buffers.settle()
         limits.guard.check(max(reserved, buffers.held))
-
-    try:
-        start_more()
-        while steps:
-            job, result = steps.next()
-            if job is None:  # (sending jobs: none ended for a while)
-                settle()
-                continue
-            if result is END:
-                steps.end(job)
-                reserved -= held(job)
-                start_more()
-                settle()
-                continue
-            if result is SKIP:
-                steps.go_on(job)
-                continue
-            assert isinstance(result, (tuple, list))  # a block, or a placed block's pieces
-            blocks = result if isinstance(result, list) else [result]
-            steps.go_on(job)  # decode the next block while this one is used
-            yield from _handed(job, blocks, leaves, progress)
-            del blocks, result
-            settle()
-    finally:
-        steps.stop()
     check_unchanged(stores(arrays))
+
+
+class _InOrder:
+    """The jobs in flight, their blocks taken in the order the jobs started: the first
+    job's, to its end, then the next one's."""
+
+    def __init__(self) -> None:
+        self.active: collections.deque[tuple[Job, ts.Future[object]]] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def start(self, job: Job) -> None:
+        self.active.append((job, job.step()))
+
+    def next(self) -> tuple[Job, object]:
+        job, pending = self.active[0]
+        return job, pending.result()
+
+    def go_on(self, job: Job) -> None:
+        self.active[0] = (job, job.step())
+
+    def end(self, job: Job) -> None:
+        self.active.popleft()
+
+
+class _AsReady:
+    """The jobs in flight, their blocks taken as they are ready, whichever job's."""
+
+    def __init__(self) -> None:
+        self.ready: queue.SimpleQueue[tuple[Job, ts.Future[object]]] = queue.SimpleQueue()
+        self.running = 0
+
+    def __bool__(self) -> bool:
+        return self.running > 0
+
+    def start(self, job: Job) -> None:
+        self.running += 1
+        self.go_on(job)
+
+    def next(self) -> tuple[Job, object]:
+        job, done = self.ready.get()
+        return job, done.result()
+
+    def go_on(self, job: Job) -> None:
+        job.step().add_done_callback(lambda done: self.ready.put((job, done)))
+
+    def end(self, job: Job) -> None:
+        self.running -= 1
+
+
+_Steps = _InOrder | _AsReady
 
 
 def _handed(
