@@ -15,6 +15,13 @@ whose spec leaves out mesh axes that span several processes) is placed so:
    as its output sharding, gives every device its whole region. XLA makes it one
    all-reduce within each group, over the devices' interconnect.
 
+Where the devices copy out of host memory (TPUs, GPUs: `lazyckpt._staged.staged`),
+no region is held whole on the host: each part is sent to the first of its
+devices here in pieces within the budget (`put_staged`, as any placement there), and
+written there into zeros made on the device, as the values' bits; the other devices
+make their zeros themselves. Host memory stays within the budget whatever the
+region's size, and nothing but the parts crosses to the devices.
+
 Before any data moves, the processes agree that every process read its parts (a
 small collective); a failure anywhere is an error on every process, never a hang in
 the all-reduce. Arrays are placed in batches that fit the memory budget.
@@ -31,16 +38,17 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt._array.geometry import Box, box_shape
+from lazyckpt._array.geometry import Box, as_slices, box_shape
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._staged import put_staged, staged
 from lazyckpt._storage import multihost
 from lazyckpt._target import Placement
 
@@ -210,20 +218,29 @@ def _place(
 ) -> dict[int, jax.Array]:
     """Read this process's parts of `plans`, agree with every process that all
     reads succeeded, then all-reduce each array into place."""
-    buffers: list[list[np.ndarray]] = []
+    sent = [staged(plan.sharding) for plan in plans]
+    found: list[list[_Read]] = []
     failure: BaseException | None = None
     try:
         scheduler = Scheduler(memory_budget, bar)
-        for plan in plans:
-            buffers.append(_schedule(plan, scheduler))
+        found = [[] if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)]
         scheduler.drain()
+        parts = iter(
+            _send_parts([p for p, s in zip(plans, sent, strict=True) if s], scheduler.budget, bar)
+        )
+        found = [next(parts) if s else read for read, s in zip(found, sent, strict=True)]
     except Exception as error:  # noqa: BLE001 - agreed on below, then raised
         failure = error
     agree_read(failure, [p.placement.array.key for p in plans])
     return {
-        id(plan.placement): _combine(plan, found)
-        for plan, found in zip(plans, buffers, strict=True)
+        id(plan.placement): _combine(plan, read, of_bits)
+        for plan, read, of_bits in zip(plans, found, sent, strict=True)
     }
+
+
+_Read = np.ndarray | list[tuple[Box, jax.Array]]
+"""What this process read of one region: a host buffer of the whole region (its parts
+filled in, zeros elsewhere), or each part on the region's first device here."""
 
 
 def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
@@ -241,11 +258,11 @@ def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
         )
 
 
-def _schedule(plan: _Plan, scheduler: Scheduler) -> list[np.ndarray]:
+def _schedule(plan: _Plan, scheduler: Scheduler) -> list[_Read]:
     """A zeroed buffer per region of `plan`, with reads of its parts into it
     scheduled."""
     array = plan.placement.array
-    buffers = []
+    buffers: list[_Read] = []
     destinations = []
     for found in plan.regions:
         region = found.region
@@ -264,31 +281,80 @@ def _schedule(plan: _Plan, scheduler: Scheduler) -> list[np.ndarray]:
     return buffers
 
 
-def _combine(plan: _Plan, buffers: list[np.ndarray]) -> jax.Array:
-    """The all-reduce: each region's buffer on its first device (adopted on CPU),
-    zeros on its other devices here."""
+def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[list[_Read]]:
+    """For each region of `plans` (bound for devices that copy out of host memory),
+    its parts read and sent to the first of its devices here, in pieces within
+    `budget` (`put_staged`)."""
+    work: list[tuple[LazyArray, jax.sharding.Sharding, dict[Box, list[jax.Device]]]] = []
+    for plan in plans:
+        for region in plan.regions:
+            device = region.devices[0][0]
+            for part in region.parts:
+                view = plan.placement.array[as_slices(part)]
+                whole = tuple((0, n) for n in view.shape)
+                work.append((view, SingleDeviceSharding(device), {whole: [device]}))
+    placed = iter(put_staged(work, budget, bar) if work else [])
+    return [
+        [[(part, next(placed)) for part in region.parts] for region in plan.regions]
+        for plan in plans
+    ]
+
+
+def _combine(plan: _Plan, read: list[_Read], of_bits: bool) -> jax.Array:
+    """The all-reduce: each region's values on its first device, zeros on its other
+    devices here; from a host buffer (adopted on CPU) or, where the parts were sent
+    to that device (`of_bits`), written there into zeros as their bits."""
     array = plan.placement.array
+    bits = _bits(array.dtype)
     shards = []
-    for found, buffer in zip(plan.regions, buffers, strict=True):
-        zeros = np.zeros((1, *buffer.shape), buffer.dtype)  # (pages untouched until copied)
-        for i, (device, _) in enumerate(found.devices):
-            shards.append(jax.device_put(buffer[None] if i == 0 else zeros, device, may_alias=True))
-    shape = (plan.replicas, *array.shape)
-    spread = jax.make_array_from_single_device_arrays(shape, plan.spread, shards)
-    placed: jax.Array = _maximum(np.dtype(array.dtype).name, plan.sharding)(spread)
+    for region, values in zip(plan.regions, read, strict=True):
+        shape = (1, *box_shape(region.region))
+        if isinstance(values, np.ndarray):
+            zeros = np.zeros(shape, values.dtype)  # (pages untouched until copied)
+            for i, (device, _) in enumerate(region.devices):
+                held = values[None] if i == 0 else zeros
+                shards.append(jax.device_put(held, device, may_alias=True))
+        else:
+            for i, (device, _) in enumerate(region.devices):
+                shard = jnp.zeros(shape, bits, device=device)
+                for part, sent in values if i == 0 else []:
+                    shard = _write_bits(shard, sent, _offsets(part, region.region))
+                shards.append(shard)
+    spread = jax.make_array_from_single_device_arrays(
+        (plan.replicas, *array.shape), plan.spread, shards
+    )
+    placed: jax.Array = _maximum(np.dtype(array.dtype).name, plan.sharding, of_bits)(spread)
     return placed
 
 
+def _offsets(part: Box, region: Box) -> tuple[int, ...]:
+    """Where `part` starts in its region's shard (after its leading dimension of 1)."""
+    return (0, *(low - start for (low, _), (start, _) in zip(part, region, strict=True)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_bits(shard: jax.Array, part: jax.Array, at: tuple[int, ...]) -> jax.Array:
+    """`shard` (the bits of a region, with a leading dimension of 1) with `part`'s bits
+    written at `at`, in place: the offsets are traced, so one program serves every part
+    of a shape."""
+    if part.dtype == jnp.bool_:
+        values = part.astype(shard.dtype)
+    else:
+        values = jax.lax.bitcast_convert_type(part, shard.dtype)
+    return jax.lax.dynamic_update_slice(shard, values[None], at)
+
+
 @functools.cache
-def _maximum(dtype_name: str, sharding: NamedSharding) -> Any:
-    """A jitted maximum over the leading dimension, of the bits, onto `sharding`."""
+def _maximum(dtype_name: str, sharding: NamedSharding, of_bits: bool = False) -> Any:
+    """A jitted maximum over the leading dimension, of the bits, onto `sharding`; its
+    input is the values or (`of_bits`) their bits already."""
     dtype = jnp.dtype(dtype_name)
     bits = _bits(dtype)
 
     def combine(spread: jax.Array) -> jax.Array:
         if dtype == jnp.bool_:
             return jnp.max(spread.astype(bits), axis=0).astype(jnp.bool_)
-        unsigned = jax.lax.bitcast_convert_type(spread, bits)
+        unsigned = spread if of_bits else jax.lax.bitcast_convert_type(spread, bits)
         return jax.lax.bitcast_convert_type(jnp.max(unsigned, axis=0), dtype)
 
     return jax.jit(combine, out_shardings=sharding)

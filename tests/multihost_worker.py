@@ -7,7 +7,8 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "put_disagree", "path": P}           (process 1 asks for another sharding)
   {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
    "broadcast": bool, "fail": i or None, "budget": a size or None,
-   "broadcast_of": {i: bool}, "budget_of": {i: size}}    (per-process overrides)
+   "broadcast_of": {i: bool}, "budget_of": {i: size},     (per-process overrides)
+   "staged": bool}                              (CPU devices sent to as accelerators are)
                                               (device_put onto a ("data", "model")
                                                mesh; process `fail` fails its reads)
 SPEC may also say "devices": the CPU devices of each process (default 4).
@@ -133,6 +134,28 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
     lazy = lazyckpt.open(step["path"])
     chosen = {key: lazy[key] for key in step["specs"]}
     shardings = {key: NamedSharding(grid, spec(s)) for key, s in step["specs"].items()}
+    sent: list[int] = []  # bytes of parts sent to a device in pieces, from _broadcast
+    regions: list[int] = []  # host buffers of whole regions made by _broadcast
+    if step.get("staged"):
+        import lazyckpt._broadcast as spreading
+        import lazyckpt._on_device as on_device
+        import lazyckpt._staged as staged
+
+        staged.STAGED_PLATFORMS = frozenset({"cpu"})
+        on_device.ADOPTING_PLATFORMS = frozenset()
+        put_staged = getattr(spreading, "put_staged")  # noqa: B009 - (replaced below)
+        result_empty = getattr(spreading, "result_empty")  # noqa: B009
+
+        def counted(work: Any, *args: Any) -> Any:
+            sent.extend(view.nbytes for view, _, _ in work)
+            return put_staged(work, *args)
+
+        def counted_empty(shape: Any, dtype: Any) -> Any:
+            regions.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            return result_empty(shape, dtype)
+
+        setattr(spreading, "put_staged", counted)  # noqa: B010
+        setattr(spreading, "result_empty", counted_empty)  # noqa: B010
     if step.get("fail") == me:
 
         def failing(self: Any) -> Any:
@@ -156,7 +179,7 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
         )
         for key in chosen
     )
-    return {"read": read, "ok": ok}
+    return {"read": read, "ok": ok, "sent": sum(sent), "regions": regions}
 
 
 if __name__ == "__main__":

@@ -151,6 +151,45 @@ def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "other").exists()
 
 
+def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Path) -> None:
+    """Onto devices that copy out of host memory (CPU devices sent down the
+    accelerators' path here), broadcast=True holds no region whole on the host: each
+    process sends only its parts, in pieces within its budget, and the devices fill
+    the rest with zeros themselves. Together the processes read the stored bytes once
+    and send each value once; every shard holds its values bit for bit (NaN, -0.0,
+    subnormals, bfloat16, bool); a process failing its reads is an error on all."""
+    path = tmp_path / "ckpt"
+    stored = _replicated_checkpoint(path)
+    specs = {"w": [None, "model"], "h": [], "m": ["model", None], "n": [], "s": []}
+    step = {
+        "do": "broadcast",
+        "path": str(path),
+        "mesh": [4, 2],
+        "specs": specs,
+        "fail": None,
+        "broadcast": True,
+        "staged": True,
+    }
+    results = run_processes(
+        4,
+        [{**step, "budget": "64KiB"}, {**step, "budget": None}, {**step, "fail": 1}],
+        devices=2,
+    )
+    small, default, failed = ([r[i] for r in results] for i in range(3))
+    lazy = lazyckpt.open(path)
+    values = sum(lazy[key].nbytes for key in specs)
+    for run in (small, default):
+        assert all(r["error"] is None and r["ok"] for r in run), run
+        assert all(r["regions"] == [] for r in run), run  # (nothing held whole)
+        assert sum(r["sent"] for r in run) == values, ([r["sent"] for r in run], values)
+        assert all(r["sent"] < 0.5 * values for r in run), run  # (spread over the four)
+        together = sum(r["read"] for r in run)
+        assert together <= 1.05 * sum(stored[key] for key in specs), together
+    assert "injected failure" in (failed[1]["error"] or ""), failed[1]
+    for process in (0, 2, 3):
+        assert "process(es) [1] failed to read their share" in (failed[process]["error"] or "")
+
+
 def _replicated_checkpoint(path: Path) -> dict[str, int]:
     """Arrays that a restore replicates across processes (and one it shards over
     every device, and one no mesh axis here divides), saved by Orbax in chunks of at
