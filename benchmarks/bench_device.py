@@ -5,6 +5,7 @@ safetensors library + `jax.device_put`, on the same files, in the same run.
                                       [--kind tree|big] [--only NAME]
     python benchmarks/bench_device.py --shapes [--gib 3] [--repeat N]
     python benchmarks/bench_device.py --stages [--gib 3]
+    python benchmarks/bench_device.py --streams [--gib 3]
 
 Run it on a machine with a TPU or GPU; where JAX finds none it says so and measures
 on the CPU devices instead. Two checkpoints, each written as Orbax (orbax-checkpoint's
@@ -40,6 +41,10 @@ that read and send its raw pieces (`SHAPES`): the best of N placements each (at
 least 3), in one process. `--stages` times the stages of a placement of the tree from
 Orbax (`STAGES`: decoding, waiting for blocks, sending, waiting for room), each
 summed over its threads, in a process that placed it once.
+
+`--streams` measures where the tree from Orbax stops with nothing sent (`stream_rates`):
+its chunks decoded on 12 and 6 threads by zstd's own reader and by lazyckpt's chunk
+streams, then through `iter_blocks` as a placement streams them, at several budgets.
 
 `--kind tree` or `--kind big` runs one checkpoint's cases (and its ceilings): the
 whole run takes over ten minutes on a TPU v5e host, the most one command may run on
@@ -476,6 +481,113 @@ def stage_times(path: str) -> dict[str, Any]:
     return {"placement": time.perf_counter() - start, **spent}
 
 
+STREAM_THREADS = (12, 6)
+STREAM_BUDGETS = (208, 512, 1024)  # MiB for the reads: half of 416 MiB (13 cores), and more
+
+
+def stream_rates(path: str) -> dict[str, tuple[float, float]]:
+    """Where the tree from Orbax stops, with nothing sent: its chunks decoded by N
+    threads each looping over its share, by zstd's own stream reader over the data
+    file and by lazyckpt's `ChunkStream` (4 MiB slabs into a 13 MiB buffer of the
+    thread's own); then `iter_blocks` as a placement streams them (blocks of a
+    sixteenth, as ready, dropped as they come) at several budgets. Each: (GB/s, the
+    seconds spent in `ChunkStream.next` summed over threads, 0 for zstd by hand),
+    the best of two, in one process."""
+    import collections
+    import itertools
+    import math
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    import numpy as np
+    import zstandard
+
+    import lazyckpt
+    from lazyckpt._array.geometry import chunk_box, slabs
+    from lazyckpt._engine import decode, stream
+    from lazyckpt._engine.memory import BufferPool
+    from lazyckpt._engine.stored import stored_array
+
+    leaves = [leaf for leaf in jax.tree.leaves(lazyckpt.open(path)) if leaf.nbytes >= MiB]
+    size = sum(leaf.nbytes for leaf in leaves)
+    chunks = []  # (stored, index, file, offset)
+    for leaf in leaves:
+        stored = stored_array(leaf)
+        grid = [math.ceil(n / c) for n, c in zip(stored.shape, stored.chunks, strict=True)]
+        for index in itertools.product(*map(range, grid)):
+            chunk = decode.ChunkStream(stored, index, 0)
+            located, place = chunk._locate(), stored.store.local_file(chunk.key)
+            assert located and place, f"{chunk.key}: not in a local file"
+            chunks.append((stored, index, place[0], place[1] + located[0]))
+    buffer = 13 * MiB
+
+    def by_hand(share: list[Any]) -> None:
+        out = np.empty(buffer, np.uint8)
+        for stored, _, file_path, offset in share:
+            total = math.prod(stored.chunks) * stored.dtype.itemsize
+            with open(file_path, "rb", buffering=0) as file:
+                file.seek(offset)
+                reader = zstandard.ZstdDecompressor().stream_reader(file, read_size=4 * MiB)
+                for at in range(0, total, buffer):
+                    want, filled = min(buffer, total - at), 0
+                    while filled < want:
+                        filled += reader.readinto(out.data[filled:want])
+
+    def ours(share: list[Any]) -> None:
+        out = memoryview(np.empty(buffer, np.uint8))
+        for stored, index, _, _ in share:
+            chunk = decode.ChunkStream(stored, index, decode.READ_BYTES)
+            at, itemsize = 0, stored.dtype.itemsize
+            for slab in slabs(
+                chunk_box(index, stored.chunks), stored.codec.order, itemsize, 4 * MiB
+            ):
+                nbytes = math.prod(high - low for low, high in slab) * itemsize
+                at = 0 if at + nbytes > buffer else at
+                chunk.next(slab, out[at : at + nbytes])
+                at += nbytes
+            chunk.finish()
+            chunk.close()
+
+    spent: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    real = decode.ChunkStream.next
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                spent["next"] += time.perf_counter() - start
+
+    decode.ChunkStream.next = timed  # type: ignore[method-assign]
+    cases: dict[str, Any] = {}
+    for threads in STREAM_THREADS:
+        for name, work in (("zstd by hand", by_hand), ("ChunkStream", ours)):
+            cases[f"{name}, {threads} threads"] = lambda work=work, n=threads: list(
+                ThreadPoolExecutor(n).map(work, [chunks[i::n] for i in range(n)])
+            )
+    for mib in STREAM_BUDGETS:
+
+        def blocks(half: int = mib * MiB) -> None:
+            pool = BufferPool(half)
+            for _ in stream.iter_blocks(leaves, half, pool=pool, in_order=False, block=half // 16):
+                pass
+
+        cases[f"iter_blocks, {mib} MiB, blocks of {mib // 16} MiB"] = blocks
+    rates: dict[str, tuple[float, float]] = {}
+    for name, case in cases.items():
+        for _ in range(2):
+            spent.clear()
+            start = time.perf_counter()
+            case()
+            seconds = time.perf_counter() - start
+            if size / seconds / 1e9 > rates.get(name, (0.0, 0.0))[0]:
+                rates[name] = (size / seconds / 1e9, spent["next"])
+    return rates
+
+
 def _big_shape(path: str) -> tuple[int, ...]:
     import lazyckpt
 
@@ -503,6 +615,12 @@ def main() -> None:
         help="only compare shapes of lazyckpt's reading threads on the tree from safetensors",
     )
     parser.add_argument(
+        "--streams",
+        action="store_true",
+        help="only compare decoding the tree from Orbax by hand, by lazyckpt's chunk "
+        "streams, and through iter_blocks, nothing sent",
+    )
+    parser.add_argument(
         "--stages",
         action="store_true",
         help="only time the stages of a placement of the tree from Orbax",
@@ -514,6 +632,11 @@ def main() -> None:
         orbax, _ = in_fresh_process(make, root, "tree", args.gib)
         for name, seconds in in_fresh_process(stage_times, orbax).items():
             print(f"{name:40} {seconds:7.3f} s")
+        return
+    if args.streams:
+        orbax, _ = in_fresh_process(make, root, "tree", args.gib)
+        for name, (rate, decoding) in in_fresh_process(stream_rates, orbax).items():
+            print(f"{name:44} {rate:6.2f} GB/s, {decoding:6.2f} s in ChunkStream.next")
         return
     if args.shapes:
         _, safetensors = in_fresh_process(make, root, "tree", args.gib)
