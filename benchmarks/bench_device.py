@@ -485,18 +485,20 @@ STREAM_THREADS = (12, 6)
 STREAM_BUDGETS = (208, 512, 1024)  # MiB for the reads: half of 416 MiB (13 cores), and more
 
 
-def stream_rates(path: str) -> dict[str, tuple[float, float]]:
+def stream_rates(path: str) -> dict[str, tuple[float, float, float]]:
     """Where the tree from Orbax stops, with nothing sent: its chunks decoded by N
     threads each looping over its share, by zstd's own stream reader over the data
     file and by lazyckpt's `ChunkStream` (4 MiB slabs into a 13 MiB buffer of the
     thread's own); then `iter_blocks` as a placement streams them (blocks of a
     sixteenth, as ready, dropped as they come) at several budgets. Each: (GB/s, the
-    seconds spent in `ChunkStream.next` summed over threads, 0 for zstd by hand),
-    the best of two, in one process."""
+    seconds spent in `ChunkStream.next` summed over threads, 0 for zstd by hand,
+    and the MiB of fresh memory mapped for blocks), the best of two, in one process."""
     import collections
     import itertools
     import math
+    import mmap
     import threading
+    import types
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
@@ -505,7 +507,7 @@ def stream_rates(path: str) -> dict[str, tuple[float, float]]:
 
     import lazyckpt
     from lazyckpt._array.geometry import chunk_box, slabs
-    from lazyckpt._engine import decode, stream
+    from lazyckpt._engine import decode, memory, stream
     from lazyckpt._engine.memory import BufferPool
     from lazyckpt._engine.stored import stored_array
 
@@ -562,6 +564,14 @@ def stream_rates(path: str) -> dict[str, tuple[float, float]]:
                 spent["next"] += time.perf_counter() - start
 
     decode.ChunkStream.next = timed  # type: ignore[method-assign]
+
+    class Mapping:  # (the blocks' memory, fresh pages, as `memory` maps it)
+        def __call__(self, fileno: int, length: int, *args: Any) -> mmap.mmap:
+            with lock:
+                spent["mapped"] += length
+            return mmap.mmap(fileno, length, *args)
+
+    memory.mmap = types.SimpleNamespace(mmap=Mapping(), PAGESIZE=mmap.PAGESIZE)  # type: ignore[assignment]
     cases: dict[str, Any] = {}
     for threads in STREAM_THREADS:
         for name, work in (("zstd by hand", by_hand), ("ChunkStream", ours)):
@@ -576,15 +586,15 @@ def stream_rates(path: str) -> dict[str, tuple[float, float]]:
                 pass
 
         cases[f"iter_blocks, {mib} MiB, blocks of {mib // 16} MiB"] = blocks
-    rates: dict[str, tuple[float, float]] = {}
+    rates: dict[str, tuple[float, float, float]] = {}
     for name, case in cases.items():
         for _ in range(2):
             spent.clear()
             start = time.perf_counter()
             case()
             seconds = time.perf_counter() - start
-            if size / seconds / 1e9 > rates.get(name, (0.0, 0.0))[0]:
-                rates[name] = (size / seconds / 1e9, spent["next"])
+            if size / seconds / 1e9 > rates.get(name, (0.0,))[0]:
+                rates[name] = (size / seconds / 1e9, spent["next"], spent["mapped"] / MiB)
     return rates
 
 
@@ -635,8 +645,11 @@ def main() -> None:
         return
     if args.streams:
         orbax, _ = in_fresh_process(make, root, "tree", args.gib)
-        for name, (rate, decoding) in in_fresh_process(stream_rates, orbax).items():
-            print(f"{name:44} {rate:6.2f} GB/s, {decoding:6.2f} s in ChunkStream.next")
+        for name, (rate, decoding, mapped) in in_fresh_process(stream_rates, orbax).items():
+            print(
+                f"{name:44} {rate:6.2f} GB/s, {decoding:6.2f} s in ChunkStream.next, "
+                f"{mapped:5.0f} MiB mapped afresh"
+            )
         return
     if args.shapes:
         _, safetensors = in_fresh_process(make, root, "tree", args.gib)
