@@ -15,16 +15,18 @@ whose spec leaves out mesh axes that span several processes) is placed so:
    as its output sharding, gives every device its whole region. XLA makes it one
    all-reduce within each group, over the devices' interconnect.
 
-Where the devices copy out of host memory (TPUs, GPUs: `lazyckpt._staged.staged`),
-no region is held whole on the host: each part is sent to the first of its
-devices here in pieces within the budget (`put_staged`, as any placement there), and
-written there into zeros made on the device, as the values' bits; the other devices
-make their zeros themselves. Host memory stays within the budget whatever the
-region's size, and nothing but the parts crosses to the devices.
+Where the devices copy out of host memory (TPUs, GPUs: `lazyckpt._staged`), no
+region is held whole on the host: this process's parts of an array are sent in pieces
+within the budget (`send_shards`, each stored chunk read once for all of them), each
+to the first of its region's devices here, as they are written there (unsigned
+integers for floats narrower than 32 bits, which every device copies exactly), and
+written into zeros made on the device; the other devices make their zeros
+themselves. After the maximum, such floats are made themselves as any shard placed
+in pieces is (`lazyckpt._on_device.finish`).
 
-Before any data moves, the processes agree that every process read its parts (a
-small collective); a failure anywhere is an error on every process, never a hang in
-the all-reduce. Arrays are placed in batches that fit the memory budget.
+Before any data moves between devices, the processes agree that every process read
+its parts and made its shards of the array of shares (a small collective); a failure
+anywhere is an error on every process, never a hang in the all-reduce. Arrays are placed in batches that fit the memory budget.
 """
 
 from __future__ import annotations
@@ -38,17 +40,17 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt._array.geometry import Box, as_slices, box_shape
+from lazyckpt import _on_device, _programs, _staged
+from lazyckpt._array.geometry import Box, box_shape
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._staged import put_staged, staged
 from lazyckpt._storage import multihost
 from lazyckpt._target import Placement
 
@@ -56,8 +58,9 @@ from lazyckpt._target import Placement
 @attrs.frozen(eq=False)
 class _Region:
     """One region of the array that this process's devices hold, and what it reads
-    of it: the parts of its local replicas (disjoint), read into one buffer that the
-    first of its devices adopts; its other devices start from zeros."""
+    of it: the parts of its local replicas (disjoint), which the first of its devices
+    holds (in a host buffer it adopts, or written into zeros on it); its other
+    devices start from zeros."""
 
     region: Box
     devices: list[tuple[jax.Device, int]]
@@ -109,7 +112,7 @@ def _replica_processes(sharding: NamedSharding) -> set[int]:
     return {d.process_index for d in np.asarray(mesh.devices)[index].flat}
 
 
-_PACKED = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+_PACKED = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
 """Dtypes of less than a byte per value, which jax cannot reinterpret as integers."""
 
 
@@ -216,31 +219,39 @@ def _cells(low: int, high: int, chunk: int) -> int:
 def _place(
     plans: list[_Plan], memory_budget: int | None, bar: Progress | None
 ) -> dict[int, jax.Array]:
-    """Read this process's parts of `plans`, agree with every process that all
-    reads succeeded, then all-reduce each array into place."""
-    sent = [staged(plan.sharding) for plan in plans]
-    found: list[list[_Read]] = []
+    """Read this process's parts of `plans` and make its shards of each array of
+    shares, agree with every process that all of that succeeded, then all-reduce each
+    array into place."""
+    sent = [_sent(plan) for plan in plans]
+    spreads: list[jax.Array] = []
     failure: BaseException | None = None
     try:
         scheduler = Scheduler(memory_budget, bar)
-        found = [[] if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)]
+        read = [None if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)]
         scheduler.drain()
-        parts = iter(
-            _send_parts([p for p, s in zip(plans, sent, strict=True) if s], scheduler.budget, bar)
-        )
-        found = [next(parts) if s else read for read, s in zip(found, sent, strict=True)]
+        staged = [plan for plan, s in zip(plans, sent, strict=True) if s]
+        parts = iter(_send_parts(staged, scheduler.budget, bar))
+        for plan, buffers in zip(plans, read, strict=True):
+            shards = _from_host(plan, buffers) if buffers is not None else next(parts)
+            shape = (plan.replicas, *plan.placement.array.shape)
+            spreads.append(jax.make_array_from_single_device_arrays(shape, plan.spread, shards))
+            del shards
+        jax.block_until_ready(spreads)  # (a device's failure, here, before the all-reduce)
     except Exception as error:  # noqa: BLE001 - agreed on below, then raised
         failure = error
     agree_read(failure, [p.placement.array.key for p in plans])
     return {
-        id(plan.placement): _combine(plan, read, of_bits)
-        for plan, read, of_bits in zip(plans, found, sent, strict=True)
+        id(plan.placement): _combine(plan, spread)
+        for plan, spread in zip(plans, spreads, strict=True)
     }
 
 
-_Read = np.ndarray | list[tuple[Box, jax.Array]]
-"""What this process read of one region: a host buffer of the whole region (its parts
-filled in, zeros elsewhere), or each part on the region's first device here."""
+def _sent(plan: _Plan) -> bool:
+    """Whether `plan`'s parts are sent to its devices in pieces: its mesh's devices
+    copy out of host memory. Decided from the whole mesh, so that every process runs
+    the same programs."""
+    platforms = {str(d.platform) for d in plan.sharding.mesh.devices.flat}
+    return not platforms.isdisjoint(_staged.STAGED_PLATFORMS)
 
 
 def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
@@ -252,17 +263,18 @@ def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
     if failed:
         raise LazyckptError(
             f"device_put(broadcast=True): process(es) {failed} failed to read their share "
-            "of the checkpoint; every process stops here, before placing "
+            "of the checkpoint or to put it on their devices; every process stops here, "
+            "before placing "
             f"{', '.join(repr(k) for k in keys[:3])}{' and others' if len(keys) > 3 else ''}. "
             "The failing process's own error says why"
         )
 
 
-def _schedule(plan: _Plan, scheduler: Scheduler) -> list[_Read]:
+def _schedule(plan: _Plan, scheduler: Scheduler) -> list[np.ndarray]:
     """A zeroed buffer per region of `plan`, with reads of its parts into it
     scheduled."""
     array = plan.placement.array
-    buffers: list[_Read] = []
+    buffers = []
     destinations = []
     for found in plan.regions:
         region = found.region
@@ -281,50 +293,55 @@ def _schedule(plan: _Plan, scheduler: Scheduler) -> list[_Read]:
     return buffers
 
 
-def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[list[_Read]]:
-    """For each region of `plans` (bound for devices that copy out of host memory),
-    its parts read and sent to the first of its devices here, in pieces within
-    `budget` (`put_staged`)."""
-    work: list[tuple[LazyArray, jax.sharding.Sharding, dict[Box, list[jax.Device]]]] = []
-    for plan in plans:
-        for region in plan.regions:
-            device = region.devices[0][0]
-            for part in region.parts:
-                view = plan.placement.array[as_slices(part)]
-                whole = tuple((0, n) for n in view.shape)
-                work.append((view, SingleDeviceSharding(device), {whole: [device]}))
-    placed = iter(put_staged(work, budget, bar) if work else [])
-    return [
-        [[(part, next(placed)) for part in region.parts] for region in plan.regions]
+def _from_host(plan: _Plan, buffers: list[np.ndarray]) -> list[jax.Array]:
+    """This process's shards of the array of shares: each region's buffer on its first
+    device (adopted on CPU), zeros on its other devices."""
+    shards = []
+    for region, buffer in zip(plan.regions, buffers, strict=True):
+        zeros = np.zeros((1, *buffer.shape), buffer.dtype)  # (pages untouched until copied)
+        for i, (device, _) in enumerate(region.devices):
+            held = buffer[None] if i == 0 else zeros
+            shards.append(jax.device_put(held, device, may_alias=True))
+    return shards
+
+
+def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[list[jax.Array]]:
+    """This process's shards of each array of shares of `plans`, bound for devices
+    that copy out of host memory: its parts of each array sent in one `send_shards`
+    within `budget` (each stored chunk read once for all of them), each to the first
+    of its region's devices, and written there into zeros, as they are written on the
+    device; zeros on the region's other devices."""
+    work = [
+        (
+            plan.placement.array,
+            {part: [region.devices[0][0]] for region in plan.regions for part in region.parts},
+        )
         for plan in plans
     ]
-
-
-def _combine(plan: _Plan, read: list[_Read], of_bits: bool) -> jax.Array:
-    """The all-reduce: each region's values on its first device, zeros on its other
-    devices here; from a host buffer (adopted on CPU) or, where the parts were sent
-    to that device (`of_bits`), written there into zeros as their bits."""
-    array = plan.placement.array
-    bits = _bits(array.dtype)
-    shards = []
-    for region, values in zip(plan.regions, read, strict=True):
-        shape = (1, *box_shape(region.region))
-        if isinstance(values, np.ndarray):
-            zeros = np.zeros(shape, values.dtype)  # (pages untouched until copied)
+    reading = [(array, parts) for array, parts in work if parts]  # (some read nothing here)
+    done = iter(_staged.send_shards(reading, budget, bar, raw=True) if reading else [])
+    sent = [next(done) if parts else [] for _, parts in work]
+    out = []
+    for plan, buffers in zip(plans, sent, strict=True):
+        dtype = _written(plan.placement.array.dtype)
+        at = iter(buffers)
+        shards = []
+        for region in plan.regions:
+            shape = (1, *box_shape(region.region))
             for i, (device, _) in enumerate(region.devices):
-                held = values[None] if i == 0 else zeros
-                shards.append(jax.device_put(held, device, may_alias=True))
-        else:
-            for i, (device, _) in enumerate(region.devices):
-                shard = jnp.zeros(shape, bits, device=device)
-                for part, sent in values if i == 0 else []:
-                    shard = _write_bits(shard, sent, _offsets(part, region.region))
+                shard = _on_device.empty(shape, dtype, device)
+                for part in region.parts if i == 0 else []:
+                    (piece,) = next(at)
+                    shard = _write(shard, piece, _offsets(part, region.region))
+                    del piece  # (let go once written)
                 shards.append(shard)
-    spread = jax.make_array_from_single_device_arrays(
-        (plan.replicas, *array.shape), plan.spread, shards
-    )
-    placed: jax.Array = _maximum(np.dtype(array.dtype).name, plan.sharding, of_bits)(spread)
-    return placed
+        out.append(shards)
+    return out
+
+
+def _written(dtype: Any) -> np.dtype[Any]:
+    """The dtype of an array's shards on devices that copy out of host memory."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(_on_device.written_dtype(np.dtype(dtype))))
 
 
 def _offsets(part: Box, region: Box) -> tuple[int, ...]:
@@ -332,29 +349,64 @@ def _offsets(part: Box, region: Box) -> tuple[int, ...]:
     return (0, *(low - start for (low, _), (start, _) in zip(part, region, strict=True)))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_bits(shard: jax.Array, part: jax.Array, at: tuple[int, ...]) -> jax.Array:
-    """`shard` (the bits of a region, with a leading dimension of 1) with `part`'s bits
-    written at `at`, in place: the offsets are traced, so one program serves every part
-    of a shape."""
-    if part.dtype == jnp.bool_:
-        values = part.astype(shard.dtype)
-    else:
-        values = jax.lax.bitcast_convert_type(part, shard.dtype)
-    return jax.lax.dynamic_update_slice(shard, values[None], at)
+@functools.cache
+def _write_fn() -> Any:
+    def write(shard: jax.Array, part: jax.Array, starts: tuple[jax.Array, ...]) -> jax.Array:
+        return jax.lax.dynamic_update_slice(shard, part[None], starts)
+
+    return jax.jit(write, donate_argnums=0)
+
+
+def _write(shard: jax.Array, part: jax.Array, starts: tuple[int, ...]) -> jax.Array:
+    """`shard` with `part` (one dimension fewer) at `starts`, in place (donated): a
+    program compiled once per shape on a machine (`lazyckpt._programs`); the starts
+    are traced, so it serves every part of its shape."""
+    (device,) = shard.devices()
+    abstract = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+        for a in (shard, part)
+    ]
+    offsets = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in starts)
+    program = _programs.compiled(_write_fn(), (*abstract, offsets), device)
+    result: jax.Array = program(shard, part, tuple(np.int32(s) for s in starts))
+    return result
+
+
+def _combine(plan: _Plan, spread: jax.Array) -> jax.Array:
+    """The all-reduce of the array of shares; floats narrower than 32 bits, where
+    their parts were sent as unsigned integers, made floats after it."""
+    array = plan.placement.array
+    dtype = np.dtype(array.dtype)
+    placed: jax.Array = _maximum(dtype.name, spread.dtype.name, plan.sharding)(spread)
+    if placed.dtype == dtype:
+        return placed
+    regions: dict[Box, list[jax.Array]] = {}  # (the same values on each device of one)
+    for shard in placed.addressable_shards:
+        region = tuple(s.indices(n)[:2] for s, n in zip(shard.index, array.shape, strict=True))
+        regions.setdefault(region, []).append(shard.data)
+    del placed  # (its buffers are made floats in place)
+    finished = [
+        buffer
+        for buffers in regions.values()
+        for buffer in _on_device.finish(array.key, buffers, dtype)
+    ]
+    return jax.make_array_from_single_device_arrays(array.shape, plan.sharding, finished)
 
 
 @functools.cache
-def _maximum(dtype_name: str, sharding: NamedSharding, of_bits: bool = False) -> Any:
-    """A jitted maximum over the leading dimension, of the bits, onto `sharding`; its
-    input is the values or (`of_bits`) their bits already."""
-    dtype = jnp.dtype(dtype_name)
+def _maximum(dtype_name: str, spread_name: str, sharding: NamedSharding) -> Any:
+    """A jitted maximum over the leading dimension, of the bits, onto `sharding`: of
+    an array of shares of `spread_name` for an array of `dtype_name`. Shares already
+    unsigned integers (narrow floats sent to accelerators) stay so."""
+    dtype, spread_dtype = jnp.dtype(dtype_name), jnp.dtype(spread_name)
     bits = _bits(dtype)
 
     def combine(spread: jax.Array) -> jax.Array:
         if dtype == jnp.bool_:
             return jnp.max(spread.astype(bits), axis=0).astype(jnp.bool_)
-        unsigned = spread if of_bits else jax.lax.bitcast_convert_type(spread, bits)
+        if spread_dtype != dtype:
+            return jnp.max(spread, axis=0)
+        unsigned = jax.lax.bitcast_convert_type(spread, bits)
         return jax.lax.bitcast_convert_type(jnp.max(unsigned, axis=0), dtype)
 
     return jax.jit(combine, out_shardings=sharding)

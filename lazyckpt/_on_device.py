@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import math
 import threading
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
@@ -220,12 +219,22 @@ class Shard:
     that covers it."""
 
     def __init__(
-        self, key: str, region: Box, devices: Sequence[jax.Device], dtype: np.dtype[Any]
+        self,
+        key: str,
+        region: Box,
+        devices: Sequence[jax.Device],
+        dtype: np.dtype[Any],
+        *,
+        raw: bool = False,
     ) -> None:
         self.key, self.region = key, region
         self.devices, self.dtype = list(devices), np.dtype(dtype)
         self.shape = box_shape(region)
         self.written = written_dtype(self.dtype)
+        self.raw = raw
+        """Whether the shard stays as it is written (unsigned integers for floats
+        narrower than 32 bits, even where sent whole), for a caller that computes on
+        its bits and makes it `dtype` itself (`lazyckpt._broadcast`)."""
         self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
         """Whether the devices copy what is sent out of host memory, which can then be
         used again once the transfer is done."""
@@ -250,7 +259,7 @@ class Shard:
             for piece in pieces
             for device in self.devices
         ]
-        if self.written != self.dtype:
+        if self.written != self.dtype and not self.raw:
             self.preparing.append(compilers.submit(self._compile_finish))
 
     @property
@@ -275,8 +284,9 @@ class Shard:
         import jax
 
         if values.shape == self.shape:  # the whole region in one block
+            whole = values.view(self.written) if self.raw else values
             self.buffers = [
-                jax.device_put(values, device, may_alias=not self.copies) for device in self.devices
+                jax.device_put(whole, device, may_alias=not self.copies) for device in self.devices
             ]
             self.whole = True
             return self.buffers
@@ -297,25 +307,33 @@ class Shard:
         return sent
 
     def finished(self) -> list[jax.Array]:
-        """The shard on each device, in its own dtype."""
-        import jax
-
+        """The shard on each device, in its own dtype (as it is written where `raw`)."""
         for preparing in self.preparing:
             preparing.result()
         assert self.buffers is not None
-        if self.whole or self.written == self.dtype:
+        if self.whole or self.written == self.dtype or self.raw:
             return self.buffers
-        changed = changed_patterns(self.devices[0], self.dtype)
-        if changed and holds_any(self.buffers[0], changed):
-            size = human_bytes(math.prod(self.shape) * self.dtype.itemsize)
-            kind = self.devices[0].device_kind
-            warn(
-                f"{self.key}: a shard of {size} went to {kind} whole from host memory, over "
-                f"memory_budget: it holds {self.dtype} values that {kind} changes when it "
-                "assembles a shard from pieces (NaN payloads or subnormals), and they must "
-                "arrive bit for bit",
-                OverBudgetWarning,
-            )
-            host = np.asarray(jax.device_get(self.buffers[0])).view(self.dtype)
-            return [jax.device_put(host, device) for device in self.devices]
-        return [bitcast(buffer, self.dtype) for buffer in self.buffers]
+        return finish(self.key, self.buffers, self.dtype)
+
+
+def finish(key: str, buffers: list[jax.Array], dtype: np.dtype[Any]) -> list[jax.Array]:
+    """`buffers` (the same values on several devices, written as unsigned integers)
+    made `dtype` in place; where the devices would change some of their bit patterns,
+    brought back and sent whole from the host instead (exact, over the budget)."""
+    import jax
+
+    device = _device(buffers[0])
+    changed = changed_patterns(device, dtype)
+    if changed and holds_any(buffers[0], changed):
+        size = human_bytes(buffers[0].size * np.dtype(dtype).itemsize)
+        kind = device.device_kind
+        warn(
+            f"{key}: a shard of {size} went to {kind} whole from host memory, over "
+            f"memory_budget: it holds {dtype} values that {kind} changes when it "
+            "assembles a shard from pieces (NaN payloads or subnormals), and they must "
+            "arrive bit for bit",
+            OverBudgetWarning,
+        )
+        host = np.asarray(jax.device_get(buffers[0])).view(dtype)
+        return [jax.device_put(host, _device(buffer)) for buffer in buffers]
+    return [bitcast(buffer, dtype) for buffer in buffers]

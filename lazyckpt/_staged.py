@@ -69,7 +69,30 @@ def put_staged(
 ) -> list[jax.Array]:
     """Each `(array, sharding, regions)` placed on its devices within `budget` host
     bytes; `regions` maps each distinct region this process holds to the devices
-    that hold it.
+    that hold it (`send_shards`)."""
+    import jax
+
+    sent = send_shards([(array, regions) for array, _, regions in placements], budget, progress)
+    placed: list[jax.Array] = [
+        jax.make_array_from_single_device_arrays(
+            array.shape, sharding, [buffer for buffers in done for buffer in buffers]
+        )
+        for (array, sharding, _), done in zip(placements, sent, strict=True)
+    ]
+    jax.block_until_ready(placed)
+    return placed
+
+
+def send_shards(
+    placements: Sequence[tuple[LazyArray, dict[Box, list[jax.Device]]]],
+    budget: int,
+    progress: Progress | None,
+    *,
+    raw: bool = False,
+) -> list[list[list[jax.Array]]]:
+    """For each `(array, regions)`, each region of `array` on its devices (a buffer per
+    device, in the order of `regions`), within `budget` host bytes; as written on the
+    devices (unsigned integers for narrow floats) where `raw` (`Shard.raw`).
 
     Half the budget is for reads in flight, half for filled pieces until their
     transfers are done. An array whose regions hold at most half the budget together
@@ -82,15 +105,13 @@ def put_staged(
     sent and waited for by one of a few threads of their own, its parts read by several
     at once (`lazyckpt._senders`); the engine's fills, then the streams, follow.
     """
-    import jax
-
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
-    planned = [_plan(array, regions, half) for array, _, regions in placements]
+    planned = [_plan(array, regions, half, raw) for array, regions in placements]
     gate = _Gate(half, scheduler, BufferPool(half, release=release_sent))
     streamed = [
         (array[as_slices(shard.region)], shard)
-        for (array, _, _), (shards, pieces, _) in zip(placements, planned, strict=True)
+        for (array, _), (shards, pieces, _) in zip(placements, planned, strict=True)
         if pieces is None
         for shard in shards
     ]
@@ -103,9 +124,7 @@ def put_staged(
                         shard.prepare(compilers, {box_shape(piece) for piece in cut})
             fills = [
                 (array, fill)
-                for (array, _, _), (shards, pieces, together) in zip(
-                    placements, planned, strict=True
-                )
+                for (array, _), (shards, pieces, together) in zip(placements, planned, strict=True)
                 if pieces is not None
                 for fill in _fills(shards, pieces, together)
             ]
@@ -144,15 +163,7 @@ def put_staged(
             compilers.shutdown(cancel_futures=True)  # (not compiled for nothing first)
             scheduler.abandon()
             raise
-        finished = [[shard.finished() for shard in shards] for shards, _, _ in planned]
-    placed: list[jax.Array] = [
-        jax.make_array_from_single_device_arrays(
-            array.shape, sharding, [buffer for buffers in done for buffer in buffers]
-        )
-        for (array, sharding, _), done in zip(placements, finished, strict=True)
-    ]
-    jax.block_until_ready(placed)
-    return placed
+        return [[shard.finished() for shard in shards] for shards, _, _ in planned]
 
 
 _STREAM_BLOCKS = 16
@@ -167,12 +178,15 @@ _COMPILERS = 4
 
 
 def _plan(
-    array: LazyArray, regions: dict[Box, list[jax.Device]], half: int
+    array: LazyArray, regions: dict[Box, list[jax.Device]], half: int, raw: bool
 ) -> tuple[list[Shard], list[list[Box]] | None, bool]:
     """`array`'s shards, the pieces each is filled in (None where they are streamed),
     and whether they are filled together, in one read: each region whole where all fit
     `half` together, cut where the bytes lie raw in a file."""
-    shards = [Shard(array.key, region, devices, array.dtype) for region, devices in regions.items()]
+    shards = [
+        Shard(array.key, region, devices, array.dtype, raw=raw)
+        for region, devices in regions.items()
+    ]
     itemsize = array.dtype.itemsize
     if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half and not _large_chunks(
         array, half

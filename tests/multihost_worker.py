@@ -8,7 +8,8 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
    "broadcast": bool, "fail": i or None, "budget": a size or None,
    "broadcast_of": {i: bool}, "budget_of": {i: size},     (per-process overrides)
-   "staged": bool}                              (CPU devices sent to as accelerators are)
+   "staged": bool, "fail_write": i or None}     (CPU devices sent to as accelerators are;
+                                               process `fail_write` fails on its devices)
                                               (device_put onto a ("data", "model")
                                                mesh; process `fail` fails its reads)
 SPEC may also say "devices": the CPU devices of each process (default 4).
@@ -140,22 +141,32 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
         import lazyckpt._broadcast as spreading
         import lazyckpt._on_device as on_device
         import lazyckpt._staged as staged
+        from lazyckpt._array.geometry import box_bytes
 
         staged.STAGED_PLATFORMS = frozenset({"cpu"})
         on_device.ADOPTING_PLATFORMS = frozenset()
-        put_staged = getattr(spreading, "put_staged")  # noqa: B009 - (replaced below)
-        result_empty = getattr(spreading, "result_empty")  # noqa: B009
+        send_shards = staged.send_shards
+        result_empty = getattr(spreading, "result_empty")  # noqa: B009 - (replaced below)
 
-        def counted(work: Any, *args: Any) -> Any:
-            sent.extend(view.nbytes for view, _, _ in work)
-            return put_staged(work, *args)
+        def counted(work: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("raw"):  # (the broadcast's parts, not other placements)
+                sent.extend(
+                    box_bytes(box, view.dtype.itemsize) for view, boxes in work for box in boxes
+                )
+            return send_shards(work, *args, **kwargs)
 
         def counted_empty(shape: Any, dtype: Any) -> Any:
             regions.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
             return result_empty(shape, dtype)
 
-        setattr(spreading, "put_staged", counted)  # noqa: B010
+        setattr(staged, "send_shards", counted)  # noqa: B010
         setattr(spreading, "result_empty", counted_empty)  # noqa: B010
+        if step.get("fail_write") == me:
+
+            def failing_write(*_: Any) -> Any:
+                raise lazyckpt.LazyckptError("injected failure writing a part on a device")
+
+            setattr(spreading, "_write", failing_write)  # noqa: B010
     if step.get("fail") == me:
 
         def failing(self: Any) -> Any:

@@ -157,10 +157,20 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
     process sends only its parts, in pieces within its budget, and the devices fill
     the rest with zeros themselves. Together the processes read the stored bytes once
     and send each value once; every shard holds its values bit for bit (NaN, -0.0,
-    subnormals, bfloat16, bool); a process failing its reads is an error on all."""
+    subnormals, every bfloat16 and float8 pattern, bool), and a chunk that one
+    process's two regions share is read once; a process failing its reads, or on its
+    devices, is an error on all, not a hang."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
-    specs = {"w": [None, "model"], "h": [], "m": ["model", None], "n": [], "s": []}
+    specs = {
+        "w": [None, "model"],  # (one process's two regions share every chunk)
+        "h": [],
+        "m": ["model", None],
+        "n": [],
+        "s": [],
+        "p": [],
+        "e": [None, "model"],
+    }
     step = {
         "do": "broadcast",
         "path": str(path),
@@ -172,10 +182,16 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
     }
     results = run_processes(
         4,
-        [{**step, "budget": "64KiB"}, {**step, "budget": None}, {**step, "fail": 1}],
+        [
+            {**step, "budget": "64KiB"},
+            {**step, "budget": None},
+            {**step, "specs": {"x": [None, "model"]}},  # (its chunks cross both regions)
+            {**step, "fail_write": 2},  # (process 2's writes fail from here on)
+            {**step, "fail": 1},  # (and process 1's reads)
+        ],
         devices=2,
     )
-    small, default, failed = ([r[i] for r in results] for i in range(3))
+    small, default, crossing, failed_write, failed = ([r[i] for r in results] for i in range(5))
     lazy = lazyckpt.open(path)
     values = sum(lazy[key].nbytes for key in specs)
     for run in (small, default):
@@ -185,9 +201,14 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
         assert all(r["sent"] < 0.5 * values for r in run), run  # (spread over the four)
         together = sum(r["read"] for r in run)
         assert together <= 1.05 * sum(stored[key] for key in specs), together
-    assert "injected failure" in (failed[1]["error"] or ""), failed[1]
-    for process in (0, 2, 3):
-        assert "process(es) [1] failed to read their share" in (failed[process]["error"] or "")
+    assert all(r["error"] is None and r["ok"] for r in crossing), crossing
+    assert sum(r["read"] for r in crossing) <= 1.05 * stored["x"], (crossing, stored["x"])
+    assert "injected failure writing" in (failed_write[2]["error"] or ""), failed_write[2]
+    for process in (0, 1, 3):
+        assert "process(es) [2] failed" in (failed_write[process]["error"] or ""), failed_write
+    assert "injected failure reading" in (failed[1]["error"] or ""), failed[1]
+    for process in (0, 3):
+        assert "process(es) [1, 2] failed" in (failed[process]["error"] or ""), failed
 
 
 def _replicated_checkpoint(path: Path) -> dict[str, int]:
@@ -210,6 +231,10 @@ def _replicated_checkpoint(path: Path) -> dict[str, int]:
         "s": np.array(-3.5, np.float32),
         "c": rng.standard_normal((4096, 8), dtype=np.float32),
         "u": np.arange(15, dtype=np.float32).reshape(5, 3),
+        "x": rng.standard_normal((1024, 64), dtype=np.float32),  # (chunks of whole rows)
+        # every bit pattern: NaN payloads and subnormals, which some devices change
+        "p": np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16).reshape(256, 256),
+        "e": np.tile(np.arange(256, dtype=np.uint8), 64).view(jnp.float8_e4m3fn).reshape(128, 128),
     }
     save_args = {key: ocp.SaveArgs(chunk_byte_size=32 << 10) for key in tree}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
