@@ -25,8 +25,11 @@ themselves. After the maximum, such floats are made themselves as any shard plac
 in pieces is (`lazyckpt._on_device.finish`).
 
 Before any data moves between devices, the processes agree that every process read
-its parts and made its shards of the array of shares (a small collective); a failure
-anywhere is an error on every process, never a hang in the all-reduce. Arrays are placed in batches that fit the memory budget.
+its parts, made its shards of the arrays of shares and compiled the all-reduces (a
+small collective): a failure there on any process is an error on every process, not
+a hang in an all-reduce. A failure after them (making narrow floats on a device) is
+raised on its process once every batch has been all-reduced, so that the others do
+not wait for it. Arrays are placed in batches that fit the memory budget.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ def broadcastable(placement: Placement) -> bool:
     sharding = placement.sharding
     if not isinstance(sharding, NamedSharding) or placement.array.key_impl:
         return False
+    if placement.array.size == 0:  # (nothing to read; jit lays out empty outputs whole)
+        return False
     return _bits(placement.array.dtype) is not None and len(_replica_processes(sharding)) > 1
 
 
@@ -112,7 +117,10 @@ def _replica_processes(sharding: NamedSharding) -> set[int]:
     return {d.process_index for d in np.asarray(mesh.devices)[index].flat}
 
 
-_PACKED = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
+_PACKED = (
+    *("int4", "uint4", "int2", "uint2"),
+    *("float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"),
+)
 """Dtypes of less than a byte per value, which jax cannot reinterpret as integers."""
 
 
@@ -140,17 +148,20 @@ def put(
     rows = multihost.gather([_kib(budget), *(_kib(plan.host_bytes()) for plan in plans)])
     limit = min(row[0] for row in rows)
     needs = [max(row[i + 1] for row in rows) for i in range(len(plans))]
-    results: dict[int, jax.Array] = {}
-    batch: list[_Plan] = []
+    batches: list[list[_Plan]] = []
     held = 0
     for plan, need in zip(plans, needs, strict=True):
-        if batch and held + need > limit:
-            results.update(_place(batch, memory_budget, bar))
-            batch, held = [], 0
-        batch.append(plan)
+        if not batches or held + need > limit:
+            batches.append([])
+            held = 0
+        batches[-1].append(plan)
         held += need
-    if batch:
-        results.update(_place(batch, memory_budget, bar))
+    results: dict[int, jax.Array] = {}
+    failures: list[BaseException] = []  # (raised once every batch is all-reduced)
+    for batch in batches:
+        results.update(_place(batch, memory_budget, bar, failures))
+    if failures:
+        raise failures[0]
     return results
 
 
@@ -217,13 +228,19 @@ def _cells(low: int, high: int, chunk: int) -> int:
 
 
 def _place(
-    plans: list[_Plan], memory_budget: int | None, bar: Progress | None
+    plans: list[_Plan],
+    memory_budget: int | None,
+    bar: Progress | None,
+    failures: list[BaseException],
 ) -> dict[int, jax.Array]:
-    """Read this process's parts of `plans` and make its shards of each array of
-    shares, agree with every process that all of that succeeded, then all-reduce each
-    array into place."""
+    """Read this process's parts of `plans`, make its shards of each array of shares
+    and compile the all-reduces, agree with every process that all of that
+    succeeded, then all-reduce each array into place. A failure after the agreement
+    (making narrow floats on a device, after the all-reduces) is added to
+    `failures`, for the caller to raise once no collective is left."""
     sent = [_sent(plan) for plan in plans]
-    spreads: list[jax.Array] = []
+    spreads: list[jax.Array | None] = []
+    combines = []
     failure: BaseException | None = None
     try:
         scheduler = Scheduler(memory_budget, bar)
@@ -234,16 +251,27 @@ def _place(
         for plan, buffers in zip(plans, read, strict=True):
             shards = _from_host(plan, buffers) if buffers is not None else next(parts)
             shape = (plan.replicas, *plan.placement.array.shape)
-            spreads.append(jax.make_array_from_single_device_arrays(shape, plan.spread, shards))
-            del shards
+            spread = jax.make_array_from_single_device_arrays(shape, plan.spread, shards)
+            dtype = np.dtype(plan.placement.array.dtype)
+            combine = _maximum(dtype.name, spread.dtype.name, plan.sharding)
+            combines.append(combine.lower(spread).compile())
+            spreads.append(spread)
+            del shards, spread
         jax.block_until_ready(spreads)  # (a device's failure, here, before the all-reduce)
     except Exception as error:  # noqa: BLE001 - agreed on below, then raised
         failure = error
     agree_read(failure, [p.placement.array.key for p in plans])
-    return {
-        id(plan.placement): _combine(plan, spread)
-        for plan, spread in zip(plans, spreads, strict=True)
-    }
+    reduced = []
+    for i, combine in enumerate(combines):  # (every collective of the batch, first)
+        reduced.append(combine(spreads[i]))
+        spreads[i] = None  # (its memory on the devices let go once reduced)
+    results = {}
+    for plan, placed in zip(plans, reduced, strict=True):
+        try:
+            results[id(plan.placement)] = _finish(plan, placed)
+        except Exception as error:  # noqa: BLE001 - raised by `put`, after every batch
+            failures.append(error)
+    return results
 
 
 def _sent(plan: _Plan) -> bool:
@@ -372,12 +400,11 @@ def _write(shard: jax.Array, part: jax.Array, starts: tuple[int, ...]) -> jax.Ar
     return result
 
 
-def _combine(plan: _Plan, spread: jax.Array) -> jax.Array:
-    """The all-reduce of the array of shares; floats narrower than 32 bits, where
-    their parts were sent as unsigned integers, made floats after it."""
+def _finish(plan: _Plan, placed: jax.Array) -> jax.Array:
+    """An all-reduced array in its own dtype: floats narrower than 32 bits, where their
+    parts were sent as unsigned integers, made floats (`lazyckpt._on_device.finish`)."""
     array = plan.placement.array
     dtype = np.dtype(array.dtype)
-    placed: jax.Array = _maximum(dtype.name, spread.dtype.name, plan.sharding)(spread)
     if placed.dtype == dtype:
         return placed
     regions: dict[Box, list[jax.Array]] = {}  # (the same values on each device of one)

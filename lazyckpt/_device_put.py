@@ -77,9 +77,9 @@ def device_put(
             every process reading it. Every process must call it together. It pays
             where the devices' interconnect is faster than storage (TPU and GPU
             fleets reading from buckets); off by default, since on CPU hosts the
-            collectives can cost more than a second read. Complex, packed 4-bit and
-            (without x64) 8-byte dtypes, and arrays no process shares, are read as
-            without it.
+            collectives can cost more than a second read. Complex, packed 2-, 4- and
+            6-bit and (without x64) 8-byte dtypes, empty arrays, and arrays no process
+            shares, are read as without it.
 
     Returns:
         `jax.Array`s in the structure of `tree`, or of a target pytree.

@@ -8,8 +8,9 @@ SPEC: {"process": i, "processes": n, "port": p, "steps": [...]}; each step is on
   {"do": "broadcast", "path": P, "mesh": [4, 2], "specs": {KEY: [...]},
    "broadcast": bool, "fail": i or None, "budget": a size or None,
    "broadcast_of": {i: bool}, "budget_of": {i: size},     (per-process overrides)
-   "staged": bool, "fail_write": i or None}     (CPU devices sent to as accelerators are;
-                                               process `fail_write` fails on its devices)
+   "staged": bool, "fail_write": i or None,     (CPU devices sent to as accelerators are;
+   "fail_finish": i or None}                     process `fail_write` fails on its devices
+                                               before the all-reduce, `fail_finish` after)
                                               (device_put onto a ("data", "model")
                                                mesh; process `fail` fails its reads)
 SPEC may also say "devices": the CPU devices of each process (default 4).
@@ -161,6 +162,12 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
 
         setattr(staged, "send_shards", counted)  # noqa: B010
         setattr(spreading, "result_empty", counted_empty)  # noqa: B010
+        if step.get("fail_finish") == me:
+
+            def failing_finish(*_: Any) -> Any:
+                raise lazyckpt.LazyckptError("injected failure making floats on a device")
+
+            setattr(on_device, "finish", failing_finish)  # noqa: B010
         if step.get("fail_write") == me:
 
             def failing_write(*_: Any) -> Any:

@@ -159,7 +159,8 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
     and send each value once; every shard holds its values bit for bit (NaN, -0.0,
     subnormals, every bfloat16 and float8 pattern, bool), and a chunk that one
     process's two regions share is read once; a process failing its reads, or on its
-    devices, is an error on all, not a hang."""
+    devices before the all-reduce, is an error on all, not a hang; one failing after
+    it (making floats), an error there alone, the others placing every batch."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
     specs = {
@@ -186,12 +187,15 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
             {**step, "budget": "64KiB"},
             {**step, "budget": None},
             {**step, "specs": {"x": [None, "model"]}},  # (its chunks cross both regions)
+            {**step, "budget": "64KiB", "fail_finish": 3},  # (from here on)
             {**step, "fail_write": 2},  # (process 2's writes fail from here on)
             {**step, "fail": 1},  # (and process 1's reads)
         ],
         devices=2,
     )
-    small, default, crossing, failed_write, failed = ([r[i] for r in results] for i in range(5))
+    small, default, crossing, late, failed_write, failed = (
+        [r[i] for r in results] for i in range(6)
+    )
     lazy = lazyckpt.open(path)
     values = sum(lazy[key].nbytes for key in specs)
     for run in (small, default):
@@ -203,6 +207,9 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
         assert together <= 1.05 * sum(stored[key] for key in specs), together
     assert all(r["error"] is None and r["ok"] for r in crossing), crossing
     assert sum(r["read"] for r in crossing) <= 1.05 * stored["x"], (crossing, stored["x"])
+    # (after the all-reduces, in several batches: raised there alone, the others done)
+    assert "injected failure making floats" in (late[3]["error"] or ""), late[3]
+    assert all(r["error"] is None and r["ok"] for r in late[:3]), late
     assert "injected failure writing" in (failed_write[2]["error"] or ""), failed_write[2]
     for process in (0, 1, 3):
         assert "process(es) [2] failed" in (failed_write[process]["error"] or ""), failed_write
