@@ -29,7 +29,10 @@ its parts, made its shards of the arrays of shares and compiled the all-reduces 
 small collective): a failure there on any process is an error on every process, not
 a hang in an all-reduce. A failure after them (making narrow floats on a device) is
 raised on its process once every batch has been all-reduced, so that the others do
-not wait for it. Arrays are placed in batches that fit the memory budget.
+not wait for it. A device that fails inside an all-reduce (out of memory there) can
+still leave the others waiting in it (gloo, between CPU devices, gives up after 30 s;
+accelerators' collectives were not tried). Arrays are placed in batches that fit the
+memory budget.
 """
 
 from __future__ import annotations
