@@ -164,7 +164,7 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
     specs = {
-        "w": [None, "model"],  # (one process's two regions share every chunk)
+        "w": [None, "model"],
         "h": [],
         "m": ["model", None],
         "n": [],
