@@ -37,6 +37,7 @@ memory budget.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from collections.abc import Sequence
@@ -245,24 +246,33 @@ def _place(
     spreads: list[jax.Array | None] = []
     combines = []
     failure: BaseException | None = None
-    try:
-        scheduler = Scheduler(memory_budget, bar)
-        read = [None if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)]
-        scheduler.drain()
-        staged = [plan for plan, s in zip(plans, sent, strict=True) if s]
-        parts = iter(_send_parts(staged, scheduler.budget, bar))
-        for plan, buffers in zip(plans, read, strict=True):
-            shards = _from_host(plan, buffers) if buffers is not None else next(parts)
-            shape = (plan.replicas, *plan.placement.array.shape)
-            spread = jax.make_array_from_single_device_arrays(shape, plan.spread, shards)
-            dtype = np.dtype(plan.placement.array.dtype)
-            combine = _maximum(dtype.name, spread.dtype.name, plan.sharding)
-            combines.append(combine.lower(spread).compile())
-            spreads.append(spread)
-            del shards, spread
-        jax.block_until_ready(spreads)  # (a device's failure, here, before the all-reduce)
-    except Exception as error:  # noqa: BLE001 - agreed on below, then raised
-        failure = error
+    # (the programs compiled, or loaded, while the reads run)
+    with concurrent.futures.ThreadPoolExecutor(_staged.COMPILERS) as compilers:
+        try:
+            compiling = [
+                compilers.submit(_compile_maximum, plan, s)
+                for plan, s in zip(plans, sent, strict=True)
+            ]
+            staged = [plan for plan, s in zip(plans, sent, strict=True) if s]
+            preparing = [f for plan in staged for f in _prepare(plan, compilers)]
+            scheduler = Scheduler(memory_budget, bar)
+            read = [
+                None if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)
+            ]
+            scheduler.drain()
+            for future in preparing:
+                future.result()
+            parts = iter(_send_parts(staged, scheduler.budget, bar))
+            for plan, buffers in zip(plans, read, strict=True):
+                shards = _from_host(plan, buffers) if buffers is not None else next(parts)
+                shape = (plan.replicas, *plan.placement.array.shape)
+                spreads.append(jax.make_array_from_single_device_arrays(shape, plan.spread, shards))
+                del shards
+            combines = [future.result() for future in compiling]
+            jax.block_until_ready(spreads)  # (a device's failure, here, before the all-reduce)
+        except Exception as error:  # noqa: BLE001 - agreed on below, then raised
+            compilers.shutdown(cancel_futures=True)
+            failure = error
     agree_read(failure, [p.placement.array.key for p in plans])
     reduced = []
     for i, combine in enumerate(combines):  # (every collective of the batch, first)
@@ -275,6 +285,33 @@ def _place(
         except Exception as error:  # noqa: BLE001 - raised by `put`, after every batch
             failures.append(error)
     return results
+
+
+def _compile_maximum(plan: _Plan, sent: bool) -> Any:
+    """`plan`'s all-reduce, compiled for its array of shares (of the values, or as they
+    are written on the devices where its parts are `sent`)."""
+    dtype = np.dtype(plan.placement.array.dtype)
+    shares = _written(dtype) if sent else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    shape = (plan.replicas, *plan.placement.array.shape)
+    abstract = jax.ShapeDtypeStruct(shape, shares, sharding=plan.spread)
+    return _maximum(dtype.name, shares.name, plan.sharding).lower(abstract).compile()
+
+
+def _prepare(
+    plan: _Plan, compilers: concurrent.futures.Executor
+) -> list[concurrent.futures.Future[Any]]:
+    """Start compiling (or loading) the programs that make `plan`'s shares on its
+    devices here: zeros of each region, and each part written into them."""
+    dtype = _written(plan.placement.array.dtype)
+    futures = []
+    for region in plan.regions:
+        shape = (1, *box_shape(region.region))
+        for i, (device, _) in enumerate(region.devices):
+            futures.append(compilers.submit(_on_device.empty_program, shape, dtype, device))
+            for part in region.parts if i == 0 else []:
+                piece = box_shape(part)
+                futures.append(compilers.submit(_write_program, shape, piece, dtype, device))
+    return futures
 
 
 def _sent(plan: _Plan) -> bool:
@@ -388,17 +425,22 @@ def _write_fn() -> Any:
     return jax.jit(write, donate_argnums=0)
 
 
+def _write_program(
+    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
+) -> Any:
+    """The program behind `_write` for shares of `shape` and parts of shape `piece`:
+    compiled once per machine (`lazyckpt._programs`); the starts are traced, so it
+    serves every part of its shape."""
+    single = jax.sharding.SingleDeviceSharding(device)
+    abstract = [jax.ShapeDtypeStruct(s, dtype, sharding=single) for s in (shape, piece)]
+    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
+    return _programs.compiled(_write_fn(), (*abstract, starts), device)
+
+
 def _write(shard: jax.Array, part: jax.Array, starts: tuple[int, ...]) -> jax.Array:
-    """`shard` with `part` (one dimension fewer) at `starts`, in place (donated): a
-    program compiled once per shape on a machine (`lazyckpt._programs`); the starts
-    are traced, so it serves every part of its shape."""
+    """`shard` with `part` (one dimension fewer) at `starts`, in place (donated)."""
     (device,) = shard.devices()
-    abstract = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-        for a in (shard, part)
-    ]
-    offsets = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in starts)
-    program = _programs.compiled(_write_fn(), (*abstract, offsets), device)
+    program = _write_program(shard.shape, part.shape, shard.dtype, device)
     result: jax.Array = program(shard, part, tuple(np.int32(s) for s in starts))
     return result
 
