@@ -9,6 +9,7 @@ client goes, a slow one after `SLOW_BYTES` bytes, and the server stops with the 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +53,7 @@ class HostileServer:
 
     def __post_init__(self) -> None:
         handler = type("Handler", (_Handler,), {"protocol_version": self.protocol})
-        self._listener = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._listener.daemon_threads = True
+        self._listener = _Listener(("127.0.0.1", 0), handler)
         self._listener.owner = self  # type: ignore[attr-defined]
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._listener.serve_forever, daemon=True)
@@ -105,6 +105,17 @@ class HostileServer:
 
 
 _RANGE = re.compile(r"bytes=([0-9]+)-([0-9]*)")
+
+
+class _Listener(ThreadingHTTPServer):
+    """The server's socket: a client that drops its connection (as lazyckpt does with
+    an answer it refuses) is no error of the server's, and prints nothing."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
