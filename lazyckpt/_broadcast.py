@@ -50,7 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt import _on_device, _programs, _staged
+from lazyckpt import _on_device, _staged
 from lazyckpt._array.geometry import Box, box_shape
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
@@ -291,7 +291,9 @@ def _compile_maximum(plan: _Plan, sent: bool) -> Any:
     """`plan`'s all-reduce, compiled for its array of shares (of the values, or as they
     are written on the devices where its parts are `sent`)."""
     dtype = np.dtype(plan.placement.array.dtype)
-    shares = _written(dtype) if sent else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    shares = (
+        _on_device.device_dtype(dtype) if sent else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    )
     shape = (plan.replicas, *plan.placement.array.shape)
     abstract = jax.ShapeDtypeStruct(shape, shares, sharding=plan.spread)
     return _maximum(dtype.name, shares.name, plan.sharding).lower(abstract).compile()
@@ -302,7 +304,7 @@ def _prepare(
 ) -> list[concurrent.futures.Future[Any]]:
     """Start compiling (or loading) the programs that make `plan`'s shares on its
     devices here: zeros of each region, and each part written into them."""
-    dtype = _written(plan.placement.array.dtype)
+    dtype = _on_device.device_dtype(np.dtype(plan.placement.array.dtype))
     futures = []
     for region in plan.regions:
         shape = (1, *box_shape(region.region))
@@ -310,7 +312,9 @@ def _prepare(
             futures.append(compilers.submit(_on_device.empty_program, shape, dtype, device))
             for part in region.parts if i == 0 else []:
                 piece = box_shape(part)
-                futures.append(compilers.submit(_write_program, shape, piece, dtype, device))
+                futures.append(
+                    compilers.submit(_on_device.write_program, shape, piece, dtype, device)
+                )
     return futures
 
 
@@ -391,7 +395,7 @@ def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[l
     sent = [next(done) if parts else [] for _, parts in work]
     out = []
     for plan, buffers in zip(plans, sent, strict=True):
-        dtype = _written(plan.placement.array.dtype)
+        dtype = _on_device.device_dtype(np.dtype(plan.placement.array.dtype))
         at = iter(buffers)
         shards = []
         for region in plan.regions:
@@ -400,49 +404,16 @@ def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[l
                 shard = _on_device.empty(shape, dtype, device)
                 for part in region.parts if i == 0 else []:
                     (piece,) = next(at)
-                    shard = _write(shard, piece, _offsets(part, region.region))
+                    shard = _on_device.write(shard, piece, _offsets(part, region.region))
                     del piece  # (let go once written)
                 shards.append(shard)
         out.append(shards)
     return out
 
 
-def _written(dtype: Any) -> np.dtype[Any]:
-    """The dtype of an array's shards on devices that copy out of host memory."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(_on_device.written_dtype(np.dtype(dtype))))
-
-
 def _offsets(part: Box, region: Box) -> tuple[int, ...]:
     """Where `part` starts in its region's shard (after its leading dimension of 1)."""
     return (0, *(low - start for (low, _), (start, _) in zip(part, region, strict=True)))
-
-
-@functools.cache
-def _write_fn() -> Any:
-    def write(shard: jax.Array, part: jax.Array, starts: tuple[jax.Array, ...]) -> jax.Array:
-        return jax.lax.dynamic_update_slice(shard, part[None], starts)
-
-    return jax.jit(write, donate_argnums=0)
-
-
-def _write_program(
-    shape: tuple[int, ...], piece: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device
-) -> Any:
-    """The program behind `_write` for shares of `shape` and parts of shape `piece`:
-    compiled once per machine (`lazyckpt._programs`); the starts are traced, so it
-    serves every part of its shape."""
-    single = jax.sharding.SingleDeviceSharding(device)
-    abstract = [jax.ShapeDtypeStruct(s, dtype, sharding=single) for s in (shape, piece)]
-    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
-    return _programs.compiled(_write_fn(), (*abstract, starts), device)
-
-
-def _write(shard: jax.Array, part: jax.Array, starts: tuple[int, ...]) -> jax.Array:
-    """`shard` with `part` (one dimension fewer) at `starts`, in place (donated)."""
-    (device,) = shard.devices()
-    program = _write_program(shard.shape, part.shape, shard.dtype, device)
-    result: jax.Array = program(shard, part, tuple(np.int32(s) for s in starts))
-    return result
 
 
 def _finish(plan: _Plan, placed: jax.Array) -> jax.Array:

@@ -44,6 +44,14 @@ def written_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype
 
 
+def device_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """What a shard of `dtype` is on the device while it is written: `written_dtype`,
+    without jax's 64-bit types where they are off (32 bits)."""
+    import jax
+
+    return np.dtype(jax.dtypes.canonicalize_dtype(written_dtype(dtype)))
+
+
 def _abstract(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
     import jax
 
@@ -82,6 +90,8 @@ def _write_fn() -> Any:
     import jax
 
     def write(buffer: jax.Array, piece: jax.Array, starts: tuple[jax.Array, ...]) -> jax.Array:
+        # (a piece of fewer dimensions fills the buffer's leading ones with size 1)
+        piece = piece.reshape((1,) * (buffer.ndim - piece.ndim) + piece.shape)
         return jax.lax.dynamic_update_slice(buffer, piece, starts)
 
     return jax.jit(write, donate_argnums=0)
@@ -264,10 +274,8 @@ class Shard:
 
     @property
     def device_dtype(self) -> np.dtype[Any]:
-        """The dtype of the buffers on the devices (without jax's 64-bit types, 32 bits)."""
-        import jax
-
-        return np.dtype(jax.dtypes.canonicalize_dtype(self.written))
+        """The dtype of the buffers on the devices while they are written."""
+        return device_dtype(self.dtype)
 
     def _compile_finish(self) -> None:
         changed = changed_patterns(self.devices[0], self.dtype)

@@ -173,7 +173,7 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
             def failing_write(*_: Any) -> Any:
                 raise lazyckpt.LazyckptError("injected failure writing a part on a device")
 
-            setattr(spreading, "_write", failing_write)  # noqa: B010
+            setattr(on_device, "write", failing_write)  # noqa: B010
     if step.get("fail") == me:
 
         def failing(self: Any) -> Any:

@@ -151,6 +151,11 @@ def test_processes_that_disagree_get_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "other").exists()
 
 
+REPLICATED = {"w": [None, "model"], "h": [], "m": ["model", None], "n": [], "s": []}
+"""Specs of `_replicated_checkpoint`'s arrays on a ("data", "model") mesh that leave the
+processes' "data" axis out: each array replicated across processes (a scalar too)."""
+
+
 def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Path) -> None:
     """Onto devices that copy out of host memory (CPU devices sent down the
     accelerators' path here), broadcast=True holds no region whole on the host: each
@@ -163,15 +168,7 @@ def test_broadcast_onto_accelerators_sends_only_each_process_parts(tmp_path: Pat
     it (making floats), an error there alone, the others placing every batch."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
-    specs = {
-        "w": [None, "model"],
-        "h": [],
-        "m": ["model", None],
-        "n": [],
-        "s": [],
-        "p": [],
-        "e": [None, "model"],
-    }
+    specs = {**REPLICATED, "p": [], "e": [None, "model"]}
     step = {
         "do": "broadcast",
         "path": str(path),
@@ -266,14 +263,7 @@ def test_broadcast_reads_each_chunk_once_across_processes(tmp_path: Path) -> Non
     process each give every process an error, not a hang."""
     path = tmp_path / "ckpt"
     stored = _replicated_checkpoint(path)
-    specs = {
-        "w": [None, "model"],
-        "h": [],
-        "m": ["model", None],
-        "n": [],
-        "s": [],
-        "c": ["data", "model"],  # (no replicas: read as without broadcast)
-    }
+    specs = {**REPLICATED, "c": ["data", "model"]}  # (c has no replicas: as without broadcast)
     step = {"do": "broadcast", "path": str(path), "mesh": [4, 2], "specs": specs, "fail": None}
     results = run_processes(
         4,
