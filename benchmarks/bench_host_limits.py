@@ -1,0 +1,244 @@
+"""What limits placing a tree decoded from Orbax on an accelerator's host (issue 47):
+the host's own rates, each measured alone and then together, beside lazyckpt's.
+
+    python benchmarks/bench_host_limits.py [--root DIR] [--gib 3]
+
+Runs where JAX finds no accelerator too (it then says so, and the sends go to a CPU
+device, which adopts host memory rather than copying it). On the tree of
+`bench_device.py` (`--gib` GiB of bfloat16 in 64 MiB arrays, written by Orbax with
+its defaults: one zstd chunk per array), in one process, each the best of two:
+
+- fresh memory: 128 MiB anonymous maps filled once, by 1 and 8 threads, touched
+  page by page or mapped with `MAP_POPULATE`; and a buffer filled again;
+- decoding alone: lazyckpt's chunk streams into a buffer of each thread's own, on
+  1, 4, 8 and 12 threads;
+- sending alone: 12 threads each sending 13 MiB pieces of uint16 from a buffer of
+  its own and waiting for each, plain (`jax.device_put`) and written into a shard's
+  buffer on the device as lazyckpt writes them (`_on_device.write`);
+- decoding and sending by hand: 12 threads each decoding a chunk into a buffer of its
+  own (8, 16 or 64 MiB) and sending each buffer as it fills, waiting for it;
+- lazyckpt: `device_put` of the whole tree at the default budget and at 256 MiB
+  (programs compiled by a first placement), with the seconds its decoding threads
+  spend decoding, summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import mmap
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from common import MiB, fresh_dir, in_fresh_process, machine, measure
+
+FILL = 128 * MiB
+PIECE_ROWS = 832  # x 8192 uint16: 13 MiB, the pieces a placement sends at its default budget
+
+
+def _rate(nbytes: int, work: Callable[[], Any]) -> float:
+    """GB/s of `nbytes` through `work`, the best of two."""
+    best = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _threads(count: int, work: Callable[[Any], None], shares: list[Any]) -> None:
+    with ThreadPoolExecutor(count) as pool:
+        list(pool.map(work, shares))
+
+
+def _fill_fresh(populate: bool) -> None:
+    import numpy as np
+
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    memory = mmap.mmap(-1, FILL, flags=flags)
+    values = np.frombuffer(memory, np.uint8)
+    values.fill(1)
+    del values
+    memory.close()
+
+
+def memory_rates() -> dict[str, float]:
+    import numpy as np
+
+    rates = {}
+    for populate, how in ((False, "touched"), (True, "MAP_POPULATE")):
+        for count in (1, 8):
+            rates[f"fresh memory filled, {how}, {count} threads"] = _rate(
+                count * FILL,
+                lambda c=count, p=populate: _threads(c, lambda _: _fill_fresh(p), [0] * c),
+            )
+    again = np.zeros(FILL, np.uint8)
+    rates["the same memory filled again, 1 thread"] = _rate(FILL, lambda: again.fill(1))
+    return rates
+
+
+def _chunks(path: str) -> tuple[list[tuple[Any, tuple[int, ...]]], int]:
+    import jax
+
+    import lazyckpt
+    from lazyckpt._engine.stored import stored_array
+
+    leaves = [leaf for leaf in jax.tree.leaves(lazyckpt.open(path)) if leaf.nbytes >= MiB]
+    chunks = []
+    for leaf in leaves:
+        stored = stored_array(leaf)
+        grid = [math.ceil(n / c) for n, c in zip(stored.shape, stored.chunks, strict=True)]
+        chunks += [(stored, index) for index in itertools.product(*map(range, grid))]
+    return chunks, sum(leaf.nbytes for leaf in leaves)
+
+
+def _decode(share: list[Any], buffer: int, send: Callable[[Any], None] | None) -> None:
+    """Each chunk of `share` decoded by lazyckpt's `ChunkStream` into one buffer of
+    `buffer` bytes, sent each time it is full (where `send`)."""
+    import numpy as np
+
+    from lazyckpt._array.geometry import chunk_box, slabs
+    from lazyckpt._engine.decode import READ_BYTES, ChunkStream
+
+    out = np.empty(buffer, np.uint8)
+    for stored, index in share:
+        stream = ChunkStream(stored, index, READ_BYTES)
+        itemsize = stored.dtype.itemsize
+        for slab in slabs(chunk_box(index, stored.chunks), stored.codec.order, itemsize, buffer):
+            nbytes = math.prod(high - low for low, high in slab) * itemsize
+            stream.next(slab, out.data[:nbytes])
+            if send is not None:
+                send(out[:nbytes])
+        stream.finish()
+        stream.close()
+
+
+def decode_and_send_rates(path: str) -> dict[str, float]:
+    import jax
+    import numpy as np
+
+    from lazyckpt import _on_device
+
+    device = jax.devices()[0]
+    jax.device_put(np.zeros(4, np.float32), device).block_until_ready()
+    chunks, size = _chunks(path)
+    rates = {}
+    for count in (1, 4, 8, 12):
+        shares = [chunks[i::count] for i in range(count)]
+        rates[f"decoding alone, {count} threads"] = _rate(
+            size, lambda c=count, s=shares: _threads(c, lambda x: _decode(x, 16 * MiB, None), s)
+        )
+
+    def send(values: Any) -> None:
+        jax.device_put(values, device).block_until_ready()
+
+    for buffer in (8, 16, 64):
+        shares = [chunks[i::12] for i in range(12)]
+        rates[f"decoded and sent by hand, 12 threads, {buffer} MiB buffers"] = _rate(
+            size, lambda b=buffer, s=shares: _threads(12, lambda x: _decode(x, b * MiB, send), s)
+        )
+    shape = (4096, 8192)  # a 64 MiB shard of uint16, as bfloat16 is written
+
+    def pieces(written: bool) -> None:
+        host = np.ones((PIECE_ROWS, shape[1]), np.uint16)
+        for _ in range(4):
+            dtype = np.dtype(np.uint16)
+            buffer = _on_device.empty(shape, dtype, device) if written else None
+            for at in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
+                sent = jax.device_put(host, device)
+                if buffer is not None:
+                    buffer = _on_device.write(buffer, sent, (at, 0))
+                sent.block_until_ready()
+            if buffer is not None:
+                buffer.block_until_ready()
+
+    sent_bytes = 12 * 4 * (shape[0] // PIECE_ROWS) * PIECE_ROWS * shape[1] * 2
+    for written, how in ((False, "plain"), (True, "written into a shard's buffer")):
+        pieces(written)  # (its programs compiled)
+        rates[f"sending alone, 12 threads, 13 MiB pieces, {how}"] = _rate(
+            sent_bytes, lambda w=written: _threads(12, lambda _: pieces(w), [0] * 12)
+        )
+    return rates
+
+
+def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
+    """lazyckpt's placement: (GB/s, host peak MiB, decoding threads busy on average)."""
+    import jax
+
+    import lazyckpt
+    from lazyckpt._engine import decode
+
+    size = sum(leaf.nbytes for leaf in jax.tree.leaves(lazyckpt.open(path)))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    decoding = [0.0]
+    lock = threading.Lock()
+    real = decode.ChunkStream.next
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                decoding[0] += time.perf_counter() - start
+
+    decode.ChunkStream.next = timed  # type: ignore[method-assign]
+    rows = {}
+    for budget in (None, "256MiB"):
+
+        def place(budget: str | None = budget) -> Any:
+            tree = lazyckpt.open(path)
+            return jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
+
+        place()  # (the programs that assemble shards, compiled)
+        best = None
+        for _ in range(2):
+            decoding[0] = 0.0
+            found = measure(place)
+            row = (found["seconds"], found["peak_above_baseline"], decoding[0] / found["seconds"])
+            best = row if best is None or row < best else best
+        assert best is not None
+        seconds, peak, busy = best
+        rows[f"lazyckpt device_put, {budget or 'default budget'}"] = (
+            size / seconds / 1e9,
+            peak / MiB,
+            busy,
+        )
+    return rows
+
+
+def _device_kind() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return "no accelerator found: sending to a CPU device, which adopts host memory"
+    return f"sending to {device.platform} {device.device_kind}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/lazyckpt-bench-limits"))
+    parser.add_argument("--gib", type=float, default=3.0)
+    args = parser.parse_args()
+    from bench_device import make
+
+    print(machine())
+    print(in_fresh_process(_device_kind))
+    root = fresh_dir(args.root)
+    orbax, _ = in_fresh_process(make, root, "tree", args.gib)
+    for name, rate in in_fresh_process(memory_rates).items():
+        print(f"{name:60} {rate:6.2f} GB/s")
+    for name, rate in in_fresh_process(decode_and_send_rates, orbax).items():
+        print(f"{name:60} {rate:6.2f} GB/s")
+    for name, (rate, peak, busy) in in_fresh_process(placement_rates, orbax).items():
+        print(f"{name:60} {rate:6.2f} GB/s, peak {peak:5.0f} MiB, {busy:4.1f} threads decoding")
+
+
+if __name__ == "__main__":
+    main()
