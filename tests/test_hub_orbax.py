@@ -4,6 +4,7 @@ URLs, written by Orbax itself: the same tree and values as from disk, read lazil
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import urllib.error
@@ -489,3 +490,33 @@ def test_a_damaged_chunk_read_in_ranges_is_refused(
     remote = lazyckpt.open("hf://org/jax/ckpt")
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=expected):
         lazyckpt.load(remote)
+
+
+def test_a_streamed_chunk_is_located_and_read_once(hub: HubServer, tmp_path: Path) -> None:
+    """A chunk larger than a block, streamed (`iter_blocks`, as `stats`, `save` and
+    placing on accelerators stream it): its place in the shard is looked up once, and
+    no stored byte is asked for twice (its header was read alone, and the shard's
+    index again, before the decoding's own reads: two round trips a chunk)."""
+    rng = np.random.default_rng(3)
+    tree = {"w": rng.standard_normal((2048, 1024), dtype=np.float32)}  # one 8 MiB chunk
+    local = orbax_save(tmp_path / "ckpt", tree)
+    hub.commit("org/jax", _files(local, "ckpt"))
+    remote = lazyckpt.open("hf://org/jax/ckpt")
+    hub.clear_log()
+    streamed = np.empty_like(tree["w"])
+    blocks = 0
+    for _, index, values in lazyckpt.iter_blocks(remote, memory_budget="4MiB"):
+        streamed[index] = values
+        blocks += 1
+    np.testing.assert_array_equal(streamed, tree["w"])
+    assert blocks > 1
+    reads = _data_requests(hub)
+    spans = sorted(_span(r.range) for r in reads)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), spans
+    assert sum(r.bytes_sent for r in reads) < stored_chunk_bytes(local, remote["w"]) + 4096
+
+
+def _span(header: str) -> tuple[int, int]:
+    """A `Range: bytes=a-b` header's half-open span."""
+    start, end = header.removeprefix("bytes=").split("-")
+    return int(start), int(end) + 1

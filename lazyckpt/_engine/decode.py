@@ -66,9 +66,6 @@ def job_bytes(read_bytes: int, window: int) -> int:
     return stream_bytes(read_bytes) + window
 
 
-_HEADER_BYTES = 64  # a zstd frame header is at most 18 bytes
-
-
 class _Decoding(Protocol):
     """What a chunk stream uses of zstandard's stream reader (whose stubs leave
     `close` untyped)."""
@@ -163,20 +160,16 @@ class ChunkStream:
         )
 
     def check(self) -> None:
-        """Check, before anything is planned, that the stored bytes can hold the chunk
-        its header declares (the zstd frame's size, or the raw bytes' length); then
-        release what that read. Only a few bytes are read: the zstd frame header, not
-        a window that the decoding would read again."""
-        read_bytes, self.read_bytes = self.read_bytes, _HEADER_BYTES
-        try:
+        """Open the stream and check, before anything is planned, that its stored bytes
+        can hold the chunk its header declares (the zstd frame's size, or the raw
+        bytes' length): a damaged header may declare petabytes. The stream stays open,
+        and its decoding goes on from what this read: the chunk is located and its
+        first window read once (close it where it is not decoded)."""
+        if not self._opened:
             self._open()
-            source = self._source
-            if source is not None and not self.codec.zstd and not source.check_length(self.total):
-                raise self._fail(f"holds fewer than the {self.total} bytes it declares")
-        finally:
-            self.close()
-            self._opened = False
-            self.read_bytes = read_bytes
+        source = self._source
+        if source is not None and not self.codec.zstd and not source.check_length(self.total):
+            raise self._fail(f"holds fewer than the {self.total} bytes it declares")
 
     def _locate(self) -> tuple[int, int | None] | None:
         """The byte range of the chunk's stored bytes in its key's value; None when it

@@ -278,8 +278,11 @@ def decode_slabs(
     users: Sequence[Consumer],
     read_bytes: int,
     window: int,
+    stream: ChunkStream | None = None,
 ) -> Iterator[list[Destination]]:
     """`decode_into`, one slab at a time: after each slab, the destinations it completed.
+    `stream`, where given, is the chunk's stream opened already (`ChunkStream.check`),
+    decoded from its start and closed here.
 
     Slabs are planned as the stream goes, and each is matched only against the users
     whose extent along the split dimension it meets, so the work is linear in the
@@ -304,7 +307,8 @@ def decode_slabs(
         and array.dtype == stored.dtype
     )
     left = {id(t): math.prod(s.shape) for t, s in users}
-    stream = ChunkStream(stored, index, read_bytes)
+    if stream is None:
+        stream = ChunkStream(stored, index, read_bytes)
     whole = True  # whether every slab of the chunk was decoded
     try:
         for slab in slabs(box, order, itemsize, window, sorted(cuts)):

@@ -446,18 +446,22 @@ def _chunk_bands(
     declare petabytes."""
 
     def produce() -> Iterator[Block]:
-        ChunkStream(stored_array(array), index, read_bytes).check()
-        regions = list(bands())
-        destinations = [Destination(region, array.dtype, pool=pool) for region in regions]
-        users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
-        itemsize = array.dtype.itemsize
-        for completed in decode_slabs(array, index, users, read_bytes, window):
-            for destination in completed:
-                band, region = destination.buffer(), destination.region
-                destination.out = None  # handed over: the job keeps no reference
-                for part in pieces(region, grid, itemsize, block):
-                    yield as_slices(part), band[slices(part, region)], box_bytes(part, itemsize)
-                del band  # (and no piece of it is left in this frame)
+        chunk = ChunkStream(stored_array(array), index, read_bytes)
+        try:
+            chunk.check()  # (then decoded on: located and its first window read once)
+            regions = list(bands())
+            destinations = [Destination(region, array.dtype, pool=pool) for region in regions]
+            users = [(t, array.selection[as_slices(t.region)]) for t in destinations]
+            itemsize = array.dtype.itemsize
+            for completed in decode_slabs(array, index, users, read_bytes, window, chunk):
+                for destination in completed:
+                    band, region = destination.buffer(), destination.region
+                    destination.out = None  # handed over: the job keeps no reference
+                    for part in pieces(region, grid, itemsize, block):
+                        yield as_slices(part), band[slices(part, region)], box_bytes(part, itemsize)
+                    del band  # (and no piece of it is left in this frame)
+        finally:
+            chunk.close()  # (where planning failed, or the stream was let go early)
 
     bands_out = produce()
     return itertools.repeat(lambda: in_pool(lambda: next(bands_out, END)))
