@@ -494,9 +494,9 @@ def test_a_damaged_chunk_read_in_ranges_is_refused(
 
 def test_a_streamed_chunk_is_located_and_read_once(hub: HubServer, tmp_path: Path) -> None:
     """A chunk larger than a block, streamed (`iter_blocks`, as `stats`, `save` and
-    placing on accelerators stream it): its place in the shard is looked up once, and
-    no stored byte is asked for twice (its header was read alone, and the shard's
-    index again, before the decoding's own reads: two round trips a chunk)."""
+    placing on accelerators stream it): no stored byte is asked for twice (its header
+    was read alone, by a stream of its own, before the decoding read it again: a
+    round trip more a chunk)."""
     rng = np.random.default_rng(3)
     tree = {"w": rng.standard_normal((2048, 1024), dtype=np.float32)}  # one 8 MiB chunk
     local = orbax_save(tmp_path / "ckpt", tree)
