@@ -17,6 +17,10 @@ its defaults: one zstd chunk per array), in one process, each the best of two:
   buffer on the device as lazyckpt writes them (`_on_device.write`);
 - decoding and sending by hand: 12 threads each decoding a chunk into a buffer of its
   own (8, 16 or 64 MiB) and sending each buffer as it fills, waiting for it;
+- one thread sending 13 MiB pieces into a shard's buffer, one at a time as a
+  placement's consumer does: the milliseconds a piece spends in `jax.device_put`, in
+  calling the write program and waiting for the transfer, alone and while 12 threads
+  decode the tree;
 - lazyckpt: `device_put` of the whole tree at the default budget and at 256 MiB
   (programs compiled by a first placement), with the seconds its decoding threads
   spend decoding, summed.
@@ -166,6 +170,55 @@ def decode_and_send_rates(path: str) -> dict[str, float]:
     return rates
 
 
+def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
+    """What one thread sending 13 MiB pieces into a shard's buffer, one at a time (as a
+    placement's consumer sends), spends a piece: milliseconds in `jax.device_put`, in
+    calling the write program and waiting for the transfer; alone, and while 12
+    threads decode the tree (nothing else sent)."""
+    import jax
+    import numpy as np
+
+    from lazyckpt import _on_device
+
+    device = jax.devices()[0]
+    chunks, _ = _chunks(path)
+    shape, dtype = (4096, 8192), np.dtype(np.uint16)
+    host = np.ones((PIECE_ROWS, shape[1]), np.uint16)
+
+    def sending(until: Callable[[], bool]) -> tuple[float, float, float]:
+        spent, count = [0.0, 0.0, 0.0], 0
+        while not until():
+            buffer = _on_device.empty(shape, dtype, device)
+            for at in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
+                start = time.perf_counter()
+                sent = jax.device_put(host, device)
+                put = time.perf_counter()
+                buffer = _on_device.write(buffer, sent, (at, 0))
+                written = time.perf_counter()
+                sent.block_until_ready()
+                for k, seconds in enumerate(
+                    (put - start, written - put, time.perf_counter() - written)
+                ):
+                    spent[k] += seconds
+                count += 1
+            buffer.block_until_ready()
+        a, b, c = (1e3 * seconds / count for seconds in spent)
+        return a, b, c
+
+    def rounds(count: int) -> Callable[[], bool]:
+        left = iter(range(count))
+        return lambda: next(left, None) is None
+
+    sending(rounds(1))  # (its programs compiled)
+    costs = {"one thread sending alone": sending(rounds(8))}
+    with ThreadPoolExecutor(12) as pool:
+        decoding = [pool.submit(_decode, chunks[i::12], 16 * MiB, None) for i in range(12)]
+        costs["one thread sending while 12 threads decode"] = sending(
+            lambda: all(job.done() for job in decoding)
+        )
+    return costs
+
+
 def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
     """lazyckpt's placement: (GB/s, host peak MiB, decoding threads busy on average)."""
     import jax
@@ -236,6 +289,11 @@ def main() -> None:
         print(f"{name:60} {rate:6.2f} GB/s")
     for name, rate in in_fresh_process(decode_and_send_rates, orbax).items():
         print(f"{name:60} {rate:6.2f} GB/s")
+    for name, (put, write, wait) in in_fresh_process(send_costs, orbax).items():
+        print(
+            f"{name:60} a 13 MiB piece: {put:5.2f} ms in device_put, "
+            f"{write:5.2f} ms calling the write program, {wait:5.2f} ms waiting"
+        )
     for name, (rate, peak, busy) in in_fresh_process(placement_rates, orbax).items():
         print(f"{name:60} {rate:6.2f} GB/s, peak {peak:5.0f} MiB, {busy:4.1f} threads decoding")
 
