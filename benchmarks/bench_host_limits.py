@@ -16,7 +16,9 @@ its defaults: one zstd chunk per array), in one process, each the best of two:
   its own and waiting for each, plain (`jax.device_put`) and written into a shard's
   buffer on the device as lazyckpt writes them (`_on_device.write`);
 - decoding and sending by hand: 12 threads each decoding a chunk into a buffer of its
-  own (8, 16 or 64 MiB) and sending each buffer as it fills, waiting for it;
+  own (8, 16 or 64 MiB) and sending each buffer as it fills, waiting for it; and the
+  same with each buffer written into its chunk's buffer on the device as lazyckpt
+  writes a shard's pieces (8 and 16 MiB);
 - one thread sending 13 MiB pieces into a shard's buffer, one at a time as a
   placement's consumer does: the milliseconds a piece spends in `jax.device_put`, in
   calling the write program and waiting for the transfer, alone and while 12 threads
@@ -101,7 +103,11 @@ def _chunks(path: str) -> tuple[list[tuple[Any, tuple[int, ...]]], int]:
     return chunks, sum(leaf.nbytes for leaf in leaves)
 
 
-def _decode(share: list[Any], buffer: int, send: Callable[[Any], None] | None) -> None:
+Send = Callable[[Any, tuple[int, ...], tuple[tuple[int, int], ...], Any], None]
+"""`send(stored, index, slab, values)`: a decoded slab of chunk `index` of `stored`."""
+
+
+def _decode(share: list[Any], buffer: int, send: Send | None) -> None:
     """Each chunk of `share` decoded by lazyckpt's `ChunkStream` into one buffer of
     `buffer` bytes, sent each time it is full (where `send`)."""
     import numpy as np
@@ -117,9 +123,40 @@ def _decode(share: list[Any], buffer: int, send: Callable[[Any], None] | None) -
             nbytes = math.prod(high - low for low, high in slab) * itemsize
             stream.next(slab, out.data[:nbytes])
             if send is not None:
-                send(out[:nbytes])
+                send(stored, index, slab, out[:nbytes])
         stream.finish()
         stream.close()
+
+
+class _IntoShard:
+    """Sends each slab into a buffer of its chunk on the device, written there as
+    lazyckpt writes a shard's pieces (`_on_device.write`), waiting for each transfer;
+    for chunks of 2-byte values in C order, as the tree's."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.chunk: tuple[int, tuple[int, ...]] | None = None
+        self.buffer: Any = None
+
+    def __call__(self, stored: Any, index: tuple[int, ...], slab: Any, values: Any) -> None:
+        import jax
+        import numpy as np
+
+        from lazyckpt import _on_device
+        from lazyckpt._array.geometry import chunk_box
+
+        box = chunk_box(index, stored.chunks)
+        if self.chunk != (id(stored), index):
+            if self.buffer is not None:
+                self.buffer.block_until_ready()
+            shape = tuple(high - low for low, high in box)
+            self.buffer = _on_device.empty(shape, np.dtype(np.uint16), self.device)
+            self.chunk = (id(stored), index)
+        piece = values.view(np.uint16).reshape([high - low for low, high in slab])
+        sent = jax.device_put(piece, self.device)
+        starts = tuple(low - first for (low, _), (first, _) in zip(slab, box, strict=True))
+        self.buffer = _on_device.write(self.buffer, sent, starts)
+        sent.block_until_ready()
 
 
 def decode_and_send_rates(path: str) -> dict[str, float]:
@@ -138,13 +175,21 @@ def decode_and_send_rates(path: str) -> dict[str, float]:
             size, lambda c=count, s=shares: _threads(c, lambda x: _decode(x, 16 * MiB, None), s)
         )
 
-    def send(values: Any) -> None:
+    def send(stored: Any, index: Any, slab: Any, values: Any) -> None:
         jax.device_put(values, device).block_until_ready()
 
+    shares = [chunks[i::12] for i in range(12)]
     for buffer in (8, 16, 64):
-        shares = [chunks[i::12] for i in range(12)]
         rates[f"decoded and sent by hand, 12 threads, {buffer} MiB buffers"] = _rate(
-            size, lambda b=buffer, s=shares: _threads(12, lambda x: _decode(x, b * MiB, send), s)
+            size, lambda b=buffer: _threads(12, lambda x: _decode(x, b * MiB, send), shares)
+        )
+    for buffer in (8, 16):
+        _decode(chunks[:1], buffer * MiB, _IntoShard(device))  # (its programs compiled)
+        rates[f"the same, {buffer} MiB, written into a shard's buffer"] = _rate(
+            size,
+            lambda b=buffer: _threads(
+                12, lambda x: _decode(x, b * MiB, _IntoShard(device)), shares
+            ),
         )
     shape = (4096, 8192)  # a 64 MiB shard of uint16, as bfloat16 is written
 
