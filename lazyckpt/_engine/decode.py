@@ -260,13 +260,17 @@ class ChunkStream:
             raise self._fail(f"holds more than its {self.total} decoded bytes")
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
-        if self._source is not None:
-            self._source.close()
-            self._source = None
+        """Let go of the reader and the source, each closed once (a stream may be
+        closed by more than one owner: `decode_slabs`, and the job that opened it)."""
+        reader, self._reader = self._reader, None
+        source, self._source = self._source, None
         self._scratch = None
+        try:
+            if reader is not None:
+                reader.close()
+        finally:
+            if source is not None:
+                source.close()
 
 
 def chunk_error(stored: StoredArray, index: tuple[int, ...], key: str, what: str) -> LazyckptError:

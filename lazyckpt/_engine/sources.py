@@ -200,22 +200,24 @@ class FileSource(_Windowed):
         return "value"
 
     def close(self) -> None:
+        """Close the file once (a close that fails is not tried again: its number may
+        be another file's by then), and hand the windows on."""
         if os.getpid() != self._process:  # (in a fork: no reading thread, no windows here)
             self._ahead, self._buffers, self.held = None, [], b""
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
+            self._close_file()
             return
         if self._ahead is not None:  # (its buffer is written until it is done)
             concurrent.futures.wait([self._ahead])
             self._ahead = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.held = b""
-        for buffer in self._buffers:
+        buffers, self._buffers, self.held = self._buffers, [], b""
+        for buffer in buffers:
             _windows.give(buffer)
-        self._buffers = []
+        self._close_file()
+
+    def _close_file(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class _Windows:
