@@ -104,9 +104,12 @@ def write_program(
     starts are traced, so one program serves every position of a piece."""
     import jax
 
-    starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
-    buffer, part = _abstract(shape, dtype, device), _abstract(piece, dtype, device)
-    return programs.compiled(_write_fn(), (buffer, part, starts), device)
+    def arguments() -> tuple[Any, ...]:
+        starts = tuple(jax.ShapeDtypeStruct((), np.int32) for _ in shape)
+        return _abstract(shape, dtype, device), _abstract(piece, dtype, device), starts
+
+    key = ("write", tuple(shape), tuple(piece), np.dtype(dtype))
+    return programs.compiled_as(key, _write_fn(), arguments, device)
 
 
 def write(buffer: jax.Array, piece: jax.Array, starts: tuple[int, ...]) -> jax.Array:

@@ -29,7 +29,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,19 @@ def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> A
     import jax
 
     signature = tuple((leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(arguments))
-    key = (function, signature, device, jax.config.read("jax_enable_x64"))
+    return compiled_as((function, signature), function, lambda: arguments, device)
+
+
+def compiled_as(
+    key: Hashable, function: Any, arguments: Callable[[], tuple[Any, ...]], device: jax.Device
+) -> Any:
+    """`compiled(function, arguments(), device)`, found among this process's programs by
+    `key` (which must tell apart everything `arguments` may be): for a program asked
+    for each piece a placement sends, a lookup of microseconds where making the
+    abstract arguments and their signature took tens."""
+    import jax
+
+    key = (key, device, jax.config.read("jax_enable_x64"))
     with _LOCK:
         future = _LOADED.get(key)
         if future is not None:
@@ -65,7 +77,7 @@ def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> A
     if not first:
         return future.result()
     try:
-        lowered = function.lower(*arguments)
+        lowered = function.lower(*arguments())
         file, path = None, folder()
         if path is not None:
             file = path / f"{_name(lowered, device)}.bin"
