@@ -66,7 +66,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from common import GiB, MiB, fresh_dir, in_fresh_process, machine, measure, orbax_save
+from common import GiB, MiB, Timers, fresh_dir, in_fresh_process, machine, measure, orbax_save
 
 ROWS, COLUMNS = 4096, 8192  # 64 MiB of bfloat16
 SMALL = 32
@@ -442,9 +442,7 @@ def stage_times(path: str) -> dict[str, Any]:
     the seconds spent in each of `STAGES`, summed over the threads that ran it, beside
     the placement's own. CPU devices are made to take the accelerators' path (pieces
     sent, and copied out of host memory), so that it runs anywhere."""
-    import collections
     import importlib
-    import threading
 
     import jax
 
@@ -455,21 +453,10 @@ def stage_times(path: str) -> dict[str, Any]:
     if not _staged.staged(sharding):
         _staged.STAGED_PLATFORMS = frozenset({*_staged.STAGED_PLATFORMS, "cpu"})
         _on_device.ADOPTING_PLATFORMS = frozenset()
-    spent: collections.Counter[str] = collections.Counter()
-    lock = threading.Lock()
+    timers = Timers()
     for (module, owner, name), label in STAGES.items():
-        cls = getattr(importlib.import_module(module), owner)
-        real = getattr(cls, name)
-
-        def timed(*args: Any, real: Any = real, label: str = label, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                with lock:
-                    spent[label] += time.perf_counter() - start
-
-        setattr(cls, name, timed)
+        timers.time(getattr(importlib.import_module(module), owner), name, label)
+    spent = timers.spent
 
     def place() -> Any:
         return jax.block_until_ready(lazyckpt.device_put(lazyckpt.open(path), sharding))
@@ -493,11 +480,9 @@ def stream_rates(path: str) -> dict[str, tuple[float, float, float]]:
     sixteenth, as ready, dropped as they come) at several budgets. Each: (GB/s, the
     seconds spent in `ChunkStream.next` summed over threads, 0 for zstd by hand,
     and the MiB of fresh memory mapped for blocks), the best of two, in one process."""
-    import collections
     import itertools
     import math
     import mmap
-    import threading
     import types
     from concurrent.futures import ThreadPoolExecutor
 
@@ -551,24 +536,13 @@ def stream_rates(path: str) -> dict[str, tuple[float, float, float]]:
             chunk.finish()
             chunk.close()
 
-    spent: collections.Counter[str] = collections.Counter()
-    lock = threading.Lock()
-    real = decode.ChunkStream.next
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            with lock:
-                spent["next"] += time.perf_counter() - start
-
-    decode.ChunkStream.next = timed  # type: ignore[method-assign]
+    timers = Timers()
+    timers.time(decode.ChunkStream, "next", "next")
+    spent = timers.spent
 
     class Mapping:  # (the blocks' memory, fresh pages, as `memory` maps it)
         def __call__(self, fileno: int, length: int, *args: Any) -> mmap.mmap:
-            with lock:
-                spent["mapped"] += length
+            timers.add("mapped", length)
             return mmap.mmap(fileno, length, *args)
 
     memory.mmap = types.SimpleNamespace(mmap=Mapping(), PAGESIZE=mmap.PAGESIZE)  # type: ignore[assignment]

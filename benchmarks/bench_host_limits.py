@@ -34,14 +34,13 @@ import argparse
 import itertools
 import math
 import mmap
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import MiB, fresh_dir, in_fresh_process, machine, measure
+from common import MiB, Timers, fresh_dir, in_fresh_process, machine, measure
 
 FILL = 128 * MiB
 PIECE_ROWS = 832  # x 8192 uint16: 13 MiB, the pieces a placement sends at its default budget
@@ -273,19 +272,8 @@ def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
 
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(lazyckpt.open(path)))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    decoding = [0.0]
-    lock = threading.Lock()
-    real = decode.ChunkStream.next
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            with lock:
-                decoding[0] += time.perf_counter() - start
-
-    decode.ChunkStream.next = timed  # type: ignore[method-assign]
+    timers = Timers()
+    timers.time(decode.ChunkStream, "next", "decoding")
     rows = {}
     for budget in (None, "256MiB"):
 
@@ -296,9 +284,10 @@ def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
         place()  # (the programs that assemble shards, compiled)
         best = None
         for _ in range(2):
-            decoding[0] = 0.0
+            timers.spent.clear()
             found = measure(place)
-            row = (found["seconds"], found["peak_above_baseline"], decoding[0] / found["seconds"])
+            busy = timers.spent["decoding"] / found["seconds"]
+            row = (found["seconds"], found["peak_above_baseline"], busy)
             best = row if best is None or row < best else best
         assert best is not None
         seconds, peak, busy = best

@@ -8,11 +8,13 @@ what that operation added.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +109,33 @@ class _Sampler:
 def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of `measure` results that took least time."""
     return min(runs, key=lambda r: r["seconds"])
+
+
+class Timers:
+    """Seconds spent in functions or methods made timed (`time`), summed over the
+    threads that run them, and other amounts added by label (`add`)."""
+
+    def __init__(self) -> None:
+        self.spent: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, label: str, amount: float) -> None:
+        with self._lock:
+            self.spent[label] += amount
+
+    def time(self, owner: Any, name: str, label: str) -> None:
+        """`owner.name` (a class's method, a module's function) timed from now on, its
+        seconds added to `label`."""
+        real = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.add(label, time.perf_counter() - start)
+
+        setattr(owner, name, timed)
 
 
 def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
