@@ -423,3 +423,41 @@ def test_a_buffer_pool_reuses_only_free_memory_and_keeps_within_its_limits() -> 
     del small, others
     pool.settle()  # free buffers let go now, not at the next `empty`
     assert pool.held == 5 << 20  # within `keep`: the 1 MiB and one 4 MiB buffer
+
+
+_SIZES_SCRIPT = """
+import os
+import numpy as np
+from lazyckpt._engine import memory
+before = memory._rss()
+grown = np.ones(64 << 20, np.uint8)
+after = memory._rss()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    del grown
+    os.write(write, str(memory._rss()).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as answer:
+    child = int(answer.read())
+os.waitpid(pid, 0)
+print(before, after, child, memory._rss())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_the_process_size_is_read_afresh_and_by_a_forked_child_its_own(tmp_path: Path) -> None:
+    """The guard's look at the process's size (its file kept open between looks) sees
+    memory taken since the last look, and a child forked after a look sees its own
+    size: it lets go of what the parent keeps, and its look says so."""
+    import subprocess
+
+    script = tmp_path / "sizes.py"
+    script.write_text(_SIZES_SCRIPT)
+    found = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after, child, parent = map(int, found.stdout.split())
+    assert after - before >= 60 << 20, found.stdout
+    assert child <= after - (60 << 20) and parent >= after - (1 << 20), found.stdout

@@ -136,11 +136,41 @@ def settle_allocator(budget: int) -> None:
 
 
 def _rss() -> int | None:
+    """The process's resident bytes, read again from a `/proc/self/statm` kept open:
+    opening it for each look cost 84 us on a gVisor TPU host (a placement's consumer
+    looked 156 times in 1.2 s), reading it again 9 us."""
+    statm = _STATM
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with statm.lock:
+            if statm.fd is None:
+                statm.fd = os.open("/proc/self/statm", os.O_RDONLY)
+            fields = os.pread(statm.fd, 128, 0).split()
+        return int(fields[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
+
+
+class _Statm:
+    """This process's `/proc/self/statm`, opened at the first look."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.lock = threading.Lock()
+
+
+_STATM = _Statm()
+
+
+def _forget_statm() -> None:
+    """In a forked child, whose inherited descriptor reads the parent's numbers."""
+    global _STATM
+    if _STATM.fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(_STATM.fd)
+    _STATM = _Statm()
+
+
+os.register_at_fork(after_in_child=_forget_statm)
 
 
 CHECK_SECONDS = 0.005
