@@ -42,7 +42,7 @@ from lazyckpt._engine.raw import lies_raw
 from lazyckpt._engine.scheduler import MIN_BLOCK, Scheduler, stream_block
 from lazyckpt._engine.stream import iter_blocks
 from lazyckpt._lazy import LazyArray
-from lazyckpt._on_device import Shard, release_sent
+from lazyckpt._on_device import Shard, Starts, release_sent
 from lazyckpt._senders import Senders, direct_reads
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def send_shards(
     """
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
-    planned = [_plan(array, regions, half, raw) for array, regions in placements]
+    starts = Starts()
+    planned = [_plan(array, regions, half, raw, starts) for array, regions in placements]
     gate = _Gate(half, scheduler, BufferPool(half, release=release_sent))
     streamed = [
         (array[as_slices(shard.region)], shard)
@@ -178,13 +179,18 @@ COMPILERS = 4
 
 
 def _plan(
-    array: LazyArray, regions: dict[Box, list[jax.Device]], half: int, raw: bool
+    array: LazyArray,
+    regions: dict[Box, list[jax.Device]],
+    half: int,
+    raw: bool,
+    starts: Starts,
 ) -> tuple[list[Shard], list[list[Box]] | None, bool]:
     """`array`'s shards, the pieces each is filled in (None where they are streamed),
     and whether they are filled together, in one read: each region whole where all fit
-    `half` together, cut where the bytes lie raw in a file."""
+    `half` together, cut where the bytes lie raw in a file. Every shard of a placement
+    takes its pieces' starts on the devices from `starts`."""
     shards = [
-        Shard(array.key, region, devices, array.dtype, raw=raw)
+        Shard(array.key, region, devices, array.dtype, raw=raw, starts=starts)
         for region, devices in regions.items()
     ]
     itemsize = array.dtype.itemsize

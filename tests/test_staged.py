@@ -740,3 +740,35 @@ def test_a_gate_whose_transfers_cannot_say_keeps_their_pieces_until_it_waits() -
     del values
     values, _ = gate.take((4 * MiB,), np.dtype(np.uint8))
     assert values.ctypes.data != address and gate.held == 8 * MiB
+
+
+@pytest.mark.usefixtures("copying")
+def test_the_starts_of_pieces_go_to_each_device_once_a_placement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four streamed arrays cut alike on one device: each piece's starts are sent to
+    the device once for all four arrays, not once for each piece written."""
+    values = {
+        f"w{i}": np.random.default_rng(i).standard_normal((512, 1024), np.float32) for i in range(4)
+    }
+    path = orbax_save(tmp_path / "ckpt", values)
+    written, starts_sent = [], []
+    write, put = on_device.write, jax.device_put
+
+    def counted_write(*args: Any) -> Any:
+        written.append(args[2])
+        return write(*args)
+
+    def counted_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, list) and all(isinstance(s, np.int32) for s in x):
+            starts_sent.append(tuple(int(s) for s in x))
+        return put(x, *args, **kwargs)
+
+    monkeypatch.setattr(on_device, "write", counted_write)
+    monkeypatch.setattr(jax, "device_put", counted_put)
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    placed = lazyckpt.device_put(lazyckpt.open(path), sharding, memory_budget=2 * MiB)
+    for key, array in values.items():
+        assert _bits(placed[key]) == (array.dtype, array.tobytes())
+    assert len(written) == 4 * len(set(written)) > 4  # (every array cut into pieces alike)
+    assert sorted(starts_sent) == sorted(set(written))
