@@ -22,10 +22,11 @@ its defaults: one zstd chunk per array), in one process, each the best of two:
 - one thread sending 13 MiB pieces into a shard's buffer, one at a time as a
   placement's consumer does: the milliseconds a piece spends in `jax.device_put`, in
   calling the write program and waiting for the transfer, alone and while 12 threads
-  decode the tree;
+  decode the tree, with the pieces' starts given as host integers and already on the
+  device;
 - lazyckpt: `device_put` of the whole tree at the default budget and at 256 MiB
   (programs compiled by a first placement), with the seconds its decoding threads
-  spend decoding, summed.
+  spend decoding, summed, and where its consumer's time goes.
 """
 
 from __future__ import annotations
@@ -218,7 +219,9 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
     """What one thread sending 13 MiB pieces into a shard's buffer, one at a time (as a
     placement's consumer sends), spends a piece: milliseconds in `jax.device_put`, in
     calling the write program and waiting for the transfer; alone, and while 12
-    threads decode the tree (nothing else sent)."""
+    threads decode the tree (nothing else sent); with the pieces' starts given as host
+    integers (each call sends them) and taken from the device (`_on_device.Starts`, as
+    lazyckpt writes)."""
     import jax
     import numpy as np
 
@@ -229,15 +232,15 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
     shape, dtype = (4096, 8192), np.dtype(np.uint16)
     host = np.ones((PIECE_ROWS, shape[1]), np.uint16)
 
-    def sending(until: Callable[[], bool]) -> tuple[float, float, float]:
+    def sending(until: Callable[[], bool], at: Any) -> tuple[float, float, float]:
         spent, count = [0.0, 0.0, 0.0], 0
         while not until():
             buffer = _on_device.empty(shape, dtype, device)
-            for at in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
+            for row in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
                 start = time.perf_counter()
                 sent = jax.device_put(host, device)
                 put = time.perf_counter()
-                buffer = _on_device.write(buffer, sent, (at, 0))
+                buffer = _on_device.write(buffer, sent, (row, 0), at)
                 written = time.perf_counter()
                 sent.block_until_ready()
                 for k, seconds in enumerate(
@@ -253,27 +256,35 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
         left = iter(range(count))
         return lambda: next(left, None) is None
 
-    sending(rounds(1))  # (its programs compiled)
-    costs = {"one thread sending alone": sending(rounds(8))}
-    with ThreadPoolExecutor(12) as pool:
-        decoding = [pool.submit(_decode, chunks[i::12], 16 * MiB, None) for i in range(12)]
-        costs["one thread sending while 12 threads decode"] = sending(
-            lambda: all(job.done() for job in decoding)
-        )
+    costs = {}
+    for at, how in ((None, "starts from the host"), (_on_device.Starts(), "starts on the device")):
+        sending(rounds(1), at)  # (its programs compiled, its starts sent)
+        costs[f"one thread sending alone, {how}"] = sending(rounds(8), at)
+        with ThreadPoolExecutor(12) as pool:
+            decoding = [pool.submit(_decode, chunks[i::12], 16 * MiB, None) for i in range(12)]
+            costs[f"the same while 12 threads decode, {how}"] = sending(
+                lambda d=decoding: all(job.done() for job in d), at
+            )
     return costs
 
 
-def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
-    """lazyckpt's placement: (GB/s, host peak MiB, decoding threads busy on average)."""
+def placement_rates(path: str) -> dict[str, tuple[float, ...]]:
+    """lazyckpt's placement: GB/s, host peak MiB, decoding threads busy on average, and
+    the seconds its consumer (the thread that sends the streamed blocks) spends waiting
+    for blocks, writing them into shards and looking at the process's size."""
     import jax
 
     import lazyckpt
-    from lazyckpt._engine import decode
+    from lazyckpt import _on_device
+    from lazyckpt._engine import decode, memory, stream
 
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(lazyckpt.open(path)))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     timers = Timers()
     timers.time(decode.ChunkStream, "next", "decoding")
+    timers.time(stream._AsReady, "next", "waiting")
+    timers.time(_on_device.Shard, "write", "writing")
+    timers.time(memory.MemoryGuard, "check", "checking")
     rows = {}
     for budget in (None, "256MiB"):
 
@@ -282,19 +293,19 @@ def placement_rates(path: str) -> dict[str, tuple[float, float, float]]:
             return jax.block_until_ready(lazyckpt.device_put(tree, sharding, memory_budget=budget))
 
         place()  # (the programs that assemble shards, compiled)
-        best = None
+        best: tuple[float, ...] = ()
         for _ in range(2):
             timers.spent.clear()
             found = measure(place)
-            busy = timers.spent["decoding"] / found["seconds"]
-            row = (found["seconds"], found["peak_above_baseline"], busy)
-            best = row if best is None or row < best else best
-        assert best is not None
-        seconds, peak, busy = best
+            seconds = found["seconds"]
+            row = (seconds, found["peak_above_baseline"], timers.spent["decoding"] / seconds)
+            row += tuple(timers.spent[name] for name in ("waiting", "writing", "checking"))
+            best = row if not best or row < best else best
+        seconds, peak, *rest = best
         rows[f"lazyckpt device_put, {budget or 'default budget'}"] = (
             size / seconds / 1e9,
             peak / MiB,
-            busy,
+            *rest,
         )
     return rows
 
@@ -325,11 +336,18 @@ def main() -> None:
         print(f"{name:60} {rate:6.2f} GB/s")
     for name, (put, write, wait) in in_fresh_process(send_costs, orbax).items():
         print(
-            f"{name:60} a 13 MiB piece: {put:5.2f} ms in device_put, "
+            f"{name:64} a 13 MiB piece: {put:5.2f} ms in device_put, "
             f"{write:5.2f} ms calling the write program, {wait:5.2f} ms waiting"
         )
-    for name, (rate, peak, busy) in in_fresh_process(placement_rates, orbax).items():
+    for name, (rate, peak, busy, waiting, writing, checking) in in_fresh_process(
+        placement_rates, orbax
+    ).items():
         print(f"{name:60} {rate:6.2f} GB/s, peak {peak:5.0f} MiB, {busy:4.1f} threads decoding")
+        if writing:  # (blocks sent in pieces: not where the devices adopt host memory)
+            print(
+                f"{'':60} its consumer: {waiting:.2f} s waiting for blocks, {writing:.2f} s "
+                f"writing them, {checking:.2f} s looking at the process's size"
+            )
 
 
 if __name__ == "__main__":
