@@ -130,8 +130,9 @@ class Starts:
 
     Given as host integers, a piece's starts were transfers of their own each time it
     was written: on a TPU v5e host, calling the write program for 13 MiB pieces took
-    0.68 ms a piece alone and 4.6 ms while 12 threads decoded, against 0.15 and 2.2
-    with its starts already on the device (docs/benchmarks.md, section 29).
+    0.74 ms a piece alone and 4.54 ms while 12 threads decoded, against 0.15 and 1.41
+    with its starts already on the device (`benchmarks/bench_host_limits.py`,
+    docs/benchmarks.md section 29).
     """
 
     def __init__(self) -> None:
