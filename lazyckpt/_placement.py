@@ -106,11 +106,26 @@ def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
     if isinstance(layout, jax.Device):
         return jax.sharding.SingleDeviceSharding(layout)
     if isinstance(layout, PartitionSpec):
-        return NamedSharding(_concrete_mesh(where, mesh, None), layout)
+        return _named(where, _concrete_mesh(where, mesh, None), layout, None)
     if isinstance(layout, NamedSharding) and isinstance(layout.mesh, AbstractMesh):
         concrete = _concrete_mesh(where, mesh, layout.mesh)
-        return NamedSharding(concrete, layout.spec, memory_kind=layout.memory_kind)
+        return _named(where, concrete, layout.spec, layout.memory_kind)
     return layout
+
+
+def _named(where: str, mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> Sharding:
+    """`spec` on `mesh`; a spec that names an axis the mesh lacks (or one twice) is a
+    ShardingError that says which."""
+    from jax.sharding import NamedSharding
+
+    try:
+        return NamedSharding(mesh, spec, memory_kind=memory_kind)
+    except ValueError as error:
+        raise ShardingError(
+            f"{where or 'the target'}: {spec} does not fit the mesh, whose axes are "
+            f"{dict(mesh.shape)} ({error}); name only those axes, each once, or pass "
+            "mesh= with the axes the spec names"
+        ) from None
 
 
 def _concrete_mesh(where: str, mesh: Mesh | None, abstract: AbstractMesh | None) -> Mesh:

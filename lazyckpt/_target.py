@@ -59,6 +59,7 @@ _LABELS = {
     ),
     "shape": ("shape differs", "shapes differ", "shape"),
     "dtype": ("dtype needs a lossy cast", "dtypes need a lossy cast", "lossy cast"),
+    "key": ("PRNG key of another type", "PRNG keys of another type", "key"),
     "kind": ("leaf of another kind", "leaves of another kind", "kind"),
 }
 
@@ -104,7 +105,11 @@ def match(
     `to_host` reads every array into NumPy (the shardings are not used).
     """
     if missing not in ("error", "keep") and not callable(missing):
-        raise ValueError(f"missing={missing!r}: expected 'error', 'keep' or a function")
+        raise TreeMismatchError(
+            f"missing={missing!r}: expected 'error' (the default: a target leaf the "
+            "checkpoint lacks is an error), 'keep' (it keeps the target's leaf) or a "
+            "function of its path and target leaf that returns what to put there"
+        )
     matcher = _Matcher(tree, partial, missing, lossy_casts, mesh, to_host)
     restored = map_with_path(matcher.restore, target, none_is_leaf=True)
     matcher.check()
@@ -215,6 +220,10 @@ class _Matcher:
         shape, dtype = tuple(want.shape), want.dtype
         if isinstance(leaf, LazyArray):
             keys = _as_keys(leaf, dtype, shape)
+            if keys is None:
+                keys = _key_data(leaf, dtype, shape)
+            if keys is None and leaf.key_impl and leaf.dtype != dtype:
+                return self._problem("key", where, _versus(_describe(want), _describe(leaf)))
             if keys is None and leaf.shape != shape:
                 return self._problem("shape", where, _versus(shape, leaf.shape))
             view = keys if keys is not None else self._cast(where, leaf, dtype)
@@ -248,8 +257,9 @@ class _Matcher:
     def _cast(self, where: str, leaf: LazyArray, dtype: DTypeLike) -> Any:
         if leaf.dtype == dtype:
             return leaf
-        keys = _is_key_dtype(dtype)
-        if keys or leaf.key_impl or not (self.lossy_casts or lossless(leaf.dtype, dtype)):
+        if _is_key_dtype(dtype) or leaf.key_impl:  # (keys are never cast, lossy or not)
+            return self._problem("key", where, _versus(dtype, leaf.dtype))
+        if not (self.lossy_casts or lossless(leaf.dtype, dtype)):
             return self._problem("dtype", where, _versus(dtype, leaf.dtype))
         return leaf.astype(dtype)
 
@@ -321,6 +331,12 @@ class _Matcher:
             fixes.append("lossy_casts=True allows casts that may change values")
         if fixes:
             lines.append("to restore anyway: " + "; ".join(fixes))
+        if counts["key"]:
+            lines.append(
+                "PRNG keys are restored as saved, never cast: give the target keys of the "
+                "checkpoint's type (jax.random.key(0, impl=...)), or uint32 key data of "
+                "their shape (what jax.random.key_data returns)"
+            )
         return lines
 
     def _hint(self) -> str:
@@ -355,6 +371,15 @@ def _as_keys(leaf: LazyArray, dtype: DTypeLike, shape: tuple[int, ...]) -> LazyA
         if key == dtype and leaf.shape == (*shape, *data_shape):
             return attrs.evolve(leaf, dtype=key, key_impl=impl)
     return None
+
+
+def _key_data(leaf: LazyArray, dtype: DTypeLike, shape: tuple[int, ...]) -> LazyArray | None:
+    """The raw uint32 data of the typed PRNG keys `leaf` holds, where the target asks
+    for exactly that (a legacy `jax.random.PRNGKey` in the target); None otherwise."""
+    if not leaf.key_impl or _is_key_dtype(dtype):
+        return None
+    data = leaf._key_data()
+    return data if data.shape == shape and data.dtype == np.dtype(dtype) else None
 
 
 def _versus(target: object, checkpoint: object) -> Detail:

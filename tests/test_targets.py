@@ -9,7 +9,7 @@ own `StandardRestore` of the same abstract target.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -454,11 +454,42 @@ def test_casts_that_can_change_values_need_an_opt_in(typed: Path) -> None:
     # Floating-point precision changes are the usual mixed-precision restore.
     half = lazyckpt.load(lazy, like={"w": np.zeros((3, 4), jnp.bfloat16)}, partial=True)
     assert half["w"].dtype == jnp.bfloat16
+
+
+def test_keys_are_never_cast_and_come_as_their_data_where_the_target_asks(typed: Path) -> None:
+    """Typed keys onto keys of another implementation, or onto floats: an error that
+    offers no lossy cast (none would be made) but says what to give; onto uint32 key
+    data of their shape (a legacy `PRNGKey` in the target): that data, exactly."""
+    lazy = lazyckpt.open(typed)
+    sds = jax.ShapeDtypeStruct
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     rbg = jax.random.key(0, impl="rbg").dtype
+    for target, lossy in ((sds((), rbg, sharding=device), True), (sds((), jnp.float32), False)):
+        with pytest.raises(TreeMismatchError) as caught:
+            lazyckpt.device_put(lazy, {"key": target}, partial=True, lossy_casts=lossy)
+        lines = str(caught.value).splitlines()
+        assert lines[0] == "the target does not match the checkpoint: 1 PRNG key of another type"
+        assert lines[1].startswith("  key: key  target ") and "checkpoint key<fry>[]" in lines[1]
+        assert "lossy_casts" not in str(caught.value) and "jax.random.key_data" in lines[-1]
+    data = lazyckpt.device_put(lazy, {"key": sds((2,), jnp.uint32)}, partial=True)["key"]
+    np.testing.assert_array_equal(data, jax.random.key_data(jax.random.key(5)))
+    legacy = lazyckpt.load(lazy, like={"key": jax.random.PRNGKey(0)}, partial=True)["key"]
+    np.testing.assert_array_equal(legacy, jax.random.key_data(jax.random.key(5)))
+    with pytest.raises(TreeMismatchError, match=r"key: key  target uint32\[3\], checkpoint"):
+        lazyckpt.device_put(lazy, {"key": sds((3,), jnp.uint32)}, partial=True)
+
+
+def test_a_partition_spec_naming_an_axis_the_mesh_lacks_is_a_sharding_error(typed: Path) -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(
-        TreeMismatchError, match=r"lossy cast: key  target key<rbg>, checkpoint key<fry>"
+        ShardingError, match=r"^w: (P|PartitionSpec)\('nope',\) does not fit the mesh"
     ):
-        lazyckpt.device_put(lazy, {"key": sds((), rbg, sharding=device)}, partial=True)
+        lazyckpt.device_put(lazyckpt.open(typed), {"w": P("nope")}, mesh=mesh, partial=True)
+
+
+def test_a_missing_argument_of_another_kind_is_refused_clearly(typed: Path) -> None:
+    with pytest.raises(TreeMismatchError, match=r"^missing='zeros': expected 'error'"):
+        lazyckpt.device_put(lazyckpt.open(typed), {}, missing=cast(Any, "zeros"))
 
 
 def test_typed_key_target_over_raw_key_data(typed: Path) -> None:
