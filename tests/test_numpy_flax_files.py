@@ -186,6 +186,28 @@ def test_damaged_msgpack_says_where(tmp_path: Path) -> None:
         lazyckpt.open(tmp_path / "cut.msgpack")
 
 
+@pytest.mark.parametrize("parts", [[None, 1.0], ["1", "2"], [[1], [2]], [True, 1.0]])
+def test_a_complex_of_parts_that_are_not_numbers_is_damaged(tmp_path: Path, parts: Any) -> None:
+    """flax writes a complex as the msgpack of `[real, imag]`; anything else there is
+    a damaged file, said so by name (flax's own reader fails on it too)."""
+    import msgpack
+
+    data = msgpack.packb({"a": msgpack.ExtType(2, msgpack.packb(parts))})
+    (tmp_path / "bad.msgpack").write_bytes(data)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"bad\.msgpack: msgpack complex"):
+        lazyckpt.open(tmp_path / "bad.msgpack")
+
+
+def test_a_dtype_lazyckpt_does_not_read_is_refused_with_those_it_reads(tmp_path: Path) -> None:
+    data = flax.serialization.to_bytes({"a": np.arange(4, dtype=ml_dtypes.int4)})
+    (tmp_path / "int4.msgpack").write_bytes(data)
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError) as caught:
+        lazyckpt.open(tmp_path / "int4.msgpack")
+    message = str(caught.value)
+    assert "'int4'" in message and "it reads bfloat16, bool" in message
+    assert "float8_e4m3fn," in message and "float8_e3m4" not in message
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("compressed", [False, True], ids=["savez", "savez_compressed"])
 def test_converting_an_npz_stays_within_the_memory_budget(tmp_path: Path, compressed: bool) -> None:

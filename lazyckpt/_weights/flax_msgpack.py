@@ -130,8 +130,12 @@ class _Walk:
             )
         if code == 2:
             found = self.value(depth)
-            if not (isinstance(found, list) and len(found) == 2):
-                raise self.fail("complex that is not [real, imag]")
+            if not (
+                isinstance(found, list)
+                and len(found) == 2
+                and all(isinstance(x, int | float) and not isinstance(x, bool) for x in found)
+            ):
+                raise self.fail("complex that is not [real, imag] of two numbers")
             value: Any = complex(*found)
         else:
             value = self.ndarray(code == 3, depth)
@@ -150,7 +154,7 @@ class _Walk:
         if dtype is None:
             raise UnsupportedCheckpointError(
                 f"{self.file.path}: an array of dtype {str(name)[:40]!r} at byte {self.pos}, "
-                "which lazyckpt does not read (numbers, bools, bfloat16 and float8 it does)"
+                f"which lazyckpt does not read; it reads {', '.join(sorted(_NAMES))}"
             )
         b = self.take(1)[0]
         if b not in (0xC4, 0xC5, 0xC6):
