@@ -76,9 +76,9 @@ class LazyArray:
     """An array in a checkpoint, or a view of one, that reads nothing until asked.
 
     `shape`, `dtype`, `chunks` and `sharding` come from the checkpoint's metadata.
-    Basic indexing (`x[2:4, ::2]`; not integer arrays or masks) and `astype` return
-    new LazyArrays without reading; `get()` (or `np.asarray(x)`) reads exactly the
-    stored chunks the view touches.
+    Indexing (`x[2:4, ::2]`, and integer arrays or masks, which read only the rows
+    they pick) and `astype` return new LazyArrays without reading; `get()` (or
+    `np.asarray(x)`) reads exactly the stored chunks the view touches.
     A LazyArray duck-types `jax.ShapeDtypeStruct`, so `jax.eval_shape(fn, tree)`
     works on a lazy tree without reading data.
 
