@@ -103,7 +103,7 @@ def device_put(
     >>> placed["params"]["w"].sharding.spec
     P()
     """
-    tree = selected(tree, select)
+    whole, tree = tree, selected(tree, select)
     if callable(target) and children(target) is None:  # a function, not a pytree (a Module)
         choose: Callable[[str, LazyArray], Layout] = target
         plan = map_leaves(
@@ -116,6 +116,12 @@ def device_put(
         )
     else:
         plan = match(
-            tree, target, partial=partial, missing=missing, lossy_casts=lossy_casts, mesh=mesh
+            tree,
+            target,
+            partial=partial,
+            missing=missing,
+            lossy_casts=lossy_casts,
+            mesh=mesh,
+            unselected=whole if select is not None else None,
         )
     return materialize(plan, memory_budget, progress, "lazyckpt device_put", broadcast=broadcast)

@@ -76,12 +76,19 @@ def load(
     >>> lazyckpt.load(path, "params/b")  # a path: opened first
     {'params': {'b': array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)}}
     """
-    tree = selected(_opened(tree), select)
+    whole = _opened(tree)
+    tree = selected(whole, select)
     if like is None:
         plan = host(tree)
     else:
         plan = match(
-            tree, like, partial=partial, missing=missing, lossy_casts=lossy_casts, to_host=True
+            tree,
+            like,
+            partial=partial,
+            missing=missing,
+            lossy_casts=lossy_casts,
+            to_host=True,
+            unselected=whole if select is not None else None,
         )
     return materialize(plan, memory_budget, progress, "lazyckpt load")
 

@@ -17,7 +17,7 @@ collected, then reported at once in one `TreeMismatchError`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import attrs
@@ -51,6 +51,11 @@ _LABELS = {
         "target leaf missing from the checkpoint",
         "target leaves missing from the checkpoint",
         "missing from the checkpoint",
+    ),
+    "selected": (
+        "target leaf left out by select=",
+        "target leaves left out by select=",
+        "left out by select=",
     ),
     "unexpected": (
         "checkpoint leaf not in the target",
@@ -98,11 +103,14 @@ def match(
     lossy_casts: bool = False,
     mesh: Mesh | None = None,
     to_host: bool = False,
+    unselected: object = None,
 ) -> object:
     """`target`'s structure, each leaf replaced by what restores it: a `Placement`,
     a value, or (for layout and None leaves) the checkpoint's subtree there.
 
-    `to_host` reads every array into NumPy (the shardings are not used).
+    `to_host` reads every array into NumPy (the shardings are not used). `unselected`
+    is the tree before a `select=` made `tree` of it: a target leaf that only it holds
+    was left out by the selection, and is said so.
     """
     if missing not in ("error", "keep") and not callable(missing):
         raise TreeMismatchError(
@@ -111,6 +119,8 @@ def match(
             "function of its path and target leaf that returns what to put there"
         )
     matcher = _Matcher(tree, partial, missing, lossy_casts, mesh, to_host)
+    if unselected is not None:
+        matcher.unselected = {_norm(path) for path, _ in flatten(unselected)}
     restored = map_with_path(matcher.restore, target, none_is_leaf=True)
     matcher.check()
     return restored
@@ -156,6 +166,9 @@ class _Matcher:
         self.missing_paths: list[tuple[str, ...]] = []
         self.unexpected_paths: list[tuple[str, ...]] = []
         self.target_prefixes: set[tuple[str, ...]] = set()
+        self.selected_paths: list[tuple[str, ...]] = []
+        self.unselected: set[tuple[str, ...]] = set()
+        """The leaves of the tree before `select=`, where one made this tree."""
 
     def restore(self, path: Path, want: object) -> object:
         """What the target leaf `want` at `path` becomes."""
@@ -189,12 +202,17 @@ class _Matcher:
         return self._value(where, leaf, want)
 
     def _find(self, norm: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The checkpoint leaf at `norm`, allowing a final `value` level on one side."""
-        if norm in self.leaves:
+        """The checkpoint leaf at `norm`."""
+        return self._in(norm, self.leaves)
+
+    @staticmethod
+    def _in(norm: tuple[str, ...], paths: Collection[tuple[str, ...]]) -> tuple[str, ...] | None:
+        """The path of `paths` that is `norm`, allowing a final `value` level on one side."""
+        if norm in paths:
             return norm
-        if norm and norm[-1] == "value" and norm[:-1] in self.leaves:
+        if norm and norm[-1] == "value" and norm[:-1] in paths:
             return norm[:-1]
-        if (*norm, "value") in self.leaves:
+        if (*norm, "value") in paths:
             return (*norm, "value")
         return None
 
@@ -276,6 +294,9 @@ class _Matcher:
             return want
         if callable(self.missing):
             return self.missing(where, want)
+        if self._in(norm, self.unselected) is not None:
+            self.selected_paths.append(norm)
+            return self._problem("selected", where or "(the root)", _describe(want))
         self.missing_paths.append(norm)
         return self._problem("missing", where or "(the root)", _describe(want))
 
@@ -305,6 +326,7 @@ class _Matcher:
         lines = [f"the target does not match the checkpoint: {summary}"]
         absent = {
             "missing": (self.missing_paths, self.prefixes | set(self.leaves)),
+            "selected": (self.selected_paths, self.prefixes | set(self.leaves)),
             "unexpected": (self.unexpected_paths, self.target_prefixes),
         }
         folded = []
@@ -325,8 +347,10 @@ class _Matcher:
         fixes = []
         if counts["unexpected"]:
             fixes.append("partial=True restores only what the target names")
-        if counts["missing"]:
+        if counts["missing"] or counts["selected"]:
             fixes.append("missing='keep' (or a function of path and target leaf) fills the rest")
+        if counts["selected"]:
+            fixes.append("or select= the leaves the target names too")
         if counts["dtype"]:
             fixes.append("lossy_casts=True allows casts that may change values")
         if fixes:

@@ -635,3 +635,23 @@ def test_map_and_select_keep_node_types(saved: tuple[Path, dict[str, Any]]) -> N
     one = lazyckpt.device_put((pair, [pair]), jax.devices()[1])
     assert type(one[0]) is Pair and type(one[1][0]) is Pair
     assert one[1][0].second.devices() == {jax.devices()[1]}
+
+
+def test_target_leaves_a_select_left_out_are_said_so(typed: Path) -> None:
+    """A target leaf that the checkpoint holds but `select=` left out is not called
+    missing from the checkpoint: the error names the selection."""
+    lazy = lazyckpt.open(typed)
+    target = {"w": np.zeros((3, 4), np.float32), "big": np.zeros(2, np.int32)}
+    for restore in (
+        lambda: lazyckpt.load(lazy, like=target, select="w", partial=True),
+        lambda: lazyckpt.device_put(lazy, target, select="w", partial=True),
+    ):
+        with pytest.raises(TreeMismatchError) as caught:
+            restore()
+        assert str(caught.value).splitlines()[:2] == [
+            "the target does not match the checkpoint: 1 target leaf left out by select=",
+            "  left out by select=: big  int32[2]",
+        ]
+        assert "select= the leaves the target names too" in str(caught.value)
+    with pytest.raises(TreeMismatchError, match=r"missing from the checkpoint: new"):
+        lazyckpt.load(lazy, like={**target, "new": np.zeros(1)}, select=["w", "big"], partial=True)
