@@ -461,3 +461,44 @@ def test_the_process_size_is_read_afresh_and_by_a_forked_child_its_own(tmp_path:
     before, after, child, parent = map(int, found.stdout.split())
     assert after - before >= 60 << 20, found.stdout
     assert child <= after - (60 << 20) and parent >= after - (1 << 20), found.stdout
+
+
+_TAKEN_SCRIPT = """
+import os
+from lazyckpt._engine import memory
+first = memory._rss()
+fd = memory._STATM.fd
+os.closerange(3, 1 << 16)  # (as a daemonizing library does)
+again = memory._rss()
+os.close(memory._STATM.fd)
+read, write = os.pipe()
+while read != memory._STATM.fd and write != memory._STATM.fd:  # (the number taken by a pipe)
+    read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.fstat(read), os.fstat(write)
+        os._exit(0)
+    except OSError:
+        os._exit(1)
+_, status = os.waitpid(pid, 0)
+print(first, again, memory._rss(), os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_the_process_size_is_read_again_after_its_file_is_closed_behind_its_back(
+    tmp_path: Path,
+) -> None:
+    """Every descriptor closed under it: the next look opens the file again. Its number
+    then taken by a pipe: the look opens its own, and a forked child keeps the pipe."""
+    import subprocess
+
+    script = tmp_path / "taken.py"
+    script.write_text(_TAKEN_SCRIPT)
+    found = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    first, again, later, child = map(int, found.stdout.split())
+    assert abs(again - first) < 16 << 20 and abs(later - first) < 16 << 20, found.stdout
+    assert child == 0, "the forked child lost the pipe that took the descriptor's number"

@@ -138,24 +138,50 @@ def settle_allocator(budget: int) -> None:
 def _rss() -> int | None:
     """The process's resident bytes, read again from a `/proc/self/statm` kept open:
     opening it for each look cost 84 us on a gVisor TPU host (a placement's consumer
-    looked 156 times in 1.2 s), reading it again 9 us."""
-    statm = _STATM
-    try:
-        with statm.lock:
-            if statm.fd is None:
-                statm.fd = os.open("/proc/self/statm", os.O_RDONLY)
-            fields = os.pread(statm.fd, 128, 0).split()
-        return int(fields[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
+    looked 156 times in 1.2 s), reading it again 9 us. A descriptor that fails, or
+    reads what is not statm (closed behind lazyckpt's back, its number taken by
+    another file), is let go of unclosed and the file opened again, once."""
+    for _ in range(2):
+        statm = _STATM
+        try:
+            with statm.lock:
+                if statm.fd is None or statm.pid != os.getpid():  # (a fork that ran no hooks)
+                    statm.open()
+                assert statm.fd is not None
+                fields = os.pread(statm.fd, 128, 0).split()
+            if len(fields) == 7 and all(field.isdigit() for field in fields):
+                return int(fields[1]) * _PAGE
+        except OSError:
+            pass
+        statm.fd = None  # (not closed: its number may be another file's by now)
+    return None
 
 
 class _Statm:
-    """This process's `/proc/self/statm`, opened at the first look."""
+    """This process's `/proc/self/statm`, opened at the first look: its descriptor, and
+    which process and file it was opened by and for."""
 
     def __init__(self) -> None:
         self.fd: int | None = None
+        self.pid = 0
+        self.identity = (0, 0)
         self.lock = threading.Lock()
+
+    def open(self) -> None:
+        self.fd = None
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        found = os.fstat(fd)
+        self.fd, self.pid, self.identity = fd, os.getpid(), (found.st_dev, found.st_ino)
+
+    def close_if_ours(self) -> None:
+        """Close the descriptor where it is still the file it was opened on."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            found = os.fstat(fd)
+            if (found.st_dev, found.st_ino) == self.identity:
+                os.close(fd)
 
 
 _STATM = _Statm()
@@ -164,9 +190,7 @@ _STATM = _Statm()
 def _forget_statm() -> None:
     """In a forked child, whose inherited descriptor reads the parent's numbers."""
     global _STATM
-    if _STATM.fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(_STATM.fd)
+    _STATM.close_if_ours()
     _STATM = _Statm()
 
 
