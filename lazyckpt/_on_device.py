@@ -126,7 +126,7 @@ def write(
 
 class Starts:
     """Where pieces start in their shards, as int32 scalars on each device, each made
-    once for all the shards of a placement (which mostly share their pieces' starts).
+    once for all the shards of a placement that share it (most do).
 
     Given as host integers, a piece's starts were transfers of their own each time it
     was written: on a TPU v5e host, calling the write program for 13 MiB pieces took
@@ -136,16 +136,20 @@ class Starts:
     """
 
     def __init__(self) -> None:
-        self._made: dict[tuple[tuple[int, ...], jax.Device], tuple[jax.Array, ...]] = {}
+        self._made: dict[tuple[tuple[int, ...], jax.Device], tuple[Any, ...]] = {}
 
-    def on(self, device: jax.Device, starts: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    def on(self, device: jax.Device, starts: tuple[int, ...]) -> tuple[Any, ...]:
+        """`starts` for a piece written on `device`: host integers the first time (which
+        costs less than making them on the device where no other piece shares them),
+        int32 scalars on the device from the second on."""
         import jax
 
         key = (starts, device)
         found = self._made.get(key)
-        if found is None:  # (two threads may both make it: alike, either kept)
-            found = tuple(jax.device_put([np.int32(s) for s in starts], device))
-            self._made[key] = found
+        if found is None:
+            found = self._made[key] = tuple(np.int32(s) for s in starts)
+        elif isinstance(found[0], np.integer):  # (two threads may both make them: alike)
+            found = self._made[key] = tuple(jax.device_put(list(found), device))
         return found
 
 
