@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import lazyckpt
 from lazyckpt import CorruptCheckpointError, LazyckptError
+from tests.helpers import orbax_save
 
 
 def _save(path: Path, *, ocdbt: bool = True) -> Path:
@@ -143,10 +144,21 @@ def test_names_that_leave_the_folder_are_refused(folders_copy: Path, name: str) 
     _edit_metadata(folders_copy, point_outside)
     with pytest.raises(
         CorruptCheckpointError,
-        match=r"would be read from outside the checkpoint "
-        r"folder; refusing to read it",
+        match=r"whose folder would be outside the checkpoint folder or another array's; "
+        r"refusing to read it",
     ):
         lazyckpt.open(folders_copy)
+
+
+def test_names_with_dot_segments_are_keys_in_an_ocdbt_database(tmp_path: Path) -> None:
+    """In OCDBT a name is a database key, not a path: Orbax saves `..` and `a/./b`
+    there and restores them, and so does lazyckpt."""
+    values = {"..": np.arange(3.0), "a/./b": np.ones(2, np.int32), "ok": np.zeros(4)}
+    path = orbax_save(tmp_path / "ckpt", values)
+    lazy = lazyckpt.load(lazyckpt.open(path))
+    assert set(lazy) == set(values)
+    for key, array in values.items():
+        np.testing.assert_array_equal(lazy[key], array)
 
 
 def test_huge_declared_shape_allocates_nothing_at_open(folders_copy: Path) -> None:

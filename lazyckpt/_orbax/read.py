@@ -302,15 +302,19 @@ def _zarr_infos(
 
 
 def _check_name(store: Store, name: str) -> None:
-    """Refuse names that would read outside the checkpoint folder."""
+    """Refuse names that would read outside the checkpoint folder, or another array's
+    files, where each array is a folder of its own (in an OCDBT database a name is a
+    key, whatever it holds: Orbax saves `..` there and restores it)."""
+    if store.ocdbt:
+        return
     if not name.startswith("/") and "\\" not in name and "/." not in f"/{name}":
         return  # the common case, and cheap: no segment starts with a dot
     parts = name.split("/")
     if name.startswith("/") or "\\" in name or any(p in ("..", ".") for p in parts):
         raise CorruptCheckpointError(
-            f"{store.location}: the checkpoint names an array {name!r}, which would be read "
-            "from outside the checkpoint folder; refusing to read it. The metadata is "
-            "damaged or hostile"
+            f"{store.location}: the checkpoint names an array {name!r}, whose folder would "
+            "be outside the checkpoint folder or another array's; refusing to read it. The "
+            "metadata is damaged or hostile"
         )
 
 
