@@ -386,6 +386,18 @@ BAD_FILES = {
         "too short for the end of its data",
     ),
     "metadata not strings": (_file({"__metadata__": {"a": 1}}), "__metadata__ must map strings"),
+    "a tensor named twice": (
+        _file(
+            b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+            b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+            bytes(16),
+        ),
+        "the header names 'w' twice",
+    ),
+    "a field named twice": (
+        _file(b'{"w": {"dtype": "F32", "dtype": "F16", "shape": [4], "data_offsets": [0, 16]}}'),
+        "the header names 'dtype' twice",
+    ),
 }
 
 

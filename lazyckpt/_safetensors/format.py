@@ -136,6 +136,9 @@ def parse_header(file: str, text: bytes) -> Header:
             f"{file}: the header is a JSON {type(raw).__name__}, expected an object of "
             "tensors; the file is damaged or not a safetensors file"
         )
+    entries = len(raw) - (METADATA_KEY in raw)
+    if any(text.count(field) != entries for field in _FIELDS):
+        _refuse_repeats(file, text)  # (counted first, in C: most headers repeat nothing)
     metadata = raw.pop(METADATA_KEY, None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -145,6 +148,29 @@ def parse_header(file: str, text: bytes) -> Header:
         )
     tensors = _tensors(file, raw, data_start)
     return Header(tuple(tensors), dict(metadata), _data_end(file, tensors, data_start))
+
+
+_FIELDS = (b'"data_offsets"', b'"dtype"', b'"shape"')
+"""Each tensor's fields, as they stand in a header once per tensor where no key is
+repeated (a quote inside a JSON string is escaped: no string holds one of these)."""
+
+
+def _refuse_repeats(file: str, text: bytes) -> None:
+    """Refuse a header that names a key twice in one object: JSON keeps the last, so a
+    tensor would silently vanish (the safetensors library refuses such files too)."""
+
+    def pairs(found: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in found:
+            if key in seen:
+                raise CorruptCheckpointError(
+                    f"{file}: the header names {key[:80]!r} twice; the file is damaged "
+                    "(the safetensors library refuses it too)"
+                )
+            seen.add(key)
+        return dict(found)
+
+    json.loads(text.decode("utf-8"), object_pairs_hook=pairs)
 
 
 def _tensors(file: str, raw: dict[str, Any], data_start: int) -> list[Tensor]:
