@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -83,6 +83,18 @@ def test_manager_root_steps_and_items(tmp_path: Path) -> None:
         r"steps: \[1, 2\]",
     ):
         lazyckpt.open(root, step=3)
+    with pytest.raises(NotACheckpointError, match=r"step='2' is a str; steps are numbered"):
+        lazyckpt.open(root, step=cast(Any, "2"))
+    np.testing.assert_array_equal(
+        lazyckpt.open(root, step=cast(Any, np.int64(1)))["w"].get(), np.ones(4)
+    )
+    (root / "ckpt_000004.orbax-checkpoint-tmp-7").mkdir()  # (only its unfinished save)
+    with pytest.raises(
+        lazyckpt.UnfinishedCheckpointError,
+        match=r"ckpt_000004 does not exist, but .*ckpt_000004\.orbax-checkpoint-tmp-7 does: "
+        r"a save to it that has not committed",
+    ):
+        lazyckpt.open(root / "ckpt_000004")
     assert lazyckpt.items(root) == {"extra": "json", "state": "pytree"}
     assert lazyckpt.open(root, item="extra") == {"step": 2}  # a JSON item: its value
     assert lazyckpt.open(root, step=1, item="extra") == {"step": 1}

@@ -191,7 +191,9 @@ def test_steps_items_and_the_v1_layout(tmp_path: Path) -> None:
     ):
         lazyckpt.steps(v1)
     with pytest.raises(
-        lazyckpt.CheckpointNotFoundError, match=r"state has no item 'params'; items present"
+        lazyckpt.NotACheckpointError,
+        match=r"state is a PyTree checkpoint itself, not a step folder of items, so "
+        r"item='params' cannot be chosen; open it without item=",
     ):
         lazyckpt.open(v1 / "state", item="params")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from typing import Any
@@ -259,8 +260,23 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
+    if step is not None:
+        try:
+            step = operator.index(step)  # (NumPy's integers too)
+        except TypeError:
+            raise NotACheckpointError(
+                f"step={step!r} is a {type(step).__name__}; steps are numbered: pass an int "
+                "(step=30)"
+            ) from None
     path, step = _probed(path, step)
     if not paths.exists(path):
+        unfinished = _unfinished_save_of(path)
+        if unfinished is not None:
+            raise UnfinishedCheckpointError(
+                f"{path} does not exist, but {unfinished} does: a save to it that has not "
+                "committed (still running, or interrupted); wait for it to finish, or open "
+                "an earlier step"
+            )
         raise CheckpointNotFoundError(f"{path} does not exist; check the checkpoint path")
     if not paths.isdir(path):
         raise NotACheckpointError(
@@ -279,6 +295,20 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             "interrupted: open an earlier step, or save again"
         )
     return found
+
+
+def _unfinished_save_of(path: str) -> str | None:
+    """The folder beside `path` that a save to `path` writes before it commits (Orbax
+    names it `path` + `.orbax-checkpoint-tmp-N`), where one is there; local only."""
+    if paths.is_remote(path):
+        return None
+    name = paths.basename(path)
+    try:
+        beside = paths.listdir(paths.dirname(path))
+    except OSError:
+        return None
+    found = sorted(other for other in beside if other.startswith(name + TMP_MARKER))
+    return paths.join(paths.dirname(path), found[-1]) if found else None
 
 
 def _finished(item: str) -> bool:
@@ -301,6 +331,11 @@ def _committed(folder: str) -> bool:
 
 def _item(step_dir: str, item: str | None) -> str:
     present = _pytree_items(step_dir)
+    if item is not None and is_pytree_dir(step_dir):
+        raise NotACheckpointError(
+            f"{step_dir} is a PyTree checkpoint itself, not a step folder of items, so "
+            f"item={item!r} cannot be chosen; open it without item="
+        )
     if item is not None:
         if not item or item in (".", "..") or any(c in item for c in "/\\\0"):
             raise NotACheckpointError(
