@@ -138,6 +138,10 @@ def test_open_and_inspection_read_no_array_data(
     view = kernel[1:, ::2][None, ..., 0].astype(jnp.bfloat16)
     assert view.shape == (1, 63)
     assert jax.eval_shape(lambda k: (k @ k.T).sum(), kernel).shape == ()
+    # Lowering needs shardings on this process's devices: said so, not jax's AttributeError.
+    assert kernel.sharding is not None
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"jax\.jit\(f\)\.lower cannot take a"):
+        jax.jit(lambda k: k.sum()).lower(kernel)
 
 
 def test_open_reads_no_chunk_bytes(

@@ -11,12 +11,12 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import numpy as np
 
-from lazyckpt._errors import ShardingError
+from lazyckpt._errors import LazyTypeError, ShardingError
 from lazyckpt._text import ascii_int
 
 if TYPE_CHECKING:
@@ -48,6 +48,17 @@ class SavedSharding:
     partition_spec: tuple[SpecEntry, ...] = ()
     device_ids: tuple[int, ...] = ()
     device: str | None = None
+
+    @property
+    def _device_assignment(self) -> NoReturn:
+        """What jax asks first of an argument's sharding when it lowers a jitted
+        function (`jax.jit(f).lower(lazy_tree)`): a saved sharding is not a jax one."""
+        raise LazyTypeError(
+            f"a LazyArray's sharding is the one it was saved with ({self!r}), not a jax "
+            "Sharding on this process's devices, so jax.jit(f).lower cannot take a "
+            "LazyArray; give it jax.ShapeDtypeStruct(x.shape, x.dtype, "
+            "sharding=x.sharding.on(mesh)) instead (jax.eval_shape takes LazyArrays as they are)"
+        )
 
     @property
     def spec(self) -> PartitionSpec:
