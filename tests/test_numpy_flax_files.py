@@ -455,3 +455,14 @@ def test_an_empty_flax_msgpack_opens_as_an_empty_tree(tmp_path: Path) -> None:
     path.write_bytes(flax.serialization.to_bytes({}))
     assert flax.serialization.msgpack_restore(path.read_bytes()) == {}
     assert lazyckpt.open(path) == {} and lazyckpt.open(path, flat=True) == {}
+
+
+def test_npy_dtypes_lazyckpt_does_not_read_say_what_to_do(tmp_path: Path) -> None:
+    """Strings are refused with np.load as the way; bfloat16, which numpy saves as raw
+    void bytes, with float32 or safetensors."""
+    np.save(tmp_path / "text.npy", np.array(["ab", "c"]))
+    np.save(tmp_path / "bf16.npy", np.ones(3, ml_dtypes.bfloat16))
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"'<U2'.*read it with np\.load"):
+        lazyckpt.open(tmp_path / "text.npy")
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"'<V2'.*save it as float32"):
+        lazyckpt.open(tmp_path / "bf16.npy")

@@ -94,10 +94,16 @@ def header(data: bytes, where: str) -> Header | None:
             "pickle (allow_pickle=True); lazyckpt runs no pickle. Save numeric arrays"
         )
     if not isinstance(descr, str) or not _DESCR.fullmatch(descr):
+        void = isinstance(descr, str) and descr.lstrip("<>|=").startswith("V")
         raise UnsupportedCheckpointError(
             f"{where}: dtype {str(descr)[:80]!r}, which lazyckpt does not read from .npy "
-            "(numbers and bools it does; a bfloat16 array numpy saves as raw void bytes: "
-            "save it as float32, or as safetensors)"
+            "(it reads numbers and bools: strings, dates and records it does not; "
+            + (
+                "a bfloat16 array numpy saves as raw void bytes: save it as float32, or as "
+                "safetensors)"
+                if void
+                else "read it with np.load)"
+            )
         )
     try:
         dtype = np.dtype(descr)
