@@ -239,3 +239,12 @@ def test_edge_inputs_of_the_second_red_team_rerun(tmp_path: Path) -> None:
     with pytest.raises(lazyckpt.UnsavableError, match=r"metadata is a dict .* not str"):
         lazyckpt.save(tmp_path / "m.safetensors", {"w": np.ones(2)}, metadata="x")  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_process_folder_inside_a_checkpoint_points_to_the_checkpoint(tmp_path: Path) -> None:
+    path = orbax_save(tmp_path / "ckpt", {"w": np.ones(3, np.float32)})
+    (process,) = path.glob("ocdbt.process_*")
+    with pytest.raises(
+        NotACheckpointError, match=rf"holds one process's part of the checkpoint {path}"
+    ):
+        lazyckpt.open(process)

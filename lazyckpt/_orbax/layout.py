@@ -283,6 +283,12 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is a file, but a checkpoint is a folder; pass the folder that holds "
             "_METADATA (or a CheckpointManager root or step folder)"
         )
+    parent = paths.dirname(path)
+    if is_process_folder(paths.basename(path)) and paths.isfile(paths.join(parent, "_METADATA")):
+        raise NotACheckpointError(
+            f"{path} holds one process's part of the checkpoint {parent} (its arrays "
+            f"without their tree); open {parent}"
+        )
     if step is None and item is None and (is_pytree_dir(path) or json_item_file(path)):
         found = path
     else:
