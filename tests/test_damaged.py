@@ -152,8 +152,14 @@ def test_names_that_leave_the_folder_are_refused(folders_copy: Path, name: str) 
 
 def test_names_with_dot_segments_are_keys_in_an_ocdbt_database(tmp_path: Path) -> None:
     """In OCDBT a name is a database key, not a path: Orbax saves `..` and `a/./b`
-    there and restores them, and so does lazyckpt."""
-    values = {"..": np.arange(3.0), "a/./b": np.ones(2, np.int32), "ok": np.zeros(4)}
+    there and restores them, and so does lazyckpt; and `trail/`, whose keys tensorstore
+    joins without a second `/` (`trail/.zarray`)."""
+    values = {
+        "..": np.arange(3.0),
+        "a/./b": np.ones(2, np.int32),
+        "trail/": np.arange(5, dtype=np.int16),
+        "ok": np.zeros(4),
+    }
     path = orbax_save(tmp_path / "ckpt", values)
     lazy = lazyckpt.load(lazyckpt.open(path))
     assert set(lazy) == set(values)

@@ -29,6 +29,15 @@ from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int
 
 
+def in_array(name: str, key: str) -> str:
+    """The store key `key` of the array stored under `name`, joined as tensorstore
+    joins a path and a key: with a `/` between, unless `name` is empty or ends with
+    one (Orbax's array `trail/` keeps its metadata at `trail/.zarray`)."""
+    if not name or name.endswith("/"):
+        return name + key
+    return f"{name}/{key}"
+
+
 @attrs.frozen
 class ChunkKeys:
     """Where an array's chunks are stored: the key of each cell of its grid (a chunk,
@@ -51,12 +60,12 @@ class ChunkKeys:
             key = self.prefix + self.separator.join(str(i) for i in cell)
         else:
             key = self.prefix.rstrip("/") or "0"  # zarr3's `c`, zarr2's `0`
-        return f"{name}/{key}" if name else key
+        return in_array(name, key)
 
     def parse(self, name: str, key: str, rank: int) -> tuple[int, ...] | None:
         """The grid position of a store key of this array; None for other keys
         (its metadata, stray files)."""
-        head = f"{name}/{self.prefix}" if name else self.prefix
+        head = in_array(name, self.prefix)
         if rank == 0:
             return () if key == self.key(name, ()) else None
         if not key.startswith(head):
@@ -179,7 +188,7 @@ class StoredArray:
 
     def _open_checked(self, _: None) -> ts.Future[ts.TensorStore]:
         # Opening reads the array's metadata (in an OCDBT database, the b-tree too).
-        self.store.check_files(f"{self.name}/{name}".lstrip("/") for name in _METADATA)
+        self.store.check_files(in_array(self.name, name) for name in _METADATA)
         return self.open_tensorstore()
 
     def open_tensorstore(self) -> ts.Future[ts.TensorStore]:
@@ -214,7 +223,7 @@ class StoredArray:
     def _spec(self) -> dict[str, object]:
         kvstore = dict(self.store.kvstore_spec)
         if self.name:
-            kvstore["path"] = f"{kvstore.get('path', '')}{self.name}/"
+            kvstore["path"] = kvstore.get("path", "") + in_array(self.name, "")
         return {
             "driver": self.driver,
             "kvstore": kvstore,

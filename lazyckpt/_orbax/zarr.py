@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 import tensorstore as ts
 
-from lazyckpt._engine.stored import ChunkKeys, Codec
+from lazyckpt._engine.stored import ChunkKeys, Codec, in_array
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._text import shown
 
@@ -46,7 +46,7 @@ class ZarrInfo:
 def metadata_key(name: str, zarr3: bool) -> str:
     """The store key of the zarr metadata of the array stored under `name`."""
     suffix = ZARR3_KEY if zarr3 else ZARR2_KEY
-    return f"{name}/{suffix}" if name else suffix
+    return in_array(name, suffix)
 
 
 MAX_RANK = 32  # tensorstore's
@@ -286,7 +286,7 @@ def zarr3_spec(
     ]
     return {
         "driver": "zarr3",
-        "kvstore": {**kvstore, "path": f"{name}/" if name else ""},
+        "kvstore": {**kvstore, "path": in_array(name, "")},
         "metadata": {
             "shape": list(shape),
             "data_type": ts.dtype(dtype).name,
