@@ -142,6 +142,7 @@ def test_open_and_inspection_read_no_array_data(
     assert kernel.sharding is not None
     with pytest.raises(lazyckpt.LazyTypeError, match=r"jax\.jit\(f\)\.lower cannot take a"):
         jax.jit(lambda k: k.sum()).lower(kernel)
+    assert not hasattr(kernel.sharding, "_device_assignment")  # (as tools probe it)
 
 
 def test_open_reads_no_chunk_bytes(

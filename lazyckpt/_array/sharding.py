@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 SpecEntry = None | str | tuple[str, ...]
 
 
+class _NotAJaxSharding(LazyTypeError, AttributeError):
+    """A saved sharding asked for what only a jax Sharding has."""
+
+
 @attrs.frozen
 class SavedSharding:
     """The sharding an array had when it was saved, as the checkpoint records it.
@@ -52,8 +56,10 @@ class SavedSharding:
     @property
     def _device_assignment(self) -> NoReturn:
         """What jax asks first of an argument's sharding when it lowers a jitted
-        function (`jax.jit(f).lower(lazy_tree)`): a saved sharding is not a jax one."""
-        raise LazyTypeError(
+        function (`jax.jit(f).lower(lazy_tree)`): a saved sharding is not a jax one.
+        Raised as an AttributeError too, so that `hasattr` (treescope, `inspect`) says
+        False as for any attribute a SavedSharding lacks."""
+        raise _NotAJaxSharding(
             f"a LazyArray's sharding is the one it was saved with ({self!r}), not a jax "
             "Sharding on this process's devices, so jax.jit(f).lower cannot take a "
             "LazyArray; give it jax.ShapeDtypeStruct(x.shape, x.dtype, "
