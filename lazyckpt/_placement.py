@@ -120,7 +120,7 @@ def _named(where: str, mesh: Mesh, spec: PartitionSpec, memory_kind: str | None)
 
     try:
         return NamedSharding(mesh, spec, memory_kind=memory_kind)
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001 - ValueError, or jax's DuplicateSpecError
         raise ShardingError(
             f"{where or 'the target'}: {spec} does not fit the mesh, whose axes are "
             f"{dict(mesh.shape)} ({error}); name only those axes, each once, or pass "

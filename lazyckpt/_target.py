@@ -241,7 +241,8 @@ class _Matcher:
             if keys is None:
                 keys = _key_data(leaf, dtype, shape)
             if keys is None and leaf.key_impl and leaf.dtype != dtype:
-                return self._problem("key", where, _versus(_describe(want), _describe(leaf)))
+                data = f"{_describe(leaf)}, its data {_describe(leaf._key_data())}"
+                return self._problem("key", where, _versus(_describe(want), data))
             if keys is None and leaf.shape != shape:
                 return self._problem("shape", where, _versus(shape, leaf.shape))
             view = keys if keys is not None else self._cast(where, leaf, dtype)
