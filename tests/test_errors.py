@@ -83,8 +83,11 @@ def test_manager_root_steps_and_items(tmp_path: Path) -> None:
         r"steps: \[1, 2\]",
     ):
         lazyckpt.open(root, step=3)
-    with pytest.raises(NotACheckpointError, match=r"step='2' is a str; steps are numbered"):
-        lazyckpt.open(root, step=cast(Any, "2"))
+    for bad in ("2", 2.0, True):
+        with pytest.raises(NotACheckpointError, match=r"run: step=.* but steps are whole"):
+            lazyckpt.open(root, step=cast(Any, bad))
+        with pytest.raises(NotACheckpointError, match=r"run: step=.* but steps are whole"):
+            lazyckpt.items(root, step=cast(Any, bad))
     np.testing.assert_array_equal(
         lazyckpt.open(root, step=cast(Any, np.int64(1)))["w"].get(), np.ones(4)
     )
@@ -248,3 +251,15 @@ def test_a_process_folder_inside_a_checkpoint_points_to_the_checkpoint(tmp_path:
         NotACheckpointError, match=rf"holds one process's part of the checkpoint {path}"
     ):
         lazyckpt.open(process)
+
+
+def test_steps_saved_as_pytree_folders_have_no_items(tmp_path: Path) -> None:
+    """A root whose step folders are PyTree checkpoints themselves: a step has no
+    items (its process folder is not one), and item= is refused there too."""
+    for step in (1, 2):
+        orbax_save(tmp_path / "run" / str(step), {"w": np.full(3, step, np.float32)})
+    root = tmp_path / "run"
+    assert lazyckpt.items(root, step=2) == {} == lazyckpt.items(root / "2")
+    np.testing.assert_array_equal(lazyckpt.open(root, step=1)["w"].get(), np.ones(3))
+    with pytest.raises(NotACheckpointError, match=r"is a PyTree checkpoint itself"):
+        lazyckpt.open(root, step=2, item="bogus")

@@ -188,7 +188,8 @@ def items(
         folder, step = _existing_folder(path, step)
         if is_pytree_dir(folder):
             return {}
-        return _kinds(_step_folder(folder, step))
+        chosen = _step_folder(folder, step)
+        return {} if is_pytree_dir(chosen) else _kinds(chosen)  # (a step saved as one PyTree)
 
 
 def _step_folder(folder: str, step: int | None) -> str:
@@ -235,10 +236,26 @@ def _probed(path: str, step: int | None) -> tuple[str, int | None]:
     return found, None
 
 
+def _step_number(path: str | os.PathLike[str], step: object) -> int | None:
+    """`step` as an int (NumPy's integers too); refused by name where it is not one."""
+    if step is None:
+        return None
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise NotACheckpointError(
+            f"{path}: step={step!r} is a {type(step).__name__}, but steps are whole "
+            "numbers; pass an int"
+        ) from None
+
+
 def _existing_folder(
     path: str | os.PathLike[str], step: int | None = None
 ) -> tuple[str, int | None]:
     """The folder at `path` (and `step` of it, see `_probed`), which must exist."""
+    step = _step_number(path, step)
     folder, step = _probed(paths.normalize(path), step)
     if paths.is_web(folder) and listing(folder) is None:
         raise CheckpointNotFoundError(
@@ -260,14 +277,7 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
             f"{path} is an unfinished save (its name contains {TMP_MARKER!r}): the save "
             "never committed and its contents may be partial; open a committed step instead"
         )
-    if step is not None:
-        try:
-            step = operator.index(step)  # (NumPy's integers too)
-        except TypeError:
-            raise NotACheckpointError(
-                f"step={step!r} is a {type(step).__name__}; steps are numbered: pass an int "
-                "(step=30)"
-            ) from None
+    step = _step_number(path, step)
     path, step = _probed(path, step)
     if not paths.exists(path):
         unfinished = _unfinished_save_of(path)
@@ -293,7 +303,8 @@ def locate(path: str, *, step: int | None = None, item: str | None = None) -> st
         found = path
     else:
         folder = _step_folder(path, step)
-        found = folder if folder != path and is_pytree_dir(folder) else _item(folder, item)
+        pytree = folder != path and is_pytree_dir(folder) and item is None
+        found = folder if pytree else _item(folder, item)
     if not _finished(found):
         raise UnfinishedCheckpointError(
             f"{found} has no commit_success.txt, which on object storage marks a finished "
