@@ -396,9 +396,34 @@ BAD_FILES = {
     ),
     "a field named twice": (
         _file(b'{"w": {"dtype": "F32", "dtype": "F16", "shape": [4], "data_offsets": [0, 16]}}'),
-        "the header names 'dtype' twice",
+        "tensor 'w' has 'dtype' twice in the header",
+    ),
+    "a tensor named twice, once in escapes": (
+        _file(
+            b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+            b'"\\u0077": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+            bytes(16),
+        ),
+        "the header names 'w' twice",
+    ),
+    "metadata twice": (
+        _file(b'{"__metadata__": {"a": "1"}, "__metadata__": {"b": "2"}}'),
+        "the header names '__metadata__' twice",
     ),
 }
+
+
+def test_a_metadata_key_written_twice_is_read_as_the_library_reads_it(tmp_path: Path) -> None:
+    """Inside `__metadata__` a repeated key is no tensor lost: the last value, as the
+    safetensors library gives it (a tensor named `shape` takes the slow look)."""
+    header = (
+        b'{"__metadata__": {"format": "pt", "format": "np"}, '
+        b'"shape": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    )
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(_file(header, np.arange(2, dtype=np.float32).tobytes()))
+    assert lazyckpt.safetensors_metadata(path) == {"format": "np"}
+    np.testing.assert_array_equal(lazyckpt.open(path)["shape"].get(), [0.0, 1.0])
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))

@@ -137,7 +137,8 @@ def parse_header(file: str, text: bytes) -> Header:
             "tensors; the file is damaged or not a safetensors file"
         )
     entries = len(raw) - (METADATA_KEY in raw)
-    if any(text.count(field) != entries for field in _FIELDS):
+    repeats = b"\\u" in text or text.count(b'"__metadata__"') > 1
+    if repeats or any(text.count(field) != entries for field in _FIELDS):
         _refuse_repeats(file, text)  # (counted first, in C: most headers repeat nothing)
     metadata = raw.pop(METADATA_KEY, None) or {}
     if not isinstance(metadata, dict) or not all(
@@ -152,25 +153,34 @@ def parse_header(file: str, text: bytes) -> Header:
 
 _FIELDS = (b'"data_offsets"', b'"dtype"', b'"shape"')
 """Each tensor's fields, as they stand in a header once per tensor where no key is
-repeated (a quote inside a JSON string is escaped: no string holds one of these)."""
+repeated (a quote inside a JSON string is escaped: no string holds one of these; a
+key spelled with `\\u` escapes is looked at the slow way)."""
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object's pairs as written, repeats and all."""
 
 
 def _refuse_repeats(file: str, text: bytes) -> None:
-    """Refuse a header that names a key twice in one object: JSON keeps the last, so a
-    tensor would silently vanish (the safetensors library refuses such files too)."""
-
-    def pairs(found: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: set[str] = set()
-        for key, _ in found:
-            if key in seen:
-                raise CorruptCheckpointError(
-                    f"{file}: the header names {key[:80]!r} twice; the file is damaged "
-                    "(the safetensors library refuses it too)"
-                )
-            seen.add(key)
-        return dict(found)
-
-    json.loads(text.decode("utf-8"), object_pairs_hook=pairs)
+    """Refuse a header that names a tensor (or `__metadata__`) twice, or a tensor's
+    field twice: JSON keeps the last, so the first would vanish unread. Repeated keys
+    inside `__metadata__` are left as the safetensors library leaves them."""
+    top = json.loads(text.decode("utf-8"), object_pairs_hook=_Pairs)
+    seen: set[str] = set()
+    for name, entry in top if isinstance(top, _Pairs) else []:
+        if name in seen:
+            raise CorruptCheckpointError(
+                f"{file}: the header names {name[:80]!r} twice; JSON keeps the last, so the "
+                "first would vanish unread: the file is damaged (no writer repeats a name)"
+            )
+        seen.add(name)
+        fields = [field for field, _ in entry] if isinstance(entry, _Pairs) else []
+        repeated = {field for field in fields if fields.count(field) > 1}
+        if name != METADATA_KEY and repeated:
+            raise CorruptCheckpointError(
+                f"{file}: tensor {name[:80]!r} has {sorted(repeated)[0]!r} twice in the "
+                "header; the file is damaged"
+            )
 
 
 def _tensors(file: str, raw: dict[str, Any], data_start: int) -> list[Tensor]:
