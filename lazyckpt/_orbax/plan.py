@@ -312,12 +312,8 @@ def _check_names(leaves: Sequence[Planned]) -> None:
         if leaf.value_type in EMPTY_WRITTEN:
             continue
         name = leaf.name
-        parts = name.split("/")
-        if name and (name.startswith("/") or any(part in ("", ".", "..") for part in parts)):
-            raise UnsavableError(
-                f"{leaf.path}: its parameter name {name!r} has an empty, '.' or '..' part "
-                "between '/'s, which readers take as a path; rename the key"
-            )
+        # (A name with '.', '..' or empty parts between '/'s is a key in the OCDBT
+        # database lazyckpt writes, not a path: Orbax saves and restores such names.)
         if leaf.value_type == "string" and not valid_pointer(name):
             raise UnsavableError(
                 f"{leaf.path}: Orbax reads strings by the JSON pointer '/{name}', where '~' "
