@@ -79,8 +79,13 @@ def test_manager_root_steps_and_items(tmp_path: Path) -> None:
     np.testing.assert_array_equal(lazyckpt.open(root, step=1)["w"].get(), np.ones(4, np.float32))
     with pytest.raises(
         CheckpointNotFoundError,
-        match=r"has no committed step 3; committed "
+        match=r"has no committed step 5; committed "
         r"steps: \[1, 2\]",
+    ):
+        lazyckpt.open(root, step=5)
+    with pytest.raises(
+        lazyckpt.UnfinishedCheckpointError,
+        match=r"has no committed step 3, but ckpt_000003\.orbax-checkpoint-tmp is a save of it",
     ):
         lazyckpt.open(root, step=3)
     for bad in ("2", 2.0, True):

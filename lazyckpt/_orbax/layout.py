@@ -213,6 +213,14 @@ def _step_folder(folder: str, step: int | None) -> str:
     if step is None:
         return found[max(found)]
     if step not in found:
+        for name in paths.listdir(folder):
+            named = _step_name(name.split(TMP_MARKER)[0]) if is_unfinished(name) else None
+            if named is not None and named[1] == step:
+                raise UnfinishedCheckpointError(
+                    f"{folder} has no committed step {step}, but {name} is a save of it "
+                    "that has not committed (still running, or interrupted); wait for it "
+                    f"to finish, or open a committed step: {sorted(found)}"
+                )
         raise CheckpointNotFoundError(
             f"{folder} has no committed step {step}; committed steps: {sorted(found)}"
         )
