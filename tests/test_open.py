@@ -142,6 +142,10 @@ def test_open_and_inspection_read_no_array_data(
     assert kernel.sharding is not None
     with pytest.raises(lazyckpt.LazyTypeError, match=r"jax\.jit\(f\)\.lower cannot take a"):
         jax.jit(lambda k: k.sum()).lower(kernel)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"jax\.jit\(f\)\.lower cannot take a"):
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        jax.jit(lambda k: k.sum(), in_shardings=replicated).lower(kernel)
     assert not hasattr(kernel.sharding, "_device_assignment")  # (as tools probe it)
 
 

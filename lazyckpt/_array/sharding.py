@@ -53,12 +53,13 @@ class SavedSharding:
     device_ids: tuple[int, ...] = ()
     device: str | None = None
 
-    @property
-    def _device_assignment(self) -> NoReturn:
-        """What jax asks first of an argument's sharding when it lowers a jitted
-        function (`jax.jit(f).lower(lazy_tree)`): a saved sharding is not a jax one.
-        Raised as an AttributeError too, so that `hasattr` (treescope, `inspect`) says
-        False as for any attribute a SavedSharding lacks."""
+    def __getattr__(self, name: str) -> NoReturn:
+        """What jax asks of an argument's sharding when it lowers a jitted function
+        (`jax.jit(f).lower(lazy_tree)`: `_device_assignment`, `_is_concrete`...): a saved
+        sharding is not a jax one. Raised as an AttributeError too, so that `hasattr`
+        (treescope, `inspect`) says False as for any attribute a SavedSharding lacks."""
+        if not name.startswith("_") or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         raise _NotAJaxSharding(
             f"a LazyArray's sharding is the one it was saved with ({self!r}), not a jax "
             "Sharding on this process's devices, so jax.jit(f).lower cannot take a "
