@@ -466,3 +466,15 @@ def test_npy_dtypes_lazyckpt_does_not_read_say_what_to_do(tmp_path: Path) -> Non
         lazyckpt.open(tmp_path / "text.npy")
     with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"'<V2'.*save it as float32"):
         lazyckpt.open(tmp_path / "bf16.npy")
+
+
+def test_a_msgpack_map_key_that_is_not_a_str_or_int_is_refused_not_called_damaged(
+    tmp_path: Path,
+) -> None:
+    """flax's own reader takes a float key (msgpack allows one); lazyckpt, which names
+    leaves by str and int keys, says so rather than calling the file damaged."""
+    import msgpack
+
+    (tmp_path / "float.msgpack").write_bytes(msgpack.packb({1.5: 1, "a": 2}))
+    with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"key of type float .* str"):
+        lazyckpt.open(tmp_path / "float.msgpack")

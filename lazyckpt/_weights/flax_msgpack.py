@@ -93,7 +93,12 @@ class _Walk:
             for _ in range(n):
                 key = self.value(depth + 1)
                 if not isinstance(key, str | int):
-                    raise self.fail(f"map key of type {type(key).__name__}")
+                    raise UnsupportedCheckpointError(
+                        f"{self.file.path}: a msgpack map key of type {type(key).__name__} "
+                        f"at byte {self.pos}; lazyckpt names leaves by str and int keys (as "
+                        "flax's to_bytes writes them): restore it with flax and save it "
+                        "with str keys"
+                    )
                 out[key] = self.value(depth + 1)
             return out
         if b <= 0x9F or b in (0xDC, 0xDD):
