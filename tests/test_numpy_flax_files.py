@@ -478,3 +478,15 @@ def test_a_msgpack_map_key_that_is_not_a_str_or_int_is_refused_not_called_damage
     (tmp_path / "float.msgpack").write_bytes(msgpack.packb({1.5: 1, "a": 2}))
     with pytest.raises(lazyckpt.UnsupportedCheckpointError, match=r"key of type float .* str"):
         lazyckpt.open(tmp_path / "float.msgpack")
+
+
+def test_a_dtype_name_written_as_msgpack_bin_reads_as_flax_reads_it(tmp_path: Path) -> None:
+    import msgpack
+
+    values = np.arange(4, dtype=np.int8)
+    payload = msgpack.packb([list(values.shape), b"int8", values.tobytes()])
+    data = msgpack.packb({"w": msgpack.ExtType(1, payload)})
+    (tmp_path / "bin.msgpack").write_bytes(data)
+    want = flax.serialization.msgpack_restore(data)["w"]
+    got = lazyckpt.open(tmp_path / "bin.msgpack")["w"].get()
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()

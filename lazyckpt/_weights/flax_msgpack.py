@@ -155,6 +155,8 @@ class _Walk:
         name = self.value(depth)
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise self.fail(f"ndarray shape {str(shape)[:60]}")
+        if isinstance(name, bytes):  # (a name written as msgpack bin: flax reads it too)
+            name = name.decode("ascii", "replace")
         dtype = _NAMES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise UnsupportedCheckpointError(
