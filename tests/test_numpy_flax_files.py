@@ -490,3 +490,23 @@ def test_a_dtype_name_written_as_msgpack_bin_reads_as_flax_reads_it(tmp_path: Pa
     want = flax.serialization.msgpack_restore(data)["w"]
     got = lazyckpt.open(tmp_path / "bin.msgpack")["w"].get()
     assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("descr", "dtype"), [("<d", np.float64), ("float32", np.float32), ("bool", np.bool_)]
+)
+def test_npy_dtypes_spelled_as_numpy_never_writes_read_as_np_load_reads_them(
+    tmp_path: Path, descr: str, dtype: Any
+) -> None:
+    import struct
+
+    values = np.arange(6).astype(dtype).reshape(2, 3)
+    header = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': (2, 3), }}".encode()
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    path = tmp_path / "spelled.npy"
+    path.write_bytes(
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + values.tobytes()
+    )
+    want = np.load(path)
+    got = lazyckpt.open(path)["spelled"].get()
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()

@@ -38,6 +38,20 @@ _DESCR = re.compile(r"[<>|=]?(?:f(?:[248]|12|16)|c(?:8|16|24|32)|[iu][1248]|b1|\
 _FIX = "the file is damaged, download or copy it again"
 
 
+def _numeric_spelling(descr: str) -> str | None:
+    """The usual spelling (`<f8`) of a numeric dtype spelled otherwise in a header
+    (`<d`, `float32`: numpy never writes these, but `np.load` reads them); None where
+    `descr` is no plain number or bool."""
+    if len(descr) > 16:
+        return None
+    try:
+        dtype = np.dtype(descr)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    plain = dtype.kind in "biufc" and dtype.fields is None and not dtype.shape
+    return dtype.str if plain else None
+
+
 @attrs.frozen
 class Header:
     """A `.npy` header: the array's dtype (as stored), shape and order, and the length
@@ -93,6 +107,8 @@ def header(data: bytes, where: str) -> Header | None:
             f"{where} holds Python objects (dtype object), which numpy stores as a "
             "pickle (allow_pickle=True); lazyckpt runs no pickle. Save numeric arrays"
         )
+    if isinstance(descr, str) and not _DESCR.fullmatch(descr):
+        descr = _numeric_spelling(descr) or descr
     if not isinstance(descr, str) or not _DESCR.fullmatch(descr):
         void = isinstance(descr, str) and descr.lstrip("<>|=").startswith("V")
         raise UnsupportedCheckpointError(
