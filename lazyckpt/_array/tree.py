@@ -380,8 +380,11 @@ def select(tree: object, pattern: Select) -> Any:
             what it matches. A pattern with dots and no `/` that
             matches nothing as written is read with its dots as `/`, so Hugging Face
             names select from safetensors trees (`model.layers.*.mlp.up_proj.weight`
-            is `model/layers/*/mlp/up_proj/weight`). Or a list of patterns (a leaf
-            matching any is kept), or a predicate `(path, leaf) -> bool`.
+            is `model/layers/*/mlp/up_proj/weight`). Within a segment `?` and
+            `[...]` match as in `fnmatch` (a literal `[` is `[[]`); a key that holds
+            `/` reads as segments, like the nested keys it spells. Or a list of
+            patterns (a leaf matching any is kept), or a predicate
+            `(path, leaf) -> bool`.
 
     Raises:
         NoMatchError: Nothing matched; the message shows the tree's paths nearest
@@ -394,6 +397,8 @@ def select(tree: object, pattern: Select) -> Any:
     {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
     >>> select({"layer_0": 0, "layer_1": 1, "layer_2": 2, "layer_3": 3}, "layer_{0,2..3}")
     {'layer_0': 0, 'layer_2': 2, 'layer_3': 3}
+    >>> select({"[k]": 1, "k": 2}, "[[]k]")
+    {'[k]': 1}
     """
     paths = [path.split("/") for path, _ in leaves(tree)] if may_be_dotted(pattern) else []
     picked = _select(tree, as_predicate(pattern, paths))
