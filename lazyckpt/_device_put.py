@@ -122,6 +122,6 @@ def device_put(
             missing=missing,
             lossy_casts=lossy_casts,
             mesh=mesh,
-            unselected=whole if select is not None else None,
+            unselected=whole,
         )
     return materialize(plan, memory_budget, progress, "lazyckpt device_put", broadcast=broadcast)

@@ -88,7 +88,7 @@ def load(
             missing=missing,
             lossy_casts=lossy_casts,
             to_host=True,
-            unselected=whole if select is not None else None,
+            unselected=whole,
         )
     return materialize(plan, memory_budget, progress, "lazyckpt load")
 

@@ -109,8 +109,8 @@ def match(
     a value, or (for layout and None leaves) the checkpoint's subtree there.
 
     `to_host` reads every array into NumPy (the shardings are not used). `unselected`
-    is the tree before a `select=` made `tree` of it: a target leaf that only it holds
-    was left out by the selection, and is said so.
+    is the tree that `tree` was selected from (`tree` itself where nothing was): a
+    target leaf that only it holds was left out by the selection, and is said so.
     """
     if missing not in ("error", "keep") and not callable(missing):
         raise TreeMismatchError(
@@ -119,7 +119,7 @@ def match(
             "function of its path and target leaf that returns what to put there"
         )
     matcher = _Matcher(tree, partial, missing, lossy_casts, mesh, to_host)
-    if unselected is not None:
+    if unselected is not None and unselected is not tree:
         matcher.unselected = {_norm(path) for path, _ in flatten(unselected)}
     restored = map_with_path(matcher.restore, target, none_is_leaf=True)
     matcher.check()
