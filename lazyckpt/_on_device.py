@@ -148,7 +148,7 @@ class Starts:
         found = self._made.get(key)
         if found is None:
             found = self._made[key] = tuple(np.int32(s) for s in starts)
-        elif isinstance(found[0], np.integer):  # (two threads may both make them: alike)
+        elif found and isinstance(found[0], np.integer):  # (two threads may both make them)
             found = self._made[key] = tuple(jax.device_put(list(found), device))
         return found
 
