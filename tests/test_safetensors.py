@@ -322,6 +322,10 @@ def test_unsavable_leaves_and_destinations(tmp_path: Path) -> None:
         lazyckpt.UnsavableError, match=re.escape("'a/b' and 'a.b' would both be saved as 'a.b'")
     ):
         lazyckpt.save(tmp_path / "a.safetensors", {"a.b": np.ones(1), "a": {"b": np.ones(1)}})
+    for reserved in ({"__metadata__": np.ones(2)}, {"__metadata__": np.ones(2), "w": np.ones(2)}):
+        with pytest.raises(lazyckpt.UnsavableError, match="the header entry safetensors keeps"):
+            lazyckpt.save(tmp_path / "m", reserved, format="safetensors", max_shard_size=8)
+    assert not (tmp_path / "m").exists()
     other = tmp_path / "notes"
     other.mkdir()
     (other / "readme.txt").write_text("keep me")

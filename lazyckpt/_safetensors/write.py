@@ -33,6 +33,7 @@ from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
     DTYPES,
     INDEX,
+    METADATA_KEY,
     PACKED,
     SINGLE,
     SUFFIX,
@@ -206,6 +207,11 @@ def _entries(tree: object) -> list[_Entry]:
             raise UnsavableError(
                 f"{where} has dtype {dtype}, which safetensors has no name for; cast it "
                 f"(astype) to one of {', '.join(str(d) for d in DTYPES.values())}"
+            )
+        if name == METADATA_KEY:
+            raise UnsavableError(
+                f"{where} would be saved as {name!r}, the header entry safetensors keeps "
+                "for the file's metadata, and no reader could open the file; rename the key"
             )
         if name in by_name:
             raise UnsavableError(
