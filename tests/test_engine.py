@@ -116,6 +116,8 @@ def test_iter_blocks_streams_views_within_the_budget(big: tuple[Path, np.ndarray
         ),
         "strided": (w[::3, ::-5], value[::3, ::-5]),
     }
+    for _ in lazyckpt.iter_blocks({"v": w}, memory_budget=budget):
+        pass  # (the engine's threads and reusable buffers made first, outside the trace)
     for name, (view, want) in views.items():
         got = np.zeros(want.shape, want.dtype)
         hits = np.zeros(want.shape, np.int8)
@@ -128,8 +130,38 @@ def test_iter_blocks_streams_views_within_the_budget(big: tuple[Path, np.ndarray
         tracemalloc.stop()
         np.testing.assert_array_equal(got, want, err_msg=name)
         assert (hits == 1).all(), name
-        if name != "strided":  # strided views are read whole
-            assert peak < 2 * budget + (64 << 10), (name, peak)
+        assert peak < 2 * budget + (64 << 10), (name, peak)
+
+
+@pytest.mark.parametrize("writer", ["numpy", "safetensors"])
+def test_strided_views_of_raw_bytes_stream_within_the_budget(tmp_path: Path, writer: str) -> None:
+    """A strided view of a tensor stored as raw bytes is read in bands of the view (it
+    had been read whole, whatever the budget): `w[:, ::2]` splits a fused gate/up
+    projection."""
+    value = np.random.default_rng(1).standard_normal((2048, 2048), dtype=np.float32)  # 16 MiB
+    if writer == "numpy":
+        path = tmp_path / "w.npy"
+        np.save(path, value)
+    else:
+        from safetensors.numpy import save_file
+
+        path = tmp_path / "model.safetensors"
+        save_file({"w": value}, str(path))
+    w = lazyckpt.open(path)["w"]
+    budget = 4 << 20
+    for index in (np.s_[::2], np.s_[:, ::2], np.s_[::3, ::-5]):
+        want = value[index]
+        got = np.zeros(want.shape, want.dtype)
+        hits = np.zeros(want.shape, np.int8)
+        tracemalloc.start()
+        for _, at, block in lazyckpt.iter_blocks({"v": w[index]}, memory_budget=budget):
+            got[at] = block
+            hits[at] += 1
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        np.testing.assert_array_equal(got, want, err_msg=str(index))
+        assert (hits == 1).all(), index
+        assert peak < 2 * budget, (index, peak)
 
 
 def test_streaming_statistics_match_numpy(big: tuple[Path, np.ndarray]) -> None:

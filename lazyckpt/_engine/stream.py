@@ -64,7 +64,7 @@ from lazyckpt._engine.memory import BufferPool, Destination
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import by_position, sharings
-from lazyckpt._engine.stored import check_plain, stored_array, stores
+from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
 from lazyckpt._storage.kvstore import check_unchanged, ready
 from lazyckpt._storage.paths import is_remote
 
@@ -254,9 +254,18 @@ def _jobs(
     block = limits.stream_block
     itemsize = stored.dtype.itemsize
     whole = tuple((0, n) for n in array.shape)
-    if 0 in array.shape or (mapping is None and not decodes(stored)):
+    if 0 in array.shape:
         index = as_slices(whole)
         yield Job(position, array.nbytes * HELD, iter([ts_step(array, index, array.nbytes)]))
+        return
+    if mapping is None and not decodes(stored):
+        # Strided, read by tensorstore: bands of the view (whole cells of `grid`), each
+        # holding the stored chunks around it while it is read.
+        for region in view_bands(array, max(1, block // itemsize), grid):
+            index = as_slices(region)
+            part = array[index]
+            held = ts_held(stored, bounds(part.selection))
+            yield Job(position, held, iter([ts_step(array, index, part.nbytes)]))
         return
     if not decodes(stored):
         assert mapping is not None
