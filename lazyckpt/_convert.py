@@ -21,7 +21,7 @@ from lazyckpt._open import open as open_checkpoint
 from lazyckpt._orbax.plan import plan
 from lazyckpt._rename import rename as rename_keys
 from lazyckpt._safetensors.write import plan_files
-from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, save, save_format
+from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, check_overwrite, save, save_format
 from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
 from lazyckpt._text import human_bytes
@@ -201,10 +201,13 @@ def convert(
     params.b  float32  [8]    32 B  model.safetensors
     file model.safetensors: 136 B
     """
-    # Bad sizes fail before the source is opened.
+    # Bad arguments fail before the source is opened.
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
+    check_overwrite(overwrite)
+    save_format(paths.normalize(destination), format=to, argument="to")
+    target = None if dtype is None else _cast_dtype(dtype)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
     if dequantize:
         tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
@@ -213,14 +216,9 @@ def convert(
         tree = transform(tree)
     if rename:
         tree = rename_keys(tree, rename)
-    if dtype is not None:
-        target = np.dtype(dtype)
-        if not _floating(target):
-            raise LazyTypeError(
-                f"dtype={target} is not a floating-point dtype; convert casts floating-point "
-                "arrays only (to bfloat16, float16, float32...)"
-            )
-        tree = map_leaves(lambda leaf: _cast(leaf, target), tree)
+    if target is not None:
+        cast_to = target
+        tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
     if dry_run:
         final = paths.normalize(destination)
         kind = save_format(final, format=to)
@@ -245,6 +243,20 @@ def convert(
         progress=progress,
         storage_options=storage_options,
     )
+
+
+def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    """`dtype=` as the floating-point dtype `convert` casts to."""
+    try:
+        target = np.dtype(dtype)
+    except TypeError:
+        target = None
+    if target is None or not _floating(target):
+        raise LazyTypeError(
+            f"dtype={dtype!r} is not a floating-point dtype; convert casts "
+            "floating-point arrays only, to one such as bfloat16, float16 or float32"
+        )
+    return target
 
 
 def _plan_safetensors(final: str, tree: object, max_shard_size: int | None) -> ConversionPlan:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from lazyckpt._errors import LazyTypeError
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
@@ -84,6 +85,7 @@ def save(
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
+    check_overwrite(overwrite)
     final = paths.normalize(path)
     if save_format(final, format=format) == "safetensors":
         with paths.session(storage_options):
@@ -98,7 +100,12 @@ def save(
                 progress=progress,
             )
     if max_shard_size is not None or metadata is not None:
-        raise ValueError("save: max_shard_size and metadata apply to format='safetensors'")
+        given = "max_shard_size" if max_shard_size is not None else "metadata"
+        raise LazyTypeError(
+            f"save: {given}= applies to safetensors files, and {final} is saved as an Orbax "
+            "checkpoint; pass format='safetensors' (or a path ending in .safetensors), or "
+            f"leave out {given}="
+        )
     with paths.session(storage_options):
         save_orbax(
             final,
@@ -112,10 +119,28 @@ def save(
     return final
 
 
-def save_format(final: str, *, format: Format | None) -> Format:  # noqa: A002 - as save's
-    """The format `save` writes at `final`: `format`, or safetensors for a path ending
-    in `.safetensors`, else orbax."""
+def save_format(
+    final: str,
+    *,
+    format: Format | None,  # noqa: A002 - as save's
+    argument: str = "format",
+) -> Format:
+    """The format `save` writes at `final`: `format` (given as `argument=`), or
+    safetensors for a path ending in `.safetensors`, else orbax."""
     kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
     if kind not in ("orbax", "safetensors"):
-        raise ValueError(f"save: format={format!r}; use 'orbax' or 'safetensors'")
+        raise LazyTypeError(
+            f"{argument}={format!r} is not a format lazyckpt writes; pass 'orbax' (an "
+            "Orbax PyTree checkpoint) or 'safetensors'"
+        )
     return kind
+
+
+def check_overwrite(overwrite: object) -> None:
+    """Refuse an `overwrite=` that is not a bool: any true value would replace what is
+    there (`overwrite="no"` too)."""
+    if not isinstance(overwrite, bool):
+        raise LazyTypeError(
+            f"overwrite={overwrite!r} is not a bool; pass overwrite=True to replace an "
+            "existing checkpoint, or leave it out"
+        )

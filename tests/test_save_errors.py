@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,40 @@ def test_dict_keys_of_mixed_types_are_unsavable(tmp_path: Path) -> None:
     ):
         lazyckpt.save(tmp_path / "out", {"params": {1: np.zeros(2), "1": np.ones(2)}})
     assert _entries(tmp_path) == []
+
+
+def test_save_and_convert_refuse_arguments_they_cannot_honour(tmp_path: Path) -> None:
+    """Each a LazyTypeError naming the argument, before the source is opened or
+    anything is written; `overwrite="no"` had replaced the checkpoint."""
+    tree = {"w": np.arange(4.0)}
+    source = lazyckpt.save(tmp_path / "source", tree)
+    existing = lazyckpt.save(tmp_path / "existing", tree)
+    refused: list[tuple[str, Callable[[], object]]] = [
+        ("format='npz' is not a format", lambda: lazyckpt.save(tmp_path / "a", tree, format="npz")),
+        ("to='npz' is not a format", lambda: lazyckpt.convert(source, tmp_path / "b", to="npz")),
+        (
+            "max_shard_size= applies to safetensors files",
+            lambda: lazyckpt.save(tmp_path / "c", tree, max_shard_size="1GB"),
+        ),
+        (
+            "dtype='floaty' is not a floating-point dtype",
+            lambda: lazyckpt.convert(source, tmp_path / "d", dtype="floaty"),
+        ),
+        (
+            "dtype='int8' is not a floating-point dtype",
+            lambda: lazyckpt.convert(source, tmp_path / "e", dtype="int8"),
+        ),
+        (
+            "overwrite='no' is not a bool",
+            lambda: lazyckpt.save(existing, {"v": np.zeros(2)}, overwrite="no"),  # type: ignore[arg-type]
+        ),
+        (
+            "overwrite='no' is not a bool",
+            lambda: lazyckpt.convert(source, existing, overwrite="no"),  # type: ignore[arg-type]
+        ),
+    ]
+    for message, call in refused:
+        with pytest.raises(lazyckpt.LazyTypeError, match=re.escape(message)):
+            call()
+    assert _entries(tmp_path) == ["existing", "source"]
+    assert list(lazyckpt.open(existing)) == ["w"]
