@@ -216,8 +216,8 @@ def test_export_loads_in_safetensors(single: Path, tmp_path: Path) -> None:
     assert header["__metadata__"] == {"format": "pt"}
     sharded = lazyckpt.save(tmp_path / "hf", tree, format="safetensors", max_shard_size=100_000)
     names = sorted(os.listdir(sharded))
-    count = len(names) - 1  # the embedding alone passes the limit: a shard of its own
-    assert count >= 3 and names == [
+    count = len(names) - 1  # the embedding alone passes the limit, the rest fill one
+    assert count == 2 and names == [
         *(f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)),
         "model.safetensors.index.json",
     ]
@@ -230,6 +230,29 @@ def test_export_loads_in_safetensors(single: Path, tmp_path: Path) -> None:
             assert index["weight_map"][name] == file
             np.testing.assert_array_equal(value, _bits(TENSORS[name]))
     assert not lazyckpt.diff(tree, sharded, values=True)
+
+
+def test_shards_are_cut_as_huggingface_hub_cuts_them(tmp_path: Path) -> None:
+    """The same tensors in the same files as `huggingface_hub`'s splitter (which
+    `transformers`' `save_pretrained` uses): a tensor over the limit gets a file of its
+    own, and the file being filled goes on after it."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    sizes = [300, 900, 4000, 100, 2500, 700, 5000, 5000, 10, 2000]
+    tree = {f"t{i:02d}": np.ones(n, np.uint8) for i, n in enumerate(sizes)}
+    for limit in (1000, 2500, 5000, 100_000):
+        out = lazyckpt.save(tmp_path / str(limit), tree, format="safetensors", max_shard_size=limit)
+        split = split_state_dict_into_shards_factory(
+            tree,
+            get_storage_size=lambda t: t.nbytes,
+            filename_pattern="model{suffix}.safetensors",
+            max_shard_size=limit,
+        )
+        if not split.is_sharded:
+            assert sorted(os.listdir(out)) == ["model.safetensors"]
+            continue
+        index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == split.tensor_to_filename, limit
 
 
 def test_export_of_orbax_and_jax_arrays(tmp_path: Path, count_bytes: Callable[[], Any]) -> None:

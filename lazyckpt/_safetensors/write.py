@@ -223,16 +223,24 @@ def _entries(tree: object) -> list[_Entry]:
 
 
 def _shards(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
-    """Tensors in tree order, a new shard whenever the next would pass `limit` (a
-    tensor larger than that gets a shard of its own), as `transformers` shards."""
-    per_file: list[list[_Entry]] = [[]]
+    """Tensors in tree order, a new shard whenever the next would pass `limit`; a
+    tensor larger than that gets a shard of its own, placed before the shard being
+    filled, which goes on. So `huggingface_hub` (and `transformers`' `save_pretrained`)
+    shard the same tensors."""
+    per_file: list[list[_Entry]] = []
+    filling: list[_Entry] = []
     size = 0
     for entry in entries:
-        if per_file[-1] and size + entry.nbytes > limit:
-            per_file.append([])
-            size = 0
-        per_file[-1].append(entry)
+        if entry.nbytes > limit:
+            per_file.append([entry])
+            continue
+        if size + entry.nbytes > limit:
+            per_file.append(filling)
+            filling, size = [], 0
+        filling.append(entry)
         size += entry.nbytes
+    if filling or not per_file:
+        per_file.append(filling)
     return per_file
 
 
