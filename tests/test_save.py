@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -264,12 +265,17 @@ def test_only_folders_named_with_a_pid_as_written_are_leftovers(tmp_path: Path) 
             r"keys \('a', 'b'\) and \('a/b',\) would both read back as 'a/b'",
         ),
         ({"a~b": "text"}, r"'~' must be followed by '0' or '1'"),
-        ({"s": np.zeros(2, [("a", "i4"), ("b", "f4")])}, r"s: NumPy arrays of dtype"),
+        ({"s": np.zeros(2, [("a", "i4"), ("b", "f4")])}, r"s: a NumPy array of dtype"),
         ({"t": np.datetime64("2026-01-01")}, r"t: a scalar of dtype datetime64"),
         ({"big": 2**70}, r"big: the int 1180591620717411303424 does not fit the int64"),
         ({(1, 2): np.zeros(2)}, r"dict key \(1, 2\) is a tuple"),
-        ({"s": np.array(["a", "b"])}, r"s: NumPy arrays of dtype <U1 cannot be stored"),
+        ({"s": np.array(["a", "b"])}, r"s: a NumPy array of dtype <U1 cannot be stored"),
         ({"e": "one", "e/f": "two"}, r"nests under another string leaf"),
+        (
+            {"q": np.zeros(4, ml_dtypes.uint4)},
+            r"q: a NumPy array of dtype uint4 cannot be stored: tensorstore's zarr3 driver.*"
+            r"cast it \(astype\) to a wider one",
+        ),
     ],
 )
 def test_unsavable_trees_are_refused_before_writing(

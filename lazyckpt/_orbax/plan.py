@@ -236,17 +236,11 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
         else:
             array = np.asarray(value)
         if not _storable(array.dtype):
-            raise UnsavableError(
-                f"{path}: a scalar of dtype {array.dtype} cannot be stored in a checkpoint; "
-                "save numbers, or strings as str leaves"
-            )
+            raise UnsavableError(_unstorable(path, "a scalar", array.dtype))
         return Planned(path, keys, "scalar", array, (), array.dtype)
     if isinstance(value, np.ndarray):
         if not _storable(value.dtype):
-            raise UnsavableError(
-                f"{path}: NumPy arrays of dtype {value.dtype} cannot be stored in a "
-                "checkpoint; convert them to numbers, or save strings as str leaves"
-            )
+            raise UnsavableError(_unstorable(path, "a NumPy array", value.dtype))
         return Planned(
             path, keys, "np.ndarray", value, value.shape, value.dtype,
             choose_chunks(value.shape, value.dtype.itemsize, chunk_bytes),
@@ -257,10 +251,29 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
     )
 
 
+def _unstorable(path: str, what: str, dtype: np.dtype[Any]) -> str:
+    """Why `what` of `dtype` at `path` cannot be saved, and what to do."""
+    if not _not_numbers(dtype):  # numbers tensorstore lacks, as uint4 and float4
+        return (
+            f"{path}: {what} of dtype {dtype} cannot be stored: tensorstore's zarr3 driver, "
+            "which Orbax checkpoints are written with, has no such dtype; cast it "
+            "(astype) to a wider one, such as int8 or uint8 for 4-bit integers"
+        )
+    return (
+        f"{path}: {what} of dtype {dtype} cannot be stored in a checkpoint; convert it "
+        "to numbers, or save strings as str leaves"
+    )
+
+
+def _not_numbers(dtype: np.dtype[Any]) -> bool:
+    """Objects, strings, dates, times and records."""
+    return dtype.hasobject or dtype.kind in "USMm" or dtype.names is not None
+
+
 def _storable(dtype: np.dtype[Any]) -> bool:
     """Whether tensorstore's zarr3 driver stores this dtype (bfloat16 and other
     ml_dtypes included; strings and objects not)."""
-    if dtype.hasobject or dtype.kind in "USMm" or dtype.names is not None:
+    if _not_numbers(dtype):
         return False
     try:
         ts.dtype(dtype)
