@@ -180,8 +180,8 @@ def test_save_and_convert_refuse_arguments_they_cannot_honour(tmp_path: Path) ->
     source = lazyckpt.save(tmp_path / "source", tree)
     existing = lazyckpt.save(tmp_path / "existing", tree)
     refused: list[tuple[str, Callable[[], object]]] = [
-        ("format='npz' is not a format", lambda: lazyckpt.save(tmp_path / "a", tree, format="npz")),
-        ("to='npz' is not a format", lambda: lazyckpt.convert(source, tmp_path / "b", to="npz")),
+        ("format='npz' is not a format", lambda: lazyckpt.save(tmp_path / "a", tree, format="npz")),  # type: ignore[arg-type]
+        ("to='npz' is not a format", lambda: lazyckpt.convert(source, tmp_path / "b", to="npz")),  # type: ignore[call-overload]
         (
             "max_shard_size= applies to safetensors files",
             lambda: lazyckpt.save(tmp_path / "c", tree, max_shard_size="1GB"),
@@ -200,7 +200,7 @@ def test_save_and_convert_refuse_arguments_they_cannot_honour(tmp_path: Path) ->
         ),
         (
             "overwrite='no' is not a bool",
-            lambda: lazyckpt.convert(source, existing, overwrite="no"),  # type: ignore[arg-type]
+            lambda: lazyckpt.convert(source, existing, overwrite="no"),  # type: ignore[call-overload]
         ),
     ]
     for message, call in refused:

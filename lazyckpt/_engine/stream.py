@@ -263,9 +263,9 @@ def _jobs(
         # holding the stored chunks around it while it is read.
         for region in view_bands(array, max(1, block // itemsize), grid):
             index = as_slices(region)
-            part = array[index]
-            held = ts_held(stored, bounds(part.selection))
-            yield Job(position, held, iter([ts_step(array, index, part.nbytes)]))
+            band = array[index]
+            held = ts_held(stored, bounds(band.selection))
+            yield Job(position, held, iter([ts_step(array, index, band.nbytes)]))
         return
     if not decodes(stored):
         assert mapping is not None
