@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from lazyckpt._errors import (
+    ArgumentError,
     CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -130,6 +131,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ArgumentError",
     "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

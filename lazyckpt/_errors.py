@@ -155,6 +155,13 @@ class SizeError(LazyckptError, ValueError):
     __module__ = "lazyckpt"
 
 
+class ArgumentError(LazyckptError, ValueError):
+    """An argument a verb cannot take, named with what it takes: `stats(bins=0)`,
+    `summary(depth=-1)`, `StatsTable.plot('bogus')`."""
+
+    __module__ = "lazyckpt"
+
+
 class QuantizationError(LazyckptError, ValueError):
     """Quantized tensors that do not fit their convention: a scale without its weight,
     shapes that disagree with the block size, dtypes that hold no codes."""

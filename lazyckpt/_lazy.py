@@ -358,7 +358,13 @@ class LazyArray:
                 f"{self.key}: typed PRNG keys cannot be cast; read them and use "
                 "jax.random.key_data to get their uint32 data"
             )
-        new = np.dtype(dtype)
+        try:
+            new = np.dtype(dtype)
+        except TypeError:
+            raise LazyTypeError(
+                f"{self.key}: astype({dtype!r}): not a dtype NumPy knows; pass one such as "
+                "'float32', 'bfloat16' or np.int8"
+            ) from None
         natural = self.stored.dtype
         if self.dtype not in (natural, new) and not exact(natural, self.dtype):
             # The earlier cast rounds or wraps: keep it, so values equal NumPy's.

@@ -116,7 +116,7 @@ def test_summary_depth(ckpt: Path) -> None:
     assert len(two) == 4 and two[2].split() == ["dense/", "2", "arrays", "320", "B"]
     assert len(str(lazyckpt.summary(tree)).splitlines()) == 6
     assert len(str(lazyckpt.summary(tree, fold=False)).splitlines()) == 7
-    with pytest.raises(ValueError, match="depth must be 1 or more, found 0"):
+    with pytest.raises(ValueError, match="depth=0, but depth is a whole number of 1 or more"):
         lazyckpt.summary(tree, depth=0)
 
 

@@ -40,6 +40,18 @@ def test_demo_walks_through_open_select_reshard_load(tmp_path: Path) -> None:
     assert "the optimizer state was never read" in out
     tree = lazyckpt.open(tmp_path / "demo")
     assert tree["params"]["dense"]["kernel"].shape == (256, 128)
+    again = subprocess.run(  # the demo replaces nothing, and has no --overwrite to offer
+        [sys.executable, "-m", "lazyckpt._cli.main", "demo", "--keep", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert again.returncode == 1 and "--overwrite" not in again.stderr
+    assert again.stderr.splitlines()[-1] == (
+        f"lazyckpt: error: --keep {tmp_path / 'demo'}: the folder already exists, and the "
+        "demo replaces nothing; remove it, or pass --keep a folder that does not exist yet"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring:UserWarning")

@@ -315,3 +315,38 @@ def test_stray_keys_that_look_like_chunks_are_not_chunks(tmp_path: Path, mesh: A
     store.write("w/" + "9" * 5000, store.read("w/0").result().value).result()
     result = lazyckpt.verify(ocdbt, progress=False)
     assert result.ok and result.fine == ["w"]
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torch"
+
+
+@pytest.mark.parametrize("kind", ["torch", "npz", "bin folder"])
+def test_a_damaged_file_of_another_format_reports_what_open_met(
+    tmp_path: Path, kind: str, capsys: Any
+) -> None:
+    """A truncated `torch.save` file, `.npz`, or shard of a `pytorch_model.bin` model:
+    the report gives the damage `open` names, not that it is no Orbax checkpoint."""
+    if kind == "torch":
+        path = tmp_path / "state.pt"
+        shutil.copy(FIXTURES / "state.pt", path)
+        damaged = path
+    elif kind == "npz":
+        path = tmp_path / "arrays.npz"
+        np.savez(path, w=np.arange(4096, dtype=np.float32))
+        damaged = path
+    else:
+        path = tmp_path / "gpt2"
+        shutil.copytree(FIXTURES / "gpt2_bin", path)
+        damaged = path / "pytorch_model-00001-of-00003.bin"
+    with damaged.open("r+b") as file:
+        file.truncate(2000)
+    with pytest.raises(lazyckpt.CorruptCheckpointError) as opening:
+        lazyckpt.open(path)
+    result = lazyckpt.verify(path, progress=False)
+    assert (result.ok, result.opened) == (False, False)
+    assert [(d.key, d.problem) for d in result.not_checked] == [
+        ("(the checkpoint)", str(opening.value))
+    ]
+    assert f"{damaged}: no zip end record" in str(opening.value)
+    assert main(["verify", str(path)]) == 1
+    assert str(opening.value) in capsys.readouterr().out

@@ -62,7 +62,13 @@ def _walkthrough(path: str) -> None:
 
     print(f"1. Save: a train state on a 4x2 mesh of {_DEVICES} CPU devices, with sharded")
     print("   (P('data', 'model'), P('data', None)) and replicated (P()) arrays.")
-    lazyckpt.save(path, state)
+    try:
+        lazyckpt.save(path, state)
+    except lazyckpt.CheckpointExistsError:  # (its fix, overwrite=True, is not the demo's)
+        raise lazyckpt.CheckpointExistsError(
+            f"--keep {path}: the folder already exists, and the demo replaces nothing; "
+            "remove it, or pass --keep a folder that does not exist yet"
+        ) from None
     print(f"   wrote {path}\n")
 
     with lazyckpt.measure() as cost:

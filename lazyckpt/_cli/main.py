@@ -7,10 +7,11 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-# The standard library and lazyckpt's own errors and sizes only: see main.
+# The standard library and lazyckpt's own errors, sizes and text only: see main.
 from lazyckpt import __version__
 from lazyckpt import _sizes as sizes
 from lazyckpt._errors import LazyckptError, SizeError
+from lazyckpt._text import ascii_int
 
 _PATH = (
     "an Orbax checkpoint folder, step folder or manager root; a safetensors file or "
@@ -30,6 +31,19 @@ def parse_size(text: str) -> int:
         return sizes.parse_size(text)
     except SizeError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_int(text: str) -> int:
+    """A count flag (`--bins`, `--depth`): a whole number of 1 or more, else argparse's
+    usage error, which names the flag.
+
+    >>> positive_int("8")
+    8
+    """
+    number = ascii_int(text)
+    if number is None or number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass a whole number of 1 or more")
+    return number
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect = command("inspect", "the tree: shapes, dtypes, sizes, saved shardings; reads no data")
     selecting(inspect)
     dequantizing(inspect)
-    inspect.add_argument("--depth", type=int, metavar="N", help="show N levels of the tree")
+    inspect.add_argument(
+        "--depth", type=positive_int, metavar="N", help="show N levels of the tree (1 or more)"
+    )
     expanding(
         inspect,
         "a row for every subtree and leaf: numbered siblings alike (layers/{3..60}/) and "
@@ -98,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     selecting(stats)
     dequantizing(stats)
     budget(stats)
-    stats.add_argument("--bins", type=int, help="also a histogram with this many bins")
+    stats.add_argument(
+        "--bins", type=positive_int, metavar="N", help="also a histogram with N bins (1 or more)"
+    )
     expanding(stats, "a line per array: equal rows alike but for a layer number are not folded")
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
     stats.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,8 @@ from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.progress import shown
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import NoMatchError
-from lazyckpt._explore import plot
+from lazyckpt._explore import difference, plot
+from lazyckpt._explore.arguments import count
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 _Signature = tuple[str, tuple[int, ...], str] | tuple[str, str]
 """What a moved leaf keeps: `('array', shape, dtype)`, or `('value', repr)`."""
+_Array = LazyArray | np.ndarray | jax.Array
+"""The leaves compared as arrays: by shape and dtype, and with `values=True` by value,
+whether they are lazy or already read (`diff(lazy_tree, lazyckpt.load(lazy_tree))`)."""
 
 
 @attrs.frozen
@@ -39,7 +44,8 @@ class Change:
     `kind` is one of: `added` (only in the second), `removed` (only in the first),
     `moved` (a removed leaf whose metadata, and values if compared, reappear at
     `to`), `shape`, `dtype`, `value` (values differ; for arrays `max_abs` and
-    `max_rel` say by how much) or `equal`.
+    `max_rel` say by how much: exact ints for integer arrays, floats otherwise; an
+    infinite one where a NaN or Inf faces a different value) or `equal`.
     """
 
     path: str
@@ -110,25 +116,38 @@ class Diff:
         return "\n".join(lines)
 
     def describe(self) -> list[dict[str, Any]]:
-        return [attrs.asdict(c) for c in self.changes]
+        """As JSON-ready data (what `lazyckpt diff --json` prints): one dict per change.
+        An infinite `max_abs` or `max_rel` (a NaN or Inf facing a different value) is
+        the string `"inf"`, which JSON can hold, where a float would print `Infinity`."""
+        return [
+            {key: _json_number(value) for key, value in attrs.asdict(c).items()}
+            for c in self.changes
+        ]
 
     def plot(self, *, top: int = 30) -> Figure:
         """A matplotlib Figure (`lazyckpt[notebook]`) of the `top` arrays whose values
         changed most, by their largest relative difference (`diff(..., values=True)`),
         largest first."""
+        top = count("Diff.plot", "top", top, "pass top=30, say, for the 30 that changed most")
         return plot.changes(self.changes, top)
 
 
+def _json_number(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else "-inf" if value < 0 else "nan"
+    return value
+
+
 def _describe(leaf: object) -> str:
-    if isinstance(leaf, LazyArray):
+    if isinstance(leaf, _Array):
         return f"{leaf.dtype}[{','.join(str(n) for n in leaf.shape)}]"
     text = repr(leaf)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _signature(leaf: object) -> _Signature:
-    if isinstance(leaf, LazyArray):
-        return ("array", leaf.shape, str(leaf.dtype))
+    if isinstance(leaf, _Array):
+        return ("array", tuple(leaf.shape), str(leaf.dtype))
     return ("value", repr(leaf))
 
 
@@ -156,8 +175,11 @@ def diff(
     """Compare two trees or checkpoints: structure, shapes and dtypes from metadata,
     and with `values=True` array values, block by block.
 
-    NaNs in the same places count as equal; a NaN or Inf facing a different value
-    makes the difference infinite. A leaf that disappears from one path and
+    Arrays are LazyArrays, NumPy arrays or `jax.Array`s alike: a tree read with `load`
+    compares equal to the lazy tree it was read from. Integer and bool values compare
+    exactly, floats as float64. NaNs in the same places count as equal, in arrays and
+    as scalar leaves; a NaN or Inf facing a different value makes the difference
+    infinite. A leaf that disappears from one path and
     appears at another with the same shape and dtype (and, if compared, values) is
     reported as moved.
 
@@ -193,26 +215,26 @@ def diff(
         sides.append(_selected_or_empty(side, select))
     a, b = dict(leaves(sides[0])), dict(leaves(sides[1]))
     changes: dict[str, Change] = {}
-    compare: list[tuple[str, LazyArray, LazyArray]] = []
+    compare: list[tuple[str, _Array, _Array]] = []
     for path, old in a.items():
         if path not in b:
             changes[path] = Change(path, "removed", before=_describe(old))
             continue
         new = b[path]
         before, after = _describe(old), _describe(new)
-        if isinstance(old, LazyArray) and isinstance(new, LazyArray):
-            if old.shape != new.shape:
+        if isinstance(old, _Array) and isinstance(new, _Array):
+            if tuple(old.shape) != tuple(new.shape):
                 changes[path] = Change(path, "shape", before, after)
             elif old.dtype != new.dtype:
                 changes[path] = Change(path, "dtype", before, after)
             else:
                 changes[path] = Change(path, "equal", before, after)
-                if values and old.key_impl:
+                if values and _is_keys(old):
                     if not _equal_keys(old, new):
                         changes[path] = Change(path, "value", before, after)
                 elif values:
                     compare.append((path, old, new))
-        elif isinstance(old, LazyArray) or isinstance(new, LazyArray):
+        elif isinstance(old, _Array) or isinstance(new, _Array):
             changes[path] = Change(path, "value", before, after)
         else:
             kind = "equal" if _same_value(old, new) else "value"
@@ -228,11 +250,24 @@ def diff(
 
 
 def _same_value(old: object, new: object) -> bool:
-    return type(old) is type(new) and old == new
+    """Scalar leaves (and any other leaf that is not an array): equal when of one type
+    and `==`, or both NaN, as NaNs in the same places of arrays are."""
+    if type(old) is not type(new):
+        return False
+    if _is_nan(old) and _is_nan(new):
+        return True
+    try:
+        return bool(old == new)
+    except (ValueError, TypeError):  # an `==` whose result is no truth value
+        return old is new
+
+
+def _is_nan(value: object) -> bool:
+    return isinstance(value, float | complex | np.inexact) and value != value
 
 
 def _compare_values(
-    pairs: list[tuple[str, LazyArray, LazyArray]],
+    pairs: list[tuple[str, _Array, _Array]],
     changes: dict[str, Change],
     memory_budget: int | None,
     progress: bool | None,
@@ -243,9 +278,8 @@ def _compare_values(
         arrays = [(old, new) for _, old, new in pairs]
         for position, left, right in _paired_blocks(arrays, memory_budget):
             path = pairs[position][0]
-            abs_diff, rel_diff, differs = _block_difference(left, right)
-            prev = worst.get(path, (0.0, 0.0, False))
-            worst[path] = (max(prev[0], abs_diff), max(prev[1], rel_diff), prev[2] or differs)
+            found = difference.block_difference(left, right)
+            worst[path] = difference.worse(worst.get(path, difference.SAME), found)
             if bar is not None:
                 bar.advance(left.nbytes + right.nbytes)
     for path, (abs_diff, rel_diff, differs) in worst.items():
@@ -256,27 +290,54 @@ def _compare_values(
 
 
 def _paired_blocks(
-    pairs: list[tuple[LazyArray, LazyArray]], memory_budget: int | None
+    pairs: list[tuple[_Array, _Array]], memory_budget: int | None
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """`(position, left, right)`: the same block of both arrays of each pair, each side
     within half the budget. Arrays stored alike (two steps of one run) stream side by
-    side, so each stored chunk is decoded once; otherwise the second array is read
-    region by region for the first one's blocks."""
+    side, so each stored chunk is decoded once; otherwise the blocks of the first
+    LazyArray of a pair are streamed, and the same region of the other side read (a
+    LazyArray) or cut (an array in memory). Two arrays in memory are one block."""
     half = None if memory_budget is None else max(1, memory_budget // 2)
     alike = [i for i, (old, new) in enumerate(pairs) if _stored_alike(old, new)]
     # Not shared: the two sides must come in the same blocks, whatever views share.
-    olds = stream.iter_blocks([pairs[i][0] for i in alike], half, share=False)
-    news = stream.iter_blocks([pairs[i][1] for i in alike], half, share=False)
+    olds = stream.iter_blocks([_lazy(pairs[i][0]) for i in alike], half, share=False)
+    news = stream.iter_blocks([_lazy(pairs[i][1]) for i in alike], half, share=False)
     for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
         assert a == b and index == other, "arrays stored alike stream alike"
         yield alike[a], left, right
     rest = [i for i in range(len(pairs)) if i not in set(alike)]
-    for position, index, left in stream.iter_blocks([pairs[i][0] for i in rest], half):
-        yield rest[position], left, load(pairs[rest[position]][1][index], memory_budget=half)
+    streamed = [i for i in rest if any(isinstance(side, LazyArray) for side in pairs[i])]
+    # The first side that is lazy drives; `flip` says it is the second.
+    flip = [not isinstance(pairs[i][0], LazyArray) for i in streamed]
+    drivers = [
+        _lazy(pairs[i][1] if f else pairs[i][0]) for i, f in zip(streamed, flip, strict=True)
+    ]
+    for position, index, block in stream.iter_blocks(drivers, half):
+        old, new = pairs[streamed[position]]
+        region = _region(old if flip[position] else new, index, half)
+        yield streamed[position], *((region, block) if flip[position] else (block, region))
+    for i in rest:
+        if i not in set(streamed):
+            yield i, np.asarray(pairs[i][0]), np.asarray(pairs[i][1])
 
 
-def _stored_alike(old: LazyArray, new: LazyArray) -> bool:
+def _lazy(array: _Array) -> LazyArray:
+    assert isinstance(array, LazyArray), "only lazy sides are streamed"
+    return array
+
+
+def _region(array: _Array, index: tuple[slice, ...], memory_budget: int | None) -> np.ndarray:
+    """`array[index]` as NumPy: read, for a LazyArray; cut, for an array in memory."""
+    if isinstance(array, LazyArray):
+        region: np.ndarray = load(array[index], memory_budget=memory_budget)
+        return region
+    return np.asarray(array[index])
+
+
+def _stored_alike(old: _Array, new: _Array) -> bool:
     """Whether the engine cuts both views into the same blocks."""
+    if not isinstance(old, LazyArray) or not isinstance(new, LazyArray):
+        return False
     a, b = old.stored, new.stored
     if not isinstance(a, StoredArray) or not isinstance(b, StoredArray):
         return False  # composed views: compared region by region
@@ -287,39 +348,6 @@ def _stored_alike(old: LazyArray, new: LazyArray) -> bool:
         and (a.codec is None or b.codec is None or a.codec.order == b.codec.order)
         and (a.inline is None) == (b.inline is None)
     )
-
-
-_PIECE = 1 << 18  # elements compared at once: a few MiB of float64 temporaries
-
-
-def _block_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float, bool]:
-    """Largest absolute and relative difference of two blocks, and whether any
-    element differs (NaN matching NaN does not); `_PIECE` elements at a time, so the
-    float64 temporaries stay small whatever the block's size."""
-    a, b = left.reshape(-1), right.reshape(-1)
-    worst = (0.0, 0.0, False)
-    for start in range(0, a.size, _PIECE):
-        found = _piece_difference(a[start : start + _PIECE], b[start : start + _PIECE])
-        worst = (max(worst[0], found[0]), max(worst[1], found[1]), worst[2] or found[2])
-    return worst
-
-
-def _piece_difference(left: np.ndarray, right: np.ndarray) -> tuple[float, float, bool]:
-    if left.dtype.kind == "b":
-        differs = bool(np.any(left != right))
-        return float(differs), float(differs), differs
-    x = left.astype(np.float64) if left.dtype.kind != "c" else left.astype(np.complex128)
-    y = right.astype(x.dtype)
-    both_nan = np.isnan(x) & np.isnan(y)
-    same = (x == y) | both_nan
-    if bool(np.all(same)):
-        return 0.0, 0.0, False
-    with np.errstate(invalid="ignore", over="ignore"):
-        delta = np.abs(x - y)
-        delta = np.where(same, 0.0, np.where(np.isnan(delta), np.inf, delta))
-        scale = np.maximum(np.abs(x), np.abs(y))
-        rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
-    return float(delta.max()), float(np.nan_to_num(rel, nan=np.inf).max()), True
 
 
 def _moves(
@@ -350,19 +378,28 @@ def _moves(
     return matched
 
 
-def _equal_keys(old: LazyArray, new: LazyArray) -> bool:
-    """Typed PRNG keys: equal when their key data is (they are small; read whole)."""
-    left, right = (np.asarray(jax.random.key_data(array.get())) for array in (old, new))
-    return old.key_impl == new.key_impl and np.array_equal(left, right)
+def _is_keys(array: _Array) -> bool:
+    """Whether `array` holds typed PRNG keys (a LazyArray's dtype is theirs too)."""
+    return bool(jax.numpy.issubdtype(array.dtype, jax.dtypes.prng_key))
+
+
+def _equal_keys(old: _Array, new: _Array) -> bool:
+    """Typed PRNG keys of one dtype (one implementation): equal when their key data
+    is (they are small; read whole)."""
+    left, right = (
+        np.asarray(jax.random.key_data(array.get() if isinstance(array, LazyArray) else array))
+        for array in (old, new)
+    )
+    return np.array_equal(left, right)
 
 
 def _equal_values(old: object, new: object, memory_budget: int | None) -> bool:
-    if not isinstance(old, LazyArray):
+    if not isinstance(old, _Array):
         return _same_value(old, new)
-    assert isinstance(new, LazyArray), "signatures match: both are arrays"
-    if old.key_impl:
+    assert isinstance(new, _Array), "signatures match: both are arrays"
+    if _is_keys(old):
         return _equal_keys(old, new)
     return not any(
-        _block_difference(left, right)[2]
+        difference.block_difference(left, right)[2]
         for _, left, right in _paired_blocks([(old, new)], memory_budget)
     )

@@ -34,20 +34,34 @@ digits: `layer_\u0663` is a name, not layer 3)."""
 
 
 def layer_families(keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
-    """Keys that differ only by the number in their first numbered component, as
+    """Keys that differ only by the number in one numbered component, as
     `{pattern: [(number, key), ...]}` in order of number; families of one are left out.
+    A key joins the family of its first numbered component that has siblings: an
+    optimizer state's `opt/0/mu/layers/3/w` (optax's tuple index 0, alone) joins
+    `opt/0/mu/layers/*/w`.
 
     >>> layer_families(["l/0/w", "l/1/w", "l/10/w", "l/0/b", "head"])
     {'l/*/w': [(0, 'l/0/w'), (1, 'l/1/w'), (10, 'l/10/w')]}
+    >>> list(layer_families(["opt/0/mu/l/0/w", "opt/0/mu/l/1/w", "opt/0/nu/l/0/w"]))
+    ['opt/0/mu/l/*/w']
     """
-    families: dict[str, list[tuple[int, str]]] = {}
+    candidates: dict[str, list[tuple[int, str]]] = {}  # every numbered component's
+    numbered: list[tuple[str, list[tuple[str, int]]]] = []
     for key in keys:
         parts = key.split("/")
+        places = []
         for i, part in enumerate(parts):
             match = _NUMBERED.fullmatch(part)
             number = ascii_int(match[2]) if match else None
             if match and number is not None:
                 pattern = "/".join([*parts[:i], match[1] + "*", *parts[i + 1 :]])
+                candidates.setdefault(pattern, []).append((number, key))
+                places.append((pattern, number))
+        numbered.append((key, places))
+    families: dict[str, list[tuple[int, str]]] = {}
+    for key, places in numbered:
+        for pattern, number in places:
+            if len(candidates[pattern]) > 1:
                 families.setdefault(pattern, []).append((number, key))
                 break
     return {p: sorted(members) for p, members in families.items() if len(members) > 1}
@@ -183,8 +197,8 @@ def _some(keys: list[str]) -> str:
 
 
 def _nan(value: float | None) -> float:
-    """A statistic as drawn: none, or an infinite one (a float64 overflow of values
-    near the largest float), is a gap in the curve."""
+    """A statistic as drawn: none (an array without finite values), or one that is
+    not finite, is a gap in the curve."""
     return math.nan if value is None or not math.isfinite(value) else value
 
 

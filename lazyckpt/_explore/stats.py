@@ -14,6 +14,7 @@ from lazyckpt._engine import stream
 from lazyckpt._engine.progress import Progress, shown
 from lazyckpt._errors import LazyTypeError, renamed
 from lazyckpt._explore import plot
+from lazyckpt._explore.arguments import choice, count
 from lazyckpt._lazy import LazyArray
 from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 @attrs.frozen
 class Stats:
     """Statistics of one array. `min`, `max`, `mean` and `std` are over its finite
-    values (None when it has none); `nan` and `inf` count the others. `histogram`
-    is `(counts, edges)` over `[min, max]` when asked for."""
+    values (None when it has none); `nan` and `inf` count the others. `min` and `max`
+    of an integer array are exact ints (float64 rounds 2**53 + 1); the rest are floats.
+    `histogram` is `(counts, edges)` over `[min, max]` when asked for."""
 
     size: int
     nan: int
@@ -58,11 +60,19 @@ class Stats:
 
 
 _PIECE = 1 << 18  # elements folded in at once: 2 MiB of float64
+_LARGEST = float(np.finfo(np.float64).max)
+_LARGE = 2.0**400
+"""Values beyond which sums of squares could overflow float64: the mean and squared
+deviations are then kept in units of a power of two (`_Running.unit`)."""
 
 
 @attrs.define
 class _Running:
-    """Chan et al.'s pairwise combination of counts, means and squared deviations."""
+    """Chan et al.'s pairwise combination of counts, means and squared deviations.
+
+    `mean` and `m2` are in units of `unit`, a power of two, 1 unless values beyond
+    `_LARGE` came (float64's largest, 1.8e308, squared or summed twice, overflows):
+    dividing by a power of two is exact, so ordinary arrays get the same results."""
 
     size: int = 0
     nan: int = 0
@@ -70,6 +80,7 @@ class _Running:
     count: int = 0
     mean: float = 0.0
     m2: float = 0.0
+    unit: float = 1.0
     low: float = math.inf
     high: float = -math.inf
 
@@ -92,7 +103,14 @@ class _Running:
             finite = values[np.isfinite(values)] if nan or inf else values.reshape(-1)
         if not finite.size:
             return
+        # Integers' extremes as Python ints: exact where float64 would round them.
+        extreme = int if finite.dtype.kind in "iu" else float
+        self.low = min(self.low, extreme(finite.min()))
+        self.high = max(self.high, extreme(finite.max()))
         block = finite.astype(np.float64, copy=False)
+        self._rescale(max(abs(float(block.min())), abs(float(block.max()))))
+        if self.unit != 1.0:
+            block = block / self.unit
         n = block.size
         mean = float(block.mean())
         m2 = float(np.square(block - mean).sum())
@@ -101,14 +119,22 @@ class _Running:
         self.mean += delta * n / total
         self.m2 += m2 + delta * delta * self.count * n / total
         self.count = total
-        self.low = min(self.low, float(block.min()))
-        self.high = max(self.high, float(block.max()))
+
+    def _rescale(self, largest: float) -> None:
+        """Make `unit` at least `largest`, once values pass `_LARGE`."""
+        if largest <= _LARGE * self.unit:
+            return
+        unit = math.ldexp(1.0, math.frexp(largest)[1] - 1)  # largest / unit < 2
+        self.mean *= self.unit / unit
+        self.m2 *= (self.unit / unit) ** 2
+        self.unit = unit
 
     def result(self, histogram: tuple[np.ndarray, np.ndarray] | None = None) -> Stats:
         if not self.count:
             return Stats(self.size, self.nan, self.inf, None, None, None, None, histogram)
-        std = math.sqrt(self.m2 / self.count)
-        return Stats(self.size, self.nan, self.inf, self.low, self.high, self.mean, std, histogram)
+        std = math.sqrt(self.m2 / self.count) * self.unit
+        mean = self.mean * self.unit
+        return Stats(self.size, self.nan, self.inf, self.low, self.high, mean, std, histogram)
 
 
 class StatsTable(dict[str, Stats]):
@@ -159,13 +185,13 @@ class StatsTable(dict[str, Stats]):
                 computed, else layers.
             max_panels: The most panels; the rest are counted in the title.
         """
+        max_panels = count("stats(...).plot", "max_panels", max_panels, "pass max_panels=12, say")
         if kind is None:
             kind = "histograms" if any(s.histogram is not None for s in self.values()) else "layers"
+        kind = choice("stats(...).plot", "kind", kind, ("layers", "histograms"))
         if kind == "layers":
             return plot.layers(self, max_panels)
-        if kind == "histograms":
-            return plot.histograms(self, max_panels)
-        raise ValueError(f"stats(...).plot: kind={kind!r}; expected 'layers' or 'histograms'")
+        return plot.histograms(self, max_panels)
 
 
 @renamed(which="select")
@@ -187,7 +213,7 @@ def stats(
         select: Only the leaves matching a pattern, any of several patterns, or a
             predicate `(path, leaf) -> bool` (see `select`).
         bins: Also a histogram of the finite values in this many equal bins over
-            `[min, max]`, which takes a second read.
+            `[min, max]` (1 or more), which takes a second read.
         memory_budget: As for `load`.
         progress: As for `load`.
 
@@ -206,6 +232,8 @@ def stats(
     params/w  256 B    0   63  31.5  18.473    0    0
     """
     budget = optional_size("memory_budget", memory_budget)
+    if bins is not None:
+        bins = count("stats", "bins", bins, "pass bins=64, say, or bins=None for no histogram")
     if isinstance(tree, LazyArray):
         if not summarizable(tree):
             raise LazyTypeError(
@@ -242,8 +270,7 @@ def _histograms(
     bar: Progress | None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     edges = [
-        np.histogram_bin_edges([], bins, (r.low, r.high) if r.count else (0.0, 1.0))
-        for r in running
+        _edges(r.low, r.high, bins) if r.count else np.linspace(0.0, 1.0, bins + 1) for r in running
     ]
     counts = [np.zeros(bins, np.int64) for _ in arrays]
     for position, _, values in stream.iter_blocks(arrays, memory_budget, bar):
@@ -256,6 +283,35 @@ def _histograms(
             finite = part[np.isfinite(part)] if floating else part
             counts[position] += np.histogram(finite, edges[position])[0]
     return list(zip(counts, edges, strict=True))
+
+
+def _edges(low: float, high: float, bins: int) -> np.ndarray:
+    """`bins + 1` increasing float64 edges from `low` to `high`, equally spaced where
+    float64 can space them; NumPy's own refuses a range it cannot cut into `bins`
+    (a constant 1e17, whose neighbours are 16 apart) and overflows on one wider than
+    float64's largest (-1.7e308 to 1.7e308)."""
+    lo, hi = float(low), float(high)  # (exact ints rounded as NumPy compares them)
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5  # NumPy's range for a single value
+    share = np.linspace(0.0, 1.0, bins + 1)
+    edges = lo * (1 - share) + hi * share  # (never hi - lo, which can overflow)
+    edges[0], edges[-1] = lo, hi
+    if np.all(edges[:-1] < edges[1:]):
+        return edges
+    return _neighbours(float(low), float(high), bins)
+
+
+def _neighbours(low: float, high: float, bins: int) -> np.ndarray:
+    """`bins + 1` consecutive float64 values from `low`, the last one at least `high`;
+    those that would pass float64's largest go below `low` instead."""
+    edges = [low]
+    while len(edges) <= bins and edges[-1] < _LARGEST:
+        edges.append(float(np.nextafter(edges[-1], math.inf)))
+    edges[-1] = max(edges[-1], high)
+    below = [low]
+    while len(below) + len(edges) <= bins + 1:
+        below.append(float(np.nextafter(below[-1], -math.inf)))
+    return np.array(below[:0:-1] + edges)
 
 
 def summarizable(array: LazyArray) -> bool:

@@ -17,6 +17,7 @@ import attrs
 from lazyckpt._array.sharding import saved_from_one_device
 from lazyckpt._array.tree import gc_paused, keystr
 from lazyckpt._display import as_given
+from lazyckpt._explore.arguments import count
 from lazyckpt._explore.rows import Row, is_array, layout, leaves_of, walk
 from lazyckpt._html import STYLE, array_row, array_text, key_cell, spec_of, times
 from lazyckpt._text import human_bytes, printable, shown
@@ -194,8 +195,8 @@ def summary(
     >>> print(lazyckpt.summary({"layers": [np.zeros((4, 8)) for _ in range(32)]}))
     layers/{0..31}  32 x float64[4,8]  8.0 KiB
     """
-    if depth is not None and depth < 1:
-        raise ValueError(f"summary: depth must be 1 or more, found {depth}")
+    if depth is not None:
+        depth = count("summary", "depth", depth, "pass depth=1 for the top level, or None for all")
     root = walk(tree)
     shown = [row for row in layout(root, fold=fold) if depth is None or row.depth <= depth]
     device = saved_from_one_device(leaves_of(root))

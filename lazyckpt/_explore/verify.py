@@ -47,7 +47,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
-from lazyckpt._errors import CorruptCheckpointError, NoMatchError, renamed
+from lazyckpt._errors import CorruptCheckpointError, LazyckptError, renamed
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import arrays_listed
 from lazyckpt._open import open as open_checkpoint
@@ -311,12 +311,15 @@ def _listed(
     storage_options: dict[str, Any] | None,
 ) -> list[str]:
     """The arrays that `_METADATA` lists at `path`, those `select` matches (a predicate
-    needs the arrays, so it keeps them all); none where it cannot be read."""
+    needs the arrays, so it keeps them all); none where it cannot be read, or where
+    `path` is not an Orbax checkpoint at all (a torch file, a `.npz`, a folder of
+    `pytorch_model.bin` shards): the report then gives the error `open` met, not this
+    listing's."""
     try:
         keys = arrays_listed(path, step=step, item=item, storage_options=storage_options)
         if select is not None and not callable(select):
             keys = list(selected(dict.fromkeys(keys, 0), select))
-    except (CorruptCheckpointError, NoMatchError):
+    except LazyckptError:  # (NoMatchError too: none of them is selected)
         return []
     return keys
 

@@ -1,0 +1,76 @@
+"""How two blocks of values differ: exactly for integers and bools, in float64 (or
+wider) for floats, with NaNs in the same places equal; a piece at a time, so the
+temporaries stay small whatever the block's size."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PIECE = 1 << 18  # elements compared at once: a few MiB of float64 temporaries
+Found = tuple[float, float, bool]
+"""Largest absolute and relative difference, and whether any element differs."""
+SAME: Found = (0, 0.0, False)
+
+
+def worse(a: Found, b: Found) -> Found:
+    return max(a[0], b[0]), max(a[1], b[1]), a[2] or b[2]
+
+
+def block_difference(left: np.ndarray, right: np.ndarray) -> Found:
+    """Largest absolute and relative difference of two blocks, and whether any
+    element differs (NaN matching NaN does not); `PIECE` elements at a time, so the
+    temporaries stay small whatever the block's size."""
+    a, b = left.reshape(-1), right.reshape(-1)
+    worst = SAME
+    for start in range(0, a.size, PIECE):
+        found = _piece_difference(a[start : start + PIECE], b[start : start + PIECE])
+        worst = worse(worst, found)
+    return worst
+
+
+def _piece_difference(left: np.ndarray, right: np.ndarray) -> Found:
+    if left.dtype.kind == "b":
+        differs = bool(np.any(left != right))
+        return int(differs), float(differs), differs
+    if left.dtype.kind in "iu":
+        return _integer_difference(left, right)
+    # float64 holds every value of the narrower floats exactly (float16, bfloat16, the
+    # float8s), so that equal means equal; long doubles keep their own precision.
+    wide = np.result_type(left.dtype, np.float64) if left.dtype.kind in "fc" else np.float64
+    x, y = left.astype(wide), right.astype(wide)
+    both_nan = np.isnan(x) & np.isnan(y)
+    same = (x == y) | both_nan
+    if bool(np.all(same)):
+        return SAME
+    with np.errstate(invalid="ignore", over="ignore"):
+        delta = np.abs(x - y)
+        delta = np.where(same, 0.0, np.where(np.isnan(delta), np.inf, delta))
+        scale = np.maximum(np.abs(x), np.abs(y))
+        rel = np.where(delta == 0, 0.0, delta / np.where(scale == 0, 1.0, scale))
+    return float(delta.max()), float(np.nan_to_num(rel, nan=np.inf).max()), True
+
+
+def _integer_difference(left: np.ndarray, right: np.ndarray) -> Found:
+    """Integers compared exactly, as float64 cannot (2**53 + 1 is 2**53 there), and
+    their largest difference as an exact int. |x - y| of two int64 or two uint64 is
+    below 2**64: the difference of their unsigned forms, which wraps modulo 2**64, is
+    that exactly, where int64's own would overflow."""
+    differs = left != right
+    if not bool(np.any(differs)):
+        return SAME
+    wide = np.int64 if left.dtype.kind == "i" else np.uint64
+    x, y = left[differs].astype(wide), right[differs].astype(wide)
+    high, low = np.maximum(x, y).view(np.uint64), np.minimum(x, y).view(np.uint64)
+    delta = high - low
+    size = np.maximum(_magnitude(x), _magnitude(y)).astype(np.float64)
+    return int(delta.max()), float((delta.astype(np.float64) / size).max()), True
+
+
+def _magnitude(values: np.ndarray) -> np.ndarray:
+    """|values| as uint64, exact for int64's most negative value too."""
+    unsigned = values.view(np.uint64)
+    return (
+        np.where(values < 0, np.negative(unsigned), unsigned)
+        if values.dtype.kind == "i"
+        else unsigned
+    )
