@@ -121,7 +121,8 @@ def test_files_in_the_cache_are_read_from_disk(hub: HubServer) -> None:
     tree = lazyckpt.open("hf://org/model")
     loaded = lazyckpt.load(tree)
     assert not data_requests(hub)  # only the revision's commit was asked for
-    assert up(tree, 3).stored.file.startswith(constants.HF_HUB_CACHE)
+    raw = up(tree, 3).stored.raw_file()  # positioned reads of the cache's copy
+    assert raw is not None and raw[0].startswith(constants.HF_HUB_CACHE)
     np.testing.assert_array_equal(
         loaded["model"]["layers"]["3"]["mlp"]["up_proj"]["weight"],
         tensors["model.layers.3.mlp.up_proj.weight"],
@@ -192,6 +193,29 @@ def test_a_damaged_file_in_the_cache_is_named_with_its_fix(hub: HubServer) -> No
     for read in (lambda: up(tree, 2)[10:20].get(), lambda: lazyckpt.load(up(tree, 2))):
         with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"not a regular file \(a FIFO"):
             read()
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_damaged_file_of_a_model_cached_whole_is_named_with_its_fix(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, offline: bool
+) -> None:
+    """With every file in the cache (`hf download`, and offline too), a damaged copy
+    is named as the cache's, with the blob to delete: downloading it again would give
+    the same damaged blob back."""
+    files, _ = model()
+    hub.commit("org/model", files)
+    blob = (Path(hh.snapshot_download("org/model")) / SHARDS[2]).resolve()
+    blob.write_bytes(files[SHARDS[2]][:-100])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    hub.clear_log()
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=rf"^hf://org/model@[0-9a-f]{{7}}/{SHARDS[2]} \(org/model at main, commit "
+        rf"[0-9a-f]{{12}}.*\): its copy in the Hugging Face cache holds .*truncated: "
+        rf"delete it from the cache .*{re.escape(str(blob))}\) and download it again",
+    ):
+        lazyckpt.open("hf://org/model")
+    assert not data_requests(hub)
 
 
 def test_every_verb_reads_over_http(hub: HubServer, tmp_path: Path) -> None:
@@ -273,6 +297,12 @@ def test_failures_that_pass_are_tried_again(hub: HubServer) -> None:
             "hf://org/nothing",
             lazyckpt.CheckpointNotFoundError,
             r"hf://org/nothing: no such repository at http://127.0.0.1:\d+ \(set HF_TOKEN",
+        ),
+        (
+            "",
+            "hf://datasets/org/model@v1",
+            lazyckpt.CheckpointNotFoundError,
+            r"^hf://datasets/org/model@v1: no such repository at",
         ),
         (
             "",
@@ -413,6 +443,50 @@ def test_a_file_that_changes_size_after_open_is_refused(hub: HubServer) -> None:
     ):
         up(tree, 2).get()
     assert layer.shape == (64, 32)
+
+
+def test_a_cdn_address_that_answers_404_is_asked_for_again(hub: HubServer) -> None:
+    """At a pinned commit a file cannot change: a 404 at the CDN address a redirect
+    gave is asked of the Hub again, as an expired one's 403 is; a 404 there too is a
+    missing object, never a file that changed."""
+    files, tensors = model()
+    hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    want = tensors["model.layers.1.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(up(tree, 1)[:2].get(), want[:2])  # (the CDN address)
+    hub.clear_log()
+    hub.fail_next(1, 404, retry_after=None, path_prefix="/cdn/")
+    np.testing.assert_array_equal(up(tree, 1)[2:4].get(), want[2:4])
+    assert [(e.server, e.status) for e in hub.log] == [("cdn", 404), ("hub", 302), ("cdn", 206)]
+    hub.fail_next(2, 404, retry_after=None, path_prefix="/cdn/")
+    with pytest.raises(
+        lazyckpt.CheckpointNotFoundError,
+        match=rf"^hf://org/model@[0-9a-f]{{7}}/{SHARDS[1]} \(org/model at main, commit "
+        r"[0-9a-f]{12}\): the Hub lists this file at the commit, but its server answered "
+        r"HTTP 404 \(again at the address the Hub then gave afresh\): the file's stored "
+        r"object is missing there",
+    ):
+        up(tree, 1)[4:6].get()
+
+
+def test_an_unreachable_hub_with_the_model_cached_suggests_offline(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, _ = model()
+    hub.commit("org/model", files)
+    hh.snapshot_download("org/model")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(network, "_OPTIONS", [lazyckpt.NetworkOptions(retries=2)])
+    with pytest.raises(
+        lazyckpt.StorageAccessError,
+        match=r"^hf://org/model \(the Hub's API at .*could not be reached .*; the Hugging "
+        r"Face cache holds files of org/model: set HF_HUB_OFFLINE=1 to read them without "
+        r"asking the Hub$",
+    ):
+        lazyckpt.open("hf://org/model")
+    with pytest.raises(lazyckpt.StorageAccessError, match=r"could not be reached") as caught:
+        lazyckpt.open("hf://org/other")  # (nothing of it in the cache)
+    assert "HF_HUB_OFFLINE" not in str(caught.value)
 
 
 def test_names_that_need_quoting_and_pull_request_revisions(hub: HubServer) -> None:

@@ -258,6 +258,28 @@ def test_a_damaged_repository_fails_as_on_disk(hub: HubServer, tmp_path: Path, d
     assert remote_words == local_words, (on_hub[1], on_disk[1])
 
 
+@pytest.mark.parametrize("name", ["manifest.ocdbt", "data file"])
+def test_a_listed_file_the_server_answers_404_for_is_named(
+    hub: HubServer, tmp_path: Path, name: str
+) -> None:
+    """A file the Hub lists at the commit whose object is missing (404 at `resolve/`)
+    is named with the 404, not taken for absent: a missing manifest.ocdbt was read as
+    a folder-per-array layout, and reported as a zarr header missing from a local copy."""
+    local = orbax_save(tmp_path / "ckpt", _layers(3))
+    commit = hub.commit("org/jax", _files(local, "ckpt"))
+    if name == "data file":
+        victim = max(local.rglob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+        name = victim.relative_to(local).as_posix()
+    hub.fail_next(100, 404, retry_after=None, path_prefix=f"/org/jax/resolve/{commit}/ckpt/{name}")
+    with pytest.raises(
+        lazyckpt.CheckpointNotFoundError,
+        match=rf"^hf://org/jax@{commit[:7]}/ckpt/{re.escape(name)} \(org/jax at main, commit "
+        rf"{commit[:12]}\): the Hub lists this file at the commit, but its server answered "
+        r"HTTP 404: the file's stored object is missing there\. Try again later",
+    ):
+        lazyckpt.load(lazyckpt.open("hf://org/jax/ckpt"))
+
+
 def test_what_the_client_refuses_reaches_the_caller(hub: HubServer, tmp_path: Path) -> None:
     """A server that fails every attempt, and a file replaced after `open` (at a plain
     URL): lazyckpt's own errors, not tensorstore's, through the relay."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -606,7 +607,8 @@ def test_an_answer_that_drops_a_validator_is_a_change(server: HostileServer, dro
     raised(
         outcome(lambda: lazyckpt.load(tree)),
         lazyckpt.CheckpointChangedError,
-        rf"model.safetensors changed since it was opened \(its {dropped} was \S.*, now None\)",
+        rf"model.safetensors changed since it was opened \(its {dropped} was \S.*, the answer "
+        r"gave none\)",
     )
 
 
@@ -780,3 +782,54 @@ def test_where_a_plain_url_redirects_is_asked_again_at_each_open(
     np.testing.assert_array_equal(lazyckpt.open(url)["layer"]["0"]["w"].get(), one["layer.0.w"])
     target[0] = "v2.safetensors"
     np.testing.assert_array_equal(lazyckpt.open(url)["layer"]["0"]["w"].get(), two["layer.0.w"])
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"\x1b]0;PWNED\x07\x1b[2J\x1b[31mEVIL @evil.example\r\n\r\n",
+        b"\x00\x00\x80?\x00@\x00\x00\x40\x40\x00\r\n\r\n",  # (an HTTP/0.9 body: no status)
+    ],
+    ids=["escapes and an @", "raw bytes"],
+)
+def test_what_a_server_sends_is_escaped_in_messages(server: HostileServer, sent: bytes) -> None:
+    """A status line of control characters cannot retitle the terminal or forge a line,
+    and an '@' in it cannot make the URL scrubber hide the host before it: shown as
+    `repr` shows them, the '@' as \\x40."""
+
+    def hostile(handler: _Handler, file: File) -> bool:
+        handler.wfile.write(sent)
+        handler.close_connection = True
+        return True
+
+    url = server.put("model.safetensors", b"", trick=hostile)
+    host = url.split("/")[2]
+    with lazyckpt.network_options(**QUICK):  # type: ignore[arg-type]
+        found = raised(
+            outcome(lambda: lazyckpt.open(url)),
+            lazyckpt.StorageAccessError,
+            rf"^{re.escape(url)}: http://{re.escape(host)} could not be reached or kept failing "
+            r"\(\w+: '.*\\x40.*'\) after 2 attempts",
+        )
+    assert not re.search(r"[\x00-\x1f\x7f]", str(found)), str(found)
+
+
+def test_a_416_for_bytes_the_file_holds_is_no_truncation(server: HostileServer) -> None:
+    """A 416 whose `bytes */SIZE` says the range asked for is there contradicts itself:
+    the server's fault, not a file shorter than its header."""
+    values = tensors(count=1, rows=64)
+    data = save(values)
+
+    def refusing(handler: _Handler, file: File) -> bool:
+        if handler.headers.get("Range", "").startswith("bytes=0-"):
+            return False  # (the header, at open)
+        handler.answer(416, {"Content-Range": f"bytes */{len(data)}"}, b"")
+        return True
+
+    tree = lazyckpt.open(server.put("model.safetensors", data, trick=refusing))
+    raised(
+        outcome(lambda: lazyckpt.load(tree)),
+        lazyckpt.StorageAccessError,
+        rf"model.safetensors: the server refused bytes \d+ on as out of range \(HTTP 416\), yet "
+        rf"says the file holds {len(data)} bytes; it does not serve byte ranges correctly",
+    )

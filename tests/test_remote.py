@@ -500,3 +500,61 @@ def test_a_bucket_checkpoint_overwritten_after_open_says_so(s3: Any) -> None:
             read()
     reopened = lazyckpt.open(url)
     assert reopened["note"] == "new" and reopened["w"].get().tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_bucket_root_opens_saves_and_refuses_an_overwrite_up_front(s3: Any) -> None:
+    """A bucket's root (`s3://BUCKET`) is a folder like any other, but nothing lies
+    beside it: no overwrite marker is looked for there (`s3://BUCKET.lazyckpt-overwrite`
+    names another bucket), and an overwrite, which stages beside, is refused before
+    anything is written."""
+    s3.create_bucket(Bucket="bare")
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match=r"^s3://bare does not exist"):
+        lazyckpt.open("s3://bare")
+    assert lazyckpt.save("s3://bare", {"w": np.arange(3.0)}) == "s3://bare"
+    np.testing.assert_array_equal(lazyckpt.open("s3://bare/")["w"].get(), np.arange(3.0))
+    with pytest.raises(lazyckpt.CheckpointExistsError, match=r"already exists"):
+        lazyckpt.save("s3://bare", {"w": np.zeros(3)})
+    with pytest.raises(
+        lazyckpt.CheckpointExistsError,
+        match=r"^s3://bare: the bucket's root holds a checkpoint, .*save to a folder in the "
+        r"bucket \(s3://bare/NAME\), or delete the bucket's objects",
+    ):
+        lazyckpt.save("s3://bare", {"w": np.zeros(3)}, overwrite=True)
+    np.testing.assert_array_equal(lazyckpt.open("s3://bare")["w"].get(), np.arange(3.0))
+    s3.put_object(Bucket="bare", Key="_METADATA", Body=b"not json")
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^s3://bare/_METADATA"):
+        lazyckpt.open("s3://bare")
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "found"),
+    [
+        ("s3://ckpts/run", {"regoin": "us-east-1"}, r"extra members: \"regoin\""),
+        ("s3://ckpts/run", {"endpoint": 5}, r"endpoint=5 \(a str\)"),
+        ("s3://ckpts/run", {"endpoint": "localhost:9000"}, r"an http:// or https:// URL"),
+        ("s3://ckpts/run", {"requester_pays": "yes"}, r"requester_pays"),
+        ("s3://ckpts/run", {"bucket": "other"}, r"\['bucket'\], which the URL gives"),
+        ("gs://ckpts/run", {"endpoint": "http://127.0.0.1:9"}, r"extra members: \"endpoint\""),
+    ],
+)
+def test_mistyped_bucket_options_are_refused_before_any_request(
+    url: str, options: dict[str, object], found: str
+) -> None:
+    """As an https:// URL's are: a typo or a wrong type, at once, naming what a
+    bucket's storage_options take (tensorstore refused them only at the first
+    request, as a failed storage request)."""
+    scheme = url.split(":", 1)[0]
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=rf"^{scheme}://ckpts/run: storage_options for {scheme}:// take \[.*'retries'\] and "
+        rf"tensorstore's .* kvstore options \(.*\), not .*{found}.*; fix or remove that option$",
+    ):
+        lazyckpt.open(url, storage_options=options)
+
+
+def test_a_bucket_name_that_cannot_be_one_is_named(s3: Any) -> None:
+    with pytest.raises(
+        lazyckpt.CheckpointNotFoundError,
+        match=r"^s3://Bad_Bucket!/x: 'Bad_Bucket!' is not a bucket's name \(.*\); check the URL",
+    ):
+        lazyckpt.open("s3://Bad_Bucket!/x")

@@ -27,6 +27,7 @@ from typing import Any
 import tensorstore as ts
 
 from lazyckpt._errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     LazyckptError,
     LazyTypeError,
@@ -74,9 +75,11 @@ def split(path: str) -> tuple[str, str, str]:
 
 
 def bucket_spec(path: str) -> dict[str, Any]:
-    """The tensorstore kvstore spec of the bucket that `path` is in (no path)."""
+    """The tensorstore kvstore spec of the bucket that `path` is in (no path), its
+    `storage_options` checked before any request (`_checked`)."""
     scheme, bucket, _ = split(path)
     options = dict(_OPTIONS.get() or {})
+    _check_options(path, options)
     retries = _retries(options.pop("retries", RETRIES))
     spec: dict[str, Any] = {
         "driver": SCHEMES[scheme],
@@ -101,7 +104,62 @@ def bucket_spec(path: str) -> dict[str, Any]:
         if region:
             spec["aws_region"] = region
     spec.update(options)
+    return _checked(path, spec)
+
+
+_OWN = {"s3": ("endpoint", "region", "retries"), "gs": ("retries",)}
+"""The `storage_options` lazyckpt itself reads for a bucket; the others are members of
+tensorstore's kvstore spec, passed on."""
+_KVSTORE = {
+    "s3": "aws_credentials, aws_region, requester_pays, host_header, context",
+    "gs": "gcs_user_project, context",
+}
+"""For messages: the members of tensorstore's kvstore spec that a user may pass."""
+_URL_MEMBERS = ("driver", "bucket", "path")
+"""Members of the spec that the URL gives: an option would read another place."""
+
+
+def _check_options(path: str, options: Mapping[str, Any]) -> None:
+    """Refuse, before any request, what lazyckpt's own options cannot be, and the
+    members that the URL names."""
+    scheme = split(path)[0]
+    wrong = sorted(str(key) for key in options if key in _URL_MEMBERS)
+    if wrong:
+        raise _refused(path, f"{wrong}, which the URL gives ({scheme}://BUCKET/PATH)")
+    for key in ("endpoint", "region") if scheme == "s3" else ():
+        value = options.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _refused(path, f"{key}={shown(value)} (a str)")
+    endpoint = options.get("endpoint")
+    if isinstance(endpoint, str) and not endpoint.startswith(("http://", "https://")):
+        raise _refused(path, f"endpoint={shown(endpoint)} (an http:// or https:// URL)")
+
+
+def _checked(path: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec`, which tensorstore parses (no request): a mistyped or ill-typed option is
+    refused here, at once, not after the retries of the first request."""
+    scheme, bucket, _ = split(path)
+    try:
+        ts.KvStore.Spec({"driver": spec["driver"], "bucket": bucket})
+    except ValueError as error:
+        raise CheckpointNotFoundError(
+            f"{path}: {shown(bucket)} is not a bucket's name ({error}); check the URL "
+            f"({scheme}://BUCKET/PATH)"
+        ) from None
+    try:
+        ts.KvStore.Spec(spec)
+    except ValueError as error:
+        raise _refused(path, f"what tensorstore's spec refuses ({error})") from None
     return spec
+
+
+def _refused(path: str, found: str) -> LazyTypeError:
+    scheme = split(path)[0]
+    return LazyTypeError(
+        f"{path}: storage_options for {scheme}:// take {list(_OWN[scheme])} and "
+        f"tensorstore's {SCHEMES[scheme]} kvstore options ({_KVSTORE[scheme]}), not "
+        f"{found}; fix or remove that option"
+    )
 
 
 def _retries(value: object) -> int:
@@ -231,7 +289,14 @@ class BucketFolders:
         self.write_bytes(target, result.value)
 
     def probe_write(self, path: str) -> None:
-        """One small object beside `path`, written and deleted."""
+        """One small object beside `path`, written and deleted: before an overwrite,
+        which stages the new checkpoint beside the old one."""
+        if not split(path)[2]:  # (`s3://BUCKET.lazyckpt-...` would be another bucket)
+            raise CheckpointExistsError(
+                f"{path}: the bucket's root holds a checkpoint, and an overwrite stages the "
+                "new one beside the old, where a bucket's root has nothing; save to a folder "
+                f"in the bucket ({path}/NAME), or delete the bucket's objects and save again"
+            )
         probe = f"{path}.lazyckpt-write-probe-{secrets.token_hex(4)}"
         self.write_bytes(probe, b"probe")  # (not empty: an emulator refuses empty uploads)
         _, _, key = split(probe)
@@ -310,6 +375,8 @@ def _bucket(path: str) -> ts.KvStore:
 
 def storage_error(path: str, error: Exception) -> LazyckptError:
     """A clear error for a failed bucket request: which of the usual causes it is."""
+    if isinstance(error, LazyckptError):
+        return error  # (lazyckpt's own, about the path or its options)
     text = str(error)
     lowered = text.lower()
     if "nosuchbucket" in lowered or "bucket does not exist" in lowered:

@@ -9,17 +9,15 @@ through lazyckpt's client, bounded as every read is) gives the commit and the fi
 list; every later read asks for `resolve/{commit}/...`, so a push to the
 repository while a tree is open never mixes two revisions.
 
-What it resolves to:
-
-- the folder (or file) in the local Hugging Face cache, where the cache holds every
-  safetensors file and index of the folder for that commit: read from disk, no request;
-- an Orbax checkpoint (or a CheckpointManager root, a step, an item): its folder in
-  the cache's snapshot, where the cache holds every file of it (after `hf download`);
-- else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
-  `lazyckpt._storage.web` with its file list, the token and the local paths of the
-  files the cache does hold (`Site.local`): those are read from disk, the others by
-  Range requests (an Orbax checkpoint's by tensorstore's drivers, through
-  `lazyckpt._storage.relay`).
+What it resolves to: the `https://` URL of `resolve/{commit}/PATH` at the endpoint,
+registered with `lazyckpt._storage.web` with its file list, the token and the local
+paths of the files the Hugging Face cache holds at that commit (`Site.local`): those
+are read from disk, the others by Range requests (an Orbax checkpoint's by
+tensorstore's drivers, through `lazyckpt._storage.relay`). A model the cache holds
+whole (after `hf download`) is read from disk alone, with no request but the
+revision's; with `HF_HUB_OFFLINE`, the cache's snapshot of the revision, with none.
+Either way a damaged file of the cache is named as the cache's copy, with the blob
+to delete.
 
 Messages show neither place, but the `hf://` path of the commit
 (`hf://ORG/NAME@1a2b3c4/PATH`): both are registered with `lazyckpt._display`.
@@ -41,6 +39,7 @@ from lazyckpt._errors import (
     json_or_corrupt,
 )
 from lazyckpt._storage import ranges, sites
+from lazyckpt._storage.transport import said
 from lazyckpt._text import printable
 
 SCHEME = "hf://"
@@ -127,7 +126,7 @@ def resolve(url: str) -> str:
 
 def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path: str) -> str:
     hub.utils.validate_repo_id(repo_id)  # huggingface_hub's own rules, before any request
-    shown = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
+    shown = f"hf://{_kind(repo_type)}{repo_id}" + (f"@{revision}" if revision else "")
     if path and not path.endswith(_FILES) and "." in posixpath.basename(path):
         raise CheckpointNotFoundError(
             f"{shown}: {path!r} is not a weight file or index; give the folder, a "
@@ -140,7 +139,15 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         return _offline(hub, repo_type, repo_id, revision, path, prefix, shown)
     token = hub.get_token()
     endpoint = hub.constants.ENDPOINT.rstrip("/")
-    commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
+    try:
+        commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
+    except StorageAccessError as error:
+        if not getattr(error, "gave_up", False) or not _in_cache(hub, repo_type, repo_id):
+            raise
+        raise StorageAccessError(
+            f"{error}; the Hugging Face cache holds files of {repo_id}: set HF_HUB_OFFLINE=1 "
+            "to read them without asking the Hub"
+        ) from None
     _name(hub, repo_type, repo_id, commit)
     if path.endswith(_FILES) and path not in names:
         raise CheckpointNotFoundError(
@@ -161,16 +168,24 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     if path.endswith(_SINGLE):
         wanted = [posixpath.basename(path)]
     cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
-    if len(cached) == len(wanted):
-        found = cached[wanted[0]]
-        if orbax:  # (the snapshot's folder, whose files link into the cache's blobs)
-            return found[: -len(wanted[0])].rstrip("/")
-        return found if path.endswith(_SINGLE) else os.path.dirname(found)
-    base = _resolve_url(hub, repo_type, repo_id, commit)
-    location = "/".join([base, *(p for p in folder.split("/") if p)])
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
     site = sites.Site(tuple(inside), headers, (commit,), described, local=cached)
+    return _register(hub, repo_type, repo_id, commit, path, site)
+
+
+def _register(
+    hub: Any, repo_type: str, repo_id: str, commit: str, path: str, site: sites.Site
+) -> str:
+    """The `resolve/` URL of `path` at `commit`, its folder registered with `site`.
+
+    A folder the cache holds whole is read through its site too, every file from its
+    copy on disk (`Site.local`, no request): so that damage in bytes of the cache is
+    reported as such, with the blob to delete, whether or not the Hub holds files
+    the cache lacks."""
+    folder = posixpath.dirname(path) if path.endswith(_FILES) else path
+    base = _resolve_url(hub, repo_type, repo_id, commit)
+    location = "/".join([base, *(p for p in folder.split("/") if p)])
     sites.register(location, site)
     if path.endswith(_SINGLE):
         return f"{location}/{posixpath.basename(path)}"
@@ -200,18 +215,23 @@ def _offline(
         )
         if isinstance(hit, str):
             found.append(hit)
-            _name(hub, repo_type, repo_id, _commit_of(hub, hit, repo_type, repo_id))
+    commit = _commit_of(hub, found[0], repo_type, repo_id) if found else None
     if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
         snapshot = _snapshot(hub, repo_type, repo_id, revision)
         if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
-            _name(hub, repo_type, repo_id, os.path.basename(snapshot))
-            return os.path.join(snapshot, prefix).rstrip("/")
-    if not found:
+            commit = os.path.basename(snapshot)
+    if commit is None:
         raise CheckpointNotFoundError(
             f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
-    return found[0] if single else os.path.dirname(found[0])
+    _name(hub, repo_type, repo_id, commit)
+    root = os.path.join(_snapshots(hub, repo_type, repo_id), commit, prefix)
+    wanted = [posixpath.basename(path)] if single else sorted(_present(root))
+    cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
+    described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}, HF_HUB_OFFLINE"
+    site = sites.Site(tuple(cached), {}, (commit,), described, local=cached)
+    return _register(hub, repo_type, repo_id, commit, path, site)
 
 
 def _offline_commit(
@@ -267,6 +287,14 @@ def _name(hub: Any, repo_type: str, repo_id: str, commit: str) -> None:
     snapshot = os.path.join(_snapshots(hub, repo_type, repo_id), commit)
     for place in {snapshot, os.path.abspath(snapshot)}:
         _display.register(place, shown)
+
+
+def _in_cache(hub: Any, repo_type: str, repo_id: str) -> bool:
+    """Whether the cache holds a snapshot of the repository (of any commit)."""
+    try:
+        return bool(os.listdir(_snapshots(hub, repo_type, repo_id)))
+    except OSError:
+        return False
 
 
 def _commit_of(hub: Any, file: str, repo_type: str, repo_id: str) -> str:
@@ -353,9 +381,9 @@ def _info(
             f"{shown}: the Hub refused the token (HTTP {status}); log in again "
             "(`hf auth login`) or set HF_TOKEN to a valid token"
         )
-    message = answer.headers.get("x-error-message", "")[:160]
+    message = said(answer.headers.get("x-error-message", ""), 160)
     if status != 200:
-        raise StorageAccessError(f"{shown}: the Hub answered HTTP {status} ({message!r})")
+        raise StorageAccessError(f"{shown}: the Hub answered HTTP {status} ({message})")
     return _commit_and_files(named, bytes(answer.body))
 
 
@@ -390,13 +418,19 @@ def _cached(
     (an Orbax checkpoint has thousands of files: asking the cache for each took 3 s
     for 50,000)."""
     root = os.path.join(_snapshots(hub, repo_type, repo_id), commit, prefix)
-    present: set[str] = set()
-    for parent, _, files in os.walk(root):
-        inner = os.path.relpath(parent, root).replace(os.sep, "/")
-        present.update(name if inner == "." else f"{inner}/{name}" for name in files)
+    present = _present(root)
     found = {}
     for name in wanted:
         path = os.path.join(root, *name.split("/"))
         if name in present and os.path.isfile(path):  # (a link to a blob that is there)
             found[name] = path
     return found
+
+
+def _present(root: str) -> set[str]:
+    """The names of the files under the folder `root` (`a/b` in a subfolder `a`)."""
+    present: set[str] = set()
+    for parent, _, files in os.walk(root):
+        inner = os.path.relpath(parent, root).replace(os.sep, "/")
+        present.update(name if inner == "." else f"{inner}/{name}" for name in files)
+    return present

@@ -27,8 +27,9 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import web_options
-from lazyckpt._storage.bucket import SCHEMES, BucketFolders
+from lazyckpt._storage.bucket import SCHEMES, BucketFolders, bucket_spec
 from lazyckpt._storage.bucket import session as _bucket_session
+from lazyckpt._storage.bucket import split as bucket_split
 from lazyckpt._storage.bucket import storage_error as bucket_error
 from lazyckpt._storage.local import LocalFolders
 from lazyckpt._storage.relay import relayed, shown
@@ -147,6 +148,11 @@ def storage_error(path: str, error: Exception) -> LazyckptError:
     return bucket_error(path, error)
 
 
+def bucket_root(path: str) -> bool:
+    """Whether `path` is a bucket's root (`s3://BUCKET`), beside which nothing lies."""
+    return is_bucket(path) and not bucket_split(path)[2]
+
+
 def is_remote(path: str) -> bool:
     """Whether `path` is not on a local disk: in a bucket, or over HTTP."""
     return is_bucket(path) or is_web(path)
@@ -199,7 +205,9 @@ def normalize(path: str | os.PathLike[str]) -> str:
             raise CheckpointNotFoundError(
                 f"{text}: '..' would leave the bucket {bucket!r}; write the path inside it"
             )
-        return f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
+        found = f"{scheme}://{bucket}/{prefix}".rstrip("/") if prefix else f"{scheme}://{bucket}"
+        bucket_spec(found)  # its bucket's name and the call's options checked, no request
+        return found
     if "://" in text:
         raise CheckpointNotFoundError(
             f"{text}: lazyckpt reads local paths, s3://, gs://, hf:// and https:// URLs; "

@@ -91,7 +91,8 @@ def publishing(
             final, overwrite=overwrite, replaceable=replaceable, keep=keep
         ) as target:
             yield target
-        _remove_leftovers(final)
+        if not paths.bucket_root(final):  # (nothing lies beside a bucket's root)
+            _remove_leftovers(final)
         return
     _check_destination(final, overwrite, replaceable, file)
     try:
@@ -231,8 +232,8 @@ holds the new one."""
 def interrupted_overwrite(final: str) -> str | None:
     """Where the complete new checkpoint of an overwrite of `final` in a bucket is, if
     that overwrite was interrupted while copying it in (else None)."""
-    if not paths.is_remote(final):
-        return None
+    if not paths.is_bucket(final) or paths.bucket_root(final):
+        return None  # (none beside a local folder, a URL lazyckpt never writes, a bucket's root)
     found = paths.read_text(final + SWAP_SUFFIX)
     return found.strip() if found else None
 

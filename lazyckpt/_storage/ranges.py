@@ -6,7 +6,8 @@ an answer must be:
 - A redirect is followed to http(s) only, and remembered per file (the Hub's
   `resolve/` answers with a signed URL at its CDN); the `Authorization` header goes
   only to the origin it was given for. A remembered address that expires (401, 403,
-  410) is resolved again, once.
+  410) is resolved again, once; so is one that answers 404 for a file the Hub lists at
+  the pinned commit, which cannot have gone: a 404 there again is a missing object.
 - A server that ignores Range (a 200 with the whole file) is refused: the connection
   is closed before the body is read, so no model is downloaded by accident. A 206
   must hold exactly the bytes asked for, or the file's end.
@@ -34,6 +35,7 @@ import attrs
 
 from lazyckpt._errors import (
     CheckpointChangedError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     LazyckptError,
     StorageAccessError,
@@ -45,7 +47,9 @@ from lazyckpt._storage import network
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
-from lazyckpt._storage.transport import Into, Response, Transport, host
+from lazyckpt._storage.transport import Into, Response, Transport, host, said
+from lazyckpt._storage.transport import origin as _origin
+from lazyckpt._storage.transport import split_url as _split
 
 T = TypeVar("T")
 
@@ -70,6 +74,11 @@ class Answer:
     where a `Scatter` of buffers holds them)."""
     size: int | None = None
     """The whole file's size, where the server said (`Content-Range`)."""
+
+
+_LOST = Answer("missing")
+"""`Client._fetch`'s answer to a 404 for a file the Hub lists at the pinned commit:
+asked of the Hub again (as an expired address is), then a missing object."""
 
 
 @attrs.define
@@ -190,11 +199,13 @@ class Client:
             known = self._locations.get(url) if hub else pin.location
         ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket, into)
         answer = self._fetch(ask, known or pin.address(url))
-        if answer is None and known is not None:  # a signed address expired
+        if (answer is None or answer is _LOST) and known is not None:  # expired, or lost
             with self._lock:
                 self._locations.pop(url, None)
                 pin.location = None
             answer = self._fetch(ask, pin.address(url))
+        if answer is _LOST:
+            raise _lost(url, again=known is not None)
         if answer is None and hub:
             raise StorageAccessError(
                 f"{describe(url)}: access denied; for a gated or private Hugging Face "
@@ -272,6 +283,12 @@ class Client:
                 target = _redirect(url, target, found.get("location", ""))
                 continue
             if status == 404:
+                if (
+                    not versioned
+                    and registered is not None
+                    and not registered.lacks(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
+                ):
+                    return _LOST  # (listed at a pinned commit: it cannot have gone)
                 if pin.seen:
                     raise _changed(url, "it is gone (HTTP 404)")
                 return Answer("missing")
@@ -282,6 +299,13 @@ class Client:
             if status == 416:  # the range starts past the end: `bytes */SIZE`
                 size = _unsatisfied(found)
                 self._check_pin(url, pin, size, found, versioned, validators=False)
+                low = ask.wanted[0] if ask.wanted is not None else 0
+                if size is not None and low < size:
+                    raise StorageAccessError(
+                        f"{describe(url)}: the server refused bytes {low} on as out of range "
+                        f"(HTTP 416), yet says the file holds {size} bytes; it does not serve "
+                        "byte ranges correctly: download the file, and open the copy"
+                    )
                 if ask.short:
                     return Answer("value", b"", size)
                 raise _truncated(url, size, ask.wanted)
@@ -294,7 +318,7 @@ class Client:
             if status not in (200, 206):
                 raise StorageAccessError(
                     f"{describe(url)}: the server answered HTTP {status} "
-                    f"({bytes(answer.body[:120]).decode('utf-8', 'replace')!r})"
+                    f"({said(bytes(answer.body[:120]).decode('utf-8', 'replace'), 120)})"
                 )
             size = len(answer.body) if status == 200 else _checked_range(ask, answer)
             self._check_pin(url, pin, size, found, versioned)
@@ -337,7 +361,8 @@ class Client:
         news = (size, etag, modified) if validators else (size, *known[1:])
         for what, before, now in zip(("size", "ETag", "Last-Modified"), known, news, strict=True):
             if before != now and (before is not None or what != "size"):
-                raise _changed(url, f"its {what} was {before}, now {now}")
+                said_now = "the answer gave none" if now is None else f"now {now}"
+                raise _changed(url, f"its {what} was {before}, {said_now}")
 
 
 @attrs.frozen
@@ -379,13 +404,13 @@ def _checked_range(ask: _Ask, answer: Response) -> int | None:
     if match is None:
         raise StorageAccessError(
             f"{describe(url)}: the server answered a Range request with Content-Range "
-            f"{text[:60]!r}; lazyckpt needs `bytes FIRST-LAST/SIZE`"
+            f"{said(text, 60)}; lazyckpt needs `bytes FIRST-LAST/SIZE`"
         )
     first, last = int(match[1]), int(match[2])
     size = None if match[3] == "*" else int(match[3])
     if size is not None and last >= size:
         raise StorageAccessError(
-            f"{describe(url)}: the server answered with Content-Range {text[:60]!r}, which "
+            f"{describe(url)}: the server answered with Content-Range {said(text, 60)}, which "
             "ends past the file's size; it does not serve byte ranges correctly"
         )
     low, high = ask.wanted or (0, None)
@@ -419,6 +444,15 @@ def _truncated(url: str, size: int | None, wanted: tuple[int, int | None] | None
     )
 
 
+def _lost(url: str, *, again: bool) -> CheckpointNotFoundError:
+    asked = " (again at the address the Hub then gave afresh)" if again else ""
+    return CheckpointNotFoundError(
+        f"{describe(url)}: the Hub lists this file at the commit, but its server answered "
+        f"HTTP 404{asked}: the file's stored object is missing there. Try again later; if "
+        "it stays missing, tell the repository's owners, or download it from elsewhere"
+    )
+
+
 def _changed(url: str, why: str) -> CheckpointChangedError:
     return CheckpointChangedError(
         f"{describe(url)} changed since it was opened ({why}); what was read would mix "
@@ -446,32 +480,15 @@ def _redirect(url: str, target: str, location: str) -> str:
         parts = _split(found)
     except ValueError as error:
         raise StorageAccessError(
-            f"{describe(url)}: the server redirected to {location[:120]!r}, which is not "
+            f"{describe(url)}: the server redirected to {said(location, 120)}, which is not "
             f"a URL ({error})"
         ) from None
     if parts.scheme not in ("http", "https") or not host(parts):
         raise StorageAccessError(
-            f"{describe(url)}: the server redirected to {location[:120]!r}; lazyckpt "
+            f"{describe(url)}: the server redirected to {said(location, 120)}; lazyckpt "
             "follows redirects to http:// and https:// URLs only"
         )
     return found
-
-
-def _split(url: str) -> urllib.parse.SplitResult:
-    """`url`'s parts; `ValueError` where it is no URL (a bad IPv6 host, or port)."""
-    parts = urllib.parse.urlsplit(url)
-    parts.port  # noqa: B018 - raises on a malformed port
-    return parts
-
-
-def _origin(url: str) -> tuple[str, str]:
-    """`(scheme, host)` of a URL, which must be one (its host and port, without a
-    user name and password)."""
-    try:
-        parts = _split(url)
-    except ValueError as error:
-        raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
-    return parts.scheme, host(parts)
 
 
 _CLIENT = PerProcess(Client)

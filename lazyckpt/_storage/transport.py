@@ -259,7 +259,7 @@ class Transport:
                 )
                 raise StorageAccessError(
                     f"{url}: its address, or one it was redirected to, is not a URL "
-                    f"lazyckpt can ask for ({detail[:200]})"
+                    f"lazyckpt can ask for ({said(detail)})"
                 ) from None
             except Late as late:
                 last = (
@@ -272,7 +272,7 @@ class Transport:
                 )
                 if reused and stale:
                     continue  # the server closed an idle connection: a new one, now
-                last = f"{type(error).__name__}: {str(error)[:200]}"
+                last = f"{type(error).__name__}: {said(str(error))}"
             else:
                 if answer.status not in RETRIED:
                     return answer
@@ -363,10 +363,40 @@ class Transport:
             raise
 
 
+def said(text: str, limit: int = 200) -> str:
+    r"""What a server sent (a status line, a header, a body, or an error that quotes
+    them), for a message: its first `limit` characters quoted, with control characters
+    escaped as `repr` escapes them (a NUL, an ESC that would retitle the terminal, a
+    CR/LF that would forge a line), and '@' too, which the URL scrubber of
+    `lazyckpt._display` would take for the end of a password, hiding the host before it.
+
+    >>> print(said("EVIL\x1b[2J @evil.example\r\n"))
+    'EVIL\x1b[2J \x40evil.example\r\n'
+    """
+    return repr(text[:limit]).replace("@", "\\x40")
+
+
 def host(parts: urllib.parse.SplitResult) -> str:
     """The host and port of a URL, without the user name and password it may carry
     (up to the last '@', as the URL standard reads it): what is connected to."""
     return parts.netloc.rpartition("@")[2]
+
+
+def split_url(url: str) -> urllib.parse.SplitResult:
+    """`url`'s parts; `ValueError` where it is no URL (a bad IPv6 host, or port)."""
+    parts = urllib.parse.urlsplit(url)
+    parts.port  # noqa: B018 - raises on a malformed port
+    return parts
+
+
+def origin(url: str) -> tuple[str, str]:
+    """`(scheme, host)` of a URL, which must be one (its host and port, without a
+    user name and password)."""
+    try:
+        parts = split_url(url)
+    except ValueError as error:
+        raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
+    return parts.scheme, host(parts)
 
 
 def _body(response: http.client.HTTPResponse, limit: int, clock: _Clock) -> bytearray | None:
