@@ -672,3 +672,15 @@ def test_a_file_truncated_after_open_is_an_error_on_the_raw_path(tmp_path: Path)
             match=re.escape(str(tmp_path)),
         ):
             read()
+
+
+def test_a_file_changed_after_open_is_named_not_its_folder(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    save_file({"w": np.ones((256, 256), np.float32)}, str(path))
+    lazy = lazyckpt.open(path)
+    os.truncate(path, os.path.getsize(path) - 1000)
+    with pytest.raises(
+        lazyckpt.CheckpointChangedError,
+        match=re.escape(f"{path} was overwritten or changed since it was opened"),
+    ):
+        lazyckpt.save(tmp_path / "out", lazy)

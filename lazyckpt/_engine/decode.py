@@ -31,7 +31,6 @@ from lazyckpt._engine.memory import populate
 from lazyckpt._engine.sources import FileSource, KvSource
 from lazyckpt._engine.stored import Codec, StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, StorageAccessError
-from lazyckpt._storage.kvstore import changed_error
 
 READ_BYTES = 4 << 20
 """Stored bytes per kvstore read of a chunk; two are in flight per chunk stream."""
@@ -277,7 +276,7 @@ def chunk_error(stored: StoredArray, index: tuple[int, ...], key: str, what: str
     """What a chunk whose stored bytes are wrong (`what`) is: a replaced checkpoint, or
     damaged data."""
     if stored.store.changed():
-        return changed_error(stored.store.location)
+        return stored.store.changed_error()
     return CorruptCheckpointError(
         f"{stored.store.location}: array {stored.key!r} chunk {list(index)} (stored as "
         f"{key!r}) {what}; the checkpoint's data is damaged, copy it again"

@@ -23,7 +23,7 @@ from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
-from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._storage.kvstore import Store, ready, then
 from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int
@@ -310,7 +310,7 @@ class StoredArray:
         """The error to show for a failed read of this array's data: that the checkpoint
         was replaced, where it was, else that its files are damaged."""
         if self.store.changed():
-            return changed_error(self.store.location)
+            return self.store.changed_error()
         if isinstance(error, LazyckptError):
             return error
         found = relayed(error)  # (a read over HTTP that lazyckpt's client failed)

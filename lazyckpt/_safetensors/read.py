@@ -52,7 +52,7 @@ from lazyckpt._safetensors.over_http import (
 )
 from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import Store, changed_error, from_one_generation, then
+from lazyckpt._storage.kvstore import Store, from_one_generation, then
 from lazyckpt._storage.sites import hub_listed
 from lazyckpt._storage.web import WebFiles
 from lazyckpt._text import printable
@@ -346,7 +346,7 @@ def _read(
                 "truncated, download or copy it again"
             )
         if store.changed():
-            return changed_error(store.location)
+            return store.changed_error()
         return (
             paths.storage_error(file, error)
             if paths.is_remote(file)

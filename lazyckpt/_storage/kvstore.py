@@ -201,7 +201,14 @@ class Store:
         """Raise `CheckpointChangedError` if the checkpoint changed since it was opened:
         what was read may mix the old checkpoint and the new one."""
         if self.changed():
-            raise changed_error(self.location)
+            raise self.changed_error()
+
+    def changed_error(self) -> CheckpointChangedError:
+        """That the checkpoint changed since it was opened, naming it: its file where
+        it is one (a `.safetensors`, `.npz` or torch file), else its folder."""
+        if len(self.files) == 1:
+            return changed_error(paths.join(self.location, self.files[0]))
+        return changed_error(self.location)
 
     def check_files(self, keys: Iterable[str]) -> None:
         """Refuse a read of `keys` where a local file it would read is no regular file
@@ -361,7 +368,7 @@ class Store:
         """What a failed listing or read (`doing`) of the store is: a replaced
         checkpoint, lazyckpt's own error from a read over HTTP, or damaged `files`."""
         if self.changed():
-            return changed_error(self.location)
+            return self.changed_error()
         found = relay.relayed(error)
         if found is not None:
             return found

@@ -13,7 +13,7 @@ import tensorstore as ts
 from lazyckpt._display import given_repr
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import Store, changed_error, ready, then
+from lazyckpt._storage.kvstore import Store, ready, then
 from lazyckpt._storage.web import WebFiles
 
 MAX_OFFSET = 1 << 62
@@ -133,7 +133,7 @@ class File:
         if "OUT_OF_RANGE" in str(error) and span is not None:
             return self._short(*span, what)
         if self.store.changed():
-            return changed_error(self.store.location)
+            return self.store.changed_error()
         if paths.is_remote(self.path):
             return paths.storage_error(self.path, error)
         return CorruptCheckpointError(f"{self.path}: reading {what} failed ({error})")
