@@ -684,3 +684,26 @@ def test_a_file_changed_after_open_is_named_not_its_folder(tmp_path: Path) -> No
         match=re.escape(f"{path} was overwritten or changed since it was opened"),
     ):
         lazyckpt.save(tmp_path / "out", lazy)
+
+
+@pytest.mark.parametrize("budget", ["1MiB", None])
+def test_a_transposed_tensor_saved_to_orbax_reads_each_byte_once(
+    tmp_path: Path, budget: str | None
+) -> None:
+    """Hugging Face's `(out, in)` weight as Flax's `(in, out)` kernel: the checkpoint is
+    chunked in the file's order, so each chunk is a run of the file, read once; cut
+    along the kernel's rows, every chunk needed every row of the file (32 times the
+    tensor's bytes at a 4 MiB budget). Orbax restores it as saved."""
+    import orbax.checkpoint as ocp
+
+    weight = _RNG.standard_normal((1024, 512), dtype=np.float32)  # 2 MiB
+    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
+    lazy = lazyckpt.open(tmp_path / "model.safetensors")["w"]
+    with lazyckpt.measure() as cost:
+        out = lazyckpt.save(
+            tmp_path / "flax", {"kernel": lazy.T}, chunk_bytes="64KiB", memory_budget=budget
+        )
+    assert weight.nbytes <= cost.bytes_read < weight.nbytes + (64 << 10), cost  # (and a header)
+    assert lazyckpt.open(out)["kernel"].chunks == (512, 32)
+    restored = ocp.PyTreeCheckpointer().restore(out)
+    np.testing.assert_array_equal(restored["kernel"], weight.T)

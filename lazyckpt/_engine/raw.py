@@ -136,6 +136,16 @@ def lies_raw(array: ArrayView) -> bool:
     return not (decodes(stored) or source(stored) is None)
 
 
+def in_file_order(array: ArrayView) -> bool:
+    """Whether `array` is an unstrided view of its stored array that keeps the order of
+    its dimensions (new axes aside): its boxes are then runs of the stored bytes."""
+    mapping = stored_map(array)
+    if mapping is None:
+        return False
+    dims = [entry[0] for entry in mapping if entry is not None]
+    return dims == sorted(set(dims))
+
+
 def _in_order(array: ArrayView, mapping: Sequence[tuple[int, int] | None]) -> Source | None:
     """Where `array`'s stored bytes lie raw, where the view keeps their dtype and the
     order of their dimensions (a box of it is then runs of them); None otherwise."""

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from lazyckpt._array import compose
 from lazyckpt._array.tree import check_depth, key_of
+from lazyckpt._engine.raw import in_file_order, lies_raw
 from lazyckpt._errors import UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.metadata import (
@@ -203,9 +205,10 @@ def _plan(keys: tuple[tuple[str, int], ...], value: object, chunk_bytes: int) ->
                 f"{path}: an array of dtype {dtype}, which tensorstore, and so a "
                 "checkpoint, has no type for; cast it first (.astype('float64'))"
             )
+        order = _stored_order(value) if entry is None else None
         return Planned(
             path, keys, value_type, value, value.shape, dtype,
-            choose_chunks(write_shape, dtype.itemsize, chunk_bytes),
+            choose_chunks(write_shape, dtype.itemsize, chunk_bytes, order),
             write_shape if value_type == "jax.Array" else None, entry,
         )  # fmt: skip
     if isinstance(value, jax.Array):
@@ -282,9 +285,26 @@ def _storable(dtype: np.dtype[Any]) -> bool:
     return True
 
 
-def choose_chunks(write_shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
+def _stored_order(array: LazyArray) -> list[int] | None:
+    """For a transposed view of raw bytes in a file (a safetensors or NumPy tensor, as
+    `(out, in)` weights become Flax's `(in, out)` kernels), its dimensions in the
+    file's order, outermost first; None for any other view. Chunks cut in that order
+    are runs of the file, each read once, where chunks cut along the view's leading
+    dimensions would each need every row of the file."""
+    node = array.stored
+    if not isinstance(node, compose.Transpose) or not array.selection.is_full(node.shape):
+        return None
+    inner = node.array
+    if not lies_raw(inner) or not in_file_order(inner):
+        return None
+    return sorted(range(len(node.perm)), key=lambda dim: node.perm[dim])
+
+
+def choose_chunks(
+    write_shape: Sequence[int], itemsize: int, target: int, order: Sequence[int] | None = None
+) -> tuple[int, ...]:
     """A chunk shape of about `target` bytes that tiles `write_shape` (one device's
-    shard), cut along leading dimensions first.
+    shard), cut along leading dimensions first (or the dimensions in `order`).
 
     Along each cut dimension it takes the largest divisor of the shard's extent that
     fits, so that shard boundaries fall on chunk boundaries; where the only such
@@ -296,12 +316,15 @@ def choose_chunks(write_shape: Sequence[int], itemsize: int, target: int) -> tup
     (1006, 1024)
     >>> choose_chunks((8, 8), 4, 4 << 20)
     (8, 8)
+    >>> choose_chunks((4096, 8192), 4, 4 << 20, order=(1, 0))  # a transposed tensor
+    (4096, 256)
     """
     chunk = [max(int(n), 1) for n in write_shape]
-    for dim in range(len(chunk)):
+    dims = list(range(len(chunk)) if order is None else order)
+    for at, dim in enumerate(dims):
         if math.prod(chunk) * itemsize <= target:
             break
-        per_unit = math.prod(chunk[dim + 1 :]) * itemsize
+        per_unit = math.prod(chunk[d] for d in dims[at + 1 :]) * itemsize
         fit = max(1, target // per_unit)
         if fit >= chunk[dim]:
             continue
