@@ -216,6 +216,13 @@ def test_a_damaged_file_of_a_model_cached_whole_is_named_with_its_fix(
     ):
         lazyckpt.open("hf://org/model")
     assert not data_requests(hub)
+    blob.write_bytes(bytes(len(files[SHARDS[2]])))  # zeroed, as a failed copy leaves it
+    with pytest.raises(
+        lazyckpt.CorruptCheckpointError,
+        match=rf"{SHARDS[2]}.*read from its copy in the Hugging Face cache: delete it "
+        rf"from the cache .*{re.escape(str(blob))}\) and download it again",
+    ):
+        lazyckpt.open("hf://org/model")
 
 
 def test_every_verb_reads_over_http(hub: HubServer, tmp_path: Path) -> None:

@@ -122,7 +122,10 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
         data = bytes(answer.value) + (b"" if more is None else bytes(more.result().value))
         if len(data) < 8 + length:
             raise _truncated(file, f"is too short for its {length}-byte header")
-        header = parse_header(file, bytes(data[8 : 8 + length]))
+        try:
+            header = parse_header(file, bytes(data[8 : 8 + length]))
+        except CorruptCheckpointError as error:
+            raise _in_cache(file, error) from None
         if answer.size is not None and header.end > answer.size:
             raise _truncated(
                 file,
@@ -134,7 +137,10 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
 
 def _length(file: str, first: bytes, size: int | None) -> int:
     """The header's length, which must fit in the file (its size as the server said)."""
-    length = header_length(file, first)
+    try:
+        length = header_length(file, first)
+    except CorruptCheckpointError as error:
+        raise _in_cache(file, error) from None
     if size is not None and 8 + length > size:
         raise _truncated(
             file,
@@ -142,6 +148,18 @@ def _length(file: str, first: bytes, size: int | None) -> int:
             "is not safetensors)",
         )
     return length
+
+
+def _in_cache(file: str, error: CorruptCheckpointError) -> CorruptCheckpointError:
+    """`error`, about a damaged header of `file`; where its bytes are the Hugging Face
+    cache's copy, said so, with the fix that works (downloading again would find the
+    damaged copy and keep it)."""
+    local = local_copy(file)
+    if local is None:
+        return error
+    return CorruptCheckpointError(
+        f"{error} (read from its copy in the Hugging Face cache: {cached_fix(local)})"
+    )
 
 
 def _truncated(file: str, found: str) -> CorruptCheckpointError:
