@@ -9,15 +9,17 @@ through lazyckpt's client, bounded as every read is) gives the commit and the fi
 list; every later read asks for `resolve/{commit}/...`, so a push to the
 repository while a tree is open never mixes two revisions.
 
-What it resolves to: the `https://` URL of `resolve/{commit}/PATH` at the endpoint,
-registered with `lazyckpt._storage.web` with its file list, the token and the local
-paths of the files the Hugging Face cache holds at that commit (`Site.local`): those
-are read from disk, the others by Range requests (an Orbax checkpoint's by
-tensorstore's drivers, through `lazyckpt._storage.relay`). A model the cache holds
-whole (after `hf download`) is read from disk alone, with no request but the
-revision's; with `HF_HUB_OFFLINE`, the cache's snapshot of the revision, with none.
-Either way a damaged file of the cache is named as the cache's copy, with the blob
-to delete.
+What it resolves to:
+
+- the folder (or file) in the local Hugging Face cache, where the cache holds every
+  safetensors file and index of the folder for that commit: read from disk, no request;
+- an Orbax checkpoint (or a CheckpointManager root, a step, an item): its folder in
+  the cache's snapshot, where the cache holds every file of it (after `hf download`);
+- else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
+  `lazyckpt._storage.web` with its file list, the token and the local paths of the
+  files the cache does hold (`Site.local`): those are read from disk, the others by
+  Range requests (an Orbax checkpoint's by tensorstore's drivers, through
+  `lazyckpt._storage.relay`).
 
 Messages show neither place, but the `hf://` path of the commit
 (`hf://ORG/NAME@1a2b3c4/PATH`): both are registered with `lazyckpt._display`.
@@ -168,6 +170,11 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     if path.endswith(_SINGLE):
         wanted = [posixpath.basename(path)]
     cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
+    if len(cached) == len(wanted):
+        found = cached[wanted[0]]
+        if orbax:  # (the snapshot's folder, whose files link into the cache's blobs)
+            return found[: -len(wanted[0])].rstrip("/")
+        return found if path.endswith(_SINGLE) else os.path.dirname(found)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
     site = sites.Site(tuple(inside), headers, (commit,), described, local=cached)
@@ -177,12 +184,7 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
 def _register(
     hub: Any, repo_type: str, repo_id: str, commit: str, path: str, site: sites.Site
 ) -> str:
-    """The `resolve/` URL of `path` at `commit`, its folder registered with `site`.
-
-    A folder the cache holds whole is read through its site too, every file from its
-    copy on disk (`Site.local`, no request): so that damage in bytes of the cache is
-    reported as such, with the blob to delete, whether or not the Hub holds files
-    the cache lacks."""
+    """The `resolve/` URL of `path` at `commit`, its folder registered with `site`."""
     folder = posixpath.dirname(path) if path.endswith(_FILES) else path
     base = _resolve_url(hub, repo_type, repo_id, commit)
     location = "/".join([base, *(p for p in folder.split("/") if p)])
@@ -215,23 +217,18 @@ def _offline(
         )
         if isinstance(hit, str):
             found.append(hit)
-    commit = _commit_of(hub, found[0], repo_type, repo_id) if found else None
+            _name(hub, repo_type, repo_id, _commit_of(hub, hit, repo_type, repo_id))
     if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
         snapshot = _snapshot(hub, repo_type, repo_id, revision)
         if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
-            commit = os.path.basename(snapshot)
-    if commit is None:
+            _name(hub, repo_type, repo_id, os.path.basename(snapshot))
+            return os.path.join(snapshot, prefix).rstrip("/")
+    if not found:
         raise CheckpointNotFoundError(
             f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "
             f"({probe}); unset it, or download the model first (`hf download {repo_id}`)"
         )
-    _name(hub, repo_type, repo_id, commit)
-    root = os.path.join(_snapshots(hub, repo_type, repo_id), commit, prefix)
-    wanted = [posixpath.basename(path)] if single else sorted(_present(root))
-    cached = _cached(hub, repo_type, repo_id, commit, prefix, wanted)
-    described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}, HF_HUB_OFFLINE"
-    site = sites.Site(tuple(cached), {}, (commit,), described, local=cached)
-    return _register(hub, repo_type, repo_id, commit, path, site)
+    return found[0] if single else os.path.dirname(found[0])
 
 
 def _offline_commit(

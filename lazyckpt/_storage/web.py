@@ -24,7 +24,7 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import web_options
-from lazyckpt._storage.local import LocalFolders, check_size, open_regular, pread_into
+from lazyckpt._storage.local import check_size, open_regular, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
 from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
@@ -160,16 +160,6 @@ def local_copy(path: str) -> str | None:
     folder, _, name = path.rstrip("/").rpartition("/")
     found = listing(folder)
     return found.local.get(name) if found is not None else None
-
-
-def _local_root(folder: str) -> str | None:
-    """The local folder that holds the copies of `folder`'s files (its snapshot in the
-    Hugging Face cache), or None where none of them is read from disk."""
-    found = listing(folder)
-    if found is None or not found.local:
-        return None
-    name, copy = next(iter(found.local.items()))
-    return copy[: -len(os.path.join(*name.split("/")))].rstrip(os.sep)
 
 
 def read_cached(
@@ -333,10 +323,7 @@ class WebFolders:
         return found.generation if found is not None else ()
 
     def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-        # Over HTTP, none; the cache's snapshot folder whose copies are read is checked
-        # as any local folder is (its links into the cache's blobs are its own).
-        root = _local_root(folder)
-        return ([], []) if root is None else LocalFolders().unsafe_entries(root)
+        return [], []
 
     def walk_files(self, path: str) -> Iterator[str]:
         found = listing(path)
