@@ -260,8 +260,11 @@ def _jobs(
         return
     if mapping is None and not decodes(stored):
         # Strided, read by tensorstore: bands of the view (whole cells of `grid`), each
-        # holding the stored chunks around it while it is read.
-        for region in view_bands(array, max(1, block // itemsize), grid):
+        # holding the stored box around it while it is read, so cut as much smaller
+        # than a block as that box is larger than the view (`w[:, ::64]`: 64 times).
+        around = box_bytes(bounds(array.selection), itemsize)
+        elements = block // itemsize * max(1, array.nbytes) // max(1, around)
+        for region in view_bands(array, max(1, elements), grid):
             index = as_slices(region)
             band = array[index]
             held = ts_held(stored, bounds(band.selection))
