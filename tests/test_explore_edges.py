@@ -161,20 +161,20 @@ def test_arguments_out_of_range_are_errors_that_name_them(tmp_path: Path) -> Non
     path = orbax_save(tmp_path / "ckpt", {f"layer_{i}": {"w": np.ones(4) * i} for i in range(3)})
     tree = lazyckpt.open(path)
     for bins in (0, -2, 2.5, True):
-        with pytest.raises(lazyckpt.LazyckptError, match=rf"stats: bins={bins!r}, but bins"):
+        with pytest.raises(lazyckpt.ArgumentError, match=rf"stats: bins={bins!r}, but bins"):
             lazyckpt.stats(tree, bins=bins)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"summary: depth=0, but depth is a whole number"):
         lazyckpt.summary(tree, depth=0)
     table = lazyckpt.stats(tree)
-    with pytest.raises(lazyckpt.LazyckptError, match=r"kind='bogus'; pass 'layers' or"):
+    with pytest.raises(lazyckpt.ArgumentError, match=r"kind='bogus'; pass 'layers' or"):
         table.plot("bogus")
-    with pytest.raises(lazyckpt.LazyckptError, match=r"max_panels=0, but max_panels"):
+    with pytest.raises(lazyckpt.ArgumentError, match=r"max_panels=0, but max_panels"):
         table.plot(max_panels=0)
     changed = lazyckpt.diff(
         tree, {**lazyckpt.load(tree), "layer_1": {"w": np.zeros(4)}}, values=True
     )
     for top in (0, -1):
-        with pytest.raises(lazyckpt.LazyckptError, match=rf"Diff.plot: top={top}, but top"):
+        with pytest.raises(lazyckpt.ArgumentError, match=rf"Diff.plot: top={top}, but top"):
             changed.plot(top=top)
     with pytest.raises(lazyckpt.LazyTypeError, match=r"layer_0/w: astype\('notadtype'\): not a"):
         tree["layer_0"]["w"].astype("notadtype")
@@ -195,3 +195,17 @@ def test_cli_counts_out_of_range_are_usage_errors(
     assert f"argument {flag}: {args[2]!r}: pass a whole number of 1 or more" in (
         capsys.readouterr().err
     )
+
+
+def test_diff_compares_text_dates_and_objects_by_equality() -> None:
+    """Arrays that hold no numbers (NumPy strings, dates, objects) are compared equal
+    or not; their values had been taken as floats (a raw ValueError for strings)."""
+    cases = [
+        (np.array(["a", "b"]), np.array(["a", "c"])),
+        (np.array(["2020-01-01"], "M8[D]"), np.array(["2021-01-01"], "M8[D]")),
+        (np.array([1, None], object), np.array([1, 2], object)),
+    ]
+    for before, after in cases:
+        assert not lazyckpt.diff({"x": before}, {"x": before.copy()}, values=True)
+        (change,) = lazyckpt.diff({"x": before}, {"x": after}, values=True).changes
+        assert change.kind == "value", (before, change)

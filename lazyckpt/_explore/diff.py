@@ -305,7 +305,8 @@ def _paired_blocks(
     for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
         assert a == b and index == other, "arrays stored alike stream alike"
         yield alike[a], left, right
-    rest = [i for i in range(len(pairs)) if i not in set(alike)]
+    done = set(alike)
+    rest = [i for i in range(len(pairs)) if i not in done]
     streamed = [i for i in rest if any(isinstance(side, LazyArray) for side in pairs[i])]
     # The first side that is lazy drives; `flip` says it is the second.
     flip = [not isinstance(pairs[i][0], LazyArray) for i in streamed]
@@ -316,8 +317,9 @@ def _paired_blocks(
         old, new = pairs[streamed[position]]
         region = _region(old if flip[position] else new, index, half)
         yield streamed[position], *((region, block) if flip[position] else (block, region))
+    done.update(streamed)
     for i in rest:
-        if i not in set(streamed):
+        if i not in done:
             yield i, np.asarray(pairs[i][0]), np.asarray(pairs[i][1])
 
 

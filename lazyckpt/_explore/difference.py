@@ -4,6 +4,8 @@ temporaries stay small whatever the block's size."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 PIECE = 1 << 18  # elements compared at once: a few MiB of float64 temporaries
@@ -31,6 +33,9 @@ def block_difference(left: np.ndarray, right: np.ndarray) -> Found:
 def _piece_difference(left: np.ndarray, right: np.ndarray) -> Found:
     if left.dtype.kind == "b":
         differs = bool(np.any(left != right))
+        return int(differs), float(differs), differs
+    if left.dtype.kind in "OSUMmV" and not _numeric(left.dtype):  # text, dates, objects
+        differs = not np.array_equal(left, right)
         return int(differs), float(differs), differs
     if left.dtype.kind in "iu":
         return _integer_difference(left, right)
@@ -74,3 +79,11 @@ def _magnitude(values: np.ndarray) -> np.ndarray:
         if values.dtype.kind == "i"
         else unsigned
     )
+
+
+def _numeric(dtype: np.dtype[Any]) -> bool:
+    """Whether `dtype` holds numbers: bfloat16 and the other ml_dtypes (whose kind is
+    'V') too; not text, dates, objects, records or raw bytes."""
+    if dtype.kind in "fc":  # (long doubles too, which float64 cannot hold)
+        return True
+    return dtype.names is None and dtype.kind not in "OSUMm" and np.can_cast(dtype, np.float64)

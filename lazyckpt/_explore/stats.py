@@ -103,12 +103,14 @@ class _Running:
             finite = values[np.isfinite(values)] if nan or inf else values.reshape(-1)
         if not finite.size:
             return
-        # Integers' extremes as Python ints: exact where float64 would round them.
-        extreme = int if finite.dtype.kind in "iu" else float
-        self.low = min(self.low, extreme(finite.min()))
-        self.high = max(self.high, extreme(finite.max()))
         block = finite.astype(np.float64, copy=False)
-        self._rescale(max(abs(float(block.min())), abs(float(block.max()))))
+        low, high = float(block.min()), float(block.max())  # (exact for every float)
+        self._rescale(max(abs(low), abs(high)))
+        if finite.dtype.kind in "iu":  # as Python ints: float64 rounds past 2**53
+            self.low = min(self.low, int(finite.min()))
+            self.high = max(self.high, int(finite.max()))
+        else:
+            self.low, self.high = min(self.low, low), max(self.high, high)
         if self.unit != 1.0:
             block = block / self.unit
         n = block.size
