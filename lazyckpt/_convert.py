@@ -249,7 +249,7 @@ def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     """`dtype=` as the floating-point dtype `convert` casts to."""
     try:
         target = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):  # (NumPy parses "f4,," as code)
         target = None
     if target is None or not _floating(target):
         raise LazyTypeError(

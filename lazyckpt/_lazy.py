@@ -360,7 +360,7 @@ class LazyArray:
             )
         try:
             new = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError, SyntaxError):  # (NumPy parses "f4,," as code)
             raise LazyTypeError(
                 f"{self.key}: astype({dtype!r}): not a dtype NumPy knows; pass one such as "
                 "'float32', 'bfloat16' or np.int8"

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from lazyckpt._errors import LazyTypeError
+from lazyckpt._errors import ArgumentError, LazyTypeError
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
@@ -101,7 +101,7 @@ def save(
             )
     if max_shard_size is not None or metadata is not None:
         given = "max_shard_size" if max_shard_size is not None else "metadata"
-        raise LazyTypeError(
+        raise ArgumentError(
             f"save: {given}= applies to safetensors files, and {final} is saved as an Orbax "
             "checkpoint; pass format='safetensors' (or a path ending in .safetensors), or "
             f"leave out {given}="
@@ -129,7 +129,7 @@ def save_format(
     safetensors for a path ending in `.safetensors`, else orbax."""
     kind = format or ("safetensors" if final.endswith(".safetensors") else "orbax")
     if kind not in ("orbax", "safetensors"):
-        raise LazyTypeError(
+        raise ArgumentError(
             f"{argument}={format!r} is not a format lazyckpt writes; pass 'orbax' (an "
             "Orbax PyTree checkpoint) or 'safetensors'"
         )
