@@ -209,3 +209,13 @@ def test_diff_compares_text_dates_and_objects_by_equality() -> None:
         assert not lazyckpt.diff({"x": before}, {"x": before.copy()}, values=True)
         (change,) = lazyckpt.diff({"x": before}, {"x": after}, values=True).changes
         assert change.kind == "value", (before, change)
+
+
+def test_diff_of_complex_values_holds_nan_to_its_part() -> None:
+    """A NaN equals a NaN in the same part only: `nan+1j` against `1+nanj` differs
+    (both had counted as NaN, so equal)."""
+    first = np.array([complex(np.nan, 1), 2 + 3j])
+    assert not lazyckpt.diff({"x": first}, {"x": first.copy()}, values=True)
+    other = np.array([complex(1, np.nan), 2 + 3j])
+    (change,) = lazyckpt.diff({"x": first}, {"x": other}, values=True).changes
+    assert change.kind == "value" and change.max_abs == np.inf, change

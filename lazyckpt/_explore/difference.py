@@ -43,8 +43,9 @@ def _piece_difference(left: np.ndarray, right: np.ndarray) -> Found:
     # float8s), so that equal means equal; long doubles keep their own precision.
     wide = np.result_type(left.dtype, np.float64) if left.dtype.kind in "fc" else np.float64
     x, y = left.astype(wide), right.astype(wide)
-    both_nan = np.isnan(x) & np.isnan(y)
-    same = (x == y) | both_nan
+    same = _same(x.real, y.real)
+    if x.dtype.kind == "c":  # (NaN in the same parts: `nan+1j` is not `1+nanj`)
+        same &= _same(x.imag, y.imag)
     if bool(np.all(same)):
         return SAME
     with np.errstate(invalid="ignore", over="ignore"):
@@ -79,6 +80,12 @@ def _magnitude(values: np.ndarray) -> np.ndarray:
         if values.dtype.kind == "i"
         else unsigned
     )
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Where two float arrays are equal, NaN counting as equal to NaN."""
+    same: np.ndarray = (x == y) | (np.isnan(x) & np.isnan(y))
+    return same
 
 
 def _numeric(dtype: np.dtype[Any]) -> bool:
