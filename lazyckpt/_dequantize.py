@@ -25,7 +25,7 @@ from numpy.typing import DTypeLike
 
 from lazyckpt._array import quant
 from lazyckpt._array.compose import sources
-from lazyckpt._array.dtypes import issubdtype
+from lazyckpt._array.dtypes import issubdtype, parsed
 from lazyckpt._array.tree import children, fold_tree, rebuild
 from lazyckpt._errors import QuantizationError, StorageAccessError, json_or_corrupt
 from lazyckpt._lazy import LazyArray, composed
@@ -361,12 +361,11 @@ def _block(block_size: object, where: str) -> tuple[int, ...]:
 
 
 def _dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
-    try:
-        out = np.dtype(dtype)
-    except TypeError:
+    out = parsed(dtype)
+    if out is None:
         raise QuantizationError(
             f"{where}: dtype={dtype!r} is not a dtype; dequantize to bfloat16, float16 or float32"
-        ) from None
+        )
     if not issubdtype(out, np.floating):
         raise QuantizationError(
             f"{where}: dtype={out} is not a floating-point dtype; dequantize to bfloat16, "

@@ -19,7 +19,7 @@ import tensorstore as ts
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import compose, gather
-from lazyckpt._array.dtypes import finfo, issubdtype
+from lazyckpt._array.dtypes import finfo, issubdtype, parsed
 from lazyckpt._array.gather import is_advanced
 from lazyckpt._array.reshape import Reshape, matched_dims
 from lazyckpt._array.selection import Index, NewAxis, Selection, expand
@@ -358,13 +358,12 @@ class LazyArray:
                 f"{self.key}: typed PRNG keys cannot be cast; read them and use "
                 "jax.random.key_data to get their uint32 data"
             )
-        try:
-            new = np.dtype(dtype)
-        except (TypeError, ValueError, SyntaxError):  # (NumPy parses "f4,," as code)
+        new = parsed(dtype)
+        if new is None:
             raise LazyTypeError(
                 f"{self.key}: astype({dtype!r}): not a dtype NumPy knows; pass one such as "
                 "'float32', 'bfloat16' or np.int8"
-            ) from None
+            )
         natural = self.stored.dtype
         if self.dtype not in (natural, new) and not exact(natural, self.dtype):
             # The earlier cast rounds or wraps: keep it, so values equal NumPy's.

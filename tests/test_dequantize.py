@@ -497,6 +497,8 @@ def test_array_level_functions_check_their_arguments(tmp_path: Path) -> None:
         lazyckpt.dequantize_fp8(tree["w"], tree["i"], block_size=(2, 3))
     with pytest.raises(lazyckpt.QuantizationError, match="dtype=int8 is not a floating-point"):
         lazyckpt.dequantize_fp8(tree["w"], tree["s"], block_size=(2, 3), dtype=np.int8)
+    with pytest.raises(lazyckpt.QuantizationError, match=r"dtype='f4,,' is not a dtype"):
+        lazyckpt.dequantize_fp8(tree["w"], tree["s"], block_size=(2, 3), dtype="f4,,")
     with pytest.raises(
         lazyckpt.QuantizationError, match=r"MXFP4 blocks are uint8 \[\.\.\., G, 16\]"
     ):

@@ -47,6 +47,21 @@ def issubdtype(dtype: DTypeLike, category: type[Any]) -> bool:
     return bool(np.issubdtype(_category(np.dtype(dtype)), category))
 
 
+def parsed(given: object) -> np.dtype[Any] | None:
+    """The dtype NumPy reads `given` as (`"bfloat16"` too, once ml_dtypes is imported);
+    None where it reads none. NumPy raises TypeError, ValueError or, for some strings
+    it parses as code (`"f4,,"`), SyntaxError.
+
+    >>> parsed("float32"), parsed("floaty"), parsed("f4,,")
+    (dtype('float32'), None, None)
+    """
+    try:
+        found: np.dtype[Any] = np.dtype(given)  # type: ignore[call-overload]  # (checked here)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    return found
+
+
 def finfo(dtype: DTypeLike) -> Any:
     """`np.finfo`, which also knows bfloat16 and the float8, float6 and float4 types
     (`ml_dtypes.finfo`, untyped)."""

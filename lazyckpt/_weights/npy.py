@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from lazyckpt._array.dtypes import LONG_DOUBLES
+from lazyckpt._array.dtypes import LONG_DOUBLES, parsed
 from lazyckpt._array.selection import Selection
 from lazyckpt._errors import CorruptCheckpointError, UnsafePickleError, UnsupportedCheckpointError
 from lazyckpt._lazy import LazyArray
@@ -44,9 +44,8 @@ def _numeric_spelling(descr: str) -> str | None:
     `descr` is no plain number or bool."""
     if len(descr) > 16:
         return None
-    try:
-        dtype = np.dtype(descr)
-    except (TypeError, ValueError, SyntaxError):
+    dtype = parsed(descr)
+    if dtype is None:
         return None
     plain = dtype.kind in "biufc" and dtype.fields is None and not dtype.shape
     return dtype.str if plain else None
