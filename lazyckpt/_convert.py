@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
+from lazyckpt._array.dtypes import parsed
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
 from lazyckpt._dequantize import dequantize as dequantized
 from lazyckpt._display import as_given
@@ -206,7 +207,8 @@ def convert(
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
     check_overwrite(overwrite)
-    save_format(paths.normalize(destination), format=to, argument="to")
+    final = paths.normalize(destination)
+    kind = save_format(final, format=to, argument="to")
     target = None if dtype is None else _cast_dtype(dtype)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
     if dequantize:
@@ -220,8 +222,6 @@ def convert(
         cast_to = target
         tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
     if dry_run:
-        final = paths.normalize(destination)
-        kind = save_format(final, format=to)
         with paths.session(storage_options):
             taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
         if taken and not overwrite:  # as save would refuse, before it writes anything
@@ -247,10 +247,7 @@ def convert(
 
 def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     """`dtype=` as the floating-point dtype `convert` casts to."""
-    try:
-        target = np.dtype(dtype)
-    except (TypeError, ValueError, SyntaxError):  # (NumPy parses "f4,," as code)
-        target = None
+    target = parsed(dtype)
     if target is None or not _floating(target):
         raise LazyTypeError(
             f"dtype={dtype!r} is not a floating-point dtype; convert casts "

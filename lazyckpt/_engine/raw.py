@@ -136,10 +136,10 @@ def lies_raw(array: ArrayView) -> bool:
     return not (decodes(stored) or source(stored) is None)
 
 
-def in_file_order(array: ArrayView) -> bool:
-    """Whether `array` is an unstrided view of its stored array that keeps the order of
-    its dimensions (new axes aside): its boxes are then runs of the stored bytes."""
-    mapping = stored_map(array)
+def in_file_order(mapping: Sequence[tuple[int, int] | None] | None) -> bool:
+    """Whether a view with this `stored_map` is unstrided and keeps the order of its
+    stored array's dimensions (new axes aside): its boxes are then runs of the stored
+    bytes."""
     if mapping is None:
         return False
     dims = [entry[0] for entry in mapping if entry is not None]
@@ -151,8 +151,7 @@ def _in_order(array: ArrayView, mapping: Sequence[tuple[int, int] | None]) -> So
     order of their dimensions (a box of it is then runs of them); None otherwise."""
     stored = stored_array(array)
     found = source(stored)
-    dims = [entry[0] for entry in mapping if entry is not None]
-    if found is None or array.dtype != stored.dtype or dims != sorted(set(dims)):
+    if found is None or array.dtype != stored.dtype or not in_file_order(mapping):
         return None
     return found
 

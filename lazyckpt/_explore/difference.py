@@ -34,7 +34,7 @@ def _piece_difference(left: np.ndarray, right: np.ndarray) -> Found:
     if left.dtype.kind == "b":
         differs = bool(np.any(left != right))
         return int(differs), float(differs), differs
-    if left.dtype.kind in "OSUMmV" and not _numeric(left.dtype):  # text, dates, objects
+    if not _numeric(left.dtype):  # text, dates, objects
         differs = not np.array_equal(left, right)
         return int(differs), float(differs), differs
     if left.dtype.kind in "iu":

@@ -21,6 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from lazyckpt._array import compose
+from lazyckpt._array.geometry import stored_map
 from lazyckpt._array.tree import check_depth, key_of
 from lazyckpt._engine.raw import in_file_order, lies_raw
 from lazyckpt._errors import UnsavableError
@@ -295,7 +296,7 @@ def _stored_order(array: LazyArray) -> list[int] | None:
     if not isinstance(node, compose.Transpose) or not array.selection.is_full(node.shape):
         return None
     inner = node.array
-    if not lies_raw(inner) or not in_file_order(inner):
+    if not lies_raw(inner) or not in_file_order(stored_map(inner)):
         return None
     return sorted(range(len(node.perm)), key=lambda dim: node.perm[dim])
 
