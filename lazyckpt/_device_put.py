@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
 
 from lazyckpt._array.tree import Select, children, gc_paused, map_leaves, selected
+from lazyckpt._errors import ArgumentError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._materialize import materialize
 from lazyckpt._placement import Layout, resolve
@@ -58,7 +60,9 @@ def device_put(
             Matching is strict: a target leaf the checkpoint lacks, a checkpoint
             leaf the target does not name, a different shape, or a cast that can
             change values (float to int, int64 to int32) raises one
-            `TreeMismatchError` that lists them all.
+            `TreeMismatchError` that lists them all. A target that places nothing
+            (`None`, or every leaf None, as `eqx.partition(..., eqx.is_array)` makes
+            of abstract arrays) is a `TreeMismatchError` too.
         select: Only the leaves matching a path pattern, any of a list of patterns,
             or a predicate `(path, leaf) -> bool`; see `select`.
         partial: Restore only what a target pytree names; the rest is never read.
@@ -105,7 +109,7 @@ def device_put(
     """
     whole, tree = tree, selected(tree, select)
     if callable(target) and children(target) is None:  # a function, not a pytree (a Module)
-        choose: Callable[[str, LazyArray], Layout] = target
+        choose = _placer(target)
         plan = map_leaves(
             lambda x: (
                 Placement(x, resolve(x.key, choose(x.key, x), mesh))
@@ -125,3 +129,21 @@ def device_put(
             unselected=whole,
         )
     return materialize(plan, memory_budget, progress, "lazyckpt device_put", broadcast=broadcast)
+
+
+def _placer(target: Callable[..., Any]) -> Callable[[str, LazyArray], Layout]:
+    """`target`, a function of an array's key and the array; a callable that takes no
+    such arguments (a `Mesh`, a dtype such as `jnp.bfloat16`) is an `ArgumentError`."""
+    try:
+        inspect.signature(target).bind("key", None)
+    except TypeError:
+        shown = repr(target) if len(repr(target)) <= 60 else repr(target)[:57] + "..."
+        raise ArgumentError(
+            f"target={shown} is callable, but not as a function (key, lazy_array) -> "
+            "Sharding; pass one Sharding for every array (on a mesh: "
+            "NamedSharding(mesh, PartitionSpec())), such a function "
+            "(lazyckpt.saved_shardings(mesh)), or a target pytree"
+        ) from None
+    except ValueError:  # (no signature to read: a builtin; calling it will tell)
+        pass
+    return target

@@ -364,6 +364,11 @@ class LazyArray:
                 f"{self.key}: astype({dtype!r}): not a dtype NumPy knows; pass one such as "
                 "'float32', 'bfloat16' or np.int8"
             )
+        if new.hasobject:  # (reads fill arrays of values, which cannot hold references)
+            raise LazyTypeError(
+                f"{self.key}: astype(object): a LazyArray reads values, not Python objects; "
+                "read it first, then convert: np.asarray(x).astype(object)"
+            )
         natural = self.stored.dtype
         if self.dtype not in (natural, new) and not exact(natural, self.dtype):
             # The earlier cast rounds or wraps: keep it, so values equal NumPy's.

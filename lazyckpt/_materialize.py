@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from lazyckpt._array.dtypes import LONG_DOUBLES
+from lazyckpt._array.dtypes import LONG_DOUBLES, issubdtype
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import leaf_values, map_leaves
 from lazyckpt._engine.coalesced import schedule_coalesced
@@ -86,11 +86,20 @@ def materialize(
 
 
 def _check_jax_dtype(array: LazyArray) -> None:
-    if array.dtype in LONG_DOUBLES:  # (a NumPy or flax file's; jax's own error names no key)
+    """Refuse, before any read, an array that jax has no type for: jax's own error
+    names no key, and comes once the array was read."""
+    if array.dtype in LONG_DOUBLES:  # (a NumPy or flax file's)
         raise LazyTypeError(
             f"{array.key}: dtype {array.dtype}, NumPy's long double, which jax has no type "
             "for; load it to NumPy (lazyckpt.load), or cast it first (.astype('float64'))"
         )
+    if array.key_impl or any(issubdtype(array.dtype, t) for t in (np.number, np.bool_)):
+        return
+    raise LazyTypeError(  # (a view cast to text, dates or records)
+        f"{array.key}: dtype {array.dtype}, which jax has no type for (jax arrays hold "
+        "numbers and booleans); load it to NumPy (lazyckpt.load), or cast it to a "
+        "number type (.astype('float32'))"
+    )
 
 
 def _spread(on_devices: list[Placement]) -> list[Placement]:

@@ -4,8 +4,9 @@ A target is any pytree (`nnx.State`, a Linen `TrainState`, optax states, dicts w
 int keys, `nn.Partitioned` boxes...) whose leaves say what to restore there:
 `jax.ShapeDtypeStruct`s and `jax.Array`s (that shape, dtype and sharding), NumPy
 arrays (to host, in that dtype), Shardings, Devices or PartitionSpecs (the
-checkpoint's leaf or subtree there, placed so), None (that subtree left as it is),
-or Python scalars and strings (the checkpoint's value, of that type).
+checkpoint's leaf or subtree there, placed so), None (that subtree left as it is;
+a target of None alone, which places nothing, is refused), or Python scalars and
+strings (the checkpoint's value, of that type).
 
 Leaves are paired by key path the way Orbax names them on disk: int and str keys
 are equal (`0` and `'0'`), NamedTuple and dataclass fields go by name, and a final
@@ -122,8 +123,36 @@ def match(
     if unselected is not None and unselected is not tree:
         matcher.unselected = {_norm(path) for path, _ in flatten(unselected)}
     restored = map_with_path(matcher.restore, target, none_is_leaf=True)
+    arrays = sum(isinstance(leaf, LazyArray) for _, leaf in matcher.leaves.values())
+    if matcher.named == 0 and arrays:
+        raise TreeMismatchError(_places_nothing(target, matcher.nones, arrays, to_host))
     matcher.check()
     return restored
+
+
+def _places_nothing(target: object, nones: int, arrays: int, to_host: bool) -> str:
+    """Why a target of None alone is refused, and what to pass instead."""
+    what = (
+        "target=None"
+        if target is None
+        else f"every leaf of the target ({nones}) is None"
+        if nones
+        else "the target has no leaves"
+    )
+    verb, instead = (
+        ("read", "or load(tree) without like=")
+        if to_host
+        else ("placed", "or one Sharding for every array")
+    )
+    return (
+        f"{what}: nothing would be {verb}, and the checkpoint's {arrays} arrays would come "
+        "back unread as LazyArrays (a None target leaf leaves the checkpoint's leaf as it "
+        "is). Pass what to restore: a target of jax.ShapeDtypeStructs or jax.Arrays "
+        f"(jax.eval_shape, nnx.eval_shape), NumPy arrays or Shardings, {instead}. "
+        "(equinox's eqx.is_array is False for a ShapeDtypeStruct, so "
+        "eqx.partition(eqx.filter_eval_shape(...), eqx.is_array) keeps only None: "
+        "partition with lambda x: isinstance(x, jax.ShapeDtypeStruct))"
+    )
 
 
 def _norm(path: Path) -> tuple[str, ...]:
@@ -162,6 +191,7 @@ class _Matcher:
             self.leaves[_norm(path)] = (path, leaf)
         self.prefixes = {norm[:i] for norm in self.leaves for i in range(len(norm))}
         self.used: set[tuple[str, ...]] = set()
+        self.named = self.nones = 0  # target leaves that name something, and None ones
         self.problems: dict[str, list[tuple[str, Detail]]] = {kind: [] for kind in _LABELS}
         self.missing_paths: list[tuple[str, ...]] = []
         self.unexpected_paths: list[tuple[str, ...]] = []
@@ -175,12 +205,18 @@ class _Matcher:
         norm = _norm(path)
         self.target_prefixes.update(norm[:i] for i in range(len(norm) + 1))
         where = keystr(path)
+        if want is None:
+            self.nones += 1
+        else:
+            self.named += 1
         if not (want is None or is_layout(want) or _is_array(want) or isinstance(want, _VALUES)):
+            swapped = "; LazyArrays go in the tree, the first argument"
             return self._problem(
                 "kind",
                 where or "(the root)",
                 f"the target leaf is a {type(want).__name__}; expected a ShapeDtypeStruct, "
-                "jax.Array, NumPy array, Sharding, Device, PartitionSpec, None or a scalar",
+                "jax.Array, NumPy array, Sharding, Device, PartitionSpec, None or a scalar"
+                + (swapped if isinstance(want, LazyArray) else ""),
             )
         if (want is None or is_layout(want)) and norm in self.prefixes:
             return self._subtree(path, norm, want)
@@ -283,8 +319,11 @@ class _Matcher:
         return leaf.astype(dtype)
 
     def _scalar(self, where: str, value: object, dtype: DTypeLike) -> Any:
-        converted = np.asarray(value).astype(dtype)
-        exact = bool(converted == np.asarray(value))
+        try:
+            converted = np.asarray(value).astype(dtype)
+            exact = bool(converted == np.asarray(value))
+        except (TypeError, ValueError):  # (no number: an array, a ShapeDtypeStruct, keys)
+            return self._problem("kind", where, _versus(dtype, _describe(value)))
         source = np.asarray(value).dtype
         if not (exact or self.lossy_casts or lossless(source, dtype)):
             return self._problem("dtype", where, _versus(dtype, repr(value)))
@@ -366,8 +405,8 @@ class _Matcher:
 
     def _hint(self) -> str:
         """Where the checkpoint holds all the missing paths under one prefix: name it."""
-        if not self.missing_paths:
-            return ""
+        if not self.missing_paths or not self.missing_paths[0]:
+            return ""  # (a target that is one leaf: any leaf of the checkpoint would do)
         first = self.missing_paths[0]
         places = []
         for norm in self.leaves:

@@ -277,3 +277,30 @@ def test_broadcast_in_one_process_reads_as_without(saved: tuple[Path, Any]) -> N
     placed = lazyckpt.device_put(kernel, sharding, broadcast=True)
     assert placed.sharding == sharding
     np.testing.assert_array_equal(np.asarray(placed), kernel.get())
+
+
+def test_views_jax_has_no_type_for_are_refused_before_any_read(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A view cast to text, dates or records loads to NumPy; placing it on a device
+    is refused by key before a byte is read (jax's own error names no key, after the
+    read). A cast to Python objects is refused where it is asked for: reads fill
+    buffers of values, which cannot hold references."""
+    from tests.helpers import refuse_data_reads
+
+    a = lazyckpt.open(small)["a"]
+    assert lazyckpt.load(a[:1, :2].astype("U8")).dtype == np.dtype("U8")
+    refuse_data_reads(monkeypatch)
+    for dtype in ("U8", "S4", "datetime64[s]", "V4"):
+        with pytest.raises(
+            lazyckpt.LazyTypeError,
+            match=r"^a: dtype .*, which jax has no type for \(jax arrays hold numbers and booleans\); load it to NumPy",
+        ):
+            lazyckpt.device_put({"a": a.astype(dtype)}, jax.devices()[0])
+    with pytest.raises(
+        lazyckpt.LazyTypeError,
+        match=r"^a: astype\(object\): a LazyArray reads values, not Python objects; read it first",
+    ):
+        a.astype(object)
+    with pytest.raises(lazyckpt.LazyTypeError, match=r"^a: astype\(object\)"):
+        lazyckpt.load(lazyckpt.open(small), like={"a": np.empty((64, 64), object)}, partial=True)

@@ -654,3 +654,95 @@ def test_target_leaves_a_select_left_out_are_said_so(typed: Path) -> None:
         assert "select= the leaves the target names too" in str(caught.value)
     with pytest.raises(TreeMismatchError, match=r"missing from the checkpoint: new"):
         lazyckpt.load(lazy, like={**target, "new": np.zeros(1)}, select=["w", "big"], partial=True)
+
+
+def test_a_target_that_places_nothing_is_refused(typed: Path) -> None:
+    """A target of None alone (what `eqx.partition(eqx.filter_eval_shape(...),
+    eqx.is_array)` gives: a ShapeDtypeStruct is no array to equinox) would hand the
+    LazyArrays back unread; load and device_put refuse it alike. Some None leaves
+    still leave those leaves as they are."""
+    eqx = pytest.importorskip("equinox")
+    lazy = lazyckpt.open(typed)
+    nones = {"w": None, "big": None, "key": None, "step": None}
+    for target, found in (
+        (nones, r"every leaf of the target \(4\) is None"),
+        (None, "target=None"),
+    ):
+        with pytest.raises(
+            TreeMismatchError,
+            match=rf"^{found}: nothing would be placed, and the checkpoint's 3 arrays would come back unread.*one Sharding for every array.*eqx\.is_array",
+        ):
+            lazyckpt.device_put(lazy, target)
+    with pytest.raises(
+        TreeMismatchError, match=r"^the target has no leaves: nothing would be placed"
+    ):
+        lazyckpt.device_put(lazy, {}, partial=True)
+    with pytest.raises(
+        TreeMismatchError, match=r"^every leaf .*nothing would be read.*load\(tree\) without like="
+    ):
+        lazyckpt.load(lazy, like=nones)
+
+    # equinox's pitfall, and its fix.
+    mlp = lambda: eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))  # noqa: E731
+    path = lazyckpt.save(Path(typed).parent / "mlp", eqx.filter(mlp(), eqx.is_array))
+    abstract = eqx.filter_eval_shape(mlp)
+    with pytest.raises(TreeMismatchError, match=r"every leaf of the target \(6\) is None"):
+        lazyckpt.device_put(lazyckpt.open(path), eqx.partition(abstract, eqx.is_array)[0])
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    placed = lazyckpt.device_put(lazyckpt.open(path), eqx.partition(abstract, is_abstract)[0])
+    assert isinstance(placed.layers[1].bias, jax.Array)
+
+    some = lazyckpt.device_put(lazy, {**nones, "big": jax.ShapeDtypeStruct((2,), np.int32)})
+    assert isinstance(some["w"], LazyArray) and isinstance(some["big"], jax.Array)
+    assert isinstance(
+        lazyckpt.load(lazy, like={**nones, "w": np.zeros((3, 4)), "step": 0})["w"], np.ndarray
+    )
+    assert lazyckpt.device_put({"step": 3}, {"step": None}) == {"step": 3}  # (no array to place)
+
+
+def test_leaves_of_other_kinds_on_either_side_are_reported_not_raised_raw(typed: Path) -> None:
+    """A scalar against a PRNG key target, a ShapeDtypeStruct where the checkpoint's
+    value should be (the two arguments swapped), each one line of the report."""
+    lazy = lazyckpt.open(typed)
+    with pytest.raises(TreeMismatchError, match=r"\n  kind: step  target key<fry>, checkpoint 12$"):
+        lazyckpt.device_put(lazy, {"step": jax.random.key(0)}, partial=True)
+    abstract = {
+        "w": jax.ShapeDtypeStruct((3, 4), np.float32),
+        "step": jax.ShapeDtypeStruct((), np.int32),
+    }
+    with pytest.raises(TreeMismatchError) as caught:
+        lazyckpt.device_put(
+            {"w": abstract["w"], "step": abstract["step"], "n": 0},
+            {"w": lazy["w"], "n": 0},
+            partial=True,
+        )
+    assert "kind: w  the target leaf is a LazyArray; expected a ShapeDtypeStruct" in str(
+        caught.value
+    )
+    assert "LazyArrays go in the tree, the first argument" in str(caught.value)
+    with pytest.raises(
+        TreeMismatchError, match=r"\n  kind: step  target int64, checkpoint int32\[\]$"
+    ):
+        lazyckpt.device_put(abstract, {"step": 0}, partial=True)
+    # A target that is one leaf gets no hint to pass some other leaf as the tree.
+    with pytest.raises(TreeMismatchError) as caught:
+        lazyckpt.device_put(lazy, jax.ShapeDtypeStruct((), np.int32))
+    assert "missing from the checkpoint: (the root)  int32[]" in str(caught.value)
+    assert "hint" not in str(caught.value)
+
+
+def test_a_callable_target_must_take_a_key_and_an_array(typed: Path) -> None:
+    """A Mesh and a dtype are callable, but are no function of (key, array)."""
+    lazy = lazyckpt.open(typed)
+    mesh = jax.make_mesh((8,), ("d",))
+    for target, shown in (
+        (mesh, r"Mesh\(axis_sizes=\(8,\).*\.\.\."),
+        (jnp.bfloat16, ".*bfloat16.*"),
+    ):
+        with pytest.raises(
+            lazyckpt.ArgumentError,
+            match=rf"^target={shown} is callable, but not as a function \(key, lazy_array\) -> Sharding; pass one Sharding.*NamedSharding\(mesh, PartitionSpec\(\)\)",
+        ):
+            lazyckpt.device_put(lazy, target)
+    placed = lazyckpt.device_put(lazy, lambda key, array: NamedSharding(mesh, P()))
+    assert placed["w"].sharding == NamedSharding(mesh, P())
