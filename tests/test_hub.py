@@ -178,14 +178,15 @@ def test_a_damaged_file_in_the_cache_is_named_with_its_fix(hub: HubServer) -> No
         match=rf"^hf://org/model@[0-9a-f]{{7}}/{SHARDS[2]} \(org/model at main, commit "
         rf"[0-9a-f]{{12}}\): its copy in the Hugging Face cache holds "
         rf"{len(files[SHARDS[2]]) - 100} bytes; .*"
-        rf"truncated: delete it from the cache .*{re.escape(str(blob))}\) and download it again",
+        rf"truncated: .*force_download=True\), or delete it from the cache .*"
+        rf"{re.escape(str(blob))}\) and download it again",
     ):
         lazyckpt.open("hf://org/model")
     blob.write_bytes(bytes(len(files[SHARDS[2]])))  # zeroed, as a failed copy leaves it
     with pytest.raises(
         lazyckpt.CorruptCheckpointError,
-        match=rf"{SHARDS[2]}.*read from its copy in the Hugging Face cache: delete it "
-        rf"from the cache .*{re.escape(str(blob))}\) and download it again",
+        match=rf"{SHARDS[2]}.*read from its copy in the Hugging Face cache: .*force_download"
+        rf"=True\), or delete it from the cache .*{re.escape(str(blob))}\) and download it again",
     ):
         lazyckpt.open("hf://org/model")
     blob.write_bytes(files[SHARDS[2]])
@@ -451,6 +452,38 @@ def test_a_cdn_address_that_answers_404_is_asked_for_again(hub: HubServer) -> No
         r"object is missing there",
     ):
         up(tree, 1)[4:6].get()
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+@pytest.mark.parametrize("opened", ["snapshot folder", "hf://"])
+def test_a_damaged_file_the_cache_holds_whole_names_how_to_fetch_it_again(
+    hub: HubServer, damage: str, opened: str
+) -> None:
+    """A model the cache holds whole, opened from its snapshot folder (or by hf://,
+    which reads that folder): a damaged file's fix is to fetch it past the cache,
+    which `hf_hub_download` alone returns as it is (the advice was "download or copy
+    it again", or none for a damaged header)."""
+    files, _ = model()
+    hub.commit("org/model", files)
+    folder = Path(hh.snapshot_download("org/model"))
+    blob = (folder / SHARDS[1]).resolve()
+    data = files[SHARDS[1]]
+    blob.write_bytes(data[:8] + b"#" + data[9:] if damage == "header" else data[:-100])
+    fix = (
+        rf"hf_hub_download\('org/model', '{SHARDS[1]}', revision='[0-9a-f]{{40}}', "
+        rf"force_download=True\), or delete it from the cache \(`hf cache rm`, or remove it "
+        rf"and its blob {re.escape(str(blob))}\) and download it again"
+    )
+    found = {
+        "header": r"the header is not valid JSON .*read from its copy in the Hugging Face "
+        r"cache: downloading it again as usual returns the damaged copy as it is: fetch it "
+        rf"again with {fix}",
+        "truncated": r"is too short for the end of its data .*the file is truncated, and it is "
+        r"the Hugging Face cache's copy: downloading it again as usual returns the damaged "
+        rf"copy as it is: fetch it again with {fix}",
+    }[damage]
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match=found):
+        lazyckpt.open(str(folder) if opened == "snapshot folder" else "hf://org/model")
 
 
 def test_an_unreachable_hub_with_the_model_cached_suggests_offline(

@@ -19,6 +19,7 @@ import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save
 
 import lazyckpt
 from tests.helpers import (
@@ -146,6 +147,21 @@ def test_open_of_1000_arrays_takes_a_few_requests(s3: Any, tmp_path: Path) -> No
         assert sum(1 for _ in lazyckpt.leaves(opened)) == arrays
     assert counts[1000] <= 12, counts
     assert counts[1000] <= counts[10] + 2, counts
+
+
+def test_reads_with_keys_in_the_environment_print_nothing_on_stderr(
+    s3: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY set (which the default chain
+    takes first), tensorstore's other credential providers are not built: in a home
+    without ~/.aws they printed five error lines at every open ("Failed to open file.
+    path:'~/.aws/config'")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    s3.put_object(Bucket="ckpts", Key="quiet/model.safetensors", Body=save({"w": np.ones(4)}))
+    capfd.readouterr()
+    tree = lazyckpt.open("s3://ckpts/quiet/model.safetensors")
+    np.testing.assert_array_equal(tree["w"].get(), np.ones(4))
+    assert capfd.readouterr().err == ""
 
 
 def test_save_and_convert_to_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:

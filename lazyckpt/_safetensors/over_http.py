@@ -23,7 +23,7 @@ from lazyckpt._storage import paths
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._storage.sites import describe as web_describe
-from lazyckpt._storage.web import WebFiles, cached_fix, local_copy
+from lazyckpt._storage.web import WebFiles, cached_copy, cached_fix, local_copy
 
 
 def listed_over_http(folder: str) -> bool:
@@ -125,7 +125,7 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
         try:
             header = parse_header(file, bytes(data[8 : 8 + length]))
         except CorruptCheckpointError as error:
-            raise _in_cache(file, error) from None
+            raise in_cache(file, error) from None
         if answer.size is not None and header.end > answer.size:
             raise _truncated(
                 file,
@@ -140,7 +140,7 @@ def _length(file: str, first: bytes, size: int | None) -> int:
     try:
         length = header_length(file, first)
     except CorruptCheckpointError as error:
-        raise _in_cache(file, error) from None
+        raise in_cache(file, error) from None
     if size is not None and 8 + length > size:
         raise _truncated(
             file,
@@ -150,11 +150,11 @@ def _length(file: str, first: bytes, size: int | None) -> int:
     return length
 
 
-def _in_cache(file: str, error: CorruptCheckpointError) -> CorruptCheckpointError:
+def in_cache(file: str, error: CorruptCheckpointError) -> CorruptCheckpointError:
     """`error`, about a damaged header of `file`; where its bytes are the Hugging Face
-    cache's copy, said so, with the fix that works (downloading again would find the
-    damaged copy and keep it)."""
-    local = local_copy(file)
+    cache's copy (over `hf://`, or in a snapshot folder opened as a folder), said so,
+    with the fix that works (downloading again would find the damaged copy and keep it)."""
+    local = cached_copy(file)
     if local is None:
         return error
     return CorruptCheckpointError(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -46,6 +46,7 @@ from lazyckpt._safetensors.format import (
 )
 from lazyckpt._safetensors.over_http import (
     forget_early,
+    in_cache,
     listed_over_http,
     read_early,
     web_headers,
@@ -54,8 +55,10 @@ from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, from_one_generation, then
 from lazyckpt._storage.sites import hub_listed
-from lazyckpt._storage.web import WebFiles
+from lazyckpt._storage.web import WebFiles, redownload
 from lazyckpt._text import printable
+
+T = TypeVar("T")
 
 
 def is_safetensors(path: str) -> bool:
@@ -309,12 +312,16 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
         _read(store, shard, file, 0, 8, what="its header length")
         for shard, file in zip(shards, files, strict=True)
     ]
-    lengths = [header_length(f, first.result()) for f, first in zip(files, firsts, strict=True)]
+    lengths = [
+        _parsed(f, header_length, first.result()) for f, first in zip(files, firsts, strict=True)
+    ]
     texts = [
         _read(store, shard, file, 8, 8 + length, what="its header")
         for shard, file, length in zip(shards, files, lengths, strict=True)
     ]
-    headers = [parse_header(f, text.result()) for f, text in zip(files, texts, strict=True)]
+    headers = [
+        _parsed(f, parse_header, text.result()) for f, text in zip(files, texts, strict=True)
+    ]
     probes = [
         _read(store, shard, file, header.end - 1, header.end, what="the end of its data")
         for shard, file, header, length in zip(shards, files, headers, lengths, strict=True)
@@ -323,6 +330,15 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     for probe in probes:
         probe.result()
     return headers
+
+
+def _parsed(file: str, parse: Callable[[str, bytes], T], data: bytes) -> T:
+    """`parse(file, data)`; where `file` is the Hugging Face cache's copy, its error
+    names the fix that works there (`in_cache`)."""
+    try:
+        return parse(file, data)
+    except CorruptCheckpointError as error:
+        raise in_cache(file, error) from None
 
 
 def _read(
@@ -343,7 +359,7 @@ def _read(
         if "OUT_OF_RANGE" in str(error):
             return CorruptCheckpointError(
                 f"{file} is too short for {what} (bytes {start} to {stop}); the file is "
-                "truncated, download or copy it again"
+                f"truncated, {redownload(file)}"
             )
         if store.changed():
             return store.changed_error()

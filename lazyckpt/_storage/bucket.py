@@ -103,6 +103,11 @@ def bucket_spec(path: str) -> dict[str, Any]:
             spec["endpoint"] = endpoint
         if region:
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+            # The keys the default chain would take first; asked for alone, so that its
+            # other providers (profile files, web identity) print no errors on stderr
+            # where their files are absent, at every open.
+            spec["aws_credentials"] = {"type": "environment"}
     spec.update(options)
     return _checked(path, spec)
 

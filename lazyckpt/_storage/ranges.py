@@ -6,11 +6,13 @@ an answer must be:
 - A redirect is followed to http(s) only, and remembered per file (the Hub's
   `resolve/` answers with a signed URL at its CDN); the `Authorization` header goes
   only to the origin it was given for. A remembered address that expires (401, 403,
-  410) is resolved again, once; so is one that answers 404 for a file the Hub lists at
-  the pinned commit, which cannot have gone: a 404 there again is a missing object.
+  410) is resolved again, once, and so is a Hub file's address at its CDN, remembered
+  or just given, that refuses it; so is one that answers 404 for a file the Hub lists
+  at the pinned commit, which cannot have gone: a 404 there again is a missing object.
 - A server that ignores Range (a 200 with the whole file) is refused: the connection
   is closed before the body is read, so no model is downloaded by accident. A 206
-  must hold exactly the bytes asked for, or the file's end.
+  must hold exactly the bytes asked for, or the file's end, as stored (no
+  `Content-Encoding`): the rules of `lazyckpt._storage.answers`.
 - What a file holds (its size, ETag and Last-Modified date) is pinned at its first
   answer in an open (`Pin`). Later requests ask the server to check it (`If-Match`,
   `If-Unmodified-Since`), and an answer that disagrees, a 412, or a 404 for a file
@@ -25,7 +27,6 @@ an answer must be:
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -33,17 +34,8 @@ from typing import TypeVar
 
 import attrs
 
-from lazyckpt._errors import (
-    CheckpointChangedError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    LazyckptError,
-    StorageAccessError,
-    TooLargeError,
-    UnversionedWarning,
-    warn,
-)
-from lazyckpt._storage import network
+from lazyckpt._errors import LazyckptError, StorageAccessError, TooLargeError
+from lazyckpt._storage import answers, network
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.sites import describe, site
 from lazyckpt._storage.transport import SAFE as SAFE
@@ -59,8 +51,6 @@ _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
 WHOLE_LIMIT = 64 << 20
 """The most bytes of a file read whole (no range) where the caller names no limit of
 its own for its kind of file."""
-_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
-_UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)
 
 
 @attrs.frozen
@@ -76,9 +66,14 @@ class Answer:
     """The whole file's size, where the server said (`Content-Range`)."""
 
 
-_LOST = Answer("missing")
-"""`Client._fetch`'s answer to a 404 for a file the Hub lists at the pinned commit:
-asked of the Hub again (as an expired address is), then a missing object."""
+@attrs.frozen
+class _Refused:
+    """`Client._fetch`'s answer where there is no value: access refused (401, 403,
+    410), or a 404 for a file the Hub lists at the pinned commit (which cannot have
+    gone); `at` is the address that answered so."""
+
+    status: int
+    at: str
 
 
 @attrs.define
@@ -199,31 +194,38 @@ class Client:
             known = self._locations.get(url) if hub else pin.location
         ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket, into)
         answer = self._fetch(ask, known or pin.address(url))
-        if (answer is None or answer is _LOST) and known is not None:  # expired, or lost
+        # A remembered address that expired or lost the file, or the Hub's CDN that
+        # refused the address the Hub just gave: asked of the URL again, once.
+        again = isinstance(answer, _Refused) and (
+            known is not None or (hub and answer.at != pin.address(url))
+        )
+        if again:
             with self._lock:
                 self._locations.pop(url, None)
                 pin.location = None
             answer = self._fetch(ask, pin.address(url))
-        if answer is _LOST:
-            raise _lost(url, again=known is not None)
-        if answer is None and hub:
+        if isinstance(answer, Answer):
+            return answer
+        if answer.status == 404:
+            raise answers.lost(url, again=again)
+        if hub and answer.at != pin.address(url):
+            raise answers.refused_elsewhere(url, answer.status, answer.at)
+        if hub:
             raise StorageAccessError(
                 f"{describe(url)}: access denied; for a gated or private Hugging Face "
                 "repository, log in (`hf auth login`) or set HF_TOKEN to a token that "
                 "was granted access"
             )
-        if answer is None and pin.query:
+        if pin.query:
             raise StorageAccessError(
                 f"{describe(url)}: access denied (HTTP 401, 403 or 410) to the URL with "
                 "its query string; a pre-signed URL's signature may have expired: sign "
                 "the file's URL again, and open the new one"
             )
-        if answer is None:
-            raise StorageAccessError(
-                f"{describe(url)}: access denied (HTTP 401, 403 or 410); check the URL, "
-                "or pass credentials: storage_options={'token': ...} or {'headers': {...}}"
-            )
-        return answer
+        raise StorageAccessError(
+            f"{describe(url)}: access denied (HTTP 401, 403 or 410); check the URL, "
+            "or pass credentials: storage_options={'token': ...} or {'headers': {...}}"
+        )
 
     def get(self, url: str, headers: dict[str, str], *, limit: int, named: str) -> Response:
         """A GET of an API (the Hub's repository info), its answer whatever its status,
@@ -252,8 +254,8 @@ class Client:
             target = _redirect(named, target, answer.headers.get("location", ""))
         raise StorageAccessError(f"{named}: more than {_REDIRECTS} redirects")
 
-    def _fetch(self, ask: _Ask, target: str) -> Answer | None:
-        """One read starting at `target`; None where access was refused."""
+    def _fetch(self, ask: _Ask, target: str) -> Answer | _Refused:
+        """One read starting at `target`, following its redirects."""
         url, pin = ask.url, ask.pin
         origin = _origin(url)
         registered = site(url)
@@ -288,16 +290,18 @@ class Client:
                     and registered is not None
                     and not registered.lacks(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
                 ):
-                    return _LOST  # (listed at a pinned commit: it cannot have gone)
+                    return _Refused(404, target)  # (listed at a pinned commit)
                 if pin.seen:
-                    raise _changed(url, "it is gone (HTTP 404)")
+                    raise answers.changed(url, "it is gone (HTTP 404)")
                 return Answer("missing")
             if status == 412:  # what `Pin.conditions` asked the server to check
-                raise _changed(url, "the server says so (HTTP 412 Precondition Failed)")
+                raise answers.changed(url, "the server says so (HTTP 412 Precondition Failed)")
             if status in _EXPIRED:
-                return None
+                return _Refused(status, target)
+            if status == 304:  # (to no If-None-Match: lazyckpt sends none)
+                raise answers.not_modified(url)
             if status == 416:  # the range starts past the end: `bytes */SIZE`
-                size = _unsatisfied(found)
+                size = answers.unsatisfied(found)
                 self._check_pin(url, pin, size, found, versioned, validators=False)
                 low = ask.wanted[0] if ask.wanted is not None else 0
                 if size is not None and low < size:
@@ -308,7 +312,7 @@ class Client:
                     )
                 if ask.short:
                     return Answer("value", b"", size)
-                raise _truncated(url, size, ask.wanted)
+                raise answers.truncated(url, size, ask.wanted)
             if ask.wanted is not None and status == 200:
                 raise StorageAccessError(
                     f"{describe(url)}: the server ignores Range requests (it answered with "
@@ -320,8 +324,14 @@ class Client:
                     f"{describe(url)}: the server answered HTTP {status} "
                     f"({said(bytes(answer.body[:120]).decode('utf-8', 'replace'), 120)})"
                 )
-            size = len(answer.body) if status == 200 else _checked_range(ask, answer)
-            self._check_pin(url, pin, size, found, versioned)
+            answers.check_identity(url, found, ranged=ask.wanted is not None)
+            size = (
+                len(answer.body)
+                if status == 200
+                else answers.checked_range(url, ask.wanted, ask.short, answer)
+            )
+            # (A `bytes a-b/*` answer says nothing of the size: the pin's, where known.)
+            size = self._check_pin(url, pin, size, found, versioned, sized=size is not None)
             if target != pin.address(url):
                 with self._lock:
                     if versioned:
@@ -340,11 +350,13 @@ class Client:
         versioned: bool,
         *,
         validators: bool = True,
-    ) -> None:
+        sized: bool = True,
+    ) -> int | None:
         """Pin the file's size and validators at its first answer; a later answer
         must agree. A validator the first answer gave and a later one drops, or the
         other way, is a change too: another server, or another version. (A 416,
-        `validators=False`, says the size alone.)"""
+        `validators=False`, says the size alone; a 206 of `bytes a-b/*`, `sized=False`,
+        says no size, and the answer has the pin's, where an earlier one said it.)"""
         etag, modified = found.get("etag"), found.get("last-modified")
         with self._lock:
             first = not pin.seen
@@ -354,15 +366,18 @@ class Client:
             known = (pin.size, pin.etag, pin.modified)
             if pin.size is None:
                 pin.size = size  # (a `bytes a-b/*` answer first: the size, once said)
+            pinned = pin.size
         if first:
             if versioned and etag is None and modified is None:
-                _unversioned(url)
-            return
-        news = (size, etag, modified) if validators else (size, *known[1:])
+                answers.unversioned(url)
+            return pinned
+        news = (size if sized else known[0], etag, modified)
+        news = news if validators else (size, *known[1:])
         for what, before, now in zip(("size", "ETag", "Last-Modified"), known, news, strict=True):
             if before != now and (before is not None or what != "size"):
                 said_now = "the answer gave none" if now is None else f"now {now}"
-                raise _changed(url, f"its {what} was {before}, {said_now}")
+                raise answers.changed(url, f"its {what} was {before}, {said_now}")
+        return pinned
 
 
 @attrs.frozen
@@ -393,84 +408,6 @@ class _Ask:
             "reads of such a file; it is not the file it should be (a broken or hostile "
             "server), so it was not read"
         )
-
-
-def _checked_range(ask: _Ask, answer: Response) -> int | None:
-    """The file's size from a 206's `Content-Range`, which must hold the bytes asked
-    for (or those up to the file's end) and agree with the body."""
-    url, body = ask.url, answer.received
-    text = answer.headers.get("content-range", "")
-    match = _CONTENT_RANGE.fullmatch(text.strip())
-    if match is None:
-        raise StorageAccessError(
-            f"{describe(url)}: the server answered a Range request with Content-Range "
-            f"{said(text, 60)}; lazyckpt needs `bytes FIRST-LAST/SIZE`"
-        )
-    first, last = int(match[1]), int(match[2])
-    size = None if match[3] == "*" else int(match[3])
-    if size is not None and last >= size:
-        raise StorageAccessError(
-            f"{describe(url)}: the server answered with Content-Range {said(text, 60)}, which "
-            "ends past the file's size; it does not serve byte ranges correctly"
-        )
-    low, high = ask.wanted or (0, None)
-    if first != low or last - first + 1 != body:
-        raise StorageAccessError(
-            f"{describe(url)}: asked for bytes {low} to {high}, the server answered "
-            f"bytes {first} to {last + 1} ({body} bytes of body); it does not serve "
-            "byte ranges correctly: download the file, and open the copy"
-        )
-    if high is not None and body < high - low:
-        if size is not None and last + 1 < size:
-            raise StorageAccessError(
-                f"{describe(url)}: asked for bytes {low} to {high}, the server answered "
-                f"only to {last + 1} of {size}; try again, or download the file"
-            )
-        if not ask.short:
-            raise _truncated(url, size, ask.wanted)
-    return size
-
-
-def _unsatisfied(found: dict[str, str]) -> int | None:
-    match = _UNSATISFIED.fullmatch(found.get("content-range", "").strip())
-    return int(match[1]) if match else None
-
-
-def _truncated(url: str, size: int | None, wanted: tuple[int, int | None] | None) -> Exception:
-    return CorruptCheckpointError(
-        f"{describe(url)} holds {size if size is not None else 'fewer'} bytes, fewer than "
-        f"the {wanted[1] if wanted else '?'} needed (bytes {wanted[0] if wanted else 0} on); "
-        "the file is truncated, or shorter than its header says: download it again"
-    )
-
-
-def _lost(url: str, *, again: bool) -> CheckpointNotFoundError:
-    asked = " (again at the address the Hub then gave afresh)" if again else ""
-    return CheckpointNotFoundError(
-        f"{describe(url)}: the Hub lists this file at the commit, but its server answered "
-        f"HTTP 404{asked}: the file's stored object is missing there. Try again later; if "
-        "it stays missing, tell the repository's owners, or download it from elsewhere"
-    )
-
-
-def _changed(url: str, why: str) -> CheckpointChangedError:
-    return CheckpointChangedError(
-        f"{describe(url)} changed since it was opened ({why}); what was read would mix "
-        "two versions: open it again"
-    )
-
-
-def _unversioned(url: str) -> None:
-    message = (
-        f"{describe(url)}: the server gives neither an ETag nor a Last-Modified date, so "
-        "a change to the file between two reads could not be detected"
-    )
-    if network.options().unversioned == "refuse":
-        raise StorageAccessError(
-            f"{message}; serve it with either header, or read it anyway with "
-            "lazyckpt.network_options(unversioned='warn')"
-        )
-    warn(f"{message}; read anyway (network_options(unversioned='warn'))", UnversionedWarning)
 
 
 def _redirect(url: str, target: str, location: str) -> str:

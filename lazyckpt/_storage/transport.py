@@ -236,6 +236,7 @@ class Transport:
         path += f"?{parts.query}" if parts.query else ""
         options = network.options()
         delay, last, attempt = network.FIRST_DELAY, "", 0
+        limited: str | None = None  # the last answer's Retry-After, where it was a 429
         while attempt < options.retries:
             if stop is not None:
                 stop.check(ticket, url)
@@ -277,6 +278,7 @@ class Transport:
                 if answer.status not in RETRIED:
                     return answer
                 last = f"HTTP {answer.status}"
+                limited = answer.headers.get("retry-after", "") if answer.status == 429 else None
                 wait = network.retry_after(answer.headers.get("retry-after"))
                 if wait is not None:
                     delay = max(delay, wait)
@@ -287,6 +289,10 @@ class Transport:
                 else:
                     time.sleep(delay)
                 delay = min(2 * delay, network.MAX_DELAY)
+        if last.startswith("HTTP") and limited is not None:
+            failed = _rate_limited(url, parts, limited, options.retries)
+            failed.gave_up = True  # type: ignore[attr-defined]
+            raise failed
         failed = StorageAccessError(
             f"{url}: {parts.scheme}://{host(parts)} could not be reached or kept failing "
             f"({last}) after {options.retries} attempts; check the network and the URL (for "
@@ -361,6 +367,26 @@ class Transport:
             connections.pop(key, None)
             connection.close()
             raise
+
+
+def _rate_limited(
+    url: str, parts: urllib.parse.SplitResult, after: str, attempts: int
+) -> StorageAccessError:
+    """A server that answered 429 to the last of `attempts`, asking (`Retry-After`,
+    where `after` is not empty) to wait."""
+    wait = network.retry_after(after)
+    asked = ""
+    if after:
+        asked = f", asking to wait {said(after, 40)} (Retry-After"
+        capped = wait is not None and wait >= network.MAX_RETRY_AFTER
+        asked += f"; lazyckpt waits {network.MAX_RETRY_AFTER:g} s at most)" if capped else ")"
+    return StorageAccessError(
+        f"{url}: {parts.scheme}://{host(parts)} rate-limited the requests (HTTP 429 Too "
+        f"Many Requests) {attempts} times{asked}; wait and try again, read with fewer "
+        "connections or allow more attempts (lazyckpt.network_options(connections=, "
+        "retries=)); on the Hugging Face Hub, set HF_TOKEN (or `hf auth login`): signed-in "
+        "users have higher rate limits"
+    )
 
 
 def said(text: str, limit: int = 200) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -213,12 +214,48 @@ def _short_copy(file: str, url: str, size: int, needed: int) -> CorruptCheckpoin
     )
 
 
+_SNAPSHOT = re.compile(r"(models|datasets|spaces)--([^/]+)/snapshots/([^/]+)/(.+)")
+"""A file of a snapshot folder of the Hugging Face cache: its repository's kind, its
+id with `--` for `/` (which no id holds), its commit, and its name."""
+
+
+def cached_copy(file: str) -> str | None:
+    """The file of the Hugging Face cache that holds the bytes of `file`: an `hf://`
+    file's local copy, or `file` itself where it is in a snapshot folder (a model
+    opened from the folder `snapshot_download` gave); None for any other file."""
+    local = local_copy(file)
+    if local is not None:
+        return local
+    local = file.replace(os.sep, "/")
+    return local if "://" not in local and _SNAPSHOT.search(local) else None
+
+
 def cached_fix(file: str) -> str:
-    """What to do about a damaged file in the Hugging Face cache."""
+    """What to do about a damaged file in the Hugging Face cache (`file`, its path in
+    a snapshot folder): `hf_hub_download` alone returns the damaged copy as it is."""
+    again = "hf_hub_download(..., force_download=True)"
+    found = _SNAPSHOT.search(file.replace(os.sep, "/"))
+    if found is not None:
+        kind, repo, commit, name = found.groups()
+        typed = "" if kind == "models" else f", repo_type={kind[:-1]!r}"
+        again = (
+            f"hf_hub_download({repo.replace('--', '/')!r}, {name!r}, revision={commit!r}"
+            f"{typed}, force_download=True)"
+        )
     return (
-        f"delete it from the cache (`hf cache rm`, or remove it and its blob "
-        f"{os.path.realpath(file)}) and download it again"
+        f"downloading it again as usual returns the damaged copy as it is: fetch it again "
+        f"with {again}, or delete it from the cache (`hf cache rm`, or remove it and its "
+        f"blob {os.path.realpath(file)}) and download it again"
     )
+
+
+def redownload(file: str) -> str:
+    """The fix for a damaged `file`: downloaded or copied again, or, where it is the
+    Hugging Face cache's copy, fetched again past the cache (`cached_fix`)."""
+    local = cached_copy(file)
+    if local is None:
+        return "download or copy it again"
+    return f"and it is the Hugging Face cache's copy: {cached_fix(local)}"
 
 
 class WebFolders:
