@@ -1,17 +1,27 @@
-"""Pieces whose bytes lie raw in a local file, read and sent to their devices by
-threads of their own (`Senders`), for `lazyckpt._staged`.
+"""Pieces whose bytes lie raw in a local file, sent to their devices by threads of
+their own (`Senders`), for `lazyckpt._staged`.
 
 What the runtime does on the host for one transfer, before and after the copy, runs on
 the thread that sends: several sending threads let several transfers run at once. A
-piece is read into a buffer of the placement's pool in parts, by several reading
-threads at once, since one positioned read of a large piece runs on one core at a
-fraction of the page cache's speed. The pieces between their read and the end of their
-transfer are held within a bound of their own (`Senders.hold`).
+piece that is one run of the file's bytes (a whole tensor, a band of its rows) is sent
+from a map of the file's pages, so that the runtime copies it straight out of the
+page cache: no read into a buffer, and no fresh memory to fault in, which on a TPU
+host cost more than the copy. Its map is let go once its transfer is done. A piece of
+many runs (a column shard), or a file that cannot be mapped, is read into a buffer of
+the placement's pool in parts, by several reading threads at once, since one
+positioned read of a large piece runs on one core at a fraction of the page cache's
+speed. The pieces between their read (or map) and the end of their transfer are held
+within a bound of their own (`Senders.hold`).
+
+A file cut short while one of its maps is being sent ends the process with SIGBUS, as
+it does for any reader that maps files (`safetensors.safe_open`, `np.load(mmap_mode=)`):
+a file cut short before its piece is mapped is a `CheckpointChangedError`, as a read's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -21,10 +31,10 @@ import numpy as np
 from lazyckpt._array.geometry import Box, box_bytes, box_shape, slices
 from lazyckpt._engine.memory import BufferPool, held_bytes
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import Part, grouped, local_runs, read_parts
+from lazyckpt._engine.raw import Part, grouped, local_runs, mapped, read_parts, unmap
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._lazy import LazyArray
-from lazyckpt._on_device import Shard
+from lazyckpt._on_device import Shard, release_sent
 
 
 def direct_reads(array: LazyArray, fill: Sequence[tuple[Shard, Box]]) -> list[Read]:
@@ -145,38 +155,72 @@ class Senders:
         held = nbytes = box_bytes(piece, shard.dtype.itemsize)
         if not self.hold(held):
             return
+        pages = None
         try:
-            values = self.pool.empty(box_shape(piece), shard.dtype)
-            # A buffer used again may be larger, at most twice the piece: memory the
-            # pool holds already, held at once (waiting for it while holding the
-            # piece could wait forever).
-            extra = held_bytes(values) - held
-            self.grow(extra)
-            held += extra
-            self._read(read, values.reshape(-1).view(np.uint8).data)
+            at, runs = _one_run(read.runs, nbytes)
+            found = None
+            if SENT_FROM_MAPS and at is not None and at % shard.dtype.itemsize == 0:
+                found = mapped(read.file, read.stored, at, box_shape(piece), shard.dtype)
+            if found is not None:
+                pages, values = found
+                del found
+            else:
+                values = self.pool.empty(box_shape(piece), shard.dtype)
+                # A buffer used again may be larger, at most twice the piece: memory the
+                # pool holds already, held at once (waiting for it while holding the
+                # piece could wait forever).
+                extra = held_bytes(values) - held
+                self.grow(extra)
+                held += extra
+                self._read(read, runs, values.reshape(-1).view(np.uint8).data)
             jax.block_until_ready(shard.write(slices(piece, shard.region), values))
-            del values  # (its buffer goes back to the pool)
+            del values  # (a pool's buffer goes back to it)
         except BaseException as error:  # noqa: BLE001 - raised by `run`
             self._fail(error)  # (before its bytes are let go: no thread takes another)
             return
         finally:
+            if pages is not None:
+                release_sent()  # (so that JAX lets go of the array over the map)
+                unmap(pages)
             self.release(held)
         if self.progress is not None:
             self.progress.advance(nbytes)
 
-    def _read(self, read: Read, buffer: memoryview) -> None:
-        """`read`'s runs into `buffer`, in parts of about `READ_PART` bytes read at once
-        by the reading threads; the first error is raised once every part is done with
-        `buffer`."""
+    def _read(self, read: Read, runs: Iterator[Part], buffer: memoryview) -> None:
+        """`runs` of `read` into `buffer`, in parts of about `READ_PART` bytes read at
+        once by the reading threads; the first error is raised once every part is done
+        with `buffer`."""
         parts: list[concurrent.futures.Future[None]] = []
         try:
-            for job in grouped(read.runs, READ_PART):
+            for job in grouped(runs, READ_PART):
                 parts.append(self._readers.submit(read_parts, read.file, read.stored, job, buffer))
         finally:  # (the runs may fail as they are made: the parts sent off finish first)
             concurrent.futures.wait(parts)
         for part in parts:
             part.result()
 
+
+def _one_run(runs: Iterator[Part], nbytes: int) -> tuple[int | None, Iterator[Part]]:
+    """Where `runs` (of a piece of `nbytes`) are one run of consecutive bytes, where in
+    the file it starts; and the runs, for reading them."""
+    first = next(runs, None)
+    if first is None:
+        return None, runs
+    if first[1:] == (0, nbytes):
+        return first[0], iter((first,))
+    return None, itertools.chain((first,), runs)
+
+
+SENT_FROM_MAPS = True
+"""Whether a piece that is one run of the file's bytes (a whole tensor, a band of its
+rows) is sent from a map of the file's pages, with no read into a buffer of the pool.
+Measured on a TPU v5e host (gVisor), 3 GiB of 64 MiB bfloat16 pieces of a safetensors
+file in the page cache, 3 threads each sending one piece at a time: 9.7-10.0 GB/s from
+a map of each piece, 198-202 MiB of host memory at the peak, against 5.8-6.6 GB/s read
+into each thread's own buffer (in 16 MiB parts by 6 threads), where the first pieces
+alone took 0.2 s, faulting in fresh pages at about 1 GB/s. A map of the whole file
+was as fast but its pages stayed counted to the process there, 3 GiB at the peak
+(docs/benchmarks.md, section 29)."""
 
 _SENDERS = 3
 """Threads of `Senders`, each sending one piece at a time."""

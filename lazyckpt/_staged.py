@@ -14,10 +14,11 @@ only the pieces being read and those being sent. Half the budget reads, half car
 pieces whose transfers have not finished (`_Gate`): a piece is let go once its copy on
 the device is ready, and its host buffer is filled again by a later piece, since
 faulting in fresh pages costs more than the copy. A shard that one piece holds whole
-is sent as that piece, with no buffer to write into. Large pieces read raw from a
-local file are each sent and waited for by one of a few threads, so that what the
-runtime does on the host for each transfer runs on several at once, and read in parts
-by several threads at once (`lazyckpt._senders`).
+is sent as that piece, with no buffer to write into. Large pieces whose bytes lie raw
+in a local file are each sent and waited for by one of a few threads, so that what
+the runtime does on the host for each transfer runs on several at once: sent from a
+map of the file where a piece is one run of its bytes, else read in parts by several
+threads at once (`lazyckpt._senders`).
 A shard on its devices, the programs that make, write and finish it there, and how
 its values arrive bit for bit, are in `lazyckpt._on_device`.
 """

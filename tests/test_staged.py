@@ -254,13 +254,14 @@ def test_64_bit_values_without_x64_are_placed_as_jax_places_them(
 
 
 def _counting_maps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every memory map made from now on."""
+    """The length of every memory map made from now on that maps no file (a buffer's)."""
     made: list[int] = []
     new_map = mmap.mmap
 
-    def counted_map(fileno: int, length: int) -> mmap.mmap:
-        made.append(length)
-        return new_map(fileno, length)
+    def counted_map(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if fileno == -1:
+            made.append(length)
+        return new_map(fileno, length, *args, **kwargs)
 
     monkeypatch.setattr(mmap, "mmap", counted_map)
     return made
@@ -319,6 +320,13 @@ def copying(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sending, "SENT_ALONE", 0)
 
 
+@pytest.fixture
+def reading(copying: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`copying`, with every piece read into a buffer of the pool, none sent from a map
+    of its file."""
+    monkeypatch.setattr(sending, "SENT_FROM_MAPS", False)
+
+
 def _sent_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many reads each `Senders.run` is given, from now on."""
     sent: list[int] = []
@@ -333,14 +341,17 @@ def _sent_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.usefixtures("copying")
+@pytest.mark.parametrize("maps", [True, False], ids=["maps", "reads"])
 @pytest.mark.parametrize("budget", [256 << 10, 3 * MiB, None], ids=["pieces", "rows", "whole"])
 @pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y")])
 def test_raw_pieces_read_and_sent_by_threads_arrive_bit_for_bit(
-    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, budget: int | None, spec: P
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, maps: bool, budget: int | None, spec: P
 ) -> None:
     """Bound for devices that copy, the pieces of arrays stored raw in a local file are
-    read and sent by threads of their own; several pieces of one shard written at
-    once, and shards whose runs are too short for it (columns), arrive exactly."""
+    sent by threads of their own, from maps of the file or read; several pieces of one
+    shard written at once, and shards whose runs are too short for it (columns),
+    arrive exactly."""
+    monkeypatch.setattr(sending, "SENT_FROM_MAPS", maps)
     sent = _sent_reads(monkeypatch)
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     placed = lazyckpt.device_put(
@@ -394,7 +405,7 @@ def test_only_large_pieces_are_read_and_sent_by_threads(
         assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
 
 
-@pytest.mark.usefixtures("copying")
+@pytest.mark.usefixtures("reading")
 def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -427,7 +438,7 @@ def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     assert len(made) <= len(let_in) // 4, made  # (on CPU, pending writes keep a few)
 
 
-@pytest.mark.usefixtures("copying")
+@pytest.mark.usefixtures("reading")
 def test_buffers_come_back_once_jax_lets_go_of_what_it_sent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -466,28 +477,98 @@ def test_buffers_come_back_once_jax_lets_go_of_what_it_sent(
 
 
 @pytest.mark.usefixtures("copying")
-def test_the_first_failure_of_a_sending_thread_stops_the_others(
+def test_pieces_of_one_run_are_sent_from_maps_of_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One read failing: the other threads take no further piece, and that failure is
-    the one raised."""
+    """A whole tensor (one run of the file's bytes) is sent from a map of the file's
+    pages: no buffer is made or read into, its bytes are counted as read, the pieces
+    held stay within half the budget, and each map is let go once its transfer is
+    done."""
+    from lazyckpt._storage import metrics
+
+    values, tree = _three_arrays_of_16_mib(tmp_path)
+    made = _counting_maps(monkeypatch)
+    maps: list[mmap.mmap] = []
+    new_map = mmap.mmap
+
+    def kept_map(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        made_map = new_map(fileno, length, *args, **kwargs)
+        if fileno != -1:
+            maps.append(made_map)
+        return made_map
+
+    monkeypatch.setattr(mmap, "mmap", kept_map)
+    held: list[int] = []
+    hold = sending.Senders.hold
+
+    def counted_hold(senders: sending.Senders, nbytes: int) -> bool:
+        taken = hold(senders, nbytes)
+        held.append(senders.held)
+        return taken
+
+    monkeypatch.setattr(sending.Senders, "hold", counted_hold)
+    before = metrics.direct_bytes_read()
+    placed = lazyckpt.device_put(
+        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
+    )
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert metrics.direct_bytes_read() - before == 48 * MiB
+    assert made == [] and len(maps) == 3, (made, maps)
+    assert len(held) == 3 and max(held) <= 32 * MiB, held
+    assert all(m.closed for m in maps), maps
+
+
+@pytest.mark.usefixtures("copying")
+def test_a_file_that_cannot_be_mapped_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the file system refuses to map the file (some FUSE and network ones), its
+    pieces are read into buffers instead."""
+    values, tree = _three_arrays_of_16_mib(tmp_path)
+    made = _counting_maps(monkeypatch)
+    counted = mmap.mmap
+
+    def refused(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if fileno != -1:
+            raise OSError(19, "No such device")
+        return counted(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    placed = lazyckpt.device_put(
+        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
+    )
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert made and all(length == 16 * MiB for length in made), made
+
+
+@pytest.mark.usefixtures("copying")
+@pytest.mark.parametrize("maps", [True, False], ids=["maps", "reads"])
+def test_the_first_failure_of_a_sending_thread_stops_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, maps: bool
+) -> None:
+    """One read (or map) failing: the other threads take no further piece, and that
+    failure is the one raised."""
     values = {f"w{k}": np.full((512, 1024), k, np.float32) for k in range(40)}  # 2 MiB
     save_file(values, str(tmp_path / "model.safetensors"))
     tree = lazyckpt.open(tmp_path / "model.safetensors")
     calls: list[int] = []
     lock = threading.Lock()
-    read_parts = raw.read_parts
+    name = "mapped" if maps else "read_parts"
+    read = getattr(sending, name)
 
-    def failing(*args: Any) -> None:
+    def failing(*args: Any) -> Any:
         with lock:
             calls.append(len(calls))
             first = len(calls) == 2
         if first:
             raise lazyckpt.CorruptCheckpointError("the second read")
         time.sleep(0.01)
-        read_parts(*args)
+        return read(*args)
 
-    monkeypatch.setattr(sending, "read_parts", failing)
+    monkeypatch.setattr(sending, "SENT_FROM_MAPS", maps)
+    monkeypatch.setattr(sending, name, failing)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match=r"^the second read$"):
         lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB)
     assert len(calls) <= 2 + 2 * sending._SENDERS, calls
@@ -499,7 +580,7 @@ def _parts_of_a_32_mib_piece(folder: Path) -> tuple[np.ndarray, Any]:
     return values, lazyckpt.open(folder / "model.safetensors")
 
 
-@pytest.mark.usefixtures("copying")
+@pytest.mark.usefixtures("reading")
 def test_a_large_piece_is_read_in_parts_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,7 +604,7 @@ def test_a_large_piece_is_read_in_parts_at_once(
     assert all(name.startswith("lazyckpt-read") for name, _ in seen), seen
 
 
-@pytest.mark.usefixtures("copying")
+@pytest.mark.usefixtures("reading")
 def test_a_failed_part_is_raised_once_every_part_is_done_with_the_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,7 @@ import collections
 import errno
 import itertools
 import math
+import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -340,6 +341,54 @@ def read_parts(
     """Read each `(file offset, buffer offset, length)` of `parts` from `file` into
     `buffer`; a file that ends too soon is an error naming `what` (default: the
     array)."""
+    fd = _open(file, stored)
+    try:
+        for file_at, buffer_at, length in parts:
+            done = pread_into(fd, buffer[buffer_at : buffer_at + length], file_at)
+            if done < length:
+                raise _ends_early(file, stored, what, file_at, length, file_at + done)
+            count_direct(length)
+    except OSError as error:
+        raise stored.read_error(error) from None
+    finally:
+        os.close(fd)
+
+
+def mapped(
+    file: str, stored: StoredArray, at: int, shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> tuple[mmap.mmap, np.ndarray] | None:
+    """The bytes of `file` from `at` as a read-only array of `shape` and `dtype`, over
+    a map of the file's pages (no copy), and the map; None where the file cannot be
+    mapped (some FUSE and network file systems), to be read instead. Let the map go
+    with `unmap` once what was made of the array is done with it."""
+    length = math.prod(shape) * dtype.itemsize
+    fd = _open(file, stored)
+    try:
+        size = os.fstat(fd).st_size
+        if size < at + length:
+            raise _ends_early(file, stored, "", at, length, size)
+        start = at - at % mmap.ALLOCATIONGRANULARITY
+        pages = mmap.mmap(fd, at + length - start, access=mmap.ACCESS_READ, offset=start)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    count_direct(length)
+    return pages, np.frombuffer(pages, dtype, math.prod(shape), at - start).reshape(shape)
+
+
+def unmap(pages: mmap.mmap) -> None:
+    """Let go of `pages` (a map from `mapped`, its array dropped): unmapped at once, or
+    where something still refers to it (JAX keeps a host array it sent until a later
+    callback), its pages dropped from the process, to be unmapped when that goes."""
+    try:
+        pages.close()
+    except BufferError:
+        pages.madvise(mmap.MADV_DONTNEED)  # (a file's pages: read again if touched)
+
+
+def _open(file: str, stored: StoredArray) -> int:
+    """A descriptor of `file`, a regular file; else `stored`'s read error."""
     try:
         fd = open_regular(file)
     except CorruptCheckpointError as error:  # a FIFO or a device in the file's place
@@ -347,23 +396,21 @@ def read_parts(
     if fd is None:
         gone = errno.ENOENT
         raise stored.read_error(FileNotFoundError(gone, os.strerror(gone), file))
-    try:
-        for file_at, buffer_at, length in parts:
-            done = pread_into(fd, buffer[buffer_at : buffer_at + length], file_at)
-            if done < length:  # (a changed file is said so by `read_error`)
-                raise stored.read_error(
-                    CorruptCheckpointError(
-                        f"{file}: {what or repr(stored.key)} needs bytes {file_at} to "
-                        f"{file_at + length}, but the file ends at byte "
-                        f"{file_at + done}; it was truncated since it was opened, open "
-                        "it again"
-                    )
-                )
-            count_direct(length)
-    except OSError as error:
-        raise stored.read_error(error) from None
-    finally:
-        os.close(fd)
+    return fd
+
+
+def _ends_early(
+    file: str, stored: StoredArray, what: str, at: int, length: int, end: int
+) -> Exception:
+    """The error for `file` ending at byte `end`, before `at + length` (said to be a
+    changed file by `read_error`)."""
+    return stored.read_error(
+        CorruptCheckpointError(
+            f"{file}: {what or repr(stored.key)} needs bytes {at} to {at + length}, but "
+            f"the file ends at byte {end}; it was truncated since it was opened, open it "
+            "again"
+        )
+    )
 
 
 def read_remote(
