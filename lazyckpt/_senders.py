@@ -21,7 +21,9 @@ a file cut short before its piece is mapped is a `CheckpointChangedError`, as a 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
+import mmap
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -31,7 +33,7 @@ import numpy as np
 from lazyckpt._array.geometry import Box, box_bytes, box_shape, slices
 from lazyckpt._engine.memory import BufferPool, held_bytes
 from lazyckpt._engine.progress import Progress
-from lazyckpt._engine.raw import Part, grouped, local_runs, mapped, read_parts, unmap
+from lazyckpt._engine.raw import Part, grouped, local_runs, mapped, read_parts
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._lazy import LazyArray
 from lazyckpt._on_device import Shard, release_sent
@@ -92,6 +94,7 @@ class Senders:
         self._room = threading.Condition()
         self._failed: list[BaseException] = []
         self._readers: concurrent.futures.Executor
+        self.maps = Maps()
 
     def run(self, reads: Sequence[Read]) -> None:
         """Send every one of `reads`; the first failure stops the threads (each
@@ -118,8 +121,11 @@ class Senders:
             except BaseException as error:  # (interrupted: the threads stop too)
                 self._fail(error)
                 raise
+        self.maps.settle()
         if self._failed:
             raise self._failed[0]
+        for thread in running:  # (a failure outside a piece's own, which `_send` keeps)
+            thread.result()
 
     def hold(self, nbytes: int) -> bool:
         """Hold `nbytes` more once they fit `limit` (at once where nothing is held);
@@ -149,42 +155,55 @@ class Senders:
             self._room.notify_all()
 
     def _send(self, read: Read) -> None:
-        import jax
-
         shard, piece = read.shard, read.piece
-        held = nbytes = box_bytes(piece, shard.dtype.itemsize)
-        if not self.hold(held):
+        nbytes = box_bytes(piece, shard.dtype.itemsize)
+        if not self.hold(nbytes):
             return
-        pages = None
+        held = [nbytes]
         try:
-            at, runs = _one_run(read.runs, nbytes)
-            found = None
-            if SENT_FROM_MAPS and at is not None and at % shard.dtype.itemsize == 0:
-                found = mapped(read.file, read.stored, at, box_shape(piece), shard.dtype)
-            if found is not None:
-                pages, values = found
-                del found
-            else:
-                values = self.pool.empty(box_shape(piece), shard.dtype)
-                # A buffer used again may be larger, at most twice the piece: memory the
-                # pool holds already, held at once (waiting for it while holding the
-                # piece could wait forever).
-                extra = held_bytes(values) - held
-                self.grow(extra)
-                held += extra
-                self._read(read, runs, values.reshape(-1).view(np.uint8).data)
-            jax.block_until_ready(shard.write(slices(piece, shard.region), values))
-            del values  # (a pool's buffer goes back to it)
+            self._fill_and_send(read, held)
         except BaseException as error:  # noqa: BLE001 - raised by `run`
             self._fail(error)  # (before its bytes are let go: no thread takes another)
             return
         finally:
-            if pages is not None:
-                release_sent()  # (so that JAX lets go of the array over the map)
-                unmap(pages)
-            self.release(held)
+            self.release(held[0])
         if self.progress is not None:
             self.progress.advance(nbytes)
+
+    def _fill_and_send(self, read: Read, held: list[int]) -> None:
+        """Send `read`'s piece, from a map of its file where it is one run of the
+        file's bytes (`SENT_FROM_MAPS`), else read into a buffer of the pool; `held`,
+        the bytes it holds, grows where that buffer is larger than the piece."""
+        import jax
+
+        shard, piece = read.shard, read.piece
+        at, runs = _one_run(read.runs, held[0])
+        found = None
+        one_run = SENT_FROM_MAPS and at is not None and at % shard.dtype.itemsize == 0
+        if one_run and self.maps.reserve():
+            assert at is not None
+            found = mapped(read.file, read.stored, at, box_shape(piece), shard.dtype)
+            if found is None:
+                self.maps.cancel()
+        if found is not None:
+            pages, values = found
+            del found
+            try:
+                jax.block_until_ready(shard.write(slices(piece, shard.region), values))
+                del values
+            finally:
+                self.maps.let_go(pages)
+            return
+        values = self.pool.empty(box_shape(piece), shard.dtype)
+        # A buffer used again may be larger, at most twice the piece: memory the pool
+        # holds already, held at once (waiting for it while holding the piece could
+        # wait forever).
+        extra = held_bytes(values) - held[0]
+        self.grow(extra)
+        held[0] += extra
+        self._read(read, runs, values.reshape(-1).view(np.uint8).data)
+        jax.block_until_ready(shard.write(slices(piece, shard.region), values))
+        # (the buffer goes back to the pool with `values`)
 
     def _read(self, read: Read, runs: Iterator[Part], buffer: memoryview) -> None:
         """`runs` of `read` into `buffer`, in parts of about `READ_PART` bytes read at
@@ -209,6 +228,69 @@ def _one_run(runs: Iterator[Part], nbytes: int) -> tuple[int | None, Iterator[Pa
     if first[1:] == (0, nbytes):
         return first[0], iter((first,))
     return None, itertools.chain((first,), runs)
+
+
+class Maps:
+    """The maps of pieces sent, until each is unmapped. JAX keeps a host array it sent
+    until its garbage-collector callback runs (`release_sent`), so a map whose
+    transfer is done may still be referred to: its pages are dropped from the process
+    at once (a file's pages, read again if touched), and it is unmapped at a later
+    turn, or when JAX lets go. Before Python 3.13 each map holds a file descriptor
+    (Python's `mmap` keeps one): with `KEPT_MAPS` of them out, further pieces are read
+    instead."""
+
+    def __init__(self) -> None:
+        self._kept: list[mmap.mmap] = []
+        self._out = 0  # maps being made or sent
+        self._lock = threading.Lock()
+
+    def reserve(self) -> bool:
+        """Whether another piece may be sent from a map: if so, counted out until
+        `let_go` or `cancel`."""
+        with self._lock:
+            if self._out + len(self._kept) >= KEPT_MAPS:
+                return False
+            self._out += 1
+            return True
+
+    def cancel(self) -> None:
+        """A reserved map that was not made."""
+        with self._lock:
+            self._out -= 1
+
+    def let_go(self, pages: mmap.mmap) -> None:
+        """Let go of `pages`, whose transfer is done (or failed): unmapped where nothing
+        refers to it, else its pages dropped and the map kept, to be unmapped later."""
+        try:
+            release_sent()
+        finally:
+            kept = not _closed(pages)
+            if kept:
+                with contextlib.suppress(OSError, AttributeError, ValueError):  # (a hint)
+                    pages.madvise(mmap.MADV_DONTNEED)
+            with self._lock:
+                self._out -= 1
+                self._kept = [p for p in self._kept if not _closed(p)] + [pages] * kept
+
+    def settle(self) -> None:
+        """Unmap the maps kept that nothing refers to any more."""
+        release_sent()
+        with self._lock:
+            self._kept = [pages for pages in self._kept if not _closed(pages)]
+
+
+def _closed(pages: mmap.mmap) -> bool:
+    """Close `pages`, where nothing refers to it any more."""
+    try:
+        pages.close()
+    except BufferError:
+        return False
+    return True
+
+
+KEPT_MAPS = 64
+"""The most maps of pieces out at once, being sent or still referred to once sent
+(each holds a file descriptor); further pieces are read instead."""
 
 
 SENT_FROM_MAPS = True

@@ -6,8 +6,12 @@ measured as the peak above what the read returns."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
+import json
 import mmap
+import os
+import struct
 import threading
 import time
 import warnings
@@ -267,6 +271,37 @@ def _counting_maps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
+class _FileMap(mmap.mmap):
+    """A map of a file that notes what `madvise` was asked, and refuses `refuse`'s
+    option with its error number."""
+
+    advised: list[int]
+    refuse: tuple[int | None, int] = (None, 0)
+
+    def madvise(self, option: int, *args: int) -> None:
+        self.advised.append(option)
+        if option == self.refuse[0]:
+            raise OSError(self.refuse[1], os.strerror(self.refuse[1]))
+        super().madvise(option, *args)
+
+
+def _file_maps(monkeypatch: pytest.MonkeyPatch) -> list[_FileMap]:
+    """Every map of a file made from now on."""
+    maps: list[_FileMap] = []
+    new_map = mmap.mmap
+
+    def kept_map(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if fileno == -1:
+            return new_map(fileno, length, *args, **kwargs)
+        made_map = _FileMap(fileno, length, *args, **kwargs)
+        made_map.advised = []
+        maps.append(made_map)
+        return made_map
+
+    monkeypatch.setattr(mmap, "mmap", kept_map)
+    return maps
+
+
 def _three_arrays_of_16_mib(folder: Path) -> tuple[dict[str, np.ndarray], Any]:
     """Three float32 arrays of 16 MiB in a safetensors file, and the file opened."""
     rng = np.random.default_rng(5)
@@ -488,16 +523,7 @@ def test_pieces_of_one_run_are_sent_from_maps_of_the_file(
 
     values, tree = _three_arrays_of_16_mib(tmp_path)
     made = _counting_maps(monkeypatch)
-    maps: list[mmap.mmap] = []
-    new_map = mmap.mmap
-
-    def kept_map(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
-        made_map = new_map(fileno, length, *args, **kwargs)
-        if fileno != -1:
-            maps.append(made_map)
-        return made_map
-
-    monkeypatch.setattr(mmap, "mmap", kept_map)
+    maps = _file_maps(monkeypatch)
     held: list[int] = []
     hold = sending.Senders.hold
 
@@ -520,27 +546,138 @@ def test_pieces_of_one_run_are_sent_from_maps_of_the_file(
 
 
 @pytest.mark.usefixtures("copying")
-def test_a_file_that_cannot_be_mapped_is_read(
+def test_bands_of_rows_are_sent_from_maps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard larger than half the budget, cut into bands of rows: each band is one
+    run of the file, sent from a map, and written into the shard on the device."""
+    values, tree = _three_arrays_of_16_mib(tmp_path)
+    maps = _file_maps(monkeypatch)
+    placed = lazyckpt.device_put(
+        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=8 * MiB
+    )
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert len(maps) == 3 * 16 and all(m.closed for m in maps), len(maps)
+
+
+@pytest.mark.usefixtures("copying")
+def test_maps_jax_still_refers_to_are_let_go_later_and_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the file system refuses to map the file (some FUSE and network ones), its
-    pieces are read into buffers instead."""
+    """As on an accelerator's host, where JAX keeps a host array it sent until its
+    callback runs: a map still referred to once its transfer is done has its pages
+    dropped and is kept, to be unmapped at a later turn; past `KEPT_MAPS` of them,
+    pieces are read into buffers instead (each kept map holds a file descriptor)."""
+    kept: list[np.ndarray] = []
+    put = jax.device_put
+
+    def keeping_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            kept.append(x)
+        return put(x, *args, **kwargs)
+
     values, tree = _three_arrays_of_16_mib(tmp_path)
     made = _counting_maps(monkeypatch)
-    counted = mmap.mmap
-
-    def refused(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
-        if fileno != -1:
-            raise OSError(19, "No such device")
-        return counted(fileno, length, *args, **kwargs)
-
-    monkeypatch.setattr(mmap, "mmap", refused)
+    maps = _file_maps(monkeypatch)
+    monkeypatch.setattr(jax, "device_put", keeping_put)
+    monkeypatch.setattr(sending, "release_sent", lambda: None)
+    monkeypatch.setattr(sending, "KEPT_MAPS", 2)
     placed = lazyckpt.device_put(
         tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
     )
     for key, expected in values.items():
         assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
-    assert made and all(length == 16 * MiB for length in made), made
+    assert len(maps) == 2 and not any(m.closed for m in maps), maps
+    assert all(m.advised[-1] == mmap.MADV_DONTNEED for m in maps), [m.advised for m in maps]
+    assert made == [16 * MiB], made  # (the third piece, read)
+    kept.clear()
+    gc.collect()  # (JAX's reference gone: the kept maps go with their arrays)
+
+
+@pytest.mark.usefixtures("copying")
+def test_a_failure_letting_a_map_go_is_raised_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error after a piece's transfer, while its map is let go, still lets its bytes
+    go: the placement raises it, where it had waited forever for room."""
+    _, tree = _three_arrays_of_16_mib(tmp_path)
+
+    def failing() -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(sending, "release_sent", failing)
+    raised: list[BaseException] = []
+
+    def place() -> None:
+        try:
+            lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=8 * MiB)
+        except BaseException as error:  # noqa: BLE001 - looked at below
+            raised.append(error)
+
+    thread = threading.Thread(target=place, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the placement waited forever"
+    assert len(raised) == 1 and isinstance(raised[0], OSError), raised
+
+
+@pytest.mark.usefixtures("copying")
+def test_pieces_not_aligned_to_their_items_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A safetensors file whose data starts at an odd offset (the format does not make
+    its writer pad the header): its pieces are read, not mapped, and arrive exactly."""
+    values = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    entry = {"dtype": "F32", "shape": list(values.shape), "data_offsets": [0, values.nbytes]}
+    header = json.dumps({"w": entry}).encode()
+    header += b" " * ((8 - (8 + len(header)) % 8) % 8 + 3)  # the data at 3 mod 8
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + values.tobytes())
+    maps = _file_maps(monkeypatch)
+    placed = lazyckpt.device_put(
+        lazyckpt.open(path), SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
+    )
+    assert _bits(placed["w"]) == (values.dtype, values.tobytes())
+    assert maps == [], maps
+
+
+@pytest.mark.usefixtures("copying")
+@pytest.mark.parametrize(
+    ("refused", "read"),
+    [("mmap", True), ("populate with EIO", True), ("populate with EINVAL", False)],
+)
+def test_a_file_that_cannot_be_mapped_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str, read: bool
+) -> None:
+    """Where the file system refuses to map the file (some FUSE and network ones), or
+    its pages cannot be had at once (a failing disk), its pieces are read into buffers
+    instead; where mapping them in at once is not known (an older kernel, gVisor), they
+    are mapped all the same, and asked for ahead."""
+    values, tree = _three_arrays_of_16_mib(tmp_path)
+    made = _counting_maps(monkeypatch)
+    maps = _file_maps(monkeypatch)
+    counted = mmap.mmap
+    errors = {"populate with EIO": errno.EIO, "populate with EINVAL": errno.EINVAL}
+
+    def refusing(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if fileno != -1 and refused == "mmap":
+            raise OSError(errno.ENODEV, "No such device")
+        made_map = counted(fileno, length, *args, **kwargs)
+        if isinstance(made_map, _FileMap) and refused in errors:
+            made_map.refuse = (raw._POPULATE_READ, errors[refused])
+        return made_map
+
+    monkeypatch.setattr(mmap, "mmap", refusing)
+    placed = lazyckpt.device_put(
+        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
+    )
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    assert bool(made) == read and all(length == 16 * MiB for length in made), made
+    if refused == "populate with EINVAL":
+        advised = [m.advised[:2] for m in maps]
+        assert len(maps) == 3 and all(
+            a == [raw._POPULATE_READ, mmap.MADV_WILLNEED] for a in advised
+        ), advised
 
 
 @pytest.mark.usefixtures("copying")
