@@ -302,6 +302,14 @@ def _file_maps(monkeypatch: pytest.MonkeyPatch) -> list[_FileMap]:
     return maps
 
 
+def _placed_exactly(tree: Any, values: dict[str, np.ndarray], budget: int) -> None:
+    """`tree` placed on the first device within `budget`, each array equal to `values`'
+    bit for bit."""
+    placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
+    for key, expected in values.items():
+        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+
+
 def _three_arrays_of_16_mib(folder: Path) -> tuple[dict[str, np.ndarray], Any]:
     """Three float32 arrays of 16 MiB in a safetensors file, and the file opened."""
     rng = np.random.default_rng(5)
@@ -465,9 +473,7 @@ def test_raw_pieces_sent_by_threads_stay_within_the_budget(
     monkeypatch.setattr(sending.Senders, "hold", counted_hold)
     monkeypatch.setattr(sending.Senders, "grow", counted_grow)
     budget = 8 * MiB  # (pieces of 1 MiB)
-    placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, budget)
     assert len(let_in) == 48 and max(let_in) <= budget // 2, let_in
     assert max(held) <= budget, held
     assert len(made) <= len(let_in) // 4, made  # (on CPU, pending writes keep a few)
@@ -503,11 +509,7 @@ def test_buffers_come_back_once_jax_lets_go_of_what_it_sent(
     monkeypatch.setattr(gc, "collect", lambda generation=2: collections.append(generation))
     values, tree = _three_arrays_of_16_mib(tmp_path)
     made = _counting_maps(monkeypatch)
-    placed = lazyckpt.device_put(
-        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=32 * MiB
-    )
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, 32 * MiB)
     assert made == [16 * MiB] and not collections, (made, collections)
 
 
@@ -534,11 +536,7 @@ def test_pieces_of_one_run_are_sent_from_maps_of_the_file(
 
     monkeypatch.setattr(sending.Senders, "hold", counted_hold)
     before = metrics.direct_bytes_read()
-    placed = lazyckpt.device_put(
-        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
-    )
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, 64 * MiB)
     assert metrics.direct_bytes_read() - before == 48 * MiB
     assert made == [] and len(maps) == 3, (made, maps)
     assert len(held) == 3 and max(held) <= 32 * MiB, held
@@ -551,11 +549,7 @@ def test_bands_of_rows_are_sent_from_maps(tmp_path: Path, monkeypatch: pytest.Mo
     run of the file, sent from a map, and written into the shard on the device."""
     values, tree = _three_arrays_of_16_mib(tmp_path)
     maps = _file_maps(monkeypatch)
-    placed = lazyckpt.device_put(
-        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=8 * MiB
-    )
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, 8 * MiB)
     assert len(maps) == 3 * 16 and all(m.closed for m in maps), len(maps)
 
 
@@ -581,11 +575,7 @@ def test_maps_jax_still_refers_to_are_let_go_later_and_bounded(
     monkeypatch.setattr(jax, "device_put", keeping_put)
     monkeypatch.setattr(sending, "release_sent", lambda: None)
     monkeypatch.setattr(sending, "KEPT_MAPS", 2)
-    placed = lazyckpt.device_put(
-        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
-    )
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, 64 * MiB)
     assert len(maps) == 2 and not any(m.closed for m in maps), maps
     assert all(m.advised[-1] == mmap.MADV_DONTNEED for m in maps), [m.advised for m in maps]
     assert made == [16 * MiB], made  # (the third piece, read)
@@ -667,11 +657,7 @@ def test_a_file_that_cannot_be_mapped_is_read(
         return made_map
 
     monkeypatch.setattr(mmap, "mmap", refusing)
-    placed = lazyckpt.device_put(
-        tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=64 * MiB
-    )
-    for key, expected in values.items():
-        assert _bits(placed[key]) == (expected.dtype, expected.tobytes()), key
+    _placed_exactly(tree, values, 64 * MiB)
     assert bool(made) == read and all(length == 16 * MiB for length in made), made
     if refused == "populate with EINVAL":
         advised = [m.advised[:2] for m in maps]
