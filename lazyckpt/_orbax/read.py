@@ -124,8 +124,10 @@ def _open_once(location: str, generation: tuple[object, ...]) -> object:
 
 def _with_value(leaf: Leaf, location: str, legacy: object) -> Leaf:
     value = msgpack_value(location, legacy, leaf.path)
-    if leaf.declared_type == "scalar" and isinstance(value, np.ndarray | np.generic):
-        value = value.item()  # as a stored scalar restores (format notes, The tree)
+    # A NumPy scalar stays one, with its dtype, as Orbax restores it from the file
+    # (format notes, Legacy msgpack); a 0-d array declared a scalar becomes a number.
+    if leaf.declared_type == "scalar" and isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
     return attrs.evolve(leaf, value=value)
 
 
