@@ -4,10 +4,12 @@ devices, whose sharding has imported it: `load` never does."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from lazyckpt import _text
 from lazyckpt._array.dtypes import LONG_DOUBLES, issubdtype
 from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import leaf_values, map_leaves
@@ -52,7 +54,7 @@ def materialize(
     with shown(progress, total, label) as bar:
         on_devices = [p for p in placements if p.sharding is not None]
         for placement in on_devices:  # (before any read)
-            _check_jax_dtype(placement.array)
+            _check_jax_dtype(placement)
         if on_devices:
             multihost.agree(
                 "the arrays and shardings to place",
@@ -85,21 +87,44 @@ def materialize(
     return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
 
 
-def _check_jax_dtype(array: LazyArray) -> None:
-    """Refuse, before any read, an array that jax has no type for: jax's own error
-    names no key, and comes once the array was read."""
+def _check_jax_dtype(placement: Placement) -> None:
+    """Refuse, before any read, an array that jax has no type for, or cannot place on
+    the devices it is bound for: jax's own error names no key, and comes once the
+    array was read."""
+    array, sharding = placement.array, placement.sharding
     if array.dtype in LONG_DOUBLES:  # (a NumPy or flax file's)
         raise LazyTypeError(
             f"{array.key}: dtype {array.dtype}, NumPy's long double, which jax has no type "
             "for; load it to NumPy (lazyckpt.load), or cast it first (.astype('float64'))"
         )
-    if array.key_impl or any(issubdtype(array.dtype, t) for t in (np.number, np.bool_)):
+    if array.key_impl:
         return
-    raise LazyTypeError(  # (a view cast to text, dates or records)
-        f"{array.key}: dtype {array.dtype}, which jax has no type for (jax arrays hold "
-        "numbers and booleans); load it to NumPy (lazyckpt.load), or cast it to a "
-        "number type (.astype('float32'))"
-    )
+    devices = {str(d.platform): d for d in getattr(sharding, "addressable_devices", ())}
+    for platform, device in devices.items():
+        refused = _refused(np.dtype(array.dtype), device)
+        if refused is not None:
+            raise LazyTypeError(
+                f"{array.key}: dtype {array.dtype}, which jax cannot place on {platform} "
+                f"devices ({refused}); load it to NumPy (lazyckpt.load), or cast it to a "
+                "type jax places there (.astype('float32'))"
+            )
+
+
+@functools.cache
+def _refused(dtype: np.dtype[Any], device: Any) -> str | None:
+    """Why jax refuses to place an array of `dtype` on `device` (tried on one of two
+    items, once per process), or None: jax holds numbers and booleans, and not every
+    narrow float of ml_dtypes on every platform."""
+    import jax
+
+    if not any(issubdtype(dtype, t) for t in (np.number, np.bool_)):
+        return "jax arrays hold numbers and booleans"
+    try:
+        jax.device_put(np.zeros(2, dtype), device).block_until_ready()
+    except Exception as error:  # noqa: BLE001 - said in the error raised
+        said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"{type(error).__name__}: {_text.printable(said[:120])}"
+    return None
 
 
 def _spread(on_devices: list[Placement]) -> list[Placement]:

@@ -18,6 +18,7 @@ collected, then reported at once in one `TreeMismatchError`.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
@@ -123,8 +124,8 @@ def match(
     if unselected is not None and unselected is not tree:
         matcher.unselected = {_norm(path) for path, _ in flatten(unselected)}
     restored = map_with_path(matcher.restore, target, none_is_leaf=True)
-    arrays = sum(isinstance(leaf, LazyArray) for _, leaf in matcher.leaves.values())
-    if matcher.named == 0 and arrays:
+    arrays = sum(isinstance(leaf, LazyArray) for _, leaf in flatten(restored))
+    if matcher.named == 0 and arrays:  # (what would come back unread)
         raise TreeMismatchError(_places_nothing(target, matcher.nones, arrays, to_host))
     matcher.check()
     return restored
@@ -145,7 +146,7 @@ def _places_nothing(target: object, nones: int, arrays: int, to_host: bool) -> s
         else ("placed", "or one Sharding for every array")
     )
     return (
-        f"{what}: nothing would be {verb}, and the checkpoint's {arrays} arrays would come "
+        f"{what}: nothing would be {verb}, and {arrays} of the checkpoint's arrays would come "
         "back unread as LazyArrays (a None target leaf leaves the checkpoint's leaf as it "
         "is). Pass what to restore: a target of jax.ShapeDtypeStructs or jax.Arrays "
         f"(jax.eval_shape, nnx.eval_shape), NumPy arrays or Shardings, {instead}. "
@@ -319,10 +320,12 @@ class _Matcher:
         return leaf.astype(dtype)
 
     def _scalar(self, where: str, value: object, dtype: DTypeLike) -> Any:
-        try:
-            converted = np.asarray(value).astype(dtype)
-            exact = bool(converted == np.asarray(value))
-        except (TypeError, ValueError):  # (no number: an array, a ShapeDtypeStruct, keys)
+        try:  # (a cast that changes the value warns too: `exact` says so instead)
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                converted = np.asarray(value).astype(dtype)
+                exact = bool(converted == np.asarray(value))
+        except (TypeError, ValueError, OverflowError):  # (an array, a ShapeDtypeStruct, keys)
             return self._problem("kind", where, _versus(dtype, _describe(value)))
         source = np.asarray(value).dtype
         if not (exact or self.lossy_casts or lossless(source, dtype)):

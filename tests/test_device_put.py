@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -290,12 +291,22 @@ def test_views_jax_has_no_type_for_are_refused_before_any_read(
 
     a = lazyckpt.open(small)["a"]
     assert lazyckpt.load(a[:1, :2].astype("U8")).dtype == np.dtype("U8")
+    for dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, np.complex64):
+        assert lazyckpt.device_put(a.astype(dtype), jax.devices()[0]).dtype == dtype
     refuse_data_reads(monkeypatch)
     for dtype in ("U8", "S4", "datetime64[s]", "V4"):
         with pytest.raises(
             lazyckpt.LazyTypeError,
-            match=r"^a: dtype .*, which jax has no type for \(jax arrays hold numbers and booleans\); load it to NumPy",
+            match=r"^a: dtype .*, which jax cannot place on cpu devices \(jax arrays hold numbers and booleans\); load it to NumPy",
         ):
+            lazyckpt.device_put({"a": a.astype(dtype)}, jax.devices()[0])
+    # Narrow floats of ml_dtypes that jax has no type for, or cannot place on CPU
+    # devices, are refused alike, with jax's own reason (those it places are placed, above).
+    for dtype, reason in (
+        (ml_dtypes.float8_e5m3fnu, "TypeError: Dtype float8_e5m3fnu is not a valid JAX array"),
+        (ml_dtypes.float6_e2m3fn, "JaxRuntimeError: INVALID_ARGUMENT"),
+    ):
+        with pytest.raises(lazyckpt.LazyTypeError, match=rf"on cpu devices \({reason}"):
             lazyckpt.device_put({"a": a.astype(dtype)}, jax.devices()[0])
     with pytest.raises(
         lazyckpt.LazyTypeError,

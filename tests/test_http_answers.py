@@ -103,6 +103,32 @@ def test_a_compressed_range_is_refused_never_read(server: HostileServer) -> None
         )
 
 
+def test_encodings_that_name_no_compression_are_read(server: HostileServer) -> None:
+    """`identity`, and the `none` or `UTF-8` that some stores set by mistake, leave the
+    bytes as stored: read, as before compressed answers were refused."""
+
+    def encoded(encoding: str) -> object:
+        def trick(handler: _Handler, file: File) -> bool:
+            if (wanted := _after_the_header(handler)) is None:
+                return False
+            start, stop = wanted
+            headers = {
+                **handler.validators(file),
+                "Content-Encoding": encoding,
+                "Content-Range": f"bytes {start}-{stop}/{len(file.data)}",
+            }
+            handler.answer(206, headers, file.data[start : stop + 1])
+            return True
+
+        return trick
+
+    values = tensors(count=1, rows=64)
+    for k, encoding in enumerate(("identity", "none", "UTF-8", "identity, identity")):
+        url = server.put(f"e{k}.safetensors", save(values), trick=encoded(encoding))  # type: ignore[arg-type]
+        got = lazyckpt.open(url)["layer"]["0"]["w"].get()
+        np.testing.assert_array_equal(got, values["layer.0.w"])
+
+
 def test_a_304_is_named_as_a_caching_proxy_s(server: HostileServer) -> None:
     def stale(handler: _Handler, file: File) -> bool:
         if _after_the_header(handler) is None:
@@ -182,6 +208,27 @@ def test_the_first_refusal_at_the_cdn_is_asked_of_the_hub_again(
     np.testing.assert_array_equal(tree["layer"]["0"]["w"].get(), want)  # type: ignore[index]
     reads = [(e.server, e.status) for e in hub.log if "/api/" not in e.path]
     assert reads[:4] == [("hub", 302), ("cdn", status), ("hub", 302), ("cdn", 206)]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refusal_at_the_hub_s_own_origin_is_about_credentials(
+    hub: HubServer, status: int
+) -> None:
+    """A Hub whose files are served from its own origin (a mirror, an Enterprise
+    endpoint), which is sent the token: a refusal there is about access, said as the
+    Hub's, and not asked again; it had been blamed on a firewall blocking another
+    host."""
+    hub.same_origin_cdn = True
+    _one_file(hub)
+    hub.clear_log()
+    hub.fail_next(2, status, retry_after=None, path_prefix="/cdn/")
+    found = raised(
+        outcome(lambda: lazyckpt.open("hf://org/one")),
+        lazyckpt.StorageAccessError,
+        r"access denied; for a gated or private Hugging Face repository, log in",
+    )
+    assert "firewall" not in str(found)
+    assert [e.status for e in hub.log if "/cdn/" in e.path] == [status]
 
 
 @pytest.mark.parametrize(

@@ -164,6 +164,27 @@ def test_reads_with_keys_in_the_environment_print_nothing_on_stderr(
     assert capfd.readouterr().err == ""
 
 
+def test_credentials_the_caller_names_are_not_overridden_by_environment_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys in the environment are asked for alone only where storage_options name no
+    credentials: a profile or anonymous access chosen in them (at the top, or in their
+    `context`) had been replaced by the environment's keys, reading as another
+    identity."""
+    from lazyckpt._storage import bucket
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    named = {"type": "profile", "profile": "prod"}
+    for options, expected in (
+        (None, {"type": "environment"}),
+        ({"aws_credentials": named}, named),
+        ({"context": {"aws_credentials": {"type": "anonymous"}}}, None),
+    ):
+        with bucket.session(options):
+            assert bucket.bucket_spec("s3://ckpts/run").get("aws_credentials") == expected
+
+
 def test_save_and_convert_to_a_bucket(s3: Any, saved: tuple[Path, dict[str, Any]]) -> None:
     path, tree = saved
     name = f"saved-{path.parent.name}"

@@ -28,7 +28,10 @@ from lazyckpt._storage.transport import Response, host, said, split_url
 
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
 _UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)
-_IDENTITY = ("", "identity")
+_COMPRESSIONS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
+"""The content codings that change the bytes sent (RFC 9110 and IANA's registry);
+other values (`identity`, or the `none` and `UTF-8` that some stores set by mistake)
+leave them as stored."""
 
 
 def checked_range(
@@ -74,7 +77,8 @@ def check_identity(url: str, found: dict[str, str], *, ranged: bool) -> None:
     """Refuse a body that is not the file's bytes as stored: encoded (gzip, br...)
     on its way, though lazyckpt asked for `Accept-Encoding: identity`."""
     encoding = found.get("content-encoding", "").strip().lower()
-    if encoding in _IDENTITY:
+    codings = {coding.strip() for coding in encoding.split(",")}
+    if codings.isdisjoint(_COMPRESSIONS):  # (`identity`, or a value that names none)
         return
     asked = "a Range request" if ranged else "a request"
     raise StorageAccessError(

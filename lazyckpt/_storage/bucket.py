@@ -103,10 +103,16 @@ def bucket_spec(path: str) -> dict[str, Any]:
             spec["endpoint"] = endpoint
         if region:
             spec["aws_region"] = region
-        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        context = options.get("context")
+        named = "aws_credentials" in options or (
+            isinstance(context, dict) and "aws_credentials" in context
+        )
+        keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if keys and not named:
             # The keys the default chain would take first; asked for alone, so that its
             # other providers (profile files, web identity) print no errors on stderr
-            # where their files are absent, at every open.
+            # where their files are absent, at every open. Credentials the caller names
+            # (a profile, anonymous) are theirs to choose.
             spec["aws_credentials"] = {"type": "environment"}
     spec.update(options)
     return _checked(path, spec)

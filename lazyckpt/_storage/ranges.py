@@ -194,11 +194,11 @@ class Client:
             known = self._locations.get(url) if hub else pin.location
         ask = _Ask(url, headers, wanted, limit, short, pin, halt, ticket, into)
         answer = self._fetch(ask, known or pin.address(url))
-        # A remembered address that expired or lost the file, or the Hub's CDN that
-        # refused the address the Hub just gave: asked of the URL again, once.
-        again = isinstance(answer, _Refused) and (
-            known is not None or (hub and answer.at != pin.address(url))
-        )
+        # A remembered address that expired or lost the file, or the Hub's CDN (another
+        # origin, which gets no token) that refused the address the Hub just gave:
+        # asked of the URL again, once.
+        elsewhere = isinstance(answer, _Refused) and _origin(answer.at) != _origin(url)
+        again = isinstance(answer, _Refused) and (known is not None or (hub and elsewhere))
         if again:
             with self._lock:
                 self._locations.pop(url, None)
@@ -208,7 +208,7 @@ class Client:
             return answer
         if answer.status == 404:
             raise answers.lost(url, again=again)
-        if hub and answer.at != pin.address(url):
+        if hub and _origin(answer.at) != _origin(url):
             raise answers.refused_elsewhere(url, answer.status, answer.at)
         if hub:
             raise StorageAccessError(
