@@ -393,16 +393,16 @@ def _populated(pages: mmap.mmap) -> bool:
     only asked for them ahead (`MADV_WILLNEED`); on a TPU v5e host under gVisor, maps
     faulted in as they were sent moved 9.7-10 GB/s. False (the map closed) where the
     pages cannot be had: a file cut short or a failing disk, which a read names."""
-    try:
-        if _POPULATE_READ is None:
-            raise OSError(errno.EINVAL, "not on this system")
-        pages.madvise(_POPULATE_READ)
-    except (OSError, ValueError, AttributeError) as error:
-        if getattr(error, "errno", errno.EINVAL) != errno.EINVAL:
-            pages.close()
-            return False
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            pages.madvise(mmap.MADV_WILLNEED)
+    if _POPULATE_READ is not None:
+        try:
+            pages.madvise(_POPULATE_READ)
+            return True
+        except (OSError, ValueError) as error:
+            if getattr(error, "errno", errno.EINVAL) != errno.EINVAL:
+                pages.close()
+                return False
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        pages.madvise(mmap.MADV_WILLNEED)
     return True
 
 
