@@ -198,6 +198,14 @@ class UnversionedWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class ProgramCacheWarning(UserWarning):
+    """The folder of compiled programs (`LAZYCKPT_CACHE_DIR`) is not used, because
+    another account could have put code in it, or it holds files the cache did not
+    write: each process compiles its programs again."""
+
+    __module__ = "lazyckpt"
+
+
 class InferredStructureWarning(UserWarning):
     """The tree was rebuilt from array names alone, so some structure may be lost."""
 

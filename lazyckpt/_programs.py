@@ -8,15 +8,19 @@ any size, takes 185 MiB of its own); loading the same five executables, compiled
 earlier and serialized, took 0.11 s and 11 MiB. So each program compiled is written to
 a cache folder, and a later process loads it instead of compiling.
 
-The folder is `LAZYCKPT_CACHE_DIR/programs` where that is set (set and empty: no
-cache), else `$XDG_CACHE_HOME/lazyckpt/programs` (`~/.cache/lazyckpt/programs`). A
-program's file is named by a hash of everything its executable depends on: the program
-as lowered for its arguments, the device it runs on, the versions of jax, jaxlib and
-the device's runtime, and the flags given to XLA. jax loads an executable through
-pickle, so files are trusted only in a folder that the user alone owns and can write;
-elsewhere, or where a file cannot be loaded, the program is compiled as if there were
-no cache. A placement never fails because of the cache. The folder holds at most
-`LIMIT` bytes: the programs used longest ago go first.
+The folder is `LAZYCKPT_CACHE_DIR/programs` (set and empty: no cache), else
+`$XDG_CACHE_HOME/lazyckpt/programs` (`~/.cache/lazyckpt/programs`); a relative path is
+never used. A file is named by a hash of everything its executable depends on (the
+lowered program, the device, the versions of jax, jaxlib and the device's runtime,
+XLA's flags). jax loads it through pickle, so a file is code: the folder is used only
+where no other account can have changed it (`_storage.trusted`) and it holds nothing
+but the cache's own names, and a file is read only where it is a regular file of the
+user's of at most `MOST` bytes. Anything refused is compiled as if there were no cache
+(a refused folder is named once per process, `ProgramCacheWarning`, once the program
+is ready). A placement never fails because of the cache: a folder, file or listing that
+cannot be read or written, and the warning itself turned into an error (`-W error`),
+cost a compilation at most. The folder keeps at most `LIMIT` bytes, the programs used
+longest ago going first.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
+import re
+import secrets
 import stat
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lazyckpt._errors import ProgramCacheWarning, warn
+from lazyckpt._storage import trusted
 
 if TYPE_CHECKING:
     import jax
@@ -40,10 +48,21 @@ CACHE_VARIABLE = "LAZYCKPT_CACHE_DIR"
 _FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_FLAGS")
 """The environment's settings that change what XLA compiles."""
 
+_PROGRAM = re.compile(r"[0-9a-f]{64}\.bin")
+_TEMPORARY = re.compile(r"[0-9a-f]{64}\.[0-9a-f]{16}\.tmp|tmp[0-9a-z_]{8}\.tmp")
+"""A program being written (`_write`), or one that earlier releases, which wrote
+through `tempfile.mkstemp`, left behind."""
+
+MOST = 64 << 20
+"""The largest program file read: programs are 60-750 KiB, so this leaves room for far
+larger ones while a file of gigabytes under a program's name is never read."""
+
 _LOCK = threading.Lock()
 _LOADED: dict[Hashable, concurrent.futures.Future[Any]] = {}
 """Each program of this process, by its function, arguments and device: compiled or
 loaded once, by the first thread that asks (the others wait for it)."""
+_WARNED: set[str] = set()
+"""The folders refused this process, each named in one warning."""
 
 
 def compiled(function: Any, arguments: tuple[Any, ...], device: jax.Device) -> Any:
@@ -78,10 +97,8 @@ def compiled_as(
         return future.result()
     try:
         lowered = function.lower(*arguments())
-        file, path = None, folder()
-        if path is not None:
-            file = path / f"{_name(lowered, device)}.bin"
-        program = _load(file, lowered, device) or _compile(file, lowered)
+        with folder() as cache:
+            program = lowered.compile() if cache is None else _through(cache, lowered, device)
     except BaseException as error:
         with _LOCK:
             del _LOADED[key]  # (asked again, it is tried again)
@@ -91,32 +108,104 @@ def compiled_as(
     return program
 
 
-def folder() -> Path | None:
-    """The cache folder, made if missing; None where there is none to use (no home
-    folder to put it in, a read-only one, a folder others can write)."""
-    configured = os.environ.get(CACHE_VARIABLE)
-    if configured == "":
-        return None
+@contextlib.contextmanager
+def folder() -> Iterator[int | None]:
+    """The cache folder, made if missing, as a descriptor to reach its files through
+    (`dir_fd=`); None where there is none to use: switched off, no home folder, a
+    read-only one, or one refused (then named in a `ProgramCacheWarning` as the block
+    ends: once the program is ready)."""
+    opened, refused = _open()
     try:
-        if configured is not None:
-            root = Path(configured).expanduser()
-        else:
-            home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-            root = Path(home) / "lazyckpt"
-        path = root / "programs"
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return path if _owned(path.stat()) else None
-    except (OSError, RuntimeError):  # (RuntimeError: no home folder, as in containers)
-        return None
+        yield opened
+    finally:
+        if opened is not None:
+            os.close(opened)
+        if refused is not None:
+            _refuse(*refused)
 
 
-def _owned(info: os.stat_result) -> bool:
-    """Whether what `info` describes is the user's alone: owned by them, writable by
-    no one else."""
-    getuid = getattr(os, "getuid", None)
-    if getuid is None:
-        return True  # (no owners to compare)
-    return info.st_uid == getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+def _through(cache: int, lowered: Any, device: jax.Device) -> Any:
+    """`lowered`'s program loaded from the folder `cache`, else compiled and written
+    there; the cache failing (a file that cannot be read, a folder that cannot be
+    listed or written) only costs the compilation, whose own errors are raised."""
+    try:
+        name = f"{_name(lowered, device)}.bin"
+    except Exception:  # noqa: BLE001 - no name to file it under: compiled only
+        return lowered.compile()
+    try:
+        program = _load(cache, name, lowered, device)
+    except Exception:  # noqa: BLE001 - no program from the cache: compiled instead
+        program = None
+    if program is None:
+        program = lowered.compile()
+        _keep(cache, name, program)
+    return program
+
+
+def _root() -> str | None:
+    """Where the cache's folder goes, as configured; None for no cache."""
+    configured = os.environ.get(CACHE_VARIABLE)
+    if configured is not None:
+        return os.path.expanduser(configured) or None
+    home = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(home):  # (unset, or relative: ignored, as XDG says)
+        home = str(Path.home() / ".cache")
+    return os.path.join(home, "lazyckpt") if os.path.isabs(home) else None  # (relative HOME)
+
+
+def _open() -> tuple[int | None, tuple[str, str] | None]:
+    """What `folder` yields (the folder opened by `trusted.open_folder`, or None), and
+    where it was refused, the configured folder and why (for `_refuse`)."""
+    try:
+        root = _root()
+    except Exception:  # noqa: BLE001 - no home folder (a container run as a bare user id)
+        return None, None
+    if root is None or not trusted.SUPPORTED:
+        return None, None
+    try:
+        if not os.path.isabs(root):  # (a cloned repository's `programs/`, say)
+            raise trusted.Refused(f"{CACHE_VARIABLE}={root} is not an absolute path")
+        opened = trusted.open_folder(root, "programs")
+        try:
+            strangers = sorted(name for name in os.listdir(opened) if not _ours(name))
+            if strangers:
+                more = f" and {len(strangers) - 1} more" if len(strangers) > 1 else ""
+                raise trusted.Refused(
+                    f"{os.path.join(root, 'programs')} holds {strangers[0]!r}{more}, which "
+                    "the cache did not write (move them out)"
+                )
+        except BaseException:
+            os.close(opened)
+            raise
+        return opened, None
+    except trusted.Refused as refused:
+        return None, (root, str(refused))
+    except Exception:  # noqa: BLE001 - a read-only file system, a full disk: no cache
+        return None, None
+
+
+def _ours(name: str) -> bool:
+    return bool(_PROGRAM.fullmatch(name) or _TEMPORARY.fullmatch(name))
+
+
+def _refuse(root: str, reason: str) -> None:
+    """Say, once per process, why the folder of `root` is not used: a warning, which a
+    filter that turns it into an error (`-W error`) raises here, where it is dropped
+    (the placement goes on)."""
+    with _LOCK:
+        first = root not in _WARNED
+        _WARNED.add(root)
+    if not first:
+        return
+    with contextlib.suppress(Exception):
+        warn(
+            f"lazyckpt does not use its cache of compiled programs: {reason}. Each "
+            f"process compiles its programs again (seconds on an accelerator). Make the "
+            f"folders yours alone (owned by you, not writable by others), set "
+            f"{CACHE_VARIABLE} to an absolute path of a folder of your own, or set "
+            f"{CACHE_VARIABLE}= (empty) to turn the cache off.",
+            ProgramCacheWarning,
+        )
 
 
 def _name(lowered: Any, device: jax.Device) -> str:
@@ -137,26 +226,18 @@ def _name(lowered: Any, device: jax.Device) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _load(file: Path | None, lowered: Any, device: jax.Device) -> Any:
-    """The program in `file` (None: no cache folder), or None where it is not there
-    or cannot be loaded (written by a process that stopped halfway, say: it is then
-    compiled and written again)."""
+def _load(cache: int, name: str, lowered: Any, device: jax.Device) -> Any:
+    """The program in the file `name`, or None where it is not there, is refused
+    (`trusted.read_file`) or cannot be loaded (written by a process that stopped
+    halfway, say: it is then compiled and written again)."""
     from jax.experimental import serialize_executable
 
-    if file is None:
+    payload = trusted.read_file(cache, name, MOST)
+    if payload is None:
         return None
+    with contextlib.suppress(OSError):  # (used now: kept over those used longer ago)
+        os.utime(name, dir_fd=cache, follow_symlinks=False)
     try:
-        # (opened, then checked: the file read is the file whose owner was checked)
-        descriptor = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        with os.fdopen(descriptor, "rb") as opened:
-            if not _owned(os.fstat(opened.fileno())):
-                return None
-            payload = opened.read()
-            with contextlib.suppress(OSError):
-                os.utime(opened.fileno())  # (used now: kept over those used longer ago)
         return serialize_executable.deserialize_and_load(
             payload, lowered.in_tree, lowered.out_tree, device.client, [device]
         )
@@ -164,37 +245,34 @@ def _load(file: Path | None, lowered: Any, device: jax.Device) -> Any:
         return None
 
 
-def _compile(file: Path | None, lowered: Any) -> Any:
-    """`lowered` compiled, and written as `file` where there is a cache folder (a file
-    that cannot be written leaves the folder as it was)."""
+def _keep(cache: int, name: str, program: Any) -> None:
+    """`program` written as the file `name`, and the folder trimmed; where any of it
+    fails (an executable this jax cannot serialize, a full disk, no descriptor left to
+    list the folder with), the folder stays as it was or as far as it got."""
     from jax.experimental import serialize_executable
 
-    program = lowered.compile()
-    if file is None:
-        return program
-    try:
+    with contextlib.suppress(Exception):
         payload, _, _ = serialize_executable.serialize(program)
-    except Exception:  # noqa: BLE001 - an executable this jax cannot serialize
-        return program
-    _write(file, payload)
-    _trim(file.parent)
-    return program
+        _write(cache, name, payload)
+        _trim(cache)
 
 
-def _write(file: Path, payload: bytes) -> None:
-    """`payload` as `file`, whole or not at all (readers never see a part); a disk
-    that refuses it leaves the folder as it was."""
+def _write(cache: int, name: str, payload: bytes) -> None:
+    """`payload` as the file `name`, whole or not at all (readers never see a part); a
+    disk that refuses it leaves the folder as it was."""
+    temporary = f"{name.removesuffix('.bin')}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
-        descriptor, temporary = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+        out = os.open(temporary, flags, 0o600, dir_fd=cache)
     except OSError:
         return
     try:
-        with os.fdopen(descriptor, "wb") as out:
-            out.write(payload)
-        os.replace(temporary, file)
+        with open(out, "wb") as file:
+            file.write(payload)
+        os.replace(temporary, name, src_dir_fd=cache, dst_dir_fd=cache)
     except OSError:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(temporary, dir_fd=cache)
 
 
 LIMIT = 256 << 20
@@ -202,22 +280,24 @@ LIMIT = 256 << 20
 or of the device's runtime makes a new set."""
 
 
-def _trim(path: Path) -> None:
+def _trim(cache: int) -> None:
     """The programs used longest ago removed while the folder holds over `LIMIT`
     (a program loaded counts as used then), and what a process that stopped while
-    writing left behind."""
+    writing left behind: only files named as the cache names them."""
     files = []
-    for file in path.iterdir():
+    for name in os.listdir(cache):
         with contextlib.suppress(OSError):
-            info = file.stat()
-            if file.suffix == ".tmp" and info.st_mtime < time.time() - 3600:
-                file.unlink()
-            elif file.suffix == ".bin":
-                files.append((info.st_mtime, info.st_size, file))
+            info = os.stat(name, dir_fd=cache, follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            if _TEMPORARY.fullmatch(name) and info.st_mtime < time.time() - 3600:
+                os.unlink(name, dir_fd=cache)
+            elif _PROGRAM.fullmatch(name):
+                files.append((info.st_mtime, info.st_size, name))
     total = sum(size for _, size, _ in files)
-    for _, size, file in sorted(files):
+    for _, size, name in sorted(files):
         if total <= LIMIT:
             break
         with contextlib.suppress(OSError):
-            file.unlink()
+            os.unlink(name, dir_fd=cache)
         total -= size
