@@ -155,7 +155,7 @@ class ChunkStream:
         if length is not None:
             stop = length if stop is None else min(stop, length)
         return FileSource(
-            path, offset + start, None if stop is None else offset + stop, self.read_bytes
+            path, offset + start, None if stop is None else offset + stop, self.read_bytes, store
         )
 
     def check(self) -> None:
@@ -176,8 +176,7 @@ class ChunkStream:
         if self.codec.shard is None:
             return 0, None
         where = shard_index_range(self.codec, self.index, self.stored.chunks)
-        self.stored.store.check_tensorstore()
-        result = self.stored.store.kvstore.read(self.key, byte_range=where).result()
+        result = self.stored.store.read(self.key, where).result()  # (a local file: by lazyckpt)
         if result.state != "value":
             return None
         located = in_shard(self.codec, self.index, self.stored.chunks, bytes(result.value))

@@ -54,7 +54,7 @@ from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import network
 from lazyckpt._storage.kvstore import all_of, then
-from lazyckpt._storage.local import open_regular, pread_into
+from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.web import WebFiles
 
@@ -416,15 +416,16 @@ _UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) e
 
 
 def _open(file: str, stored: StoredArray) -> int:
-    """A descriptor of `file`, a regular file; else `stored`'s read error."""
+    """A descriptor of `file`, a regular file and the one its store first saw there
+    (`Store.open_file`: no other file's bytes in a piece); else `stored`'s read error."""
     try:
-        fd = open_regular(file)
+        found = stored.store.open_file(file)
     except CorruptCheckpointError as error:  # a FIFO or a device in the file's place
         raise stored.read_error(error) from None
-    if fd is None:
+    if found is None:
         gone = errno.ENOENT
         raise stored.read_error(FileNotFoundError(gone, os.strerror(gone), file))
-    return fd
+    return found[0]
 
 
 def _ends_early(

@@ -20,7 +20,8 @@ import threading
 import tensorstore as ts
 
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._storage.local import open_regular, pread_into
+from lazyckpt._storage.kvstore import Store
+from lazyckpt._storage.local import open_file, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.per_process import PerProcess
 
@@ -133,21 +134,24 @@ class FileSource(_Windowed):
     A file that is missing reads as a missing value where its length is not known (a
     chunk never written, in a folder); where it is (a database's data file, whose
     index places a value there), a missing or short file is a `CorruptCheckpointError`
-    naming it, as in `lazyckpt._storage.ocdbt`."""
+    naming it, as in `lazyckpt._storage.ocdbt`. Where a `store` is given, one that is
+    not the file it first saw there is a `CheckpointChangedError`
+    (`Store.open_file`): each chunk opens its data file again."""
 
-    def __init__(self, path: str, start: int, stop: int | None, window: int) -> None:
+    def __init__(
+        self, path: str, start: int, stop: int | None, window: int, store: Store | None = None
+    ) -> None:
         self.path, self.window = path, window
         self._process = os.getpid()
         self._origin = self._next = start
         self._known = stop is not None
-        self.fd = open_regular(path)
+        self.fd: int | None = None
         self.stop = stop
-        if self.fd is not None and stop is None:
-            try:
-                self.stop = os.fstat(self.fd).st_size
-            except OSError:
-                os.close(self.fd)
-                raise
+        found = open_file(path) if store is None else store.open_file(path)
+        if found is not None:
+            self.fd = found[0]
+            if stop is None:
+                self.stop = found[1].st_size
         self._buffers = [_windows.take(window), _windows.take(window)]
         self._turn = 0
         self._ahead: concurrent.futures.Future[memoryview] | None = None

@@ -102,8 +102,8 @@ def listed_leaves(store: Store) -> list[Leaf]:
 
 
 def _ocdbt_names(store: Store) -> Iterator[str]:
-    for raw in store.kvstore.list().result():
-        key = raw.decode("utf-8", errors="replace")
+    # (through `list_keys`: a damaged or malformed b-tree is an error naming the folder)
+    for key in store.list_keys(""):
         for suffix in (ZARR2_KEY, ZARR3_KEY):
             if key == suffix:
                 yield ""

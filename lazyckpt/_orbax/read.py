@@ -57,7 +57,9 @@ def open_orbax(
     json_file = json_item_file(found)
     if json_file is not None:
         return _json_item(json_file)
-    return from_one_generation(found, lambda generation: _open_once(found, generation))
+    return from_one_generation(
+        found, lambda generation: _open_once(found, generation, allow_outside_links)
+    )
 
 
 def listed_arrays(path: str, *, step: int | None, item: str | None) -> list[str]:
@@ -99,13 +101,15 @@ def _json_item(path: str) -> Any:
     return json_or_corrupt(path, text or "", "the JSON item is damaged, copy the checkpoint again")
 
 
-def _open_once(location: str, generation: tuple[object, ...]) -> object:
+def _open_once(location: str, generation: tuple[object, ...], outside_links: bool) -> object:
     text = _read_text(location, "_METADATA")
     metadata, leaves = parse_metadata(location, text) if text is not None else ({}, [])
     # A tree without arrays (strings, scalars read from _strings.json, None) has no
     # database at all when Orbax or lazyckpt saves it.
     needs_store = text is None or any(leaf.value_type in _IN_STORE for leaf in leaves)
-    store = _open_store(location, metadata, generation, required=needs_store)
+    store = _open_store(
+        location, metadata, generation, required=needs_store, outside_links=outside_links
+    )
     legacy = read_msgpack(location)
     if text is None:
         leaves = msgpack_leaves(legacy, location) if legacy is not None else listed_leaves(store)
@@ -246,6 +250,7 @@ def _open_store(
     generation: tuple[object, ...],
     *,
     required: bool = True,
+    outside_links: bool = False,
 ) -> Store:
     names = paths.listdir(location)
     per_process = sorted(n for n in names if is_process_folder(n))
@@ -268,7 +273,16 @@ def _open_store(
                     f"OCDBT {what} {location}/{needed} is missing{hint}; the checkpoint "
                     "cannot be read as saved, copy it again"
                 )
-    return Store.open(location, ocdbt=ocdbt, generation=generation, drivers=True)
+    # (its chunk files, in folders listed at their first read: none from outside the
+    # checkpoint, unless `allow_outside_links`)
+    return Store.open(
+        location,
+        ocdbt=ocdbt,
+        generation=generation,
+        drivers=True,
+        listed=True,
+        outside_links=outside_links,
+    )
 
 
 def _zarr_infos(

@@ -1,6 +1,7 @@
 """A safetensors tensor as stored: raw C-order little-endian bytes at a place in its
-file (`RangeArray`), read by byte ranges through tensorstore's kvstore (file, s3, gcs)
-or lazyckpt's HTTP client: no mmap, so network filesystems and buckets behave. Its
+file (`RangeArray`), read by byte ranges: from a local file by lazyckpt's positioned
+reads (`Store.read`), from a bucket through tensorstore's kvstore (s3, gcs), over HTTP
+by lazyckpt's client; no mmap, so network filesystems and buckets behave. Its
 chunk grid cuts the tensor along its leading dimensions into runs of about
 `CHUNK_BYTES` that are contiguous in the file, so a read of a few embedding rows reads
 those rows' chunks and the engine's budget holds. Other weight files' raw tensors
@@ -63,6 +64,9 @@ class RangeArray(StoredArray):
     start: int = 0
     file: str = attrs.field(default="", repr=given_repr)
 
+    def extent(self) -> tuple[object, int]:
+        return (self.store.location, self.name), self.start
+
     def raw_file(self) -> tuple[str, int] | None:
         if not self.dtype.isnative:
             return None
@@ -86,16 +90,25 @@ class RangeArray(StoredArray):
         waiting: a storage client whose threads all waited here would never answer."""
         start, stop = self.chunk_bytes(domain, self.start)
 
+        # (in native byte order, the bytes land in the chunk: a local file's read there)
+        into = (
+            array.reshape(-1).view(np.uint8).data
+            if self.dtype.isnative and array.flags.c_contiguous and array.nbytes == stop - start
+            else None
+        )
+
         def fill(result: ts.KvStore.ReadResult) -> None:
             if result.state != "value" or len(result.value) != stop - start:
                 raise CorruptCheckpointError(
                     f"{self.file}: tensor {self.key!r} needs bytes {start} to {stop}, but "
                     "the file ends before; it was truncated since it was opened"
                 )
-            array[...] = np.frombuffer(result.value, self.dtype).reshape(array.shape)
+            if into is None:
+                array[...] = np.frombuffer(result.value, self.dtype).reshape(array.shape)
 
-        self.store.check_files([self.name])
-        return then(self.store.kvstore.read(self.name, byte_range=slice(start, stop)), fill)
+        # (a local file read by lazyckpt itself, through one descriptor of the file
+        # first seen there: no chunk of another file in a result)
+        return then(self.store.read(self.name, slice(start, stop), into), fill)
 
     def read(self, selection: Selection) -> ts.Future[np.ndarray]:
         """The view's elements. Where the whole leading-dimension rows it touches are
@@ -136,8 +149,7 @@ class RangeArray(StoredArray):
             # this future (a check that the file is unchanged) may ask storage again.
             span = slice(start, start + rows * row_bytes)
             try:
-                self.store.check_files([self.name])
-                result = self.store.kvstore.read(self.name, byte_range=span).result()
+                result = self.store.read(self.name, span).result()
             except Exception as error:  # noqa: BLE001 - tensorstore's, turned into ours
                 raise self.read_error(error) from None
             return pick(result)

@@ -356,6 +356,8 @@ def _read(
         return bytes(result.value)
 
     def failed(error: Exception) -> Exception:
+        if isinstance(error, LazyckptError):  # (a file swapped since `open`, say)
+            return error
         if "OUT_OF_RANGE" in str(error):
             return CorruptCheckpointError(
                 f"{file} is too short for {what} (bytes {start} to {stop}); the file is "
@@ -369,8 +371,7 @@ def _read(
             else CorruptCheckpointError(f"{file}: reading {what} failed ({error})")
         )
 
-    store.check_files([key])  # (tensorstore's blocking open would wait on a FIFO)
-    return then(store.kvstore.read(key, byte_range=slice(start, stop)), value, failed)
+    return then(store.read(key, slice(start, stop)), value, failed)
 
 
 def nest(tensors: dict[str, LazyArray], path: str) -> dict[str, object]:

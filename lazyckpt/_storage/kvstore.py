@@ -6,6 +6,7 @@ Everything here returns tensorstore futures, so callers either `.result()` them 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -22,8 +23,16 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import paths, relay
+from lazyckpt._storage.identities import (
+    FileIdentities,
+    changed_error,
+    copied,
+    open_checked,
+    read_checked,
+)
 from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
+from lazyckpt._storage.ocdbt_tree import Tree
 from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.sites import listing
 from lazyckpt._storage.web import WebFiles, is_web
@@ -120,13 +129,6 @@ def ready(value: T) -> ts.Future[T]:
     return future
 
 
-def changed_error(location: str) -> CheckpointChangedError:
-    return CheckpointChangedError(
-        f"{location} was overwritten or changed since it was opened, so what was read "
-        "might mix the old checkpoint and the new one; open it again"
-    )
-
-
 def from_one_generation(
     folder: str,
     read: Callable[[tuple[object, ...]], T],
@@ -188,6 +190,10 @@ class Store:
     """Over HTTP, for tensorstore's drivers: the folder's files that the relay serves
     them, read by lazyckpt itself where it knows the byte ranges it wants (its pins
     are the relay's: one version of each file)."""
+    identities: FileIdentities = attrs.field(factory=FileIdentities, kw_only=True, repr=False)
+    """The local files it reads, each as first seen (`open_file`; an Orbax checkpoint's
+    folders of chunk files, each as listed at its first read); over HTTP, the copies
+    in the Hugging Face cache, shared with its `WebFiles`."""
     _database_files: list[str] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
@@ -212,23 +218,57 @@ class Store:
 
     def check_files(self, keys: Iterable[str]) -> None:
         """Refuse a read of `keys` where a local file it would read is no regular file
-        (`CorruptCheckpointError` naming it): in a folder, each key's file; in an OCDBT
-        database, whose values may lie in any of its files, every data file and manifest.
+        (`CorruptCheckpointError` naming it), or no longer the file first seen there
+        (`open_file`; `CheckpointChangedError`): in a folder, each key's file; in
+        an OCDBT database, whose values may lie in any of its files, every data file
+        and manifest.
 
-        tensorstore's file driver opens each file with a blocking `open`, so a FIFO put
-        in a chunk's place after `open` would hang the read forever; callers check just
-        before they start tensorstore's read. A window remains, between this `stat` and
-        tensorstore's own `open` of each file, which no check outside tensorstore
-        closes: measured (strace), 0.3 ms for a read's first file, up to the length of
-        the read for its last (100 ms for the 8th chunk of a 2 MiB block; a decoded
-        chunk's later windows open its file again). A FIFO put in place within it still
-        blocks that read; the next read's check refuses it."""
+        For what tensorstore still reads from a local disk itself (lazyckpt reads the
+        rest through one descriptor of the file first seen there: `read`): the arrays
+        of an Orbax checkpoint whose coding lazyckpt does not decode (blosc, gzip,
+        filters: its `zarr` driver decodes them), and an OCDBT database's b-tree, with
+        its values wherever lazyckpt's index does not place them (then only its `ocdbt`
+        driver does). tensorstore opens each file with a blocking `open`, so a FIFO put
+        in a file's place after `open` would hang the read forever; callers check just
+        before tensorstore's read. A window remains, from this `stat` to tensorstore's
+        `open` of each file: measured (strace), 0.3 ms for a read's first file, up to
+        the length of the read for its last (100 ms for the 8th chunk of a 2 MiB
+        block). A FIFO put in place within it blocks that read (the next read's check
+        refuses it); a file swapped in and back out within it goes unseen:
+        tensorstore's reads do not say which file they opened."""
         if paths.is_remote(self.location):
             return
-        if self.ocdbt:
-            check_regular(self._files_of_database())
-        else:
-            check_regular(os.path.join(self.location, key) for key in keys)
+        files = (
+            self._files_of_database()
+            if self.ocdbt
+            else [os.path.join(self.location, key) for key in keys]
+        )
+        # (and, from the same `stat`s, that each is still the file first seen there)
+        for path, info in check_regular(files):
+            if not self.identities.same(path, info, first=False):
+                raise changed_error(path)
+
+    def open_file(self, path: str) -> tuple[int, os.stat_result] | None:
+        """`local.open_file(path)`, where it is the file first seen there (at `open`, or
+        at its first read; a chunk file, as its folder was then: `FileIdentities`);
+        else `CheckpointChangedError` naming it. Each piece of a read opens its file
+        again: a file swapped meanwhile would mix two files in one result."""
+        return open_checked(self.identities, path)
+
+    def read(
+        self, key: str, byte_range: slice | None = None, into: memoryview | None = None
+    ) -> ts.Future[ts.KvStore.ReadResult]:
+        """`key`'s bytes in `byte_range`, as `kvstore.read` answers (`into`: landed in
+        that buffer, of the range's length): a local file's read by lazyckpt through one
+        descriptor of the file first seen there (`read_checked`), others through the
+        kvstore, checked first (`check_files`)."""
+        if not (self.ocdbt or paths.is_remote(self.location)) and _inside(key):
+            path = os.path.join(self.location, key)
+            return read_checked(self.identities, path, byte_range, into)
+        self.check_files([key])
+        self.check_tensorstore()
+        read = self.kvstore.read(key, byte_range=byte_range)
+        return read if into is None else then(read, functools.partial(copied, into))
 
     def _files_of_database(self) -> list[str]:
         """The OCDBT database's manifests and data files (`d/`), its own and those of
@@ -253,10 +293,15 @@ class Store:
         generation: tuple[object, ...] = (),
         files: tuple[str, ...] = paths.GENERATION_FILES,
         drivers: bool = False,
+        listed: bool = False,
+        outside_links: bool = False,
     ) -> Store:
         """The store of the checkpoint item at `location`; over HTTP, read by `WebFiles`
         (safetensors' byte ranges), or with `drivers` by tensorstore's `ocdbt` and
-        `zarr` drivers through lazyckpt's client (Orbax's arrays)."""
+        `zarr` drivers through lazyckpt's client (Orbax's arrays). With `listed`, a
+        local file that is not one of `files` counts as the checkpoint's only where its
+        folder's listing, taken at its first read, holds it, and a link only where it
+        leads into the folder, or `outside_links` allows it (`FileIdentities`)."""
         context = ts.Context(
             {
                 "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
@@ -268,8 +313,10 @@ class Store:
         if is_web(location) and not drivers:
             # Read by lazyckpt's own Range requests: the safetensors reader calls `read`
             # alone, which `WebFiles` answers as tensorstore's kvstores do.
-            files_over_http = cast(ts.KvStore, WebFiles(location))
-            return cls(location, ocdbt, context, {}, files_over_http, generation, files)
+            over_http = WebFiles(location)
+            kvstore = cast(ts.KvStore, over_http)
+            seen = over_http.identities
+            return cls(location, ocdbt, context, {}, kvstore, generation, files, identities=seen)
         tensorstore_io(location)
         web = None
         if is_web(location):
@@ -291,12 +338,50 @@ class Store:
             if not paths.is_remote(location):
                 raise
             raise paths.storage_error(location, error) from None
+        local = not paths.is_remote(location)
+        seen = (
+            web.identities
+            if web is not None
+            else FileIdentities(location if listed and local else None, outside_links=outside_links)
+        )
         index = (
-            Index(kvstore.base, coalesce=paths.is_remote(location))
+            Index(
+                Tree(kvstore.base, location, location if local else None),
+                coalesce=not local,
+                # (a data file's values read by lazyckpt itself, from the file first seen)
+                read_file=(lambda file, at: read_checked(seen, os.path.join(location, file), at))
+                if local
+                else None,
+            )
             if ocdbt and kvstore.base is not None
             else None
         )
-        return cls(location, ocdbt, context, spec, kvstore, generation, files, index, web)
+        store = cls(
+            location, ocdbt, context, spec, kvstore, generation, files, index, web, identities=seen
+        )
+        if local:
+            # The files its reads will open (a database's, a weight file's), as they are
+            # now: a stat each (`open_file`).
+            store.identities.remember(
+                store._files_of_database()
+                if ocdbt
+                else (os.path.join(location, name) for name in files)
+            )
+        if index is not None:
+            store._check_tree(index)
+        return store
+
+    def _check_tree(self, index: Index) -> None:
+        """Read the OCDBT database's b-tree whole before tensorstore's driver reads any
+        of it (`Index.check`): a manifest or node that would decode too large, or no
+        b-tree's, is refused here, by name."""
+        self.check_files(())  # (the check reads the database's files: none is a FIFO)
+        try:
+            index.check()
+        except LazyckptError:
+            raise
+        except ValueError as error:  # (a read that failed, in tensorstore's words)
+            raise self._failure(error, "reading the b-tree of", "data files") from None
 
     def check_tensorstore(self) -> None:
         """Before a read through tensorstore's kvstore: refused by name in a forked
@@ -328,6 +413,15 @@ class Store:
         if is_web(self.location) and not self.ocdbt:
             return self._listed(prefix)
         tensorstore_io(self.location)
+        if self.index is not None:
+            # (lazyckpt's own listing: the driver's lists every path to a node that the
+            # b-tree names many times, and can exhaust memory)
+            try:
+                return self.index.list_keys(prefix)
+            except LazyckptError:
+                raise
+            except ValueError as error:
+                raise self._failure(error, f"listing {prefix!r} in", "files") from None
         start = prefix.encode()
         end = start[:-1] + bytes([start[-1] + 1]) if start else b""
         try:
@@ -385,6 +479,8 @@ class Store:
         through an OCDBT database's b-tree index where its first read (`open`'s) found
         it worth building (values already known, or futures of the data files' bytes),
         else a future of each key's read through the driver."""
+        if not (self.ocdbt or paths.is_remote(self.location)):  # (local files: `read`)
+            return [self.read(key, span) for key, span in zip(keys, byte_ranges, strict=True)]
         self.check_files(keys)
         self.check_tensorstore()
         found = self.index.read(keys, byte_ranges, batch) if self.index else None

@@ -134,7 +134,6 @@ class LocalFolders:
 
     def unsafe_entries(self, folder: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         root = os.path.realpath(folder)
-        blobs = _cache_blobs(root)
         outside, special = [], []
         todo = [folder]
         while todo:
@@ -147,8 +146,7 @@ class LocalFolders:
                 name = os.path.relpath(entry.path, folder)
                 if entry.is_symlink():
                     target = os.path.realpath(entry.path)
-                    inside = target == root or target.startswith(root + os.sep)
-                    if not inside and not (blobs and target.startswith(blobs + os.sep)):
+                    if not within(target, root):
                         outside.append((name, target))
                 elif entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
@@ -169,6 +167,15 @@ class LocalFolders:
                 yield os.path.relpath(os.path.join(folder, name), path).replace(os.sep, "/")
 
 
+def within(target: str, root: str) -> bool:
+    """Whether the resolved path `target` lies in the resolved folder `root`, or in the
+    blobs folder of the Hugging Face cache where `root` lies in a snapshot of it."""
+    if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+        return True
+    blobs = _cache_blobs(root)
+    return bool(blobs and target.startswith(blobs + os.sep))
+
+
 def _cache_blobs(root: str) -> str | None:
     """The blobs folder of the repository, where `root` lies in a snapshot of the
     Hugging Face cache (`.../models--ORG--NAME/snapshots/COMMIT/...`), whose files are
@@ -185,10 +192,18 @@ _CACHE_REPOS = ("models--", "datasets--", "spaces--")
 
 def open_regular(path: str) -> int | None:
     """A descriptor of `path` open for reading, where it is a regular file; None where
-    it does not exist or is a folder; else `CorruptCheckpointError`. Opened
-    non-blocking, so that a FIFO does not wait for a writer, and judged by `fstat` of
-    the descriptor itself: what is read is what was checked, whatever the path is
-    renamed to meanwhile."""
+    it does not exist or is a folder; else `CorruptCheckpointError` (see `open_file`)."""
+    found = open_file(path)
+    return None if found is None else found[0]
+
+
+def open_file(path: str) -> tuple[int, os.stat_result] | None:
+    """A descriptor of `path` open for reading and its `fstat`, where it is a regular
+    file; None where it does not exist or is a folder; else `CorruptCheckpointError`.
+    Opened non-blocking, so that a FIFO does not wait for a writer, and judged by
+    `fstat` of the descriptor itself: what is read is what was checked, whatever the
+    path is renamed to meanwhile (and `identities.FileIdentities` can tell which file
+    it is)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -197,33 +212,37 @@ def open_regular(path: str) -> int | None:
         raise CorruptCheckpointError(
             f"{path} cannot be read ({error.strerror}); check its permissions"
         ) from None
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
-        return fd
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return fd, info
     os.close(fd)
-    if stat.S_ISDIR(mode):
+    if stat.S_ISDIR(info.st_mode):
         return None
-    raise not_regular(path, mode)
+    raise not_regular(path, info.st_mode)
 
 
-def check_regular(paths: Iterable[str]) -> None:
+def check_regular(paths: Iterable[str]) -> list[tuple[str, os.stat_result]]:
     """Refuse, as `open_regular` does, any of `paths` that exists and is no regular
     file or folder: for files that tensorstore opens itself, with a blocking `open`.
+    Each one that exists, and its `stat`.
 
     `os.stat` (no open: a device is not touched) tells what the path is now; the
     caller checks just before tensorstore's read, whose `open` may still meet a FIFO
     put in place in between: see `Store.check_files` for that window."""
+    found = []
     for path in paths:
         try:
-            mode = os.stat(path).st_mode
+            info = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             continue  # (tensorstore reads it as missing, or says what is wrong)
         except OSError as error:
             raise CorruptCheckpointError(
                 f"{path} cannot be read ({error.strerror}); check its permissions"
             ) from None
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise not_regular(path, mode)
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise not_regular(path, info.st_mode)
+        found.append((path, info))
+    return found
 
 
 def not_regular(path: str, mode: int) -> CorruptCheckpointError:

@@ -3,52 +3,42 @@
 Reading thousands of small keys through tensorstore's OCDBT driver costs about 25 us
 each (a b-tree lookup and a future per key); an Orbax checkpoint of 10,000 small
 arrays spends most of a restore there. Its b-tree is usually one node, a few KiB to
-a few MiB that tensorstore decodes in milliseconds (`ts.ocdbt.dump`, which checks the
-manifest's and each node's checksums). So a read of many keys walks the b-tree once,
-keeps each key's place, an inline value or a byte range of a data file, and reads the
-values from there: inline ones at no cost, the others by byte range, together in one
-batch of the base store.
+a few MiB, which lazyckpt reads whole when the checkpoint opens anyway
+(`ocdbt_tree.Tree.check`, before tensorstore's driver reads any of it). So a read of
+many keys takes each key's place from there, an inline value or a byte range of a
+data file, and reads the values from there: inline ones at no cost, the others by
+byte range, together in one batch of the base store. Listings are answered from the
+same keys; where the check handed back no places (a tree past its bounds, or one
+that names a node twice), the driver reads and the tree lists itself
+(`Tree.listing`).
 
-It is an index of one version of the database, the newest when it is walked; the
-checkpoint's generation check (`Store.check_unchanged`) covers a database replaced
-since. Anything unexpected in the dump (a damaged node, a format this does not know)
-leaves the index unbuilt, and the caller reads through the driver, whose errors say
-what is wrong.
+It is an index of one version of the database, the newest when the checkpoint was
+opened; the checkpoint's generation check (`Store.check_unchanged`) covers a database
+replaced since.
 """
 
 from __future__ import annotations
 
-import re
+import bisect
 import threading
-import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 import tensorstore as ts
 
-WORTH = 8
-"""The index is built for reads of at least 1/WORTH of the database's keys: walking
-the b-tree costs a few microseconds per key, a key read through the driver about
-25."""
+from lazyckpt._errors import LazyckptError
+from lazyckpt._storage.ocdbt_format import Place
+from lazyckpt._storage.ocdbt_tree import Tree
 
-MAX_TREE_BYTES = 16 << 20
-"""The index is built for b-trees up to this size as stored: it holds their keys and
-inline values for as long as the checkpoint is open, as the driver's cache of nodes
-would. (An Orbax checkpoint of 10,000 small arrays has a tree of 18 KiB; one of
-200,000 values of 1 KiB inline, 200 MB, is read faster through the driver.)"""
+WORTH = 8
+"""The index serves reads of at least 1/WORTH of the database's keys from the first
+read on: a read through the driver costs about 25 us a key, and the driver would read
+the nodes again."""
 
 LOCATE_KEYS = 20_000
-"""The b-tree is walked for reads of large values (`Index.locate`) where it holds at
-most this many keys: a walk costs about 3.6 us a key (100,000 keys took 0.36 s), a
-read of 1 MiB or more through the driver a millisecond or so."""
-
-_LOCATION = re.compile(r"value:([^:]*):([^:]*):(\d+):(\d+)")
-"""An indirect value's place in a dump: base path and path relative to it (each
-percent-encoded), offset, length."""
-
-Place = bytes | tuple[str, int, int]
-"""A key's value: inline bytes, or (data file, offset, length) in the base store."""
+"""Reads of large values (`Index.locate`) are served from the index where it holds at
+most this many keys (keeping more for them costs memory for the checkpoint's life; a
+read of 1 MiB or more through the driver takes a millisecond or so)."""
 
 Value = bytes | None | ts.Future[ts.KvStore.ReadResult]
 """A value read through the index: known already (None: no such key), or on its way."""
@@ -56,52 +46,96 @@ Value = bytes | None | ts.Future[ts.KvStore.ReadResult]
 
 @attrs.define(eq=False)
 class Index:
-    """The places of an OCDBT database's keys, built on first use (`places`)."""
+    """The places of an OCDBT database's keys, from its b-tree read whole (`check`)."""
 
-    base: ts.KvStore = attrs.field(repr=False)
-    """The store that holds the database's files."""
+    tree: Tree
     coalesce: bool = False
     """Read values of one data file in one batch, which tensorstore merges into
     requests that also take the gaps between them (up to a few hundred bytes): on a
     bucket, one request for many small values; on a local disk each value is read
     alone, so that no byte outside the values is read."""
+    read_file: Callable[[str, slice], ts.Future[ts.KvStore.ReadResult]] | None = attrs.field(
+        default=None, kw_only=True, repr=False
+    )
+    """Reads a byte range of a data file (by its path in the database) where lazyckpt
+    reads them itself; else the base store reads."""
+    _found: dict[bytes, Place] | None = attrs.field(default=None, init=False)
+    """The places the check handed back, until the first read decides."""
+    _spare: dict[bytes, Place] | None = attrs.field(default=None, init=False)
+    """Places the first read did not want, kept for `locate` (at most `LOCATE_KEYS`)."""
     _places: dict[bytes, Place] | None = attrs.field(default=None, init=False)
+    _sorted: list[bytes] | None = attrs.field(default=None, init=False, repr=False)
     _decided: bool = attrs.field(default=False, init=False)
     _walked: bool = attrs.field(default=False, init=False)
-    """Whether `locate` tried the walk (once)."""
+    """Whether `locate` took its places (once)."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
+    @property
+    def base(self) -> ts.KvStore:
+        """The store that holds the database's files."""
+        return self.tree.base
+
+    def check(self) -> None:
+        """Read the manifest and every node of the b-tree (`Tree.check`), before
+        tensorstore's driver reads any of it: `CorruptCheckpointError` or
+        `TooLargeError` naming what is wrong."""
+        found = self.tree.check()
+        with self._lock:
+            self._found = found
+
     def places(self, wanted: int) -> dict[bytes, Place] | None:
-        """Each key's place, if the first read, of `wanted` keys, made the walk worth
-        it (`WORTH`) and the b-tree could be walked; None means: read through the
+        """Each key's place, if the first read, of `wanted` keys, made the index worth
+        it (`WORTH`) and the check handed places back; None means: read through the
         driver."""
         with self._lock:
             if self._decided or not wanted:
                 return self._places
-            # Decided once, at the first read (`open`'s of every array's header): built
-            # later, the walk would read again the nodes that the driver has read.
+            # Decided once, at the first read (`open`'s of every array's header).
             self._decided = True
-            self._places = _walked(self.base, lambda keys: wanted * WORTH >= keys)
+            found, self._found = self._found, None
+            if found is not None and wanted * WORTH >= len(found):
+                self._places = found
+            elif found is not None and len(found) <= LOCATE_KEYS:
+                self._spare = found
             return self._places
 
     @property
     def walked(self) -> bool:
-        """Whether the b-tree was walked, or tried: `locate` reads nothing more."""
+        """Whether `locate` has its answer: it reads nothing more."""
         return self._places is not None or self._walked
 
     def locate(self, key: str) -> Place | None:
-        """`key`'s place, for a read of a large value (a chunk of a MiB or more, whose
-        read costs far more than a walk): the b-tree is walked now if the first read
-        did not find it worth it, where it is small enough (`LOCATE_KEYS`,
-        `MAX_TREE_BYTES`); None where it is not walked or holds no such key."""
+        """`key`'s place, for a read of a large value (a chunk of a MiB or more): from
+        the index where it holds at most `LOCATE_KEYS` keys, even where the first read
+        did not want it; None where it does not, or holds no such key."""
         with self._lock:
             if self._places is None and not self._walked:
-                self._places = _walked(self.base, lambda keys: keys <= LOCATE_KEYS)
-                # (set once walked: a child forked meanwhile is told, by `Store`'s check
-                # before any walk, not left waiting on this lock)
                 self._walked = self._decided = True
+                found = self._found if self._found is not None else self._spare
+                self._found = self._spare = None
+                if found is not None and len(found) <= LOCATE_KEYS:
+                    self._places = found
             places = self._places
         return None if places is None else places.get(key.encode())
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """The keys under `prefix` (every key when it is empty): from the places where
+        the check handed them back, else from the tree (`Tree.listing`, bounded)."""
+        start = prefix.encode()
+        end = _after_all(start)
+        with self._lock:
+            if self._sorted is None:
+                places = next(
+                    (p for p in (self._places, self._found, self._spare) if p is not None), None
+                )
+                self._sorted = None if places is None else sorted(places)
+            keys = self._sorted
+        if keys is None:
+            found = self.tree.listing(start, end)
+        else:
+            stop = len(keys) if end is None else bisect.bisect_left(keys, end)
+            found = keys[bisect.bisect_left(keys, start) : stop]
+        return [key.decode("utf-8", errors="replace") for key in found]
 
     def read(
         self, keys: Sequence[str], byte_ranges: Sequence[slice | None], batch: ts.Batch
@@ -129,9 +163,25 @@ class Index:
             else:
                 file, offset, _ = place
                 at = slice(offset + cut[0], offset + cut[1])
-                read = self.base.read(file, byte_range=at, batch=batch if self.coalesce else None)
+                read = (
+                    self.read_file(file, at)
+                    if self.read_file is not None
+                    else self.base.read(
+                        file.encode("utf-8", "surrogateescape"),
+                        byte_range=at,
+                        batch=batch if self.coalesce else None,
+                    )
+                )
                 values.append(_checked(read, file, at.start, at.stop - at.start))
         return values
+
+
+def _after_all(prefix: bytes) -> bytes | None:
+    """The first key after every key that starts with `prefix` (None: no such key)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
 def _cut(byte_range: slice | None, length: int) -> tuple[int, int] | None:
@@ -170,6 +220,9 @@ def _checked(
         where = f"the b-tree places a value at bytes {offset} to {offset + length} of data file {file!r}"
         try:
             result = done.result()
+        except LazyckptError as error:  # (a data file replaced: said so, by name)
+            promise.set_exception(error)
+            return
         except Exception as error:  # noqa: BLE001 - handed to whoever awaits
             promise.set_exception(ValueError(f"{where}, which could not be read ({error})"))
             return
@@ -186,71 +239,3 @@ def _checked(
 
     read.add_done_callback(settle)
     return future
-
-
-def _dump(base: ts.KvStore, node: str | None) -> Any:
-    try:
-        return ts.ocdbt.dump(base, node).result()
-    except Exception:  # noqa: BLE001 - any failure: the driver reads instead
-        return None
-
-
-def _newest_root(manifest: Any) -> tuple[str, int, int] | None:
-    """The newest version's root node, number of keys and bytes of tree; None for an
-    empty database or a manifest this does not read."""
-    try:
-        version = max(manifest["versions"], key=lambda v: v["generation_number"])
-        root = version["root"]
-        statistics = root["statistics"]
-        return root["location"], int(statistics["num_keys"]), int(statistics["num_tree_bytes"])
-    except (TypeError, KeyError, ValueError):
-        return None
-
-
-def _walked(base: ts.KvStore, worth: Callable[[int], bool]) -> dict[bytes, Place] | None:
-    """Every key's place, from the newest version's b-tree, where `worth` says its number
-    of keys is worth the walk and it is at most `MAX_TREE_BYTES`; else None."""
-    root = _newest_root(_dump(base, None))
-    if root is None or not worth(root[1]) or root[2] > MAX_TREE_BYTES:
-        return None
-    return _walk(base, root[0])
-
-
-def _walk(base: ts.KvStore, root: str) -> dict[bytes, Place] | None:
-    """Every key's place under the node at `root`; None if a node will not dump or
-    holds what this does not know."""
-    places: dict[bytes, Place] = {}
-    pending: list[tuple[str, bytes]] = [(root, b"")]
-    try:
-        while pending:
-            location, prefix = pending.pop()
-            node = _dump(base, location)
-            if node is None:
-                return None
-            entries = node["entries"]
-            if node["height"] > 0:
-                for entry in entries:
-                    pending.append(
-                        (entry["location"], prefix + bytes(entry["subtree_common_prefix"]))
-                    )
-                continue
-            for entry in entries:
-                key = prefix + bytes(entry["key"])
-                if "inline_value" in entry:
-                    places[key] = bytes(entry["inline_value"])
-                else:
-                    places[key] = _indirect(entry["indirect_value"])
-    except (TypeError, KeyError, ValueError):
-        return None
-    return places
-
-
-def _indirect(location: str) -> tuple[str, int, int]:
-    """An indirect value's (data file, offset, length), from its place in a dump."""
-    match = _LOCATION.fullmatch(location)
-    if match is None:
-        raise ValueError(location)
-    base_path, relative = (
-        urllib.parse.unquote(part, errors="strict") for part in match.group(1, 2)
-    )
-    return base_path + relative, int(match[3]), int(match[4])

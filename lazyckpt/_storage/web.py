@@ -25,7 +25,8 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import web_options
-from lazyckpt._storage.local import check_size, open_regular, pread_into
+from lazyckpt._storage.identities import FileIdentities
+from lazyckpt._storage.local import check_size, open_file, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
 from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
@@ -71,6 +72,9 @@ class WebFiles:
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self._stop = Stop()
+        self.identities = FileIdentities()
+        """The copies in the Hugging Face cache it read, each as first read: its store's
+        positioned reads of them check these too."""
 
     def read(
         self,
@@ -123,7 +127,10 @@ class WebFiles:
         local = local_copy(f"{self.folder}/{key}")
         if local is not None:  # in the Hugging Face cache: a few system calls, here
             try:
-                promise.set_result(read_cached(local, url, start, stop, short=short, into=into))
+                answer = read_cached(
+                    local, url, start, stop, short=short, into=into, identities=self.identities
+                )
+                promise.set_result(answer)
             except Exception as error:  # noqa: BLE001 - handed to whoever awaits
                 promise.set_exception(error)
             return future
@@ -172,20 +179,29 @@ def read_cached(
     short: bool = False,
     limit: int = WHOLE_LIMIT,
     into: Into | None = None,
+    identities: FileIdentities | None = None,
 ) -> Answer:
     """The bytes `[start, stop)` of `file`, the local copy of the file at `url` (the
     whole file, up to `limit` bytes, without a range; with `short`, fewer where it ends
     before `stop`), answered as `Client.read` answers for the file over HTTP, with its
-    size; read straight `into` a buffer where one is given. Read only where it is a regular file (`open_regular`: a FIFO in the cache
-    would block forever); counted as lazyckpt's direct reads are."""
-    fd = open_regular(file)
-    if fd is None:
+    size; read straight `into` a buffer where one is given. Read only where it is a regular file (`open_file`: a FIFO in the cache
+    would block forever), and where `identities` are given, the file they first saw
+    there (each read opens it again: no bytes of another file in an answer); counted
+    as lazyckpt's direct reads are."""
+    found = open_file(file)
+    if found is None:
         raise CheckpointChangedError(
             f"{describe(url)}: its copy in the Hugging Face cache is gone since the model "
             "was opened; open it again"
         )
+    fd, info = found
     try:
-        size = os.fstat(fd).st_size
+        if identities is not None and not identities.same(file, info):
+            raise CheckpointChangedError(
+                f"{describe(url)}: its copy in the Hugging Face cache was replaced since "
+                "the model was opened; open it again"
+            )
+        size = info.st_size
         low = start or 0
         high = size if stop is None else stop
         if start is None and stop is None:

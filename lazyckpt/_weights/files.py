@@ -1,7 +1,8 @@
-"""One weight file's bytes, read by range through its folder's `Store`: the reads the
-formats of this package parse their tables from (a zip's directory, a pickle, `.npy`
-headers, msgpack), each checked for length so that a short file is a
-`CorruptCheckpointError` naming it, never a parse of fewer bytes than declared."""
+"""One weight file's bytes, read by range through its folder's `Store` (a local file by
+lazyckpt's own positioned reads, `Store.read`): the reads the formats of this package
+parse their tables from (a zip's directory, a pickle, `.npy` headers, msgpack), each
+checked for length so that a short file is a `CorruptCheckpointError` naming it, never
+a parse of fewer bytes than declared."""
 
 from __future__ import annotations
 
@@ -51,18 +52,17 @@ class File:
         if start + n <= len(self.known) or self.whole:
             return self.known[start : start + n]
         kvstore = self.store.kvstore
-        self.store.check_files([self.key])
         if isinstance(kvstore, WebFiles):
             answer = kvstore.read(self.key, byte_range=slice(start, start + n), short=True)
             return self._value(answer, f"bytes from {start}")
         try:
             return self._value(
-                kvstore.read(self.key, byte_range=slice(start, start + n)), f"bytes from {start}"
+                self.store.read(self.key, slice(start, start + n)), f"bytes from {start}"
             )
         except _Short:  # fewer than `n` remain: read to the end, which is nearer
             try:
                 return self._value(
-                    kvstore.read(self.key, byte_range=slice(start, None)), f"bytes from {start}"
+                    self.store.read(self.key, slice(start, None)), f"bytes from {start}"
                 )
             except _Short:  # (past the end)
                 return b""
@@ -76,7 +76,6 @@ class File:
         if self.whole:
             return self.known[-n:]
         kvstore = self.store.kvstore
-        self.store.check_files([self.key])
         if isinstance(kvstore, WebFiles):
             size = kvstore.size(self.key)
             if size is None:
@@ -86,9 +85,9 @@ class File:
                 raise CorruptCheckpointError(f"{self.path}: the server did not say its size")
             return self.read(max(0, size - n), size, "its end")
         try:
-            return self._value(kvstore.read(self.key, byte_range=slice(-n, None)), "its end")
+            return self._value(self.store.read(self.key, slice(-n, None)), "its end")
         except _Short:  # shorter than `n`
-            return self._value(kvstore.read(self.key), "its end")
+            return self._value(self.store.read(self.key), "its end")
 
     def _value(self, future: ts.Future[ts.KvStore.ReadResult], what: str) -> bytes:
         try:
@@ -121,8 +120,7 @@ class File:
             return ready(self.known[start:stop] if stop <= len(self.known) else b"")
         if self.whole:
             raise self._short(start, stop, what)
-        self.store.check_files([self.key])
-        read = self.store.kvstore.read(self.key, byte_range=slice(start, stop))
+        read = self.store.read(self.key, slice(start, stop))  # (a local file: by lazyckpt)
         return then(read, value, lambda error: self._failed(error, what, (start, stop)))
 
     def _failed(

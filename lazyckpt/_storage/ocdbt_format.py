@@ -1,0 +1,450 @@
+"""OCDBT's manifests and b-tree nodes, read by lazyckpt before tensorstore decodes them.
+
+tensorstore's decoder sizes what it allocates from the lengths that a manifest or node
+gives: a table of a million data-file paths of 64 KiB each, or keys that add up to
+64 GiB, fit in a few KiB once compressed, and decoding them exhausts memory or aborts
+the process. So lazyckpt reads each one first, as tensorstore's format describes it
+(tensorstore/kvstore/ocdbt/index.rst): its header and CRC-32C, its body (decompressed
+to at most `MAX_DECODED_BYTES`), its columns of lengths (with NumPy, a column at a
+time), what decoding it would hold (`decoded`, refused past `MAX_DECODED_BYTES`), and
+then its keys, values and children. Whatever this does not read whole is
+`FormatError`, saying what is wrong. tensorstore's driver reads no version-tree node
+to read the newest version (a database whose version-tree nodes are garbage reads as
+before), so a manifest's references to them are read, and never followed.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import struct
+
+import attrs
+import numpy as np
+import zstandard
+
+MANIFEST_MAGIC = 0x0CDB3A2A
+NODE_MAGIC = 0x0CDB20DE
+
+MAX_DECODED_BYTES = 256 << 20
+"""The most that a manifest or node may hold decoded, stored bytes included, as
+`decoded` counts it: Orbax lets tensorstore fill nodes up to 100 MB as tensorstore's
+writer estimates them, which this count (every entry's place in memory besides its key
+and value) puts at up to twice that."""
+
+MAX_KEY = 65535
+"""The longest key, and the longest data-file path, that the format allows."""
+
+MAX_ENTRIES = 1 << 20
+"""The most entries a node may hold (tensorstore's `kMaxNodeArity`)."""
+
+MAX_INLINE = 1 << 20
+"""The longest value a leaf may hold inline (tensorstore's `kMaxInlineValueLength`)."""
+
+MISSING = (1 << 64) - 1
+"""Offset and length of a reference to nothing: the root of an empty database."""
+
+_LEAF_ENTRY = 72
+"""Bytes tensorstore holds for a leaf's entry besides its key and value: the entry, a
+value length and two key lengths."""
+_INTERIOR_ENTRY = 88
+"""Likewise for a child's entry: its reference, statistics and key lengths."""
+_TABLE_ENTRY = 64
+"""Likewise for a data file of a table, besides its path."""
+
+
+class FormatError(ValueError):
+    """A manifest or node that tensorstore's decoder would refuse, or that would hold
+    more than `MAX_DECODED_BYTES` decoded."""
+
+
+@attrs.frozen
+class Ref:
+    """Where a node lies: its data file (`base` + `relative`), offset and length. Its
+    own table's paths are relative to `base`, the path its parent's table gave."""
+
+    base: bytes
+    relative: bytes
+    offset: int
+    length: int
+
+    @property
+    def file(self) -> bytes:
+        return self.base + self.relative
+
+
+@attrs.frozen
+class Manifest:
+    """What a manifest says of the newest version: where its root is (None in an empty
+    database), and its height; `numbered` where the manifest holds only the
+    configuration and the versions are in the newest `manifest.{generation:016x}`."""
+
+    numbered: bool
+    root: Ref | None = None
+    height: int = 0
+
+
+Place = bytes | tuple[str, int, int]
+"""A key's value: inline bytes, or (data file, offset, length) in the base store."""
+
+
+@attrs.frozen
+class Node:
+    """A b-tree node: its keys (relative to the prefix its parents give it, increasing),
+    and a leaf's values or an interior node's children (each a node and the length of
+    its key's prefix that all keys below it share)."""
+
+    height: int
+    keys: list[bytes]
+    values: list[Place]
+    children: list[tuple[Ref, int]]
+    decoded: int
+
+
+def manifest(data: bytes) -> Manifest:
+    """The manifest encoded in `data` (`FormatError` where tensorstore would refuse it,
+    or past `MAX_DECODED_BYTES`)."""
+    body, reader = _opened(data, MANIFEST_MAGIC)
+    reader.take(16)  # (the database's uuid)
+    kind = reader.byte()
+    if kind > 1:
+        raise FormatError(f"has manifest kind {kind}, where 0 and 1 are known")
+    reader.varint(32), reader.varint(32)  # (the largest inline value and node)
+    arity = reader.byte()
+    if not 1 <= arity <= 16:
+        raise FormatError(f"has a version tree of arity 2**{arity}, outside 2**1 to 2**16")
+    compression = reader.varint(32)
+    if compression > 1:
+        raise FormatError(f"has compression method {compression}, where 0 and 1 are known")
+    if compression:
+        reader.take(4)  # (the zstd level its writer uses)
+    if kind == 1:
+        reader.end()
+        return Manifest(numbered=True)
+    table, decoded = _table(reader, b"", len(data) + len(body))
+    count = reader.varint(64)
+    if not 1 <= count <= 1 << arity:
+        raise FormatError(f"lists {count} versions inline, where 1 to {1 << arity} fit")
+    reader.varints(count, 64)  # (generation numbers)
+    heights = reader.take(count)
+    roots = _refs(reader, table, count, missing=True)
+    reader.varints(3 * count, 64)  # (each root's statistics)
+    reader.take(8 * count)  # (commit times)
+    older = reader.varint(64)
+    if older > max(63 // arity - 1, 0):
+        raise FormatError(f"refers to {older} version-tree nodes, more than its arity allows")
+    reader.varints(older, 64)  # (their generation numbers)
+    _refs(reader, table, older, missing=False)
+    reader.varints(older, 64)  # (their numbers of generations)
+    reader.take(9 * older)  # (commit times and heights)
+    reader.end()
+    _bounded(decoded + (count + older) * _INTERIOR_ENTRY)
+    root = roots[-1]
+    return Manifest(False, None if root.offset == MISSING else root, heights[-1])
+
+
+def node(data: bytes, base: bytes) -> Node:
+    """The b-tree node encoded in `data`, its table's paths relative to `base`
+    (`FormatError` where tensorstore would refuse it, or past `MAX_DECODED_BYTES`)."""
+    body, reader = _opened(data, NODE_MAGIC)
+    height = reader.byte()
+    table, decoded = _table(reader, base, len(data) + len(body))
+    count = reader.varint(32)
+    if not 1 <= count <= MAX_ENTRIES:
+        raise FormatError(f"holds {count} entries, where 1 to {MAX_ENTRIES} fit")
+    prefixes = np.concatenate([np.zeros(1, np.uint64), reader.varints(count - 1, 16)])
+    suffixes = reader.varints(count, 16)
+    lengths = prefixes + suffixes
+    if np.any(lengths > MAX_KEY):
+        raise FormatError(f"holds a key of more than {MAX_KEY} bytes")
+    if np.any(prefixes[1:] > lengths[:-1]):
+        raise FormatError("holds a key that shares more with the key before it than that key holds")
+    shared = reader.varints(count, 16) if height else None
+    if shared is not None and np.any(shared > lengths):
+        raise FormatError("gives a child a common prefix longer than its key")
+    # tensorstore keeps the node's keys in one buffer, less the prefix all of them share.
+    common = int(min(prefixes[1:].min(initial=MAX_KEY), suffixes[0]))
+    if shared is not None:
+        common = min(common, int(shared.min()))
+    entry = _INTERIOR_ENTRY if height else _LEAF_ENTRY
+    decoded += common + int(lengths.sum()) - count * common + count * entry
+    _bounded(decoded)
+    keys = _keys(reader, prefixes, suffixes)
+    if height:
+        children = _refs(reader, table, count, missing=False)
+        reader.varints(3 * count, 64)  # (each child's statistics)
+        reader.end()
+        assert shared is not None
+        return Node(height, keys, [], list(zip(children, shared.tolist(), strict=True)), decoded)
+    values = _values(reader, table, count)
+    reader.end()
+    return Node(height, keys, values, [], decoded)
+
+
+def _bounded(decoded: int) -> None:
+    if decoded > MAX_DECODED_BYTES:
+        raise FormatError(
+            f"would hold at least {decoded:,} bytes decoded, more than the "
+            f"{MAX_DECODED_BYTES:,} that lazyckpt lets tensorstore decode"
+        )
+
+
+def _opened(data: bytes, magic: int) -> tuple[bytes, _Reader]:
+    """The body of an encoded manifest or node, decompressed, and a reader of it."""
+    if len(data) < 16:
+        raise FormatError(f"holds {len(data)} bytes, fewer than its header and checksum")
+    found, length = struct.unpack_from(">I", data)[0], struct.unpack_from("<Q", data, 4)[0]
+    if found != magic:
+        raise FormatError(f"starts with {found:#010x}, not {magic:#010x}")
+    if length != len(data):
+        raise FormatError(f"says it holds {length} bytes, where it holds {len(data)}")
+    (checksum,) = struct.unpack_from("<I", data, len(data) - 4)
+    if crc32c(memoryview(data)[:-4]) != checksum:
+        raise FormatError("does not match its CRC-32C checksum")
+    header = _Reader(data[12:-4])
+    if header.varint(32) != 0:
+        raise FormatError("has a format version other than 0")
+    compression = header.varint(32)
+    rest = data[12 + header.at : -4]
+    if compression == 0:
+        return rest, _Reader(rest)
+    if compression != 1:
+        raise FormatError(f"has compression format {compression}, where 0 and 1 are known")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(rest, read_across_frames=True) as stream:
+            body = stream.read(MAX_DECODED_BYTES + 1)
+    except zstandard.ZstdError as error:
+        raise FormatError(f"is not valid zstd data ({error})") from None
+    _bounded(len(data) + len(body))
+    return body, _Reader(body)
+
+
+def _table(reader: _Reader, base: bytes, decoded: int) -> tuple[list[tuple[bytes, bytes]], int]:
+    """A table of data files, each (its base path, the path relative to that), the
+    base paths after `base`; and `decoded` with what decoding the table holds."""
+    count = reader.varint(64)
+    if count > MAX_ENTRIES:
+        # (a node names at most one data file an entry; a manifest, one a version)
+        raise FormatError(f"names {count:,} data files, more than the {MAX_ENTRIES:,} it can use")
+    prefixes = np.concatenate([np.zeros(min(count, 1), np.uint64), reader.varints(count - 1, 16)])
+    suffixes = reader.varints(count, 16)
+    bases = reader.varints(count, 16)
+    lengths = prefixes + suffixes
+    if np.any(lengths > MAX_KEY - len(base)) or np.any(bases > lengths):
+        raise FormatError("names a data file whose path is too long, or shorter than its base")
+    before = np.concatenate([np.zeros(min(count, 1), np.uint64), bases[:-1]])
+    if np.any((prefixes > np.minimum(before, bases)) & (bases != before)):
+        raise FormatError("names data files whose base paths share more than they hold")
+    # (each path a string of its own, after `base`: the most that decoding may hold)
+    decoded += count * (_TABLE_ENTRY + len(base)) + int(lengths.sum())
+    _bounded(decoded)
+    files = []
+    path = b""
+    for shared, suffix, length in zip(
+        prefixes.tolist(), suffixes.tolist(), bases.tolist(), strict=True
+    ):
+        path = path[:shared] + reader.take(suffix)
+        files.append((base + path[:length], path[length:]))
+    return files, decoded
+
+
+def _refs(
+    reader: _Reader, table: list[tuple[bytes, bytes]], count: int, *, missing: bool
+) -> list[Ref]:
+    """`count` references: data files, offsets and lengths, each a column."""
+    ids = reader.varints(count, 64)
+    offsets = reader.varints(count, 64)
+    lengths = reader.varints(count, 64)
+    if np.any(ids >= len(table)):
+        raise FormatError(f"refers to a data file outside its table of {len(table)}")
+    out = []
+    for at, offset, length in zip(ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+        if not (missing and offset == length == MISSING) and offset + length >= 1 << 63:
+            raise FormatError(f"refers to bytes {offset} to {offset + length} of a data file")
+        base, relative = table[at]
+        out.append(Ref(base, relative, offset, length))
+    return out
+
+
+def _past_end(offsets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether a range of a data file ends past 2**63 - 1, as tensorstore refuses."""
+    limit = np.uint64(1 << 63)
+    return bool(np.any((offsets >= limit) | (lengths >= limit) | (offsets + lengths >= limit)))
+
+
+def _keys(reader: _Reader, prefixes: np.ndarray, suffixes: np.ndarray) -> list[bytes]:
+    """The keys whose lengths the columns give, each made of what it shares with the
+    one before it and its own suffix; strictly increasing, as tensorstore checks."""
+    start = reader.at
+    raw = reader.take(int(suffixes.sum()))
+    ends = np.cumsum(suffixes).tolist()
+    key = b""
+    keys = [
+        key := key[:shared] + raw[begin:end]
+        for shared, begin, end in zip(prefixes.tolist(), [0, *ends[:-1]], ends, strict=True)
+    ]
+    if not all(map(operator.lt, keys, keys[1:])):
+        raise FormatError(f"holds keys out of order (at byte {start} of its body)")
+    return keys
+
+
+def _values(reader: _Reader, table: list[tuple[bytes, bytes]], count: int) -> list[Place]:
+    """A leaf's values: inline bytes, or places in data files."""
+    lengths = reader.varints(count, 64)
+    kinds = np.frombuffer(reader.take(count), np.uint8)
+    if np.any(kinds > 1):
+        raise FormatError("gives a value a kind other than inline (0) or in a data file (1)")
+    inline = kinds == 0
+    if np.any(lengths[inline] > MAX_INLINE):
+        raise FormatError(f"holds an inline value of more than {MAX_INLINE} bytes")
+    indirect = int(count - inline.sum())
+    ids = reader.varints(indirect, 64)
+    offsets = reader.varints(indirect, 64)
+    if np.any(ids >= len(table)):
+        raise FormatError(f"refers to a data file outside its table of {len(table)}")
+    files = [(b + r).decode("utf-8", "surrogateescape") for b, r in table]
+    stored = lengths[~inline]
+    if _past_end(offsets, stored):
+        raise FormatError("places a value past the end that any data file can have")
+    sizes = lengths[inline]
+    raw = reader.take(int(sizes.sum()))
+    ends = np.cumsum(sizes).tolist()
+    here: list[Place] = [raw[begin:end] for begin, end in zip([0, *ends[:-1]], ends, strict=True)]
+    if not indirect:
+        return here
+    places: list[Place] = [
+        (files[file], offset, size)
+        for file, offset, size in zip(ids.tolist(), offsets.tolist(), stored.tolist(), strict=True)
+    ]
+    if indirect == count:
+        return places
+    # (each entry's value from the inline ones or the placed ones, in the entries' order)
+    sources = (iter(here), iter(places))
+    return [next(sources[kind]) for kind in kinds.tolist()]
+
+
+class _Reader:
+    """A body read field by field, and column by column."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.array = np.frombuffer(body, np.uint8)
+        self.at = 0
+
+    def take(self, count: int) -> bytes:
+        if count > len(self.body) - self.at:
+            raise FormatError(
+                f"ends within a field of {count} bytes, at byte {self.at} of its body"
+            )
+        self.at += count
+        return self.body[self.at - count : self.at]
+
+    def byte(self) -> int:
+        return self.take(1)[0]
+
+    def varint(self, bits: int) -> int:
+        return int(self.varints(1, bits)[0])
+
+    def varints(self, count: int, bits: int) -> np.ndarray:
+        """A column of `count` varints (7 bits a byte, low ones first, a set high bit
+        saying more follow), each of at most `bits` bits, as riegeli reads them; with
+        arrays of `count` numbers, never one a byte."""
+        if count <= 0:
+            return np.zeros(0, np.uint64)
+        most = 5 if bits <= 32 else 10
+        window = self.array[self.at : self.at + count * most]
+        ends = _ends(window, count)
+        if ends.size < count:
+            raise FormatError(f"ends within a column of {count} numbers, at byte {self.at}")
+        starts = np.concatenate([np.zeros(1, np.intp), ends[:-1] + 1])
+        sizes = ends - starts + 1
+        longest = int(sizes.max())
+        if longest > most:
+            raise FormatError(f"holds a number of more than {most} bytes, at byte {self.at}")
+        if bits == 64 and np.any((sizes == 10) & (window[ends] > 1)):
+            raise FormatError(f"holds a number of more than 64 bits, at byte {self.at}")
+        values: np.ndarray = (window[starts] & 0x7F).astype(np.uint64)
+        for k in range(1, longest):
+            byte = (window[np.minimum(starts + k, ends)] & 0x7F).astype(np.uint64)
+            byte[sizes <= k] = 0
+            values |= byte << np.uint64(7 * k)
+        if bits < 64 and np.any(values >> np.uint64(bits)):
+            raise FormatError(f"holds a number of more than {bits} bits, at byte {self.at}")
+        self.at += int(ends[-1]) + 1
+        return values
+
+    def end(self) -> None:
+        if self.at != len(self.body):
+            raise FormatError(f"holds {len(self.body) - self.at} bytes past its last field")
+
+
+def _ends(window: np.ndarray, count: int) -> np.ndarray:
+    """Where the first `count` varints in `window` end (at most `count` positions): a
+    piece of `count` bytes at a time, which holds them all where each takes a byte."""
+    found = []
+    have = 0
+    for at in range(0, window.size, count):
+        piece = np.flatnonzero(window[at : at + count] < 0x80)[: count - have]
+        found.append(piece + at)
+        have += piece.size
+        if have == count:
+            break
+    return np.concatenate(found) if found else np.zeros(0, np.intp)
+
+
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), bits reversed
+
+
+@functools.cache
+def _byte_table() -> np.ndarray:
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(_POLY), table >> 1).astype(np.uint32)
+    return table
+
+
+@functools.cache
+def _zeros(lane: int) -> list[list[int]]:
+    """What `lane` zero bytes make of a CRC's state (a linear map), as a table for each
+    of the state's four bytes."""
+    table = _byte_table()
+    states = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    for _ in range(lane):
+        states = table[states & 0xFF] ^ (states >> 8)
+    values = np.arange(256)
+    tables = []
+    for k in range(4):
+        out = np.zeros(256, np.uint32)
+        for bit in range(8):
+            out ^= np.where((values >> bit) & 1, states[8 * k + bit], 0).astype(np.uint32)
+        tables.append(out.tolist())
+    return tables
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    """CRC-32C of `data` (at least 4 bytes), in lanes: NumPy runs one lane's length of
+    steps over every lane at once, and the lanes' CRCs are joined by what zeros do to a
+    CRC (the 768 KB node of an Orbax checkpoint of 150,000 arrays: 0.01 s, where a byte
+    at a time in Python takes 0.07 s)."""
+    array = np.frombuffer(data, np.uint8)
+    lane = 16
+    while lane < 1024 and lane * lane < array.size:
+        lane *= 2
+    lanes = max(1, -(-array.size // lane))
+    grid = np.zeros(lanes * lane, np.uint8)
+    grid[grid.size - array.size :] = array  # (leading zeros leave a CRC begun at 0 as it is)
+    # (begun at 0xFFFFFFFF: as begun at 0 over data whose first 4 bytes are inverted)
+    first = grid.size - array.size
+    grid[first : first + 4] ^= 0xFF
+    table = _byte_table()
+    rows = grid.reshape(lanes, lane)
+    states = np.zeros(lanes, np.uint32)
+    for column in range(lane):
+        states = table[(states ^ rows[:, column]) & 0xFF] ^ (states >> 8)
+    z0, z1, z2, z3 = _zeros(lane)
+    crc = 0
+    for state in states.tolist():
+        crc = (
+            z0[crc & 0xFF] ^ z1[(crc >> 8) & 0xFF] ^ z2[(crc >> 16) & 0xFF] ^ z3[crc >> 24] ^ state
+        )
+    return crc ^ 0xFFFFFFFF
