@@ -22,7 +22,15 @@ from lazyckpt._open import open as open_checkpoint
 from lazyckpt._orbax.plan import plan
 from lazyckpt._rename import rename as rename_keys
 from lazyckpt._safetensors.write import plan_files
-from lazyckpt._save import DEFAULT_CHUNK_BYTES, Format, check_overwrite, save, save_format
+from lazyckpt._save import (
+    DEFAULT_CHUNK_BYTES,
+    Format,
+    check_allow_expand,
+    check_expansion,
+    check_overwrite,
+    save,
+    save_format,
+)
 from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
 from lazyckpt._text import human_bytes
@@ -100,6 +108,7 @@ def convert(
     max_shard_size: int | str | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
+    allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[False] = False,
@@ -123,6 +132,7 @@ def convert(
     max_shard_size: int | str | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
+    allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[True],
@@ -145,6 +155,7 @@ def convert(
     max_shard_size: int | str | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
+    allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: bool = False,
@@ -179,6 +190,10 @@ def convert(
         memory_budget: As for `load`.
         progress: As for `load`.
         overwrite: As for `save`.
+        allow_expand: As for `save`: write broadcast views (tensors saved `expand`ed)
+            whole, however far their values repeat; without it, `dry_run` too refuses
+            one (or all of them together) that would write more than 1 GiB and 1024
+            times what it stores.
         storage_options: As for `open`, for both sides.
         dry_run: Write nothing and read no array data: return the `ConversionPlan`,
             what would be written after every `select`, `transform`, `rename` and
@@ -207,6 +222,7 @@ def convert(
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
     check_overwrite(overwrite)
+    check_allow_expand(allow_expand)
     final = paths.normalize(destination)
     kind = save_format(final, format=to, argument="to")
     target = None if dtype is None else _cast_dtype(dtype)
@@ -222,6 +238,8 @@ def convert(
         cast_to = target
         tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
     if dry_run:
+        if not allow_expand:  # (as save would refuse, before it writes anything)
+            check_expansion(tree)
         with paths.session(storage_options):
             taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
         if taken and not overwrite:  # as save would refuse, before it writes anything
@@ -240,6 +258,7 @@ def convert(
         max_shard_size=max_shard_size,
         memory_budget=memory_budget,
         overwrite=overwrite,
+        allow_expand=allow_expand,
         progress=progress,
         storage_options=storage_options,
     )

@@ -15,7 +15,7 @@ from lazyckpt._array.geometry import Box
 from lazyckpt._array.tree import leaf_values, map_leaves
 from lazyckpt._engine.coalesced import schedule_coalesced
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
-from lazyckpt._engine.memory import Destination
+from lazyckpt._engine.memory import Destination, check_total
 from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.small import is_small, read_small
@@ -71,6 +71,7 @@ def materialize(
         budget = None
         try:
             budget = optional_size("memory_budget", memory_budget)  # (agreed on below if bad)
+            check_total(label, [(p.array.key, p.array.nbytes) for p in placements if _in_host(p)])
             scheduler = Scheduler(budget, bar)
             _read_here(placements, {id(p) for p in spread}, scheduler, results)
         except Exception as error:
@@ -125,6 +126,13 @@ def _refused(dtype: np.dtype[Any], device: Any) -> str | None:
         said = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return f"{type(error).__name__}: {_text.printable(said[:120])}"
     return None
+
+
+def _in_host(placement: Placement) -> bool:
+    """Whether `placement`'s result is held in this process's memory: a NumPy array,
+    or one whose devices are all this process's CPUs."""
+    sharding = placement.sharding
+    return sharding is None or (sharding.is_fully_addressable and not staged(sharding))
 
 
 def _spread(on_devices: list[Placement]) -> list[Placement]:
@@ -237,7 +245,7 @@ def _schedule_load(
     if array.key_impl:
         results[id(placement)] = array.get()  # typed keys are small
         return
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype, key=array.key)
     schedule_fill(array, [destination], scheduler, lambda: None)
     results[id(placement)] = destination
 
@@ -280,7 +288,9 @@ def _schedule_put(
             array.shape, sharding, shards
         )
         return
-    destinations = [Destination(region, array.dtype, aligned=True) for region in regions]
+    destinations = [
+        Destination(region, array.dtype, aligned=True, key=array.key) for region in regions
+    ]
 
     def finish() -> None:
         shards: list[jax.Array] = []

@@ -7,13 +7,18 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from lazyckpt._array import repeats
+from lazyckpt._array.tree import leaves
+from lazyckpt._engine import workload
 from lazyckpt._errors import ArgumentError, LazyTypeError
+from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
 from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
+from lazyckpt._text import human_bytes
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format"]
 
@@ -30,6 +35,7 @@ def save(
     metadata: Mapping[str, str] | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
+    allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> str:
@@ -71,6 +77,12 @@ def save(
             proven by content (anything else is never replaced); a safetensors model
             folder keeps its other files (`config.json`, the tokenizer). Otherwise
             `CheckpointExistsError`.
+        allow_expand: Write a broadcast view (a tensor saved `expand`ed, its strides
+            0) whole, however far its values repeat. Without it, one that would write
+            more than 1 GiB and more than 1024 times the bytes it stores is an
+            `ArgumentError` naming it, before anything is written; so are arrays
+            that would together, against the bytes they store, each counted once
+            (10,000 views of a gigabyte over one storage of 16 bytes).
         storage_options: As for `open`.
 
     Returns:
@@ -86,6 +98,9 @@ def save(
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
     check_overwrite(overwrite)
+    check_allow_expand(allow_expand)
+    if not allow_expand:
+        check_expansion(tree)
     final = paths.normalize(path)
     if save_format(final, format=format) == "safetensors":
         with paths.session(storage_options):
@@ -144,3 +159,45 @@ def check_overwrite(overwrite: object) -> None:
             f"overwrite={overwrite!r} is not a bool; pass overwrite=True to replace an "
             "existing checkpoint, or leave it out"
         )
+
+
+def check_allow_expand(allow_expand: object) -> None:
+    """Refuse an `allow_expand=` that is not a bool, as `check_overwrite` does."""
+    if not isinstance(allow_expand, bool):
+        raise LazyTypeError(
+            f"allow_expand={allow_expand!r} is not a bool; pass allow_expand=True to write "
+            "broadcast views whole, or leave it out"
+        )
+
+
+def check_expansion(tree: object) -> None:
+    """Refuse, by name, a broadcast view in `tree` that would write far more than it
+    stores (`repeats.excessive`), and arrays that would together (`workload.check`):
+    a tiny file can declare exabytes, or 10,000 views of a gigabyte over 16 bytes."""
+    try:
+        found = [(path, leaf) for path, leaf in leaves(tree) if isinstance(leaf, LazyArray)]
+    except (TypeError, ValueError):  # (a tree jax cannot walk: the writer names why)
+        return
+    for path, leaf in found:
+        if leaf.key_impl or not repeats.repeats(leaf):
+            continue
+        stored = workload.distinct_nbytes([repeats.core(leaf)])
+        if repeats.excessive(leaf.nbytes, stored):
+            index = repeats.unrepeated_index(leaf)
+            once = (
+                f", or save its stored values, the view {index} of it, and broadcast them when loading"
+                if index
+                else ""
+            )
+            raise ArgumentError(
+                f"{repeats.described(path or leaf.key, leaf, stored)}: saving it would write "
+                f"all {human_bytes(leaf.nbytes)}. Pass allow_expand=True (lazyckpt convert "
+                f"--allow-expand) to write every repeat{once}"
+            )
+    workload.check(
+        "saving them would write",
+        [(path or leaf.key, leaf.nbytes) for path, leaf in found],
+        lambda: workload.distinct_nbytes(leaf for _, leaf in found),
+        "Pass allow_expand=True (lazyckpt convert --allow-expand) to write every repeat, "
+        "or save fewer of them (a subtree; convert's select=, --select)",
+    )

@@ -2,9 +2,13 @@
 
     python -m tests.hostile_child CASES.json
 
-CASES.json is a list of `{"name", "path", "do", "kwargs"}`. For each case this prints
+CASES.json is a list of `{"name", "path", "do", "kwargs"}` (and what a kind names
+besides: `key`, `step` and `astype` for the view that `stats_json` summarizes;
+`key` and `versus` or `numpy` for `diff`, or `other`, a second checkpoint; `out` for `save` and `convert`, and `key`
+for the one array `save` writes; `args` for the commands). For each case this prints
 `{"name": ..., "started": true}` before it runs and `{"name": ..., "outcome": ...}`
-after, where the outcome is `ok` (`ok: <report>` for `verify`),
+after, where the outcome is `ok` (`ok: <report>` for `verify`, `ok: <JSON>` for
+`stats_json` and `diff`),
 `lazyckpt:<ErrorClass>: <message>` or
 `other:<ErrorClass>: <message>`; a case that crashes the interpreter or hangs leaves
 only its `started` line, and the parent sees the exit status or the timeout.
@@ -17,8 +21,29 @@ import io
 import json
 import os
 import resource
+import signal
 import sys
 from typing import Any
+
+_WRITTEN = 64 << 20
+"""The largest file a case that writes may make: a write past it fails (EFBIG), so that
+a save of exabytes fails fast instead of filling the disk."""
+
+
+def _view(tree: Any, case: dict[str, Any]) -> Any:
+    """The tree, or the view of it a case names: `tree[key][::step].astype(astype)`."""
+    if "key" in case:
+        tree = tree[case["key"]]
+    if "step" in case:
+        tree = tree[:: case["step"]]
+    if "astype" in case:
+        tree = tree.astype(case["astype"])
+    return tree
+
+
+def _writing() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_WRITTEN, _WRITTEN))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
@@ -58,10 +83,45 @@ def _do(lazyckpt: Any, case: dict[str, Any]) -> str | None:
         return " ".join(str(device) for leaf in placed for device in leaf.devices())
     elif do == "stats":
         lazyckpt.stats(lazyckpt.open(path), memory_budget=64 << 20)
-    elif do in ("show", "inspect"):
+    elif do == "stats_json":
+        view = _view(lazyckpt.open(path), case)
+        table = lazyckpt.stats(view, memory_budget=64 << 20, progress=False, **kwargs)
+        return json.dumps(table.describe())
+    elif do == "diff":
+        import numpy as np
+
+        tree = lazyckpt.open(path)
+        if "other" in case:  # two checkpoints, whole
+            left, right = tree, lazyckpt.open(case["other"])
+        else:
+            left = {"v": tree[case["key"]]}
+            right = {
+                "v": np.broadcast_to(np.asarray(case["numpy"], left["v"].dtype), left["v"].shape)
+                if "numpy" in case
+                else tree[case["versus"]]
+            }
+        found = lazyckpt.diff(
+            left, right, values=True, memory_budget=64 << 20, progress=False, **kwargs
+        )
+        return json.dumps(found.describe())
+    elif do in ("save", "convert"):
+        _writing()
+        if do == "save":
+            tree = lazyckpt.open(path)
+            if "key" in case:
+                tree = {case["key"]: tree[case["key"]]}
+            lazyckpt.save(case["out"], tree, memory_budget=64 << 20, progress=False, **kwargs)
+        else:
+            found = lazyckpt.convert(
+                path, case["out"], memory_budget=64 << 20, progress=False, **kwargs
+            )
+            return None if isinstance(found, str) else str(found)
+    elif do in ("show", "inspect", "convert_cli"):
         from lazyckpt._cli.main import main
 
-        args = [do, path, *case.get("args", [])]
+        if do == "convert_cli":
+            _writing()
+        args = [do.removesuffix("_cli"), path, *case.get("args", [])]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             # --traceback: errors that are no LazyckptError surface as themselves.
             code = main(["--traceback", *args])

@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 import lazyckpt
+from lazyckpt._engine.memory import physical_memory
+from lazyckpt._text import human_bytes
 from tests.helpers import expect, orbax_manager_save, orbax_save, run_cases
 
 ROOT = Path(__file__).parent.parent
@@ -99,6 +101,47 @@ def test_declared_sizes_larger_than_memory(tmp_path: Path) -> None:
     assert (
         "read a slice of it, or stream it with lazyckpt.iter_blocks" in outcomes["one_chunk:load"]
     )
+
+
+def test_arrays_larger_than_memory_together_are_refused_before_any_allocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four arrays (zarr headers edited), each a third of this machine's memory and
+    swap: each fits, the four do not, and `load` refuses them, naming the sizes,
+    before it allocates any (it raised a raw OSError from the first allocation past
+    the child's memory limit; without one, the kernel kills the process). An array
+    that fits the machine but not the process's limit: `TooLargeError` naming it."""
+    capacity = physical_memory()
+    count = capacity // 3 // 4 + 1
+    item = _folder_checkpoint(
+        tmp_path / "four", {f"w{i}": np.arange(8, dtype=np.float32) for i in range(4)}
+    )
+    one = _folder_checkpoint(tmp_path / "one", {"w": np.arange(8, dtype=np.float32)})
+    for zarray, shape in [*((item / f"w{i}" / ".zarray", count) for i in range(4)),
+                          (one / "w" / ".zarray", 1 << 29)]:  # fmt: skip
+
+        def edit(meta: dict[str, Any], shape: int = shape) -> None:
+            meta.update(shape=[shape], chunks=[1 << 22])
+
+        _edit_json(zarray, edit)
+    monkeypatch.setenv("HOSTILE_MEMORY", str(1 << 30))  # (the child's limit: 1 GiB more)
+    cases = [
+        {"name": "four", "path": str(item), "do": "load"},
+        {"name": "one", "path": str(one), "do": "load"},
+        {"name": "get", "path": str(one), "do": "get"},
+    ]
+    outcomes = run_cases(cases, tmp_path)
+    expect(outcomes, dict.fromkeys(("four", "one", "get"), "lazyckpt:TooLargeError"))
+    size = re.escape(human_bytes(4 * count * 4))
+    assert re.match(
+        rf"lazyckpt:TooLargeError: lazyckpt load: the 4 arrays to read need {size} in all, "
+        r"more than this machine's memory and swap \(.*\); the largest: w0 \(.*\), w1",
+        outcomes["four"],
+    ), outcomes["four"]
+    for name in ("one", "get"):
+        assert outcomes[name].startswith(
+            "lazyckpt:TooLargeError: w: a result of shape (536870912,) (float32) needs 2.0 GiB"
+        ), outcomes[name]
 
 
 def test_deep_trees_cost_linear_work(tmp_path: Path) -> None:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import tensorstore as ts
+from numpy.typing import DTypeLike
 
 from lazyckpt._array.selection import Index, Selection
 
@@ -60,6 +62,10 @@ class ArrayView(Protocol):
     def chunks(self) -> tuple[int, ...]: ...
 
     def __getitem__(self, index: Index) -> ArrayView: ...
+
+    def astype(self, dtype: DTypeLike) -> ArrayView: ...
+
+    def transpose(self, *axes: int | Sequence[int]) -> ArrayView: ...
 
     def read(self) -> ts.Future[np.ndarray]: ...
 

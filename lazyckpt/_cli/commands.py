@@ -309,6 +309,7 @@ def _convert(args: argparse.Namespace) -> None:
         "max_shard_size": args.max_shard_size,
         "memory_budget": args.memory_budget,
         "overwrite": args.overwrite,
+        "allow_expand": args.allow_expand,
         "progress": False if args.quiet else None,
     }
     if args.dry_run:

@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument(
+        "--allow-expand",
+        action="store_true",
+        help="write broadcast views (tensors saved expanded, strides 0) whole; without it, "
+        "one (or all together) that would write over 1GiB and 1024 times what it stores is refused",
+    )
+    convert.add_argument(
         "--dry-run",
         action="store_true",
         help="print the names, shapes, dtypes, files or chunks and bytes it would write; "

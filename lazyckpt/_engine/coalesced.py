@@ -91,7 +91,9 @@ def schedule_coalesced(arrays: Sequence[ArrayView], scheduler: Scheduler) -> dic
     for at, array in enumerate(arrays):
         places = _places(array)
         if places:
-            destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+            destination = Destination(
+                tuple((0, n) for n in array.shape), array.dtype, key=array.key
+            )
             destination.on_allocate = scheduler.guard.keep
             planned[at] = destination
             chunks.extend(_chunks(array, places, destination))
@@ -116,7 +118,7 @@ def read_whole(array: ArrayView) -> ts.Future[np.ndarray] | None:
     places = _places(array)
     if not places:
         return None
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype, key=array.key)
     chunks = _chunks(array, places, destination)
     lock = threading.Lock()
     size = _request_bytes(sum(chunk.length for chunk in chunks))

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import contextvars
 import ctypes
+import errno
 import functools
 import math
 import mmap
@@ -106,6 +107,45 @@ def check_fits(what: str, nbytes: int) -> None:
             f"({human_bytes(physical_memory())}); read a slice of it, or stream it with "
             "lazyckpt.iter_blocks"
         )
+
+
+def check_total(label: str, sizes: Sequence[tuple[str, int]]) -> None:
+    """Refuse, before any is allocated, results (`(key, bytes)` each) that together
+    need more than this machine's memory and swap, naming the largest: each may fit
+    on its own (`check_fits`), and all of them kill the process."""
+    total = sum(n for _, n in sizes)
+    if total <= _ram():
+        return
+    capacity = physical_memory()
+    if total > capacity:
+        largest = sorted(sizes, key=lambda item: -item[1])[:3]
+        check_fits(f"{largest[0][0]}: a result", largest[0][1])  # (one alone: read a slice)
+        named = ", ".join(f"{key} ({human_bytes(n)})" for key, n in largest)
+        raise TooLargeError(
+            f"{label}: the {len(sizes):,} arrays to read need {human_bytes(total)} in all, "
+            f"more than this machine's memory and swap ({human_bytes(capacity)}); the "
+            f"largest: {named}. Read fewer at once (select=), or stream them with "
+            "lazyckpt.iter_blocks"
+        )
+
+
+@contextlib.contextmanager
+def allocating(what: str, nbytes: int) -> Iterator[None]:
+    """Within this block, a failure to allocate `nbytes` for `what` (NumPy's
+    `MemoryError`; mmap's ENOMEM, under an address-space limit) is `TooLargeError`."""
+    try:
+        yield
+    except TooLargeError:
+        raise
+    except (MemoryError, OSError) as error:
+        if isinstance(error, OSError) and error.errno != errno.ENOMEM:
+            raise
+        raise TooLargeError(
+            f"{what} needs {human_bytes(nbytes)}, which could not be allocated "
+            f"({type(error).__name__}: {error}): the process is out of memory, or of what "
+            "a limit (ulimit -v, a container's) lets it have. Read fewer arrays at once "
+            "(select=), a slice, or stream them with lazyckpt.iter_blocks"
+        ) from None
 
 
 def release_free_memory() -> None:
@@ -271,6 +311,8 @@ class Destination:
     """Told the size of `out` when the engine allocates it."""
     pool: BufferPool | None = None
     """Where `out` comes from when the engine allocates it (else fresh memory)."""
+    key: str | None = None
+    """The key of the array it is a result of, for errors."""
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     @property
@@ -284,31 +326,35 @@ class Destination:
         if self.out is None:
             with self._lock:
                 if self.out is None:
-                    check_fits("a result", self.out_nbytes())
-                    if self.pool is not None:
-                        out = self.pool.empty(self.shape, self.dtype)
-                    else:
-                        out = result_empty(self.shape, self.dtype)
+                    what = f"a result of shape {self.shape} ({np.dtype(self.dtype)})"
+                    what = what if self.key is None else f"{self.key}: {what}"
+                    check_fits(what, self.out_nbytes())
+                    with allocating(what, self.out_nbytes()):
+                        if self.pool is not None:
+                            out = self.pool.empty(self.shape, self.dtype)
+                        else:
+                            out = result_empty(self.shape, self.dtype, what)
                     if self.on_allocate is not None:
                         self.on_allocate(out.nbytes)
                     self.out = out
         return self.out
 
 
-def result_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
+def result_empty(shape: Sequence[int], dtype: npt.DTypeLike, what: str | None = None) -> np.ndarray:
     """An uninitialized array to read results into, starting on a 64-byte boundary
     so that `jax.device_put` on CPU adopts it without a copy.
 
     Large ones are mapped on their own: page-aligned, returned to the OS as soon as
     they are freed, and without the transparent huge pages NumPy asks for, whose
     faults stall on the kernel's synchronous compaction (docs/benchmarks.md, Design
-    measurements).
+    measurements). `what` names it in the `TooLargeError` of a failed allocation.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MAPPED_BYTES:
-        return aligned_empty(shape, dtype)
-    out: np.ndarray = np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+    with allocating(what or f"a result of shape {tuple(shape)} ({dtype})", nbytes):
+        if nbytes < MAPPED_BYTES:
+            return aligned_empty(shape, dtype)
+        out: np.ndarray = np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
     return out
 
 

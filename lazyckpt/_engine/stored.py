@@ -294,6 +294,12 @@ class StoredArray:
         for position in itertools.product(*spans):
             yield self.keys.key(self.name, position)
 
+    def extent(self) -> tuple[object, int]:
+        """`(place, byte offset)`: where its C-order bytes begin in a space of bytes
+        that other arrays may share (a file: `RangeArray`s), for counting each stored
+        byte once (`_engine.workload`); a space of its own by default."""
+        return self, 0
+
     def raw_file(self) -> tuple[str, int] | None:
         """`(local file, byte offset)` where the whole array lies as plain C-order bytes
         in native byte order, for reads straight into place (`lazyckpt._engine.raw`);

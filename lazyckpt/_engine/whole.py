@@ -27,7 +27,7 @@ def read_view(array: ArrayView) -> ts.Future[np.ndarray]:
     touches, on the decoding threads (no job waits on another, so any thread may call
     this). Each job holds a few MiB while it runs; the result is allocated once."""
     stored = stored_array(array)
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype, key=array.key)
     check_fits(f"reading {array.key!r} {array.shape}", destination.out_nbytes())
     selection = array.selection
     if 0 in array.shape:
@@ -66,7 +66,7 @@ def read_composed(array: ArrayView) -> np.ndarray:
     """The whole of a composed view (`lazyckpt.stack`, `transpose`...), read with the
     default budget: each stored chunk of its parts read once."""
     scheduler = Scheduler(None)
-    destination = Destination(tuple((0, n) for n in array.shape), array.dtype)
+    destination = Destination(tuple((0, n) for n in array.shape), array.dtype, key=array.key)
     schedule_fill(array, [destination], scheduler, lambda: None)
     scheduler.drain()
     check_unchanged(stores([array]))

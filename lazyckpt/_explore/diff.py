@@ -19,6 +19,7 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import NoMatchError
 from lazyckpt._explore import difference, plot
 from lazyckpt._explore.arguments import count
+from lazyckpt._explore.sides import Side, check_work, unrepeated
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import load
@@ -32,9 +33,7 @@ if TYPE_CHECKING:
 _KINDS = ("added", "removed", "moved", "shape", "dtype", "value", "equal")
 _Signature = tuple[str, tuple[int, ...], str] | tuple[str, str]
 """What a moved leaf keeps: `('array', shape, dtype)`, or `('value', repr)`."""
-_Array = LazyArray | np.ndarray | jax.Array
-"""The leaves compared as arrays: by shape and dtype, and with `values=True` by value,
-whether they are lazy or already read (`diff(lazy_tree, lazyckpt.load(lazy_tree))`)."""
+_Array = Side
 
 
 @attrs.frozen
@@ -179,7 +178,9 @@ def diff(
     compares equal to the lazy tree it was read from. Integer and bool values compare
     exactly, floats as float64. NaNs in the same places count as equal, in arrays and
     as scalar leaves; a NaN or Inf facing a different value makes the difference
-    infinite. A leaf that disappears from one path and
+    infinite. Broadcast views (a tensor saved `expand`ed, a NumPy `broadcast_to`) are
+    compared where both sides are constant: their stored values, where they repeat
+    alike. A leaf that disappears from one path and
     appears at another with the same shape and dtype (and, if compared, values) is
     reported as moved.
 
@@ -272,10 +273,11 @@ def _compare_values(
     memory_budget: int | None,
     progress: bool | None,
 ) -> None:
-    total = sum(old.nbytes + new.nbytes for _, old, new in pairs)
+    arrays = [unrepeated(path, old, new) for path, old, new in pairs]
+    check_work([(path, *both) for (path, _, _), both in zip(pairs, arrays, strict=True)])
+    total = sum(old.nbytes + new.nbytes for old, new in arrays)
     with shown(progress, total, "lazyckpt diff") as bar:
         worst: dict[str, tuple[float, float, bool]] = {}
-        arrays = [(old, new) for _, old, new in pairs]
         for position, left, right in _paired_blocks(arrays, memory_budget):
             path = pairs[position][0]
             found = difference.block_difference(left, right)
@@ -371,7 +373,7 @@ def _moves(
             continue
         candidates = free.get(_signature(a[path]), [])
         for target in candidates:
-            if values and not _equal_values(a[path], b[target], memory_budget):
+            if values and not _equal_values(path, a[path], b[target], memory_budget):
                 continue
             candidates.remove(target)
             matched.add(target)
@@ -395,7 +397,7 @@ def _equal_keys(old: _Array, new: _Array) -> bool:
     return np.array_equal(left, right)
 
 
-def _equal_values(old: object, new: object, memory_budget: int | None) -> bool:
+def _equal_values(path: str, old: object, new: object, memory_budget: int | None) -> bool:
     if not isinstance(old, _Array):
         return _same_value(old, new)
     assert isinstance(new, _Array), "signatures match: both are arrays"
@@ -403,5 +405,5 @@ def _equal_values(old: object, new: object, memory_budget: int | None) -> bool:
         return _equal_keys(old, new)
     return not any(
         difference.block_difference(left, right)[2]
-        for _, left, right in _paired_blocks([(old, new)], memory_budget)
+        for _, left, right in _paired_blocks([unrepeated(path, old, new)], memory_budget)
     )

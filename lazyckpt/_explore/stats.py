@@ -9,10 +9,11 @@ import attrs
 import jax.numpy as jnp
 import numpy as np
 
+from lazyckpt._array import repeats
 from lazyckpt._array.tree import Select, selected
-from lazyckpt._engine import stream
+from lazyckpt._engine import stream, workload
 from lazyckpt._engine.progress import Progress, shown
-from lazyckpt._errors import LazyTypeError, renamed
+from lazyckpt._errors import ArgumentError, LazyTypeError, renamed
 from lazyckpt._explore import plot
 from lazyckpt._explore.arguments import choice, count
 from lazyckpt._lazy import LazyArray
@@ -122,6 +123,13 @@ class _Running:
         self.m2 += m2 + delta * delta * self.count * n / total
         self.count = total
 
+    def repeat(self, times: int) -> None:
+        """Count every value folded in `times` times (a broadcast view's stored values
+        stand for its repeats): the minimum, maximum, mean and std stay as they are."""
+        self.size, self.nan, self.inf = self.size * times, self.nan * times, self.inf * times
+        self.count *= times
+        self.m2 *= times
+
     def _rescale(self, largest: float) -> None:
         """Make `unit` at least `largest`, once values pass `_LARGE`."""
         if largest <= _LARGE * self.unit:
@@ -208,7 +216,8 @@ def stats(
     """Statistics of every LazyArray in `tree`, read block by block within the budget.
 
     Arrays of other kinds (complex numbers, PRNG keys) are left out and listed in
-    the result's `skipped`.
+    the result's `skipped`. A broadcast view (a tensor saved `expand`ed, sliced or cast
+    too) is summarized from its stored values, each counted as often as it repeats.
 
     Args:
         tree: A lazy tree, a subtree of one, or a single LazyArray (a view too).
@@ -247,7 +256,13 @@ def stats(
         everything = arrays_of(selected(tree, select))
     found = [(path, array) for path, array in everything if summarizable(array)]
     skipped = [path for path, array in everything if not summarizable(array)]
-    arrays = [array for _, array in found]
+    arrays = [_stored_values(path, array) for path, array in found]
+    workload.check(
+        "stats would go through",
+        [(path, array.nbytes) for (path, _), array in zip(found, arrays, strict=True)],
+        lambda: workload.distinct_nbytes(arrays),
+        "Take the statistics of fewer arrays (select=), or of slices of them",
+    )
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     with shown(progress, total, "lazyckpt stats") as bar:
         running = [_Running() for _ in arrays]
@@ -256,12 +271,35 @@ def stats(
         histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
         if bins:
             histograms = list(_histograms(arrays, running, bins, budget, bar))
+    for (_, array), read, r, h in zip(found, arrays, running, histograms, strict=True):
+        times = array.size // read.size if read.size else 1
+        r.repeat(times)
+        if h is not None:
+            h[0][...] *= times
     results = [r.result(h) for r, h in zip(running, histograms, strict=True)]
     return StatsTable(
         {path: s for (path, _), s in zip(found, results, strict=True)},
         {path: array.nbytes for path, array in found},
         skipped,
     )
+
+
+def _stored_values(path: str, array: LazyArray) -> LazyArray:
+    """What `stats` reads of `array`: its stored values once, where it is a broadcast
+    view (`repeats.core`); a view whose repeats cannot be told apart from the rest and
+    that would go through far more than it stores is refused by name."""
+    found = repeats.core(array)
+    node = repeats.opaque(found)
+    stored = workload.distinct_nbytes([found])
+    if node is not None and repeats.excessive(found.nbytes, stored):
+        raise ArgumentError(
+            f"{repeats.described(path, array, stored)} under a {node.describe()} that "
+            f"lazyckpt does not see through: stats would go through all "
+            f"{human_bytes(found.nbytes)}. Take the statistics of the views it is made of, "
+            "or of a slice of it"
+        )
+    assert isinstance(found, LazyArray), "the views of a LazyArray are LazyArrays"
+    return found
 
 
 def _histograms(
