@@ -10,9 +10,13 @@ It speaks the parts of the Hub protocol that lazyckpt and `huggingface_hub` use:
   `POST /api/models/{repo_id}/paths-info/{revision}`: what `list_repo_files` and
   `HfFileSystem` list with;
 - `HEAD`/`GET /{repo_id}/resolve/{revision}/{path}`: small files are answered there with
-  `X-Repo-Commit` and a git `ETag`; LFS files (by suffix) with a 302 to
-  `/cdn/{repo_id}/{sha}/{path}` on a second port (another origin, as the Hub's CDN is)
-  carrying `X-Repo-Commit`, `X-Linked-Etag` and `X-Linked-Size`;
+  `X-Repo-Commit` and a git `ETag` (with `resolve_cache`, as the Hub answers for a
+  public repository's, with a 307 carrying `X-Repo-Commit` to
+  `/api/resolve-cache/models/{repo_id}/{sha}/{path}?...&etag=...`, which answers so);
+  LFS files (by suffix) with a 302 to `/cdn/{repo_id}/{sha}/{path}` on a second port
+  (another origin, as the Hub's CDN is) carrying `X-Repo-Commit`, `X-Linked-Etag` (the
+  sha256) and `X-Linked-Size`. A revision is a branch or tag before it is a commit,
+  as on the Hub: a branch named as a commit answers for it, `resolve/` included;
 - `GET`/`HEAD /cdn/...` and `/plain/...`: bytes with `Range` support (206 with
   `Content-Range`, 416 out of range), no Hub API.
 
@@ -171,6 +175,9 @@ class HubServer:
         self.plain_validators: tuple[str, ...] = ("ETag", "Last-Modified")
         """What plain files are served with (as nginx serves static files), and checked
         against `If-Match` and `If-Unmodified-Since`."""
+        self.resolve_cache = False
+        """Whether small files of a public repository are redirected to their commit's
+        `/api/resolve-cache/` address, as the Hub does (a 307, then the file there)."""
         self.cdn_query = ""
         """A query string the redirects to the CDN carry (`X-Amz-Signature=...`, as the
         Hub's signed addresses do); the CDN ignores it."""
@@ -282,6 +289,14 @@ class HubServer:
         repo.refs[name] = sha
         return sha
 
+    def swap(self, repo_id: str, sha: str, name: str, data: bytes) -> None:
+        """Serve `data` as the file `name` of commit `sha`, whose listing still gives
+        the old one's blob: a store that lost or replaced the commit's object."""
+        file = self.root / repo_id / sha / name
+        file.write_bytes(data)
+        with self._lock:
+            self._blobs.pop(file, None)
+
     def add_plain_file(self, path: str, data: bytes) -> str:
         """Serve `data` at `/plain/{path}` (Range support, no Hub API); its URL."""
         target = self.plain_root / path
@@ -382,9 +397,13 @@ class HubServer:
         return repo
 
     def resolve(self, repo: Repo, revision: str) -> str:
-        """The commit a revision names: a branch or tag, else a commit by its 40 hex
-        digits or by the first 4 or more of them, where they begin one commit only
-        (as the Hub resolves `859350e`, and git a short hash, after the refs)."""
+        """The commit a revision names: a branch or tag (by its name, or in full as
+        git names it, `refs/heads/NAME`), else a commit by its 40 hex digits or by the
+        first 4 or more of them, where they begin one commit only (as the Hub resolves
+        `859350e`, and git a short hash, after the refs)."""
+        for full in ("refs/heads/", "refs/tags/"):
+            if revision.startswith(full) and revision[len(full) :] in repo.refs:
+                revision = revision[len(full) :]
         sha = repo.refs.get(revision)
         if sha is None and SHORT_SHA_RE.fullmatch(revision):
             folder = self.root / repo.repo_id
@@ -522,6 +541,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_file(file, {"ETag": f'"{self.hub.blob(file).sha256}"'})
         if self.server.name == "cdn":
             raise _HTTPError(404, "Not found")
+        if parts[:3] == ["api", "resolve-cache", "models"] and len(parts) > 6:
+            repo_id, sha, path = "/".join(parts[3:5]), parts[5], unquote("/".join(parts[6:]))
+            self.hub.check_access(repo_id, authorization, files=True)
+            file = self.hub.root / repo_id / sha / path
+            if not SHA_RE.fullmatch(sha) or not file.is_file():
+                raise _HTTPError(404, "Entry not found", "EntryNotFound")
+            etag = f'"{self.hub.blob(file).git_oid}"'
+            return self._send_file(file, {"X-Repo-Commit": sha, "ETag": etag})
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             return self._api(parts[2:], query, body, authorization)
         if len(parts) >= 5 and parts[2] == "resolve":
@@ -564,6 +591,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not file.is_file():
             raise _HTTPError(404, "Entry not found", "EntryNotFound", commit)
         blob = self.hub.blob(file)
+        public = not repo.private and not repo.gated
+        if blob.sha256 is None and self.hub.resolve_cache and public and blob.size:
+            asked = quote(f"/{repo_id}/resolve/{revision}/{path}", safe="")
+            location = f"/api/resolve-cache/models/{repo_id}/{sha}/{quote(path)}"
+            location += f"?{asked}=&etag=%22{blob.git_oid}%22"
+            return self._send(307, {**commit, "Location": location}, b"")
         if blob.sha256 is None:
             return self._send_file(file, {**commit, "ETag": f'"{blob.git_oid}"'})
         location = f"{self.hub.cdn}/cdn/{repo_id}/{sha}/{quote(path)}"

@@ -4,6 +4,7 @@ injected failures), with `huggingface_hub` resolving the endpoint, token and cac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from safetensors.numpy import load_file, save
 import lazyckpt
 from lazyckpt._cli.main import main
 from lazyckpt._storage import metrics, network
+from tests import hub_server
 from tests.hub_server import HubServer
 
 hh = pytest.importorskip("huggingface_hub")
@@ -597,6 +599,178 @@ def test_offline_the_cache_answers_for_a_branch(
         lazyckpt.open("hf://org/other")
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="HF_HUB_OFFLINE is set"):
         lazyckpt.open("hf://org/model/absent.safetensors")  # a file: that one, not another
+
+
+def test_a_branch_named_like_a_commit_is_refused_for_that_commit(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hf://ORG/NAME@<40 hex>` pins a commit; a branch of that name, which the Hub
+    resolves first, pointing elsewhere was read in its place. Refused by name before
+    any file is read, online and offline (where the cache's refs resolve it alike); a
+    commit pinned in full that no branch shadows still opens."""
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    pushed, _ = model(scale=2.0)
+    other = hub.commit("org/model", pushed, branch="next")
+    hub.tag("org/model", first, "next")  # a branch named as `first`, at `other`
+    want = tensors["model.layers.0.mlp.up_proj.weight"]
+    refused = (
+        rf"hf://org/model@{first}: the revision '{first}' names a commit by its 40 hex "
+        rf"digits, but {{by}} resolved it to commit '{other}': a branch or tag of that name "
+        rf"shadows the commit, so nothing was read\. To read that branch, give its full "
+        rf"name \(@refs%2Fheads%2F{first}\) or the commit it holds now \(@{other}\)"
+    )
+    hub.clear_log()
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match=refused.format(by="the Hub")):
+        lazyckpt.open(f"hf://org/model@{first}")
+    assert [e.path for e in hub.log] == [f"/api/models/org/model/revision/{first}?blobs=true"]
+    for fix in (f"refs%2Fheads%2F{first}", other):  # the branch, as the message says
+        np.testing.assert_array_equal(up(lazyckpt.open(f"hf://org/model@{fix}"), 0).get(), 2 * want)
+    # huggingface_hub asked for `first` too, and its cache's refs now name the branch.
+    hh.snapshot_download("org/model", revision=first)
+    assert (
+        Path(constants.HF_HUB_CACHE) / "models--org--model" / "refs" / first
+    ).read_text() == other
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.clear_log()
+    cache = r"the Hugging Face cache \(HF_HUB_OFFLINE is set\)"
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match=refused.format(by=cache)):
+        lazyckpt.open(f"hf://org/model@{first}")
+    np.testing.assert_array_equal(up(lazyckpt.open(f"hf://org/model@{other}"), 0).get(), 2 * want)
+    assert hub.log == []
+
+
+def _shadowed(commit: str, answered: str, name: str, revision: str = "main") -> str:
+    """The refusal of a file whose `resolve/{commit}/` answer came from another commit."""
+    return (
+        rf"^hf://org/\w+@{commit[:7]}/{re.escape(name)} \(org/\w+ at {re.escape(revision)}, "
+        rf"commit {commit[:12]}\): the Hub answered for the file with commit '{answered}' "
+        rf"\(X-Repo-Commit\), not {commit}, the commit the open resolved: a branch or tag "
+        rf"named {commit} shadows that commit \(the Hub resolves a branch or tag before a "
+        r"commit of the same name\), so nothing of that answer was used\. Ask the "
+        r"repository's owners to rename or delete that branch or tag"
+    )
+
+
+@pytest.mark.parametrize("resolve_cache", [False, True], ids=["direct", "resolve-cache"])
+@pytest.mark.parametrize("revision", ["", "@main", "@v1", "@short"])
+def test_a_branch_named_after_the_commit_a_revision_names_is_refused(
+    hub: HubServer, revision: str, resolve_cache: bool
+) -> None:
+    """Anyone who can push a branch named after main's commit served its files for
+    `hf://ORG/NAME`, `@main`, a tag or a short commit: the revision resolves to the
+    commit, and the Hub answers `resolve/COMMIT/...` from the branch of that name.
+    The Hub says which commit it answered from (`X-Repo-Commit`): another is refused
+    by name at the first file, before any of the other commit's bytes are asked for;
+    whether the Hub serves a small file there, or redirects to its commit's
+    `resolve-cache/` address (as it does for a public repository's)."""
+    hub.resolve_cache = resolve_cache
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    hub.tag("org/model", "v1")
+    want = tensors["model.layers.0.mlp.up_proj.weight"]
+    path = f"hf://org/model{revision.replace('short', first[:7])}"
+    evil, _ = model(scale=-5.0)
+    other = hub.commit("org/model", evil, branch="x")
+    hub.tag("org/model", first, "x")  # a branch named as main's commit, at `other`
+    hub.clear_log()
+    named = revision.removeprefix("@").replace("short", first[:7]) or "main"
+    refused = _shadowed(first, other, "model.safetensors.index.json", named)
+    with pytest.raises(lazyckpt.CheckpointChangedError, match=refused):
+        lazyckpt.open(path)
+    assert not [e for e in hub.log if f"/cdn/org/model/{other}/" in e.path]
+    # The owners delete the branch: the commit reads.
+    del hub.repos["org/model"].refs[first]
+    hub.clear_log()
+    np.testing.assert_array_equal(up(lazyckpt.open(path), 0).get(), want)
+    assert (307 in {e.status for e in hub.log}) is resolve_cache
+
+
+def test_a_branch_named_after_an_open_commit_pushed_later_is_refused(hub: HubServer) -> None:
+    """`hf://ORG/NAME@<40 hex>` opened, then a branch of that name pushed, then a CDN
+    address that expired: asked again of the Hub, which answered from the branch, and
+    the other commit's values were read (-5 times main's). Refused by name."""
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    tree = lazyckpt.open(f"hf://org/model@{first}")
+    want = tensors["model.layers.0.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(up(tree, 0).get(), want)
+    evil, _ = model(scale=-5.0)
+    other = hub.commit("org/model", evil, branch="x")
+    hub.tag("org/model", first, "x")
+    hub.fail_next(1, 403, retry_after=None, path_prefix="/cdn/")  # (a signed address expired)
+    refused = _shadowed(first, other, SHARDS[1], first)
+    with pytest.raises(lazyckpt.CheckpointChangedError, match=refused):
+        up(tree, 1).get()
+
+
+def test_a_file_the_hub_answers_with_another_blob_than_it_listed_is_refused(
+    hub: HubServer,
+) -> None:
+    """The listing the open read gives each file's blob (`?blobs=true`: an LFS file's
+    sha256); an answer naming another for the file at that commit (`X-Linked-Etag`:
+    a store that swapped the object) was read, its values -5 times main's. Refused."""
+    files, tensors = model()
+    first = hub.commit("org/model", files)
+    tree = lazyckpt.open("hf://org/model")
+    evil, _ = model(scale=-5.0)
+    hub.swap("org/model", first, SHARDS[1], evil[SHARDS[1]])
+    hub.fail_next(1, 403, retry_after=None, path_prefix="/cdn/")  # (asked of the Hub again)
+    listed, served = (hashlib.sha256(f[SHARDS[1]]).hexdigest() for f in (files, evil))
+    with pytest.raises(
+        lazyckpt.CheckpointChangedError,
+        match=rf"^hf://org/model@{first[:7]}/{SHARDS[1]} \(org/model at main, commit "
+        rf"{first[:12]}\): the Hub answered for the file with blob {served} \(X-Linked-Etag "
+        rf"or ETag\), but the listing of commit {first[:12]} that the open read gives {listed}",
+    ):
+        up(tree, 1).get()
+    np.testing.assert_array_equal(up(tree, 0).get(), tensors["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_an_answer_that_does_not_say_its_commit_is_refused(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mirror or proxy that drops the Hub's `X-Repo-Commit`: which commit its files
+    are from cannot be told, so none is read (`huggingface_hub` refuses it too)."""
+    files, _ = model()
+    first = hub.commit("org/model", files)
+    send = hub_server._Handler._send
+
+    def dropping(handler: Any, status: int, headers: dict[str, str], *rest: Any) -> None:
+        send(handler, status, {k: v for k, v in headers.items() if k != "X-Repo-Commit"}, *rest)
+
+    monkeypatch.setattr(hub_server._Handler, "_send", dropping)
+    with pytest.raises(
+        lazyckpt.StorageAccessError,
+        match=rf"^hf://org/model@{first[:7]}/model\.safetensors\.index\.json \(org/model at "
+        rf"main, commit {first[:12]}\): the answer does not say which commit it is from \(no "
+        r"X-Repo-Commit header, which the Hub sends with every file\)",
+    ):
+        lazyckpt.open("hf://org/model")
+
+
+def test_an_orbax_file_first_read_after_a_branch_shadows_its_commit_is_refused(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """An Orbax checkpoint read through the relay: its chunk, first asked for after a
+    branch named as the commit was pushed, came from that branch (negated values).
+    Refused by name, through tensorstore, as lazyckpt's own error."""
+    from tests.helpers import orbax_save
+
+    w = np.arange(1.0, 257.0, dtype=np.float32).reshape(16, 16)
+    saved = orbax_save(tmp_path / "ckpt", {"w": w}, use_ocdbt=False)
+    negated = orbax_save(tmp_path / "negated", {"w": -w}, use_ocdbt=False)
+    first = hub.commit("org/jax", {f"ckpt/{k}": v for k, v in _folder_files(saved).items()})
+    tree = lazyckpt.open(f"hf://org/jax@{first}/ckpt")
+    assert not [e for e in hub.log if "/w/0" in e.path]  # (its chunk not read yet)
+    shadow = {f"ckpt/{k}": v for k, v in _folder_files(negated).items()}
+    other = hub.commit("org/jax", shadow, branch=first)
+    with pytest.raises(
+        lazyckpt.CheckpointChangedError, match=_shadowed(first, other, "ckpt/w/0.0", first)
+    ):
+        tree["w"].get()
+    del hub.repos["org/jax"].refs[first]
+    np.testing.assert_array_equal(tree["w"].get(), w)
 
 
 def test_neighbouring_small_tensors_are_one_request(hub: HubServer) -> None:

@@ -7,12 +7,19 @@ ever shown: not in errors, reprs, summaries, notebook HTML or the command line."
 from __future__ import annotations
 
 import base64
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import numpy as np
 import pytest
@@ -22,7 +29,7 @@ from safetensors.numpy import save
 import lazyckpt
 from lazyckpt._cli.main import main
 from lazyckpt._storage import paths
-from tests.helpers import orbax_save
+from tests.helpers import ROOT, orbax_save
 from tests.hostile_server import File, HostileServer, _Handler
 from tests.test_torch_files import FIXTURES, _expected
 
@@ -264,6 +271,282 @@ def test_presigned_failures_name_the_file_without_its_signature(
     assert not [r for r in server.log if r.path.startswith("/m/")]
 
 
+SIGNED = (
+    "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20260101%2F"
+    "us-east-1%2Fs3%2Faws4_request&X-Amz-Date=20260101T000000Z&X-Amz-Expires=3600&"
+    f"X-Amz-SignedHeaders=host&X-Amz-Signature={'5ec2e7' * 10}abcd"
+)
+"""A pre-signed URL's query as S3 signs one: its signature, 64 hex digits."""
+
+
+def _s3_error(path: str) -> str:
+    """S3's SignatureDoesNotMatch, which quotes the signature and the canonical request:
+    the query's parameters sorted, less the signature, each value as it was sent."""
+    query = urlsplit(path).query.split("&")
+    canonical = "&".join(sorted(p for p in query if not p.startswith("X-Amz-Signature=")))
+    signature = next(p for p in query if p.startswith("X-Amz-Signature=")).partition("=")[2]
+    return (
+        "<Error><Code>SignatureDoesNotMatch</Code><SignatureProvided>"
+        f"{signature}</SignatureProvided><CanonicalRequest>GET\n{urlsplit(path).path}\n"
+        f"{canonical}\nhost:127.0.0.1\n\nhost\nUNSIGNED-PAYLOAD</CanonicalRequest></Error>"
+    )
+
+
+QUOTINGS: list[tuple[str, Callable[[str], str]]] = [
+    ("the request line", lambda path: f"<h1>Bad Request</h1><p>GET {path} HTTP/1.1</p>"),
+    ("it percent-encoded", lambda path: f"invalid path {quote(path, safe='')}"),
+    ("it decoded", lambda path: f"invalid path {unquote(path)}"),
+    ("lower-case escapes", lambda path: f"invalid path {quote(path, safe='').lower()}"),
+]
+"""How a server's error page quotes the request it refuses (its path and query)."""
+
+
+def _quoting(status: int, body: Callable[[str], str]) -> Any:
+    """A trick: `status`, its reason and body quoting the request (`body`)."""
+
+    def answer(handler: _Handler, file: File) -> bool:
+        handler.send_response(status, f"refused {handler.path}")
+        handler.send_header("Content-Length", str(len(body(handler.path).encode())))
+        handler.end_headers()
+        handler.wfile.write(body(handler.path).encode())
+        return True
+
+    return answer
+
+
+@pytest.mark.parametrize("query", [SIGNATURE, SIGNED])
+def test_an_error_page_quoting_the_signed_request_never_shows_its_query(
+    server: HostileServer, capsys: pytest.CaptureFixture[str], query: str
+) -> None:
+    """A 400 quotes the server's error page, which quotes the request line: its query
+    (the signature) was shown with it. Now hidden in every form a server quotes it
+    (encoded, decoded, its values one by one), in the error, its repr, any warning and
+    the command line; a 403 and a 500 quote no page, and still say what happened."""
+    said = {
+        400: r"the server answered HTTP 400 \('",
+        403: r"access denied .* a pre-signed URL's signature may have expired",
+        500: r"kept failing \(HTTP 500\) after 1 attempts",
+    }
+    # S3's error quotes the signature alone: hidden where it is one (8 characters
+    # or more, as any is: 64 hex digits), and the other values quoted one by one.
+    quotings = [*QUOTINGS, ("an S3 error", _s3_error)] if query == SIGNED else QUOTINGS
+    secrets = ("5ec2e7", "AKIA") if query == SIGNED else SECRETS
+    for (how, body), status in [(q, s) for q in quotings for s in (400, 403, 500)]:
+        name = f"{status}/{how.replace(' ', '-')}/x.safetensors"
+        file = server.put(name, save(tensors()), trick=_quoting(status, body))
+        url = f"{file}?{query}"
+        with warnings.catch_warnings(record=True) as warned, lazyckpt.network_options(retries=1):
+            warnings.simplefilter("always")
+            with pytest.raises(lazyckpt.StorageAccessError, match=said[status]) as failed:
+                lazyckpt.open(url)
+            assert main(["inspect", url]) == 1
+        out, err = capsys.readouterr()
+        assert str(failed.value).startswith(f"{file}?...: ")
+        assert err.startswith(f"lazyckpt: error: {file}?...: ")
+        text = "\n".join([str(failed.value), repr(failed.value), out, err, *map(str, warned)])
+        for secret in secrets:
+            assert secret not in text, (how, status, secret, text)
+    assert {urlsplit(r.path).query for r in server.log if "?" in r.path} == {query}
+
+
+def test_an_error_page_quoting_the_credentials_sent_never_shows_them(
+    server: HostileServer,
+) -> None:
+    """A server whose error page echoes the request's headers: a URL's password, sent
+    as Basic auth, and a token, as `Authorization: Bearer`, were shown with it."""
+
+    def echo(handler: _Handler, file: File) -> bool:
+        sent = handler.headers.get("Authorization", "")
+        decoded = base64.b64decode(sent.partition(" ")[2]).decode() if "Basic" in sent else ""
+        handler.answer(400, {}, f"bad request: Authorization: {sent} ({decoded})".encode())
+        return True
+
+    file = server.put("m/model.safetensors", save(tensors()), trick=echo)
+    token = "hf_t0kenT0kenT0ken"
+    for url, options in [(with_password(file), None), (file, {"token": token})]:
+        with pytest.raises(lazyckpt.StorageAccessError, match=r"HTTP 400 \('bad request") as bad:
+            lazyckpt.open(url, storage_options=options)
+        text = str(bad.value) + repr(bad.value)
+        for secret in (*SECRETS, basic("user", PASSWORD).split()[1], token, "t0ken"):
+            assert secret not in text, (secret, text)
+
+
+def _page(status: int, body: str) -> Any:
+    """A trick: `status`, its body `body` (an error page of the server's own words)."""
+
+    def answer(handler: _Handler, file: File) -> bool:
+        handler.answer(status, {}, body.encode())
+        return True
+
+    return answer
+
+
+def test_an_error_page_keeps_its_words_and_hides_only_credentials(server: HostileServer) -> None:
+    """What an open sends besides credentials (a signed query's algorithm, a content
+    type it asks for; an `Accept` header) was hidden from every later message of the
+    process: a server's `AWS4-HMAC-SHA256` or `application/json` became `...`. Now only
+    credentials are: the query's signature and credential, an API key's header."""
+    signature = "5ec2e7a9" * 8
+    query = (
+        "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20260101%2F"
+        "us-east-1%2Fs3%2Faws4_request&X-Amz-Date=20260101T000000Z&X-Amz-Expires=3600&"
+        "response-content-type=application%2Foctet-stream&X-Amz-SignedHeaders=host&"
+        f"X-Amz-Signature={signature}"
+    )
+    key = "k3y-0f-th3-cl13nt"
+    headers = {"Accept": "application/json", "Cache-Control": "no-cache", "X-Api-Key": key}
+    lazyckpt.open(f"{server.put('m/a.safetensors', save(tensors()))}?{query}")
+    lazyckpt.open(
+        server.put("m/b.safetensors", save(tensors())), storage_options={"headers": headers}
+    )
+    pages = [
+        "only AWS4-HMAC-SHA256 is accepted",
+        "expected Content-Type application/octet-stream, got text/html",
+        "this endpoint answers application/json only",
+        "cache is no-cache for /models/x",
+    ]
+    for number, words in enumerate(pages):
+        body = f"{words}; signature {signature.upper()}, key {key}, for AKIAIOSFODNN7EXAMPLE/20260101/us-east-1/s3/aws4_request"
+        file = server.put(f"e/{number}.safetensors", b"", trick=_page(400, body))
+        with pytest.raises(lazyckpt.StorageAccessError, match="HTTP 400") as failed:
+            lazyckpt.open(f"{file}?{query}", storage_options={"headers": headers})
+        assert f"HTTP 400 ('{words}; signature ..., key ..., for ...')" in str(failed.value)
+
+
+SAS = "sv=2021-08-06&sp=r&se=2026-01-01T00%3A00%3A00Z&sr=b&sig=Zm9vYmFy%2FQUJD%2BZGVmZ2hpams%3D"
+"""An Azure SAS token, its signature base64 (`Zm9vYmFy/QUJD+ZGVmZ2hpams=`)."""
+SAS_SIGNATURE = "Zm9vYmFy/QUJD+ZGVmZ2hpams="
+_JSON = SAS_SIGNATURE.replace("/", "\\u002f").replace("+", "\\u002b").replace("=", "\\u003d")
+_HTML = SAS_SIGNATURE.replace("/", "&#x2F;").replace("+", "&#43;").replace("=", "&#61;")
+ESCAPED: list[tuple[str, str]] = [
+    ("JSON's \\/", '{"error":"bad sig ' + SAS_SIGNATURE.replace("/", "\\/") + '"}'),
+    ("JSON's \\u", '{"error":"bad sig ' + _JSON + '"}'),
+    ("HTML entities", f"<p>bad sig {_HTML}</p>"),
+    ("two lines", f"bad sig {SAS_SIGNATURE[:10]}\r\n{SAS_SIGNATURE[10:]}"),
+    ("its query in XML", f"<Query>{SAS.replace('&', '&amp;')}</Query>"),
+    ("lower-case escapes", f"bad sig {quote(SAS_SIGNATURE, safe='').lower()}"),
+]
+"""How a server's error page may quote a signature: escaped as JSON or HTML escape it,
+cut across two lines."""
+
+
+@pytest.mark.parametrize(("how", "body"), ESCAPED, ids=[how for how, _ in ESCAPED])
+def test_a_signature_the_error_page_escapes_is_never_shown(
+    server: HostileServer, capsys: pytest.CaptureFixture[str], how: str, body: str
+) -> None:
+    """An error page that quotes a SAS signature escaped (`\\/`, `\\u002f`, `&#x2F;`) or
+    cut across lines showed it: only the forms a URL writes were hidden."""
+    file = server.put("m/x.safetensors", b"", trick=_page(400, body))
+    url = f"{file}?{SAS}"
+    with pytest.raises(lazyckpt.StorageAccessError, match=r"HTTP 400 \('") as failed:
+        lazyckpt.open(url)
+    assert main(["inspect", url]) == 1
+    out, err = capsys.readouterr()
+    text = "\n".join([str(failed.value), repr(failed.value), out, err]).lower()
+    for piece in ("zm9vymfy", "qujd", "zgvmz2hpams"):
+        assert piece not in text, (how, text)
+    assert "..." in str(failed.value).partition("HTTP 400")[2]
+
+
+_MANY = """
+import json, secrets, sys, tracemalloc
+import lazyckpt
+from lazyckpt import _display
+
+base, count = sys.argv[1], int(sys.argv[2])
+tracemalloc.start()
+for number in range(count):
+    query = (
+        "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Date=20260101T000000Z&X-Amz-Expires=3600"
+        f"&X-Amz-Security-Token={secrets.token_urlsafe(450)}"
+        f"&X-Amz-Signature={secrets.token_hex(32)}"
+    )
+    lazyckpt.open(f"{base}/m/{number}.safetensors?{query}")
+    try:
+        lazyckpt.open(f"{base}/e/{number}.safetensors?{query}")
+    except lazyckpt.StorageAccessError as error:
+        assert query[-64:] not in str(error) and "HTTP 400" in str(error), str(error)
+    if number % 100 == 99:
+        held = tracemalloc.get_traced_memory()[0]
+        first = held if number == 99 else first
+        print(json.dumps({
+            "opened": number + 1,
+            "grown": held - first,
+            "secrets": len(getattr(_display, "_SECRETS", ())),
+            "places": len(_display._NAMES),
+        }), flush=True)
+        if held - first > 16 << 20:
+            break
+"""
+"""A child process that opens `count` pre-signed URLs, each with a server error page
+quoting its request (so that each error hides its signature), and says every hundred
+how much more memory Python holds than after the first hundred (stopping past 16 MiB)
+and what `lazyckpt._display` holds."""
+
+
+def _no_delay(trick: Any = None) -> Any:
+    """A trick: the answer sent at once (TCP_NODELAY), not 40 ms later, when the
+    client's delayed ACK lets Nagle send the body after the head; then `trick`'s."""
+
+    def answer(handler: _Handler, file: File) -> bool:
+        handler.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return trick is not None and trick(handler, file)
+
+    return answer
+
+
+@pytest.mark.slow
+def test_a_thousand_presigned_urls_keep_what_hides_them_small(server: HostileServer) -> None:
+    """Each pre-signed URL opened registered its place and the forms of its query with
+    `lazyckpt._display` for the rest of the process, and each registration rebuilt one
+    regular expression of them all, which `re`'s cache kept: 100 URLs took 113 MiB and
+    8 s, 1,000 took minutes. Now the registries keep the latest few hundred queries and
+    thousands of places, searched by substring: after the first hundred of a thousand
+    URLs, in a child process, Python holds less than 16 MiB more (the places of 2,000
+    files and a few hundred queries), and each error still hides its signature."""
+    data = save(tensors())
+    count = 1000
+    for number in range(count):
+        server.put(f"m/{number}.safetensors", data, trick=_no_delay())
+        page = _quoting(400, lambda path: f"<p>Bad Request: GET {path} HTTP/1.1</p>")
+        server.put(f"e/{number}.safetensors", b"", trick=_no_delay(page))
+    done = subprocess.run(
+        [sys.executable, "-c", _MANY, server.url, str(count)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "MALLOC_ARENA_MAX": "2"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line) for line in done.stdout.splitlines()]
+    assert found[-1]["opened"] == count and found[-1]["grown"] < 16 << 20, found
+    assert found[-1]["secrets"] <= 512 and found[-1]["places"] <= 4096, found
+
+
+@pytest.mark.parametrize("mark", ["\x01", "\x1f", "\x7f", "\x85", "\u2028", "\n", "\t", " ", "é"])
+def test_a_query_holding_a_control_character_is_refused_unshown_before_any_request(
+    server: HostileServer, capsys: pytest.CaptureFixture[str], mark: str
+) -> None:
+    """A raw control character, space or non-ASCII letter in a signed URL's query (a
+    URL pasted broken): Python's error quoted the query by its repr, where the
+    replacement of the query as it stands missed it (`\\x01`). Refused before any
+    request, by what it holds, the query never shown."""
+    file = server.put("m/x.safetensors", save(tensors()), trick=_signed)
+    url = f"{file}?{SIGNATURE[:24]}{mark}{SIGNATURE[24:]}"
+    holds = rf"its query string holds {re.escape(ascii(mark))} \(a space, control or non-ASCII"
+    with pytest.raises(lazyckpt.StorageAccessError, match=holds) as refused:
+        lazyckpt.open(url)
+    message = str(refused.value)
+    assert message.startswith(f"{file}?...: not a URL lazyckpt can ask for: ")
+    assert "percent-encode it" in message
+    assert main(["inspect", url]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"lazyckpt: error: {file}?...: not a URL")
+    never_shown("\n".join([message, repr(refused.value), out, err]))
+    assert server.log == []
+
+
 def _needs(password: str) -> Any:
     """A trick: a 401 unless the request carries `user` and `password` as Basic auth."""
 
@@ -352,6 +635,8 @@ def test_a_malformed_host_is_refused_without_python_repeating_the_password(url: 
         "https://host/x.safetensors?sig=ab|cr3t",
         'https://host/x.safetensors?sig=ab"cr3t',
         "https://host/x.safetensors#ab<cr3t>",
+        "https://host/x.safetensors?sig=ab\x1fcr3t",  # (what `\\s` takes for a space)
+        "https://host/x.safetensors?sig=ab\u2028cr3t",
     ],
 )
 def test_a_summary_titled_by_a_url_never_shows_its_secrets(title: str) -> None:

@@ -8,6 +8,10 @@ errors that name, for the file asked for, what it held instead and what to do.
   `Content-Encoding` (a proxy that compressed it) is refused, never read as the file's.
 - A 304 answers a conditional request lazyckpt never makes (`If-None-Match`): a cache
   between here and the server answered for it.
+- A Hub file's answer must say that it is from the commit the open resolved
+  (`X-Repo-Commit`), and name the blob that the commit's listing gave: the Hub
+  resolves a branch or tag named as a commit before the commit itself, so anyone who
+  can push one would otherwise serve another commit's files for it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from lazyckpt._storage.transport import Response, host, said, split_url
 
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
 _UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)
+_ETAG = re.compile(r'(?:w/)?"?([0-9a-f]{40}|[0-9a-f]{64})"?', re.ASCII)
+"""A Hub file's ETag: its blob, quoted, weak or not (as `huggingface_hub` reads it)."""
 _COMPRESSIONS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
 """The content codings that change the bytes sent (RFC 9110 and IANA's registry);
 other values (`identity`, or the `none` and `UTF-8` that some stores set by mistake)
@@ -156,3 +162,44 @@ def unversioned(url: str) -> None:
             "lazyckpt.network_options(unversioned='warn')"
         )
     warn(f"{message}; read anyway (network_options(unversioned='warn'))", UnversionedWarning)
+
+
+def from_commit(url: str, commit: str, blob: str | None, found: dict[str, str]) -> bool:
+    """Whether an answer (its headers, `found`) for a Hub file listed at `commit` says
+    which commit it is from (`X-Repo-Commit`, which the Hub sends with every file and
+    `huggingface_hub` reads). Refused where that is another commit (a branch or tag
+    named as the commit, which the Hub resolves first), or where the file's blob
+    (`X-Linked-Etag`, else `ETag`) is not `blob`, the one the commit's listing gave."""
+    answered = found.get("x-repo-commit")
+    if answered is None:
+        return False
+    if answered.strip().lower() != commit:
+        raise CheckpointChangedError(
+            f"{describe(url)}: the Hub answered for the file with commit {said(answered, 80)} "
+            f"(X-Repo-Commit), not {commit}, the commit the open resolved: a branch or tag "
+            f"named {commit} shadows that commit (the Hub resolves a branch or tag before a "
+            "commit of the same name), so nothing of that answer was used. Ask the "
+            "repository's owners to rename or delete that branch or tag; until then, this "
+            "commit cannot be read from the Hub"
+        )
+    etag = found.get("x-linked-etag") or found.get("etag") or ""
+    tag = _ETAG.fullmatch(etag.strip().lower())
+    if blob is not None and tag is not None and len(tag[1]) == len(blob) and tag[1] != blob:
+        raise CheckpointChangedError(
+            f"{describe(url)}: the Hub answered for the file with blob {tag[1]} "
+            f"(X-Linked-Etag or ETag), but the listing of commit {commit[:12]} that the open "
+            f"read gives {blob}: not the file listed, so nothing of that answer was used. "
+            "Open it again; if this persists, check HF_ENDPOINT (a mirror or proxy that "
+            "serves other files)"
+        )
+    return True
+
+
+def unvouched(url: str, commit: str) -> StorageAccessError:
+    """A Hub file's answer that never said which commit it is from (`from_commit`)."""
+    return StorageAccessError(
+        f"{describe(url)}: the answer does not say which commit it is from (no X-Repo-Commit "
+        f"header, which the Hub sends with every file), so lazyckpt cannot tell that it is "
+        f"the file of commit {commit[:12]}, and did not use it; check HF_ENDPOINT (a mirror "
+        "or proxy that drops the Hub's headers)"
+    )

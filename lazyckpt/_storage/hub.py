@@ -6,8 +6,11 @@ it) is resolved once, at `normalize`, with `huggingface_hub`'s settings (the `la
 extra): its endpoint (`HF_ENDPOINT`), its token (`HF_TOKEN`, or the saved login) and
 its cache are the user's own. One request (the repository's info at that revision,
 through lazyckpt's client, bounded as every read is) gives the commit and the file
-list; every later read asks for `resolve/{commit}/...`, so a push to the
-repository while a tree is open never mixes two revisions.
+list, with each file's blob; every later read asks for `resolve/{commit}/...`, so a
+push to the repository while a tree is open never mixes two revisions. The Hub
+resolves a branch or tag named as a commit before the commit itself, `resolve/`
+included: each answer must say it is the commit's (`X-Repo-Commit`) and name the
+listed blob (`lazyckpt._storage.answers.from_commit`), else it is refused.
 
 What it resolves to:
 
@@ -140,9 +143,11 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     if hub.constants.HF_HUB_OFFLINE:
         return _offline(hub, repo_type, repo_id, revision, path, prefix, shown)
     token = hub.get_token()
+    if token:
+        _display.hide(token)  # (where a server's text quotes it)
     endpoint = hub.constants.ENDPOINT.rstrip("/")
     try:
-        commit, names = _info(endpoint, repo_type, repo_id, revision, token, shown)
+        commit, names, blobs = _info(endpoint, repo_type, repo_id, revision, token, shown)
     except StorageAccessError as error:
         if not getattr(error, "gave_up", False) or not _in_cache(hub, repo_type, repo_id):
             raise
@@ -150,6 +155,7 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
             f"{error}; the Hugging Face cache holds files of {repo_id}: set HF_HUB_OFFLINE=1 "
             "to read them without asking the Hub"
         ) from None
+    _pinned(shown, revision, commit, "the Hub")
     _name(hub, repo_type, repo_id, commit)
     if path.endswith(_FILES) and path not in names:
         raise CheckpointNotFoundError(
@@ -177,7 +183,8 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
         return found if path.endswith(_SINGLE) else os.path.dirname(found)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
-    site = sites.Site(tuple(inside), headers, (commit,), described, local=cached)
+    blobs = {name[len(prefix) :]: blob for name, blob in blobs.items() if name.startswith(prefix)}
+    site = sites.Site(tuple(inside), headers, (commit,), described, local=cached, blobs=blobs)
     return _register(hub, repo_type, repo_id, commit, path, site)
 
 
@@ -206,7 +213,8 @@ def _offline(
     """With `HF_HUB_OFFLINE` set: the cache's folder for `revision` (a branch or tag
     through the cache's refs, as `huggingface_hub` resolves it offline; a short
     commit among the cache's commits)."""
-    revision = _offline_commit(hub, repo_type, repo_id, revision, shown)
+    asked, revision = revision, _offline_commit(hub, repo_type, repo_id, revision, shown)
+    cache = "the Hugging Face cache (HF_HUB_OFFLINE is set)"
     single = path.endswith(_SINGLE)
     probe = path if single else prefix + "model.safetensors.index.json"
     found = []
@@ -216,11 +224,14 @@ def _offline(
             repo_id, name, revision=revision or "main", repo_type=repo_type
         )
         if isinstance(hit, str):
+            commit = _commit_of(hub, hit, repo_type, repo_id)
+            _pinned(shown, asked, commit, cache)
             found.append(hit)
-            _name(hub, repo_type, repo_id, _commit_of(hub, hit, repo_type, repo_id))
+            _name(hub, repo_type, repo_id, commit)
     if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
         snapshot = _snapshot(hub, repo_type, repo_id, revision)
         if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
+            _pinned(shown, asked, os.path.basename(snapshot), cache)
             _name(hub, repo_type, repo_id, os.path.basename(snapshot))
             return os.path.join(snapshot, prefix).rstrip("/")
     if not found:
@@ -255,6 +266,22 @@ def _offline_commit(
             "more digits of the commit"
         )
     return found[0] if found else revision
+
+
+def _pinned(shown: str, revision: str | None, commit: str, by: str) -> None:
+    """Refuse `commit`, which `by` resolved `revision` to, where the revision names
+    another commit by its 40 hex digits: the Hub, and the cache's refs, resolve a branch
+    or tag of that name first, whose files would be read instead. (A shorter prefix
+    resolves as it always has: a branch of that name first, as the Hub answers.)"""
+    if revision is None or not _COMMIT.fullmatch(revision.lower()) or commit == revision.lower():
+        return
+    raise CheckpointNotFoundError(
+        f"{shown}: the revision {revision!r} names a commit by its 40 hex digits, but {by} "
+        f"resolved it to commit {commit!r}: a branch or tag of that name shadows the commit, "
+        f"so nothing was read. To read that branch, give its full name "
+        f"(@refs%2Fheads%2F{revision}) or the commit it holds now (@{commit}); to read the "
+        "commit, ask the repository's owners to rename the branch"
+    )
 
 
 def _kind(repo_type: str) -> str:
@@ -331,6 +358,8 @@ _INFO_LIMIT = 64 << 20
 """The most bytes of a repository's info read (a model's file list: a few KB)."""
 _COMMIT = re.compile(r"[0-9a-f]{40}", re.ASCII)
 _SHORT_COMMIT = re.compile(r"[0-9a-f]{4,39}", re.ASCII)
+_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}", re.ASCII | re.IGNORECASE)
+"""A git blob id (SHA-1) or an LFS object's SHA-256."""
 """The first digits of a commit, as git abbreviates one (4 at least)."""
 
 
@@ -341,15 +370,16 @@ def _info(
     revision: str | None,
     token: str | None,
     shown: str,
-) -> tuple[str, list[str]]:
-    """The commit `revision` names now and the files it holds: one request to the
-    Hub's API (`/api/models/ORG/NAME/revision/REV`, as `huggingface_hub.repo_info`
-    asks), through lazyckpt's client, so that its deadline, retries and body limit
-    hold there too. The Hub's errors are read from `X-Error-Code`, as
-    `huggingface_hub` reads them."""
+) -> tuple[str, list[str], dict[str, str]]:
+    """The commit `revision` names now, the files it holds and their blobs: one
+    request to the Hub's API (`/api/models/ORG/NAME/revision/REV?blobs=true`, as
+    `huggingface_hub.repo_info(files_metadata=True)` asks), through lazyckpt's client,
+    so that its deadline, retries and body limit hold there too. The Hub's errors are
+    read from `X-Error-Code`, as `huggingface_hub` reads them."""
     url = f"{endpoint}/api/{_API[repo_type]}/{repo_id}"
     if revision is not None:
         url += f"/revision/{urllib.parse.quote(revision, safe='')}"
+    url += "?blobs=true"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     named = f"{shown} (the Hub's API at {endpoint})"
     answer = ranges.client().get(url, headers, limit=_INFO_LIMIT, named=named)
@@ -384,8 +414,9 @@ def _info(
     return _commit_and_files(named, bytes(answer.body))
 
 
-def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[str]]:
-    """`sha` and the `siblings`' names of the Hub's answer, checked."""
+def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[str], dict[str, str]]:
+    """`sha`, the `siblings`' names and their blobs (`_blobs`) of the Hub's answer,
+    checked."""
     info = json_or_corrupt(named, bytes(body), "the Hub answered something else; try again")
     sha = info.get("sha") if isinstance(info, dict) else None
     siblings = info.get("siblings") if isinstance(info, dict) else None
@@ -404,7 +435,22 @@ def _commit_and_files(named: str, body: bytes | bytearray) -> tuple[str, list[st
             f"{named}: the answer is not a repository's info (a 40-digit commit `sha` and "
             "`siblings` with file names); check HF_ENDPOINT"
         )
-    return sha, [str(name) for name in names]
+    return sha, [str(name) for name in names], _blobs(siblings or [])
+
+
+def _blobs(siblings: list[Any]) -> dict[str, str]:
+    """Each file's blob as the listing gives it, where it does: an LFS file's sha256
+    (`lfs.sha256`), another's git blob id (`blobId`); what the Hub's answers for the
+    file name as its `X-Linked-Etag` or `ETag`, as `huggingface_hub` reads them."""
+    found = {}
+    for entry in siblings:
+        if not isinstance(entry, dict):
+            continue
+        lfs = entry.get("lfs")
+        blob = lfs.get("sha256") if isinstance(lfs, dict) else entry.get("blobId")
+        if isinstance(blob, str) and _BLOB.fullmatch(blob):
+            found[entry["rfilename"]] = blob.lower()
+    return found
 
 
 def _cached(

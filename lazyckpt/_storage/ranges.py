@@ -18,7 +18,8 @@ an answer must be:
   `If-Unmodified-Since`), and an answer that disagrees, a 412, or a 404 for a file
   that was there is a `CheckpointChangedError`, never a mix of two versions. A file at
   a plain URL whose server says neither its ETag nor its date is refused, or read
-  with a warning (`NetworkOptions.unversioned`); the Hub's are pinned by commit.
+  with a warning (`NetworkOptions.unversioned`); the Hub's are pinned by commit, and
+  each must say it is that commit's, before its bytes are used (`answers.from_commit`).
 - File names are quoted when asked for (a space, `?`, `#` or non-ASCII letter). A
   pre-signed file's query string goes with each request for it (`Pin.query`), and no
   error shows it: they name the file by its URL without it.
@@ -260,6 +261,12 @@ class Client:
         origin = _origin(url)
         registered = site(url)
         versioned = registered is None or not registered.generation  # a Hub commit is pinned
+        # A Hub file's answers must say they are its commit's (`answers.from_commit`):
+        # one at least before its bytes are used; an address the Hub gave was vouched
+        # for when it was given.
+        commit = None if registered is None or versioned else str(registered.generation[0])
+        blob = registered.blobs.get(_name(url)) if registered is not None else None
+        vouched = commit is None or target != url
         for _ in range(_REDIRECTS + 1):
             sent = {"Accept-Encoding": "identity", "User-Agent": "lazyckpt"}
             if _origin(target) == origin:
@@ -281,15 +288,13 @@ class Client:
                 into=ask.into,
             )
             status, found = answer.status, answer.headers
+            if commit is not None:
+                vouched = answers.from_commit(url, commit, blob, found) or vouched
             if status in (301, 302, 303, 307, 308):
                 target = _redirect(url, target, found.get("location", ""))
                 continue
             if status == 404:
-                if (
-                    not versioned
-                    and registered is not None
-                    and not registered.lacks(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
-                ):
+                if not versioned and registered is not None and not registered.lacks(_name(url)):
                     return _Refused(404, target)  # (listed at a pinned commit)
                 if pin.seen:
                     raise answers.changed(url, "it is gone (HTTP 404)")
@@ -320,10 +325,15 @@ class Client:
                     "download the file whole: download it first, and open the copy"
                 )
             if status not in (200, 206):
+                # (Its body whole, a few KiB at most: a secret it quotes is hidden before
+                # it is cut short, never left in part.)
+                body = bytes(answer.body).decode("utf-8", "replace")
                 raise StorageAccessError(
                     f"{describe(url)}: the server answered HTTP {status} "
-                    f"({said(bytes(answer.body[:120]).decode('utf-8', 'replace'), 120)})"
+                    f"({said(body, 120, queries=(urllib.parse.urlsplit(target).query,))})"
                 )
+            if not vouched:
+                raise answers.unvouched(url, str(commit))
             answers.check_identity(url, found, ranged=ask.wanted is not None)
             size = (
                 len(answer.body)
@@ -375,9 +385,19 @@ class Client:
         news = news if validators else (size, *known[1:])
         for what, before, now in zip(("size", "ETag", "Last-Modified"), known, news, strict=True):
             if before != now and (before is not None or what != "size"):
-                said_now = "the answer gave none" if now is None else f"now {now}"
-                raise answers.changed(url, f"its {what} was {before}, {said_now}")
+                said_now = "the answer gave none" if now is None else f"now {_told(now)}"
+                raise answers.changed(url, f"its {what} was {_told(before)}, {said_now}")
         return pinned
+
+
+def _name(url: str) -> str:
+    """The name of the file at `url` in its folder, as listed."""
+    return urllib.parse.unquote(url.rsplit("/", 1)[-1])
+
+
+def _told(value: int | str | None) -> str:
+    """A size as it is; a validator as the server sent it, quoted (`said`)."""
+    return said(value, 80) if isinstance(value, str) else str(value)
 
 
 @attrs.frozen
@@ -411,19 +431,21 @@ class _Ask:
 
 
 def _redirect(url: str, target: str, location: str) -> str:
-    """Where a redirect leads: http(s) only."""
+    """Where a redirect leads: http(s) only. Errors hide the query strings of both
+    addresses (the one asked, and a signed one the server gave)."""
+    queries = (urllib.parse.urlsplit(target).query, location.partition("#")[0].partition("?")[2])
     try:
         found = urllib.parse.urljoin(target, location)
         parts = _split(found)
     except ValueError as error:
         raise StorageAccessError(
-            f"{describe(url)}: the server redirected to {said(location, 120)}, which is not "
-            f"a URL ({error})"
+            f"{describe(url)}: the server redirected to {said(location, 120, queries=queries)}, "
+            f"which is not a URL ({said(str(error), queries=queries)})"
         ) from None
     if parts.scheme not in ("http", "https") or not host(parts):
         raise StorageAccessError(
-            f"{describe(url)}: the server redirected to {said(location, 120)}; lazyckpt "
-            "follows redirects to http:// and https:// URLs only"
+            f"{describe(url)}: the server redirected to {said(location, 120, queries=queries)}; "
+            "lazyckpt follows redirects to http:// and https:// URLs only"
         )
     return found
 

@@ -52,9 +52,11 @@ from typing import Any, NamedTuple
 
 import tensorstore as ts
 
+from lazyckpt import _display
 from lazyckpt._errors import LazyckptError, StorageAccessError
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.ranges import Answer
+from lazyckpt._storage.transport import said
 from lazyckpt._storage.web import WebFiles
 
 _ERROR_MARK = "lazyckpt-relayed-error-"
@@ -190,11 +192,13 @@ def address(folder: str | WebFiles, owner: object) -> str:
 
 def shown(error: BaseException) -> str:
     """The text of a tensorstore error, with each relay address in it replaced by the
-    URL of the folder it reads (the relay's port and secret mean nothing to a reader)."""
+    URL of the folder it reads (the relay's port and secret mean nothing to a reader),
+    and the credentials it may quote hidden (`lazyckpt._display.scrubbed`, once the
+    addresses are replaced: hiding part of one would leave the rest, and its secret)."""
     text = str(error)
     relay = _RELAY.made()
     if relay is None:
-        return text
+        return _display.scrubbed(text)
     port = relay.server.server_address[1]
     pattern = re.compile(rf"http://127\.0\.0\.1:{port}/{relay.secret}/([0-9a-f]+)/")
 
@@ -203,7 +207,7 @@ def shown(error: BaseException) -> str:
             files = relay.folders.get(match[1])
         return f"{files.folder}/" if files is not None else "(a folder no longer open)/"
 
-    return pattern.sub(folder, text)
+    return _display.scrubbed(pattern.sub(folder, text))
 
 
 def relayed(error: BaseException) -> LazyckptError | None:
@@ -317,7 +321,9 @@ def _as_ours(error: BaseException, files: WebFiles | None, key: str) -> Lazyckpt
     if isinstance(error, LazyckptError):
         return error
     where = f"{files.folder}/{key}" if files is not None else key
-    return StorageAccessError(f"{where}: reading it failed ({error!r}); try again")
+    return StorageAccessError(
+        f"{where}: reading it failed ({type(error).__name__}: {said(str(error))}); try again"
+    )
 
 
 def serve(files: WebFiles, key: str, asked: str | None) -> Reply:

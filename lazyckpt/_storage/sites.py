@@ -29,6 +29,10 @@ class Site:
     """How errors name it (`org/model at revision main (commit 1a2b...)`)."""
     local: dict[str, str] = attrs.field(factory=dict)
     """Local copies of some of its files, by name (in the Hugging Face cache): read from disk."""
+    blobs: dict[str, str] = attrs.field(factory=dict)
+    """What the Hub's listing gives as each file's blob, by name: an LFS file's sha256,
+    another's git blob id; what the Hub's answers for the file must name (its
+    `X-Linked-Etag` or `ETag`: `lazyckpt._storage.answers.from_commit`)."""
     asked: tuple[str, ...] | None = None
     """Over plain HTTP, the names a caller asked for, of which `names` are those that
     were there: the folder may hold others, which no listing shows. None where
@@ -41,15 +45,18 @@ class Site:
 
 def _subfolders(folder: str, site: Site) -> dict[str, Site]:
     """The sites of every subfolder of `folder`, by URL: the names under each, and the
-    local copies of those."""
+    local copies and blobs of those."""
     names: dict[str, list[str]] = {}
     asked: dict[str, list[str]] = {}
     local: dict[str, dict[str, str]] = {}
+    blobs: dict[str, dict[str, str]] = {}
     for name in site.names:
         for inner, rest in _folders(name):
             names.setdefault(inner, []).append(rest)
             if name in site.local:
                 local.setdefault(inner, {})[rest] = site.local[name]
+            if name in site.blobs:
+                blobs.setdefault(inner, {})[rest] = site.blobs[name]
     for name in site.asked or ():
         for inner, rest in _folders(name):
             asked.setdefault(inner, []).append(rest)
@@ -58,6 +65,7 @@ def _subfolders(folder: str, site: Site) -> dict[str, Site]:
             site,
             names=tuple(under),
             local=local.get(inner, {}),
+            blobs=blobs.get(inner, {}),
             asked=None if site.asked is None else tuple(asked.get(inner, ())),
         )
         for inner, under in names.items()

@@ -32,6 +32,7 @@ from typing import Any
 
 import attrs
 
+from lazyckpt import _display
 from lazyckpt._errors import LazyckptError, StorageAccessError
 from lazyckpt._storage import network
 from lazyckpt._storage.metrics import count_direct, count_request
@@ -234,6 +235,7 @@ class Transport:
         parts = urllib.parse.urlsplit(target)
         path = urllib.parse.quote(parts.path or "/", safe=SAFE)
         path += f"?{parts.query}" if parts.query else ""
+        queries = (parts.query,)  # (hidden wherever an error quotes it)
         options = network.options()
         delay, last, attempt = network.FIRST_DELAY, "", 0
         limited: str | None = None  # the last answer's Retry-After, where it was a 429
@@ -247,20 +249,18 @@ class Transport:
             except _Refused as refused:
                 raise too_large(refused.found) from None
             except ssl.SSLCertVerificationError as error:  # (definite: never retried)
+                found = said(str(error.verify_message or error.reason), queries=queries)
                 raise StorageAccessError(
                     f"{url}: the TLS certificate of {host(parts)} could not be verified "
-                    f"({error.verify_message or error.reason}); where the server's CA is a "
-                    "private one, point SSL_CERT_FILE at its certificate"
+                    f"({found}); where the server's CA is a private one, point SSL_CERT_FILE "
+                    "at its certificate"
                 ) from None
             except (http.client.InvalidURL, UnicodeError, ValueError) as error:
                 # Named by `url`, not by `target`: a redirect's (a signed CDN address)
-                # is never shown, nor a query string that `error` quotes.
-                detail = (
-                    str(error).replace(f"?{parts.query}", "?...") if parts.query else str(error)
-                )
+                # is never shown, nor a query string that `error` quotes (by its repr).
                 raise StorageAccessError(
                     f"{url}: its address, or one it was redirected to, is not a URL "
-                    f"lazyckpt can ask for ({said(detail)})"
+                    f"lazyckpt can ask for ({said(str(error), queries=queries)})"
                 ) from None
             except Late as late:
                 last = (
@@ -273,7 +273,7 @@ class Transport:
                 )
                 if reused and stale:
                     continue  # the server closed an idle connection: a new one, now
-                last = f"{type(error).__name__}: {said(str(error))}"
+                last = f"{type(error).__name__}: {said(str(error), queries=queries)}"
             else:
                 if answer.status not in RETRIED:
                     return answer
@@ -377,7 +377,7 @@ def _rate_limited(
     wait = network.retry_after(after)
     asked = ""
     if after:
-        asked = f", asking to wait {said(after, 40)} (Retry-After"
+        asked = f", asking to wait {said(after, 40, queries=(parts.query,))} (Retry-After"
         capped = wait is not None and wait >= network.MAX_RETRY_AFTER
         asked += f"; lazyckpt waits {network.MAX_RETRY_AFTER:g} s at most)" if capped else ")"
     return StorageAccessError(
@@ -389,17 +389,21 @@ def _rate_limited(
     )
 
 
-def said(text: str, limit: int = 200) -> str:
+def said(text: str, limit: int = 200, *, queries: tuple[str, ...] = ()) -> str:
     r"""What a server sent (a status line, a header, a body, or an error that quotes
-    them), for a message: its first `limit` characters quoted, with control characters
-    escaped as `repr` escapes them (a NUL, an ESC that would retitle the terminal, a
-    CR/LF that would forge a line), and '@' too, which the URL scrubber of
+    them or a URL), for a message: the credentials it may quote hidden (those of
+    `lazyckpt._display.hide`, and `queries`, the query strings of the addresses
+    asked: `_display.scrubbed`), then its first `limit` characters quoted, with control
+    characters escaped as `repr` escapes them (a NUL, an ESC that would retitle the
+    terminal, a CR/LF that would forge a line), and '@' too, which the URL scrubber of
     `lazyckpt._display` would take for the end of a password, hiding the host before it.
 
     >>> print(said("EVIL\x1b[2J @evil.example\r\n"))
     'EVIL\x1b[2J \x40evil.example\r\n'
+    >>> print(said("400: GET /x.bin?sig=5ec2e7a9 HTTP/1.1", queries=("sig=5ec2e7a9",)))
+    '400: GET /x.bin?... HTTP/1.1'
     """
-    return repr(text[:limit]).replace("@", "\\x40")
+    return repr(_display.scrubbed(text, *queries)[:limit]).replace("@", "\\x40")
 
 
 def host(parts: urllib.parse.SplitResult) -> str:
@@ -421,7 +425,9 @@ def origin(url: str) -> tuple[str, str]:
     try:
         parts = split_url(url)
     except ValueError as error:
-        raise StorageAccessError(f"{url[:200]}: not a URL lazyckpt can ask for ({error})") from None
+        raise StorageAccessError(
+            f"{_display.url_shown(url)[:200]}: not a URL lazyckpt can ask for ({said(str(error))})"
+        ) from None
     return parts.scheme, host(parts)
 
 

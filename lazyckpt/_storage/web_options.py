@@ -65,6 +65,9 @@ _VALUE = re.compile(r"[\t\x20-\x7e]*")
 _BEARER = re.compile(r"[\x21-\x7e]+")
 _HOST_ENDS = re.compile(r"[/?#\\]")
 """What ends a URL's host and the user name and password before it (`given`)."""
+_UNSENDABLE = re.compile(r"[^\x21-\x7e]")
+"""What a query string cannot send as it is: a space, a control character (one that
+`urllib.parse` would drop, a tab or newline, too) or a non-ASCII character."""
 
 _OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "lazyckpt_web_options", default=None
@@ -131,6 +134,15 @@ def given(url: str) -> str:
             "read as the host; percent-encode these in a password ('/' as %2F, '?' as %3F, "
             "'#' as %23, '\\' as %5C, '@' as %40), and an '@' in a path or query as %40"
         )
+    raw_query = url.partition("#")[0].partition("?")[2]  # (no '?' before it: see above)
+    unsendable = _UNSENDABLE.search(raw_query)
+    if unsendable is not None:
+        raise StorageAccessError(
+            f"{shown}: not a URL lazyckpt can ask for: its query string holds "
+            f"{unsendable[0]!a} (a space, control or non-ASCII character), which no "
+            "request sends as it is; percent-encode it (a space as %20, a newline as %0A), "
+            "or copy the URL again whole (its query is a secret: it is not shown here)"
+        )
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises on a malformed port
@@ -150,6 +162,8 @@ def given(url: str) -> str:
     if at or parts.query:
         shown = f"{origin[0]}://{'...@' if at else ''}{origin[1]}{parts.path.rstrip('/')}"
         _display.register(place, shown + ("?..." if parts.query else ""))
+    if parts.query:
+        _display.hide(parts.query, query=True)  # (where a server's text quotes it)
     if parts.query and not place.endswith(SINGLE_FILES):
         raise CheckpointNotFoundError(
             f"{place}: a URL with a query string is read as one pre-signed file, the query "
@@ -164,6 +178,7 @@ def given(url: str) -> str:
             pair = urllib.parse.unquote_to_bytes(name) + b":"
             pair += urllib.parse.unquote_to_bytes(password)
             carried.authorization[origin] = f"Basic {base64.b64encode(pair).decode()}"
+            _display.hide(pair.decode("utf-8", "replace"))
         if parts.query:
             carried.queries[place] = parts.query
     headers(place)  # checked before any request
@@ -240,6 +255,8 @@ def headers(url: str) -> dict[str, str]:
                 "auth) and storage_options a 'token' or an Authorization header; give one"
             )
         found["Authorization"] = basic
+    for name, value in found.items():  # (credentials: hidden where a server's text quotes them)
+        _display.hide_header(name, value)
     return found
 
 
