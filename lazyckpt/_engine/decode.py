@@ -31,6 +31,7 @@ from lazyckpt._engine.memory import populate
 from lazyckpt._engine.sources import FileSource, KvSource
 from lazyckpt._engine.stored import Codec, StoredArray
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, StorageAccessError
+from lazyckpt._storage.checksum import crc32c
 
 READ_BYTES = 4 << 20
 """Stored bytes per kvstore read of a chunk; two are in flight per chunk stream."""
@@ -377,25 +378,3 @@ def in_shard(
     if offset == _MISSING and nbytes == _MISSING:
         return None
     return offset, offset + nbytes
-
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-        table.append(crc)
-    return table
-
-
-_CRC32C = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), as zarr3's crc32c codec computes it; for shard indexes,
-    which are a few dozen bytes."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
