@@ -150,6 +150,22 @@ def refuse_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     data_reads(monkeypatch, refuse=True)
 
 
+def value_comparisons(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths of the removed leaves `diff(values=True)` compares with an added one,
+    from now on, one entry per comparison (`diff._equal_values`)."""
+    from lazyckpt._explore import diff
+
+    compared: list[str] = []
+    real = diff._equal_values
+
+    def counted(path: str, old: object, new: object, memory_budget: int | None) -> bool:
+        compared.append(path)
+        return real(path, old, new, memory_budget)
+
+    monkeypatch.setattr(diff, "_equal_values", counted)
+    return compared
+
+
 def host_value(value: Any) -> Any:
     """What `lazyckpt.load` should return for a saved leaf."""
     if isinstance(value, jax.Array):

@@ -26,7 +26,7 @@ import pytest
 import lazyckpt
 from lazyckpt._array.broadcast_to import BroadcastTo
 from lazyckpt._cli.main import main
-from tests.helpers import expect, run_cases
+from tests.helpers import expect, refuse_data_reads, run_cases, value_comparisons
 
 _STORAGES = {
     np.dtype(np.float32): "FloatStorage",
@@ -320,6 +320,37 @@ def test_diff_of_broadcast_views_compares_what_they_store(
     assert sum(computed) <= 5 + 300 * 5, computed
 
 
+def test_moved_broadcast_views_are_found_by_what_they_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, computed: list[int]
+) -> None:
+    """A broadcast view (negated too, NaN among its values) moved to the same values
+    stored whole, or the other way round, is found comparing it with its target only:
+    each side's digest is taken from what it stores. Every removed view had been
+    compared with every added array of its shape until one matched."""
+    tree = lazyckpt.open(_expanded(tmp_path))
+    rows = {k: np.broadcast_to(np.asarray(tree[k][:1]), (300, 5)).copy() for k in "efg"}
+    views = {"a": tree["f"], "b": tree["g"], "c": tree["-f"], "d": tree["e"]}
+    whole = {
+        "v": np.random.default_rng(0).standard_normal((300, 5)).astype(np.float32),
+        "w": rows["g"],
+        "x": -rows["f"],
+        "y": rows["e"],
+        "z": rows["f"],
+    }
+    compared = value_comparisons(monkeypatch)
+    moves = {"a": "z", "b": "w", "c": "x", "d": "y"}
+    for first, second, expected in ((views, whole, moves), (whole, views, {
+        to: path for path, to in moves.items()
+    })):  # fmt: skip
+        compared.clear()
+        found = lazyckpt.diff(first, second, values=True)
+        assert {c.path: c.to for c in found.changes if c.kind == "moved"} == expected
+        assert sorted(compared) == sorted(expected)  # its target only
+    # The digests read the views' stored rows (5 values); only the comparisons with
+    # whole arrays, 4 each way, spread them (to 1,500).
+    assert computed.count(1500) == 8 and max(n for n in computed if n != 1500) == 5, computed
+
+
 def test_diff_of_negated_broadcasts_compares_what_they_store(
     tmp_path: Path, computed: list[int]
 ) -> None:
@@ -611,6 +642,22 @@ def test_overlapping_windows_count_what_they_store_once(tmp_path: Path) -> None:
         _WINDOW + _WINDOWS - 2.0,
     )
     assert not list(out.iterdir())
+
+
+def test_moves_among_overlapping_windows_are_refused_before_any_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Windows renamed: the digests of all 16 would go through 8 GiB for 516 KiB stored,
+    # which is refused by name as comparisons at one path are. Each pair had been
+    # compared instead, 512 MiB a side.
+    tree = lazyckpt.open(_windows(tmp_path / "windows.pt"))
+    first = {f"old{i}": tree[f"w{i}"] for i in range(8)}
+    second = {f"new{i}": tree[f"w{i + 8}"] for i in range(8)}
+    refuse_data_reads(monkeypatch)
+    refusal = r"comparing them would go through 8\.0 GiB in all, 16 arrays made of 516\.0 KiB"
+    with pytest.raises(lazyckpt.ArgumentError, match=refusal):
+        lazyckpt.diff(first, second, values=True)
+    assert lazyckpt.diff(first, second).counts()["moved"] == 8  # (metadata alone: no read)
 
 
 def test_a_broadcast_of_overlapping_windows_is_refused_by_save(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """`diff` and `stats` at the edges of their values and leaves: integers past float64's
 2**53, float64's largest, constant arrays of large magnitude, NaN scalars, trees of
-arrays already read (NumPy, jax) beside lazy ones, and arguments out of range."""
+arrays already read (NumPy, jax) beside lazy ones, moves among hundreds of arrays of
+one shape, and arguments out of range."""
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 from typing import Any
@@ -12,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import lazyckpt
 from lazyckpt._cli.main import main
-from tests.helpers import orbax_save
+from lazyckpt._explore import difference
+from tests.helpers import data_reads, orbax_save, value_comparisons
 
 BIG = 2**53  # the first integer after which float64 skips some
 I64, U64 = np.iinfo(np.int64), np.iinfo(np.uint64)
@@ -109,6 +115,156 @@ def test_diff_compares_arrays_already_read_as_it_compares_lazy_ones(tmp_path: Pa
     assert [(c.path, c.kind, c.to) for c in moved.changed] == [
         ("lr", "removed", ""), ("step", "removed", ""), ("w", "moved", "v"),
     ]  # fmt: skip
+
+
+def test_moves_among_300_arrays_of_one_shape_read_each_once_not_once_per_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 arrays renamed and retrained, 51 of them only renamed: each removed one is
+    compared with its target alone, each array read once for its digest and once more
+    where it moved. Every removed one had been compared with every added one of its
+    shape until one matched (400 pairs took 29 s; 10,000 would take hours)."""
+    n = 300
+    rng = np.random.default_rng(0)
+    before = {f"old{i:03}": rng.standard_normal(64).astype(np.float32) for i in range(n)}
+    after = {f"new{i:03}": rng.standard_normal(64).astype(np.float32) for i in range(n)}
+    expected = {}
+    for j in range(0, n, 6):  # 50 moved, to targets 3 apart from all others modulo 6
+        target = f"new{(7 * j + 3) % n:03}"
+        after[target] = before[f"old{j:03}"].copy()
+        expected[f"old{j:03}"] = target
+    # Equal values twice on each side: paired in order, the first removed to the first.
+    before["old001"] = before["old000"].copy()
+    after["new010"] = before["old000"].copy()
+    expected["old001"] = "new010"
+    a, b = lazyckpt.save(tmp_path / "a", before), lazyckpt.save(tmp_path / "b", after)
+    compared = []
+    block_difference = difference.block_difference
+
+    def counted(left: np.ndarray, right: np.ndarray) -> difference.Found:
+        compared.append(left.size)
+        assert len(compared) <= len(expected), "compared with more than its target"
+        return block_difference(left, right)
+
+    monkeypatch.setattr(difference, "block_difference", counted)
+    reads = data_reads(monkeypatch)
+    result = lazyckpt.diff(a, b, values=True, memory_budget=1 << 20)
+    assert {c.path: c.to for c in result.changes if c.kind == "moved"} == expected
+    assert result.counts() == {**dict.fromkeys(result.counts(), 0),
+                               "moved": 51, "removed": n - 51, "added": n - 51}  # fmt: skip
+    assert compared == [64] * 51
+    times = collections.Counter(reads)
+    assert set(times) == {*before, *after}
+    moved = {*expected, *expected.values()}
+    assert {key: times[key] for key in times if times[key] != 1} == dict.fromkeys(moved, 2)
+
+
+def test_moves_keep_what_diff_calls_equal_and_compare_only_their_targets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moves found by digest, each confirmed by one comparison: NaNs in the same
+    places and -0.0 against 0.0 equal, NaN to its part of a complex number, a
+    broadcast view equal to its values stored whole (along either dimension), typed
+    PRNG keys by their data, long doubles past float64's precision, bools and text."""
+    rng = np.random.default_rng(1)
+    noise = rng.standard_normal((2, 3)).astype(np.float32)
+    zeros = np.array([[np.nan, -0.0, 1.0], [2.0, np.float32(1e-45), 3.0]], np.float32)
+    row, column = np.arange(4.0), np.arange(3.0)[:, None]
+    tiny = np.finfo(np.longdouble).eps  # (past float64's precision, where it is wider)
+    before = {
+        "f_noise": noise,
+        "f_zeros": zeros,
+        "f_nan_elsewhere": np.where(np.eye(2, 3, dtype=bool), np.nan, zeros),
+        "c_first": np.array([complex(np.nan, 1), 2j]),
+        "c_second": np.array([complex(1, np.nan), 2j]),
+        "r_row": np.broadcast_to(row, (3, 4)),
+        "r_column": np.broadcast_to(column, (3, 4)),
+        "k_zero": jax.random.key(0),
+        "k_one": jax.random.key(1),
+        "l_one": np.array([1 + tiny, 1], np.longdouble),
+        "l_two": np.array([1, 1], np.longdouble),
+        "b_one": np.array([True, False]),
+        "b_two": np.array([False, True]),
+        "t_one": np.array(["a", "bc"]),
+        "t_two": np.array(["bc", "a"]),
+    }
+    after = {  # (other names: an added leaf is one whose path the first tree lacks)
+        "to_f_one": rng.standard_normal((2, 3)).astype(np.float32),
+        "to_f_two": np.where(np.isnan(zeros), np.nan, np.abs(zeros)),  # +0.0 where -0.0 was
+        "to_f_three": np.where(np.eye(2, 3, k=1, dtype=bool), np.nan, zeros),
+        "to_c_one": np.array([complex(1, np.nan), 2j]),
+        "to_c_two": np.array([complex(np.nan, 1), 2j]),
+        "to_r_one": rng.standard_normal((3, 4)),
+        "to_r_two": np.broadcast_to(column, (3, 4)).copy(),
+        "to_r_three": np.broadcast_to(row, (3, 4)).copy(),
+        "to_k_one": jax.random.key(2),
+        "to_k_two": jax.random.key(1),
+        "to_k_three": jax.random.key(0),
+        "to_l_one": np.array([1, 1], np.longdouble),
+        "to_l_two": np.array([1 + tiny, 1], np.longdouble),
+        "to_b_one": np.array([False, True]),
+        "to_b_two": np.array([True, False]),
+        "to_t_one": np.array(["bc", "a"]),
+        "to_t_two": np.array(["a", "bc"]),
+    }
+    compared = value_comparisons(monkeypatch)
+    result = lazyckpt.diff(before, after, values=True)
+    moved = {c.path: c.to for c in result.changes if c.kind == "moved"}
+    assert moved == {
+        "f_zeros": "to_f_two", "c_first": "to_c_two", "c_second": "to_c_one",
+        "r_row": "to_r_three", "r_column": "to_r_two", "k_zero": "to_k_three",
+        "k_one": "to_k_two", "l_one": "to_l_two", "l_two": "to_l_one", "b_one": "to_b_two",
+        "b_two": "to_b_one", "t_one": "to_t_two", "t_two": "to_t_one",
+    }  # fmt: skip
+    assert {(c.path, c.kind) for c in result.changes if c.kind != "moved"} == {
+        ("f_noise", "removed"), ("f_nan_elsewhere", "removed"), ("to_f_one", "added"),
+        ("to_f_three", "added"), ("to_r_one", "added"), ("to_k_one", "added"),
+    }  # fmt: skip
+    assert sorted(compared) == sorted(moved)  # one comparison for each move, none besides
+
+
+_FEW: dict[np.dtype[Any], list[Any]] = {
+    np.dtype(np.float32): [0.0, -0.0, np.nan, 1.0],
+    np.dtype(np.complex128): [0j, complex(-0.0, 0), complex(np.nan, 1), complex(1, np.nan)],
+}
+
+
+def _equal(x: np.ndarray, y: np.ndarray) -> bool:
+    """Equal, -0.0 as 0.0 and NaN as NaN in the same part (NumPy's `equal_nan` takes a
+    complex number with a NaN in either part for any other)."""
+    return all(np.array_equal(part(x), part(y), equal_nan=True) for part in (np.real, np.imag))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_moves_are_those_comparing_every_pair_finds(data: st.DataObject) -> None:
+    """Arrays of a few values (NaN, 0.0 and -0.0 among them), each whole or a broadcast
+    of its values along some dimensions: the moves are those that comparing each
+    removed array in turn with every added one still free finds, and each costs one
+    comparison (not one per pair tried)."""
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=3))
+    dtype = data.draw(st.sampled_from(list(_FEW)))
+
+    def drawn() -> np.ndarray:
+        repeats = data.draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)))
+        stored = tuple(1 if r else n for r, n in zip(repeats, shape, strict=True))
+        values = data.draw(hnp.arrays(dtype, stored, elements=st.sampled_from(_FEW[dtype])))
+        view = np.broadcast_to(values, shape)
+        return view if data.draw(st.booleans()) else view.copy()
+
+    before = {f"a{i}": drawn() for i in range(data.draw(st.integers(2, 5)))}
+    after = {f"b{i}": drawn() for i in range(data.draw(st.integers(2, 5)))}
+    expected, free = {}, list(after)
+    for path, old in before.items():
+        target = next((t for t in free if _equal(old, after[t])), None)
+        if target is not None:
+            expected[path] = target
+            free.remove(target)
+    with pytest.MonkeyPatch.context() as patch:
+        compared = value_comparisons(patch)
+        found = lazyckpt.diff(before, after, values=True)
+    assert {c.path: c.to for c in found.changes if c.kind == "moved"} == expected
+    assert sorted(compared) == sorted(expected)
 
 
 def test_diff_of_typed_keys_in_memory_and_nan_scalars() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -17,7 +17,7 @@ from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.progress import shown
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import NoMatchError
-from lazyckpt._explore import difference, plot
+from lazyckpt._explore import difference, digest, plot
 from lazyckpt._explore.arguments import count
 from lazyckpt._explore.sides import Side, check_work, unrepeated
 from lazyckpt._lazy import LazyArray
@@ -362,24 +362,74 @@ def _moves(
     values: bool,
     memory_budget: int | None,
 ) -> set[str]:
-    """Pair removed and added leaves with the same signature, one to one; returns the
-    added paths that were matched."""
-    free: dict[_Signature, list[str]] = {}
+    """Pair removed and added leaves with the same signature (and, with `values`,
+    equal values), one to one: each removed leaf in turn with the first added one
+    free. Returns the added paths that were matched."""
+    removed = [path for path, change in changes.items() if change.kind == "removed"]
+    olds, news = _move_keys(a, removed, b, [c.path for c in added], values, memory_budget)
+    free: dict[Hashable, list[str]] = {}
     for change in added:
-        free.setdefault(_signature(b[change.path]), []).append(change.path)
+        free.setdefault(news[change.path], []).append(change.path)
     matched: set[str] = set()
-    for path, change in list(changes.items()):
-        if change.kind != "removed":
-            continue
-        candidates = free.get(_signature(a[path]), [])
+    for path in removed:
+        candidates = free.get(olds[path], [])
         for target in candidates:
             if values and not _equal_values(path, a[path], b[target], memory_budget):
                 continue
             candidates.remove(target)
             matched.add(target)
-            changes[path] = attrs.evolve(change, kind="moved", to=target)
+            changes[path] = attrs.evolve(changes[path], kind="moved", to=target)
             break
     return matched
+
+
+def _move_keys(
+    a: dict[str, object],
+    removed: list[str],
+    b: dict[str, object],
+    added: list[str],
+    values: bool,
+    memory_budget: int | None,
+) -> tuple[dict[str, Hashable], dict[str, Hashable]]:
+    """What a removed leaf shares with the added one it moves to: its signature, and
+    with `values` the digest of its values (`digest`), which equal values share; so
+    a removed leaf is compared with the added ones of its digest only, after each
+    array was read once for the digests. (A signature of one removed and one added
+    leaf keeps no digest: that pair is compared as it is, each side read once.)"""
+    olds: dict[str, Hashable] = {path: _signature(a[path]) for path in removed}
+    news: dict[str, Hashable] = {path: _signature(b[path]) for path in added}
+    if not values:
+        return olds, news
+    groups: dict[Hashable, tuple[list[str], list[str]]] = {}
+    for side, signatures in enumerate((olds, news)):
+        for path, signature in signatures.items():
+            groups.setdefault(signature, ([], []))[side].append(path)
+    hashed = [
+        (signature, first, second)
+        for signature, (first, second) in groups.items()
+        if first and second and len(first) + len(second) > 2 and isinstance(b[second[0]], _Array)
+    ]
+    if not hashed:
+        return olds, news
+    found = digest.digests(
+        [
+            [(path, _digested(a[path])) for path in first]
+            + [(path, _digested(b[path])) for path in second]
+            for _, first, second in hashed
+        ],
+        memory_budget,
+    )
+    for (signature, first, second), digests in zip(hashed, found, strict=True):
+        keys = [(signature, found_digest) for found_digest in digests]
+        olds.update(zip(first, keys[: len(first)], strict=True))
+        news.update(zip(second, keys[len(first) :], strict=True))
+    return olds, news
+
+
+def _digested(leaf: object) -> _Array:
+    """What `digest` takes of an array: its values; typed PRNG keys' data."""
+    assert isinstance(leaf, _Array), "array signatures are arrays'"
+    return _key_data(leaf) if _is_keys(leaf) else leaf
 
 
 def _is_keys(array: _Array) -> bool:
@@ -390,11 +440,11 @@ def _is_keys(array: _Array) -> bool:
 def _equal_keys(old: _Array, new: _Array) -> bool:
     """Typed PRNG keys of one dtype (one implementation): equal when their key data
     is (they are small; read whole)."""
-    left, right = (
-        np.asarray(jax.random.key_data(array.get() if isinstance(array, LazyArray) else array))
-        for array in (old, new)
-    )
-    return np.array_equal(left, right)
+    return np.array_equal(_key_data(old), _key_data(new))
+
+
+def _key_data(array: _Array) -> np.ndarray:
+    return np.asarray(jax.random.key_data(array.get() if isinstance(array, LazyArray) else array))
 
 
 def _equal_values(path: str, old: object, new: object, memory_budget: int | None) -> bool:

@@ -88,6 +88,47 @@ def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return same
 
 
+def canonical(values: np.ndarray) -> list[np.ndarray] | None:
+    """The flat `values` as uint64 words (a list of arrays, one word of each value in
+    each): two values have the same words wherever `block_difference` finds them
+    equal. Integers exactly; floats by their bits once every NaN is one NaN and -0.0
+    is 0.0, in float64 where their own dtype is not NumPy's (a long double as two
+    float64s, a complex number part by part); text, dates and raw bytes by their
+    bytes. None for objects and records, whose equality no bytes show."""
+    flat = values.reshape(-1)
+    if flat.dtype.kind in "biu":  # (a bool's byte other than 1 is True, as `!=` has it)
+        return [flat.astype(np.int64 if flat.dtype.kind == "i" else np.uint64).view(np.uint64)]
+    if flat.dtype.kind == "f" and flat.dtype.itemsize <= 8:  # (float64 holds them exactly)
+        with np.errstate(invalid="ignore"):
+            same = np.where(np.isnan(flat), np.nan, flat + flat.dtype.type(0))
+        return [same.view(f"u{flat.dtype.itemsize}").astype(np.uint64)]
+    if _numeric(flat.dtype):
+        wide = np.result_type(flat.dtype, np.float64) if flat.dtype.kind in "fc" else np.float64
+        x = flat.astype(wide)
+        parts = (x.real, x.imag) if x.dtype.kind == "c" else (x,)
+        return [word for part in parts for word in _float_words(part)]
+    if flat.dtype.names is not None or flat.dtype.kind == "O":
+        return None
+    # Text, dates and raw bytes: equal where their bytes are (NaT equals nothing).
+    size = flat.dtype.itemsize
+    rows = np.zeros((flat.size, -(-size // 8) * 8), np.uint8)
+    rows[:, :size] = np.ascontiguousarray(flat).view(np.uint8).reshape(flat.size, size)
+    words = rows.view(np.uint64)
+    return [words[:, i] for i in range(words.shape[1])]
+
+
+def _float_words(part: np.ndarray) -> list[np.ndarray]:
+    """A real part's words: float64, with one NaN and one zero; a long double as its
+    float64 and what that leaves over, whose bytes hold padding that its value does not."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        if part.dtype.itemsize > 8:
+            high = part.astype(np.float64)
+            pieces = [high, (part - high).astype(np.float64)]
+        else:
+            pieces = [part]
+        return [np.where(np.isnan(p), np.nan, p + 0.0).view(np.uint64) for p in pieces]
+
+
 def _numeric(dtype: np.dtype[Any]) -> bool:
     """Whether `dtype` holds numbers: bfloat16 and the other ml_dtypes (whose kind is
     'V') too; not text, dates, objects, records or raw bytes."""

@@ -45,13 +45,32 @@ def unrepeated(path: str, old: Side, new: Side) -> tuple[Side, Side]:
     return _spread(a, common), _spread(b, common)
 
 
+def repeated(array: Side) -> tuple[Side, frozenset[int]]:
+    """`array`'s stored values (of its rank, size 1 where it repeats) and the
+    dimensions along which it repeats them; `array` itself where it does not."""
+    core = _core(array) if _repeats(array) else array
+    dims = frozenset(
+        d for d, (c, n) in enumerate(zip(core.shape, array.shape, strict=True)) if c == 1 < n
+    )
+    return core, dims
+
+
 def check_work(pairs: Sequence[tuple[str, Side, Side]]) -> None:
     """Refuse, by name, comparing `pairs` (each `unrepeated`) where they would go
     through far more than their sides store, all told (`workload.check`)."""
+    _check([(path, (old, new)) for path, old, new in pairs])
+
+
+def check_reads(arrays: Sequence[tuple[str, Side]]) -> None:
+    """`check_work` for arrays each read once (`repeated`'s stored values)."""
+    _check([(path, (array,)) for path, array in arrays])
+
+
+def _check(items: Sequence[tuple[str, tuple[Side, ...]]]) -> None:
     workload.check(
         "comparing them would go through",
-        [(path, old.nbytes + new.nbytes) for path, old, new in pairs],
-        lambda: stored_nbytes([side for _, *both in pairs for side in both]),
+        [(path, sum(side.nbytes for side in sides)) for path, sides in items],
+        lambda: stored_nbytes([side for _, sides in items for side in sides]),
         "Compare fewer arrays (select=), or slices of them, or leave values=False",
     )
 

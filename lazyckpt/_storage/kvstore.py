@@ -346,7 +346,12 @@ class Store:
         )
         index = (
             Index(
-                Tree(kvstore.base, location, location if local else None),
+                Tree(
+                    kvstore.base,
+                    location,
+                    location if local else None,
+                    sizes=None if web is None else web.size,  # (as the relay pinned them)
+                ),
                 coalesce=not local,
                 # (a data file's values read by lazyckpt itself, from the file first seen)
                 read_file=(lambda file, at: read_checked(seen, os.path.join(location, file), at))

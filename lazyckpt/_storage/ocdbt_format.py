@@ -11,12 +11,18 @@ then its keys, values and children. Whatever this does not read whole is
 `FormatError`, saying what is wrong. tensorstore's driver reads no version-tree node
 to read the newest version (a database whose version-tree nodes are garbage reads as
 before), so a manifest's references to them are read, and never followed.
+
+A node's children and values stay columns of numbers until they are asked for
+(`Node.children`, `Node.values`), and `Node.held` says what the node holds in this
+process's memory, which the walks of `ocdbt_tree` bound.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import struct
+from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -52,6 +58,17 @@ _INTERIOR_ENTRY = 88
 """Likewise for a child's entry: its reference, statistics and key lengths."""
 _TABLE_ENTRY = 64
 """Likewise for a data file of a table, besides its path."""
+
+_HELD_ENTRY = 96
+"""Bytes a `Node` holds for an entry besides its key's and inline value's bytes: the
+key as a Python `bytes` in a list (about 50) and four columns of 8-byte numbers
+(tests/test_ocdbt_index.py measures it)."""
+_HELD_FILE = 192
+"""Likewise for a data file of its table besides its path: a tuple of two `bytes`."""
+
+_BATCH = 4096
+"""Keys decoded, and children made into references, at a time: few Python numbers at
+once."""
 
 
 class FormatError(ValueError):
@@ -91,15 +108,58 @@ Place = bytes | tuple[str, int, int]
 
 @attrs.frozen
 class Node:
-    """A b-tree node: its keys (relative to the prefix its parents give it, increasing),
-    and a leaf's values or an interior node's children (each a node and the length of
-    its key's prefix that all keys below it share)."""
+    """A b-tree node: its keys (relative to the prefix its parents give it, increasing)
+    and its table of data files (each its base path and the path relative to that);
+    a leaf's values (`values`) or an interior node's children (`children`), kept as
+    columns of numbers until they are asked for. `decoded` is what tensorstore holds
+    to decode it (as `MAX_DECODED_BYTES` bounds it), `held` what this object holds."""
 
     height: int
     keys: list[bytes]
-    values: list[Place]
-    children: list[tuple[Ref, int]]
+    files: list[tuple[bytes, bytes]]
+    columns: np.ndarray = attrs.field(repr=False)
+    """Four rows of a number per entry: a child's data file, offset, length and the
+    length of its key's prefix that all keys below it share; or a value's kind
+    (0 inline, 1 in a data file), length, data file and offset."""
+    inline: bytes = attrs.field(repr=False)
+    """A leaf's inline values, one after the other."""
     decoded: int
+    held: int
+
+    @property
+    def entries(self) -> int:
+        """Its keys and data files: what decoding it did a step of Python for each."""
+        return len(self.keys) + len(self.files)
+
+    def children(self, first: int, stop: int) -> Iterator[tuple[Ref, int]]:
+        """Children `first` to before `stop`, each the node and the length of its key's
+        prefix that all keys below it share: made a batch at a time, as asked for."""
+        for at in range(first, stop, _BATCH):
+            files, offsets, lengths, shared = self.columns[:, at : min(at + _BATCH, stop)].tolist()
+            for file, offset, length, common in zip(files, offsets, lengths, shared, strict=True):
+                base, relative = self.files[file]
+                yield Ref(base, relative, offset, length), common
+
+    def values(self) -> list[Place]:
+        """A leaf's values, each inline bytes or a place in a data file."""
+        kinds, lengths, files, offsets = self.columns
+        sizes = np.where(kinds == 0, lengths, 0)
+        ends = np.cumsum(sizes)
+        names = [
+            (base + relative).decode("utf-8", "surrogateescape") for base, relative in self.files
+        ]
+        raw = self.inline
+        return [
+            (names[file], offset, length) if kind else raw[end - length : end]
+            for kind, length, end, file, offset in zip(
+                kinds.tolist(),
+                lengths.tolist(),
+                ends.tolist(),
+                files.tolist(),
+                offsets.tolist(),
+                strict=True,
+            )
+        ]
 
 
 def manifest(data: bytes) -> Manifest:
@@ -149,7 +209,9 @@ def node(data: bytes, base: bytes) -> Node:
     (`FormatError` where tensorstore would refuse it, or past `MAX_DECODED_BYTES`)."""
     body, reader = _opened(data, NODE_MAGIC)
     height = reader.byte()
-    table, decoded = _table(reader, base, len(data) + len(body))
+    stored = len(data) + len(body)
+    table, decoded = _table(reader, base, stored)
+    table_decoded = decoded - stored
     count = reader.varint(32)
     if not 1 <= count <= MAX_ENTRIES:
         raise FormatError(f"holds {count} entries, where 1 to {MAX_ENTRIES} fit")
@@ -172,14 +234,18 @@ def node(data: bytes, base: bytes) -> Node:
     _bounded(decoded)
     keys = _keys(reader, prefixes, suffixes)
     if height:
-        children = _refs(reader, table, count, missing=False)
-        reader.varints(3 * count, 64)  # (each child's statistics)
-        reader.end()
         assert shared is not None
-        return Node(height, keys, [], list(zip(children, shared.tolist(), strict=True)), decoded)
-    values = _values(reader, table, count)
+        columns = np.stack([*_places(reader, table, count), shared])
+        for _ in range(3):  # (each child's statistics, a column at a time)
+            reader.varints(count, 64)
+        inline = b""
+    else:
+        columns, inline = _values(reader, table, count)
     reader.end()
-    return Node(height, keys, values, [], decoded)
+    # (the table as `_table` counted it, with Python's objects in place of tensorstore's)
+    files = table_decoded + len(table) * (_HELD_FILE - _TABLE_ENTRY)
+    held = int(lengths.sum()) + count * _HELD_ENTRY + files + len(inline)
+    return Node(height, keys, table, columns, inline, decoded, held)
 
 
 def _bounded(decoded: int) -> None:
@@ -211,13 +277,26 @@ def _opened(data: bytes, magic: int) -> tuple[bytes, _Reader]:
         return rest, _Reader(rest)
     if compression != 1:
         raise FormatError(f"has compression format {compression}, where 0 and 1 are known")
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(rest, read_across_frames=True) as stream:
-            body = stream.read(MAX_DECODED_BYTES + 1)
-    except zstandard.ZstdError as error:
-        raise FormatError(f"is not valid zstd data ({error})") from None
+    body = _decompressed(rest, MAX_DECODED_BYTES + 1 - len(data))
     _bounded(len(data) + len(body))
     return body, _Reader(body)
+
+
+def _decompressed(data: bytes, most: int) -> bytes:
+    """`data` decompressed, or its first `most` bytes: read in pieces that double, from
+    a few times its length (tensorstore's writer does not say how long it is), so that
+    no buffer of `most` bytes is taken for a node of a few."""
+    pieces = []
+    size = min(max(8 * len(data), 1 << 16), most)
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True) as stream:
+            while most > 0 and (piece := stream.read(size)):
+                pieces.append(piece)
+                most -= len(piece)
+                size = min(2 * size, most)
+    except zstandard.ZstdError as error:
+        raise FormatError(f"is not valid zstd data ({error})") from None
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _table(reader: _Reader, base: bytes, decoded: int) -> tuple[list[tuple[bytes, bytes]], int]:
@@ -275,53 +354,62 @@ def _past_end(offsets: np.ndarray, lengths: np.ndarray) -> bool:
 
 def _keys(reader: _Reader, prefixes: np.ndarray, suffixes: np.ndarray) -> list[bytes]:
     """The keys whose lengths the columns give, each made of what it shares with the
-    one before it and its own suffix; strictly increasing, as tensorstore checks."""
+    one before it and its own suffix (a batch of columns at a time, as Python numbers);
+    strictly increasing, as tensorstore checks."""
     start = reader.at
     raw = reader.take(int(suffixes.sum()))
-    ends = np.cumsum(suffixes).tolist()
+    ends = np.cumsum(suffixes)
+    keys: list[bytes] = []
     key = b""
-    keys = [
-        key := key[:shared] + raw[begin:end]
-        for shared, begin, end in zip(prefixes.tolist(), [0, *ends[:-1]], ends, strict=True)
-    ]
-    if not all(map(operator.lt, keys, keys[1:])):
+    for at in range(0, ends.size, _BATCH):
+        batch = slice(at, at + _BATCH)
+        for shared, begin, end in zip(
+            prefixes[batch].tolist(),
+            (ends[batch] - suffixes[batch]).tolist(),
+            ends[batch].tolist(),
+            strict=True,
+        ):
+            key = key[:shared] + raw[begin:end]
+            keys.append(key)
+    if not all(map(operator.lt, keys, itertools.islice(keys, 1, None))):
         raise FormatError(f"holds keys out of order (at byte {start} of its body)")
     return keys
 
 
-def _values(reader: _Reader, table: list[tuple[bytes, bytes]], count: int) -> list[Place]:
-    """A leaf's values: inline bytes, or places in data files."""
+def _places(
+    reader: _Reader, table: list[tuple[bytes, bytes]], count: int, lengths: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`count` places in data files, each a column: data files, offsets and lengths
+    (`lengths`, where they were read before)."""
+    ids = reader.varints(count, 64)
+    offsets = reader.varints(count, 64)
+    if lengths is None:
+        lengths = reader.varints(count, 64)
+    if np.any(ids >= len(table)):
+        raise FormatError(f"refers to a data file outside its table of {len(table)}")
+    if _past_end(offsets, lengths):
+        raise FormatError("refers to bytes past the end that any data file can have")
+    return ids, offsets, lengths
+
+
+def _values(
+    reader: _Reader, table: list[tuple[bytes, bytes]], count: int
+) -> tuple[np.ndarray, bytes]:
+    """A leaf's values as `Node.columns` holds them, and its inline values' bytes."""
     lengths = reader.varints(count, 64)
-    kinds = np.frombuffer(reader.take(count), np.uint8)
+    kinds = np.frombuffer(reader.take(count), np.uint8).astype(np.uint64)
     if np.any(kinds > 1):
         raise FormatError("gives a value a kind other than inline (0) or in a data file (1)")
     inline = kinds == 0
     if np.any(lengths[inline] > MAX_INLINE):
         raise FormatError(f"holds an inline value of more than {MAX_INLINE} bytes")
-    indirect = int(count - inline.sum())
-    ids = reader.varints(indirect, 64)
-    offsets = reader.varints(indirect, 64)
-    if np.any(ids >= len(table)):
-        raise FormatError(f"refers to a data file outside its table of {len(table)}")
-    files = [(b + r).decode("utf-8", "surrogateescape") for b, r in table]
-    stored = lengths[~inline]
-    if _past_end(offsets, stored):
-        raise FormatError("places a value past the end that any data file can have")
-    sizes = lengths[inline]
-    raw = reader.take(int(sizes.sum()))
-    ends = np.cumsum(sizes).tolist()
-    here: list[Place] = [raw[begin:end] for begin, end in zip([0, *ends[:-1]], ends, strict=True)]
-    if not indirect:
-        return here
-    places: list[Place] = [
-        (files[file], offset, size)
-        for file, offset, size in zip(ids.tolist(), offsets.tolist(), stored.tolist(), strict=True)
-    ]
-    if indirect == count:
-        return places
-    # (each entry's value from the inline ones or the placed ones, in the entries' order)
-    sources = (iter(here), iter(places))
-    return [next(sources[kind]) for kind in kinds.tolist()]
+    indirect = ~inline
+    ids, offsets, _ = _places(reader, table, int(indirect.sum()), lengths[indirect])
+    raw = reader.take(int(lengths[inline].sum()))
+    files = np.zeros(count, np.uint64)
+    places = np.zeros(count, np.uint64)
+    files[indirect], places[indirect] = ids, offsets
+    return np.stack([kinds, lengths, files, places]), raw
 
 
 class _Reader:
