@@ -10,6 +10,7 @@ from typing import Any
 from lazyckpt._array.tree import gc_paused, leaves
 from lazyckpt._errors import (
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     NotACheckpointError,
     UnfinishedCheckpointError,
     UnsupportedCheckpointError,
@@ -18,6 +19,7 @@ from lazyckpt._orbax.read import listed_arrays, open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths
 from lazyckpt._storage.publish import SWAP_SUFFIX, interrupted_overwrite
+from lazyckpt._weights import kinds
 from lazyckpt._weights.read import is_weights, open_weights
 
 
@@ -55,11 +57,15 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
             each tensor's header is read, none of its data; symlinks are followed
             (the Hugging Face cache links files to its blobs). Or a `torch.save`
             file (`.bin`, `.pt`, `.pth`), a `pytorch_model.bin` folder (sharded with
-            its index), a flax msgpack file, or an `.npz` / `.npy` file, read
+            its index), a flax msgpack file (or a folder of flax's
+            `save_checkpoint` files, `checkpoint_7`), or an `.npz` / `.npy` file, read
             without torch and without running a pickle: a pickle that names any
             global but a tensor's, a storage's or a plain container's is an
-            `UnsafePickleError`, raised before anything runs.
-        step: The step of a CheckpointManager root (default: the latest committed).
+            `UnsafePickleError`, raised before anything runs. A local file whose name
+            has no suffix lazyckpt knows is read as its first bytes say; one whose
+            suffix says another format than its bytes is a `NotACheckpointError`.
+        step: The step of a CheckpointManager root, or of a folder of flax's
+            `save_checkpoint` files (default: the latest committed).
         item: The item of a step folder (see `lazyckpt.items`); a JSON item
             (`ocp.args.JsonSave`) opens as its value. Default: `state`, `default` or
             the only PyTree item.
@@ -103,7 +109,20 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                         f"{where} holds {kind}, which have no steps or items; open it "
                         "without step= and item="
                     )
-                return read(where, flat=flat)
+                try:
+                    return read(where, flat=flat)
+                except CorruptCheckpointError:
+                    kinds.check_file(where)  # (bytes of another format: say so instead)
+                    raise
+            unnamed = _unnamed(where, step)
+            if unnamed is not None:
+                if item is not None:
+                    raise NotACheckpointError(
+                        f"{unnamed} is a weight file, which has no items; open it without item="
+                    )
+                if kinds.sniffed(unnamed) == kinds.SAFETENSORS:
+                    return open_safetensors(unnamed, flat=flat)
+                return open_weights(unnamed, flat=flat, keep_tied=keep_tied)
             tree = open_orbax(where, step=step, item=item, allow_outside_links=allow_outside_links)
         except (CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError):
             staged = interrupted_overwrite(where)
@@ -116,6 +135,29 @@ def open(  # noqa: A001 - the library's main verb, used as lazyckpt.open
                 f"(commit_success.txt or the index last) and delete {where}{SWAP_SUFFIX}"
             ) from None
     return _flat(where, tree) if flat else tree
+
+
+def _unnamed(where: str, step: int | None) -> str | None:
+    """The weight file to read at `where` by its content, where its name says no format:
+    `where` itself, or in a folder the file of flax's `save_checkpoint` of `step` (by
+    default the latest, as flax's `restore_checkpoint` picks). None where neither is."""
+    if kinds.sniffed(where) is not None:
+        if step is not None:
+            raise NotACheckpointError(
+                f"{where} is a weight file, which has no steps; open it without step="
+            )
+        return where
+    saved = kinds.flax_steps(where)
+    if not saved:
+        return None
+    if step is None:
+        return saved[max(saved)]
+    if step not in saved:
+        raise CheckpointNotFoundError(
+            f"{where} has no flax checkpoint of step {step}: its steps are {sorted(saved)}; "
+            "pass one of them as step=, or none for the latest"
+        )
+    return saved[step]
 
 
 def _flat(where: str, tree: Any) -> dict[str, Any]:

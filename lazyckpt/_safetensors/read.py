@@ -150,7 +150,9 @@ def _files(
 ) -> tuple[str, tuple[str, ...], tuple[dict[str, str], dict[str, str]] | None]:
     """The folder, the files that make up the model (the index first where there is
     one), and the index's weight map and metadata (None without an index)."""
-    if path.endswith(SUFFIX) and not paths.isdir(path):
+    named = path.endswith(SUFFIX) and not paths.isdir(path)
+    unnamed = not named and not paths.is_remote(path) and paths.isfile(path)  # (told by content)
+    if named or unnamed:
         check_plain(path)
         return paths.dirname(path), (paths.basename(path),), None
     names = paths.listdir(path)

@@ -1,7 +1,8 @@
 """Weight files that are neither Orbax nor safetensors, opened lazily: PyTorch's
 `torch.save` files (`pytorch_model.bin`, sharded with `pytorch_model.bin.index.json`;
 `consolidated.00.pth`; `*.pt`), flax's msgpack (`flax_model.msgpack`) and NumPy's
-`.npy` / `.npz`. A file is known by its first bytes, whatever its name.
+`.npy` / `.npz`. A file is known by its first bytes; a name that says another format
+is refused (`kinds`).
 
 Each tensor is a `LazyArray` over the bytes where the file keeps it (`arrays`), read
 by range like a safetensors tensor. Names nest as the writers meant them: a state
@@ -33,14 +34,14 @@ from lazyckpt._safetensors.read import check_plain
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import Store, from_one_generation
 from lazyckpt._storage.sites import Site, hub_listed, register
-from lazyckpt._weights import flax_msgpack, npy, zips
+from lazyckpt._weights import flax_msgpack, kinds, npy, zips
 from lazyckpt._weights import torch as torch_files
 from lazyckpt._weights.arrays import Stacked
 from lazyckpt._weights.files import File
 from lazyckpt._weights.unpickle import DType, Tensor
 
 SUFFIXES = (".bin", ".pt", ".pth", ".npz", ".npy", ".msgpack")
-"""The names of the files this package reads (any name is read by its content)."""
+"""The names of the files this package reads (a name without a suffix, by its content)."""
 INDEXES = ("pytorch_model.bin.index.json", "flax_model.msgpack.index.json")
 SINGLES = ("pytorch_model.bin", "flax_model.msgpack")
 _HEAD = 1 << 16
@@ -200,6 +201,7 @@ def _entries(
     `kept` (a name its index places in the file)."""
     file = file.knowing(_HEAD)
     head = file.known
+    kinds.check_named(file.path, head)
     if head[:4] in (zips.MAGIC, zips.EMPTY):
         found = zips.members(file)
         if any(torch_files.fold(name).endswith("/data.pkl") for name in found):
