@@ -126,7 +126,8 @@ def test_stats_diff_and_verify_of_a_bomb_answer_from_what_it_stores(tmp_path: Pa
     table = _json(outcomes["stats"])
     repeated = math.prod(_HUGE) // 4
     assert table["x"] == {
-        "size": math.prod(_HUGE),
+        "elements": math.prod(_HUGE),
+        "nbytes": 1 << 61,
         "nan": 0,
         "inf": 0,
         "min": 0.0,
@@ -137,11 +138,11 @@ def test_stats_diff_and_verify_of_a_bomb_answer_from_what_it_stores(tmp_path: Pa
     }
     assert table["s"]["histogram"]["counts"] == [0, 0, math.prod(_HUGE), 0]
     rows = np.arange(_WIDE) % 7
-    assert table["a"]["size"] == _WIDE * _WIDE and table["a"]["max"] == 6
+    assert table["a"]["elements"] == _WIDE * _WIDE and table["a"]["max"] == 6
     assert table["a"]["histogram"]["counts"] == (np.histogram(rows, 4)[0] * _WIDE).tolist()
     assert table["a"]["mean"] == pytest.approx(rows.mean(), rel=1e-12)
     view = _json(outcomes["stats_view"])["x"]
-    assert (view["size"], view["min"], view["max"]) == (math.prod(_HUGE) // 2, 0.0, 3.0)
+    assert (view["elements"], view["min"], view["max"]) == (math.prod(_HUGE) // 2, 0.0, 3.0)
     changes = {name: _json(outcomes[name])[0] for name in ("itself", "alike", "scalar", "numpy")}
     assert changes["itself"]["kind"] == changes["numpy"]["kind"] == "equal"
     assert (changes["alike"]["max_abs"], changes["alike"]["max_rel"]) == (0.5, 0.2)
@@ -561,9 +562,9 @@ def test_ten_thousand_broadcasts_are_bounded_over_the_whole_call(tmp_path: Path)
     assert len(table) == 2 * _MANY
     size = math.prod(_GIB)
     for key, sign in (("b0", 1), ("b9999", 1), ("m0", -1), ("m9999", -1)):
-        found = {k: table[key][k] for k in ("size", "min", "max", "mean", "std")}
+        found = {k: table[key][k] for k in ("elements", "min", "max", "mean", "std")}
         low, high = sorted((sign * 1.0, sign * 4.0))
-        assert found == {"size": size, "min": low, "max": high, "mean": sign * 2.5,
+        assert found == {"elements": size, "min": low, "max": high, "mean": sign * 2.5,
                          "std": math.sqrt(1.25)}, key  # fmt: skip
     changes = _json(outcomes["diff"])
     assert len(changes) == 2 * _MANY and {c["kind"] for c in changes} == {"equal"}
@@ -636,7 +637,7 @@ def test_overlapping_windows_count_what_they_store_once(tmp_path: Path) -> None:
             f"lazyckpt:ArgumentError: saving them would write 8.0 GiB in all, {made}"
         ), outcomes[name]
     one = _json(outcomes["stats_one"])["w3"]
-    assert (one["size"], one["min"], one["max"]) == (
+    assert (one["elements"], one["min"], one["max"]) == (
         _WINDOW * _WINDOWS,
         0.0,
         _WINDOW + _WINDOWS - 2.0,

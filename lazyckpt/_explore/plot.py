@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lazyckpt._engine.progress import in_notebook
-from lazyckpt._errors import LazyckptError, MissingExtraError
+from lazyckpt._errors import ArgumentError, MissingExtraError
 from lazyckpt._text import ascii_int
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def layers(results: Mapping[str, Any], max_panels: int) -> Figure:
     numbered siblings, against the number."""
     families = layer_families(list(results))
     if not families:
-        raise LazyckptError(
+        raise ArgumentError(
             "stats(...).plot('layers'): no numbered siblings among the keys "
             f"({_some(list(results))}); plot a tree with layers (`layers/0`, `layer_0`), "
             "unstack a stacked one first (lazyckpt.unstack_layers), or plot 'histograms'"
@@ -102,7 +102,7 @@ def histograms(results: Mapping[str, Any], max_panels: int) -> Figure:
     """Each array's histogram of finite values (`stats(..., bins=N)`)."""
     found = [(key, s.histogram) for key, s in results.items() if s.histogram is not None]
     if not found:
-        raise LazyckptError(
+        raise ArgumentError(
             "stats(...).plot('histograms'): no histograms were computed; call "
             "lazyckpt.stats(tree, bins=64) (or the CLI's --bins 64) first"
         )
@@ -118,14 +118,16 @@ def histograms(results: Mapping[str, Any], max_panels: int) -> Figure:
 
 def changes(found: Sequence[Any], top: int) -> Figure:
     """The largest relative difference of each array whose values changed, largest
-    first, on a log scale; an infinite one (a NaN or Inf facing a number) is drawn in
-    red past the largest finite one, and labelled."""
+    first, on a log scale where they span two decades or more (a linear one otherwise:
+    a log axis over less holds one power of ten or none, and matplotlib then labels
+    its minor ticks, which run into each other); an infinite one (a NaN or Inf facing
+    a number) is drawn in red past the largest finite one, and labelled."""
     ranked = sorted(
         (c for c in found if c.kind == "value" and c.max_rel is not None),
         key=lambda c: -_rank(c.max_rel),
     )
     if not ranked:
-        raise LazyckptError(
+        raise ArgumentError(
             "diff(...).plot(): no arrays with values that differ; compare values with "
             "lazyckpt.diff(a, b, values=True) (the CLI's --values), or the trees are equal"
         )
@@ -146,11 +148,28 @@ def changes(found: Sequence[Any], top: int) -> Figure:
             )  # fmt: skip
     ax.set_yticks(range(len(chosen)), [c.path for c in chosen], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xscale("log")
+    if finite and max(finite) >= _LOG_FROM * min(finite):
+        _log_axis(ax)
     ax.set_xlabel("largest relative difference")
     ax.set_title(f"the {len(chosen)} arrays that changed most, of {len(ranked)}")
     figure.tight_layout()
     return figure
+
+
+_LOG_FROM = 100.0
+"""The ratio of largest to smallest drawn on a log axis: two decades hold two powers
+of ten, which alone are labelled."""
+
+
+def _log_axis(ax: Any) -> None:
+    """A log x axis labelled at powers of ten only, at most 8 of them: matplotlib also
+    labels minor ticks on an axis of a decade or two (`2x10^-3`, `3x10^-3`), crowded."""
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10.0, numticks=8))
+    ax.xaxis.set_major_formatter(LogFormatterSciNotation(base=10.0))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _figure() -> Figure:

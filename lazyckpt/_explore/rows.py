@@ -9,8 +9,10 @@ two layers compares two ints. Laid out folded:
 - numbered siblings (`0`, `1`, ... or `layer_0`, `layer_1`, ...) of one signature are
   one row, `{3..60}/  58 x 1,558 arrays`, under which one of them is shown; siblings
   of another signature are another group, and one alone is shown as itself;
-- a subtree of three or more leaves equal to one already shown in full is one row
-  that names it (`same as model/layers/{0..2}/self_attn`);
+- a subtree of three or more leaves equal in structure to another is one row that
+  names the copy shown in full (`same structure as model/layers/{0..2}/self_attn`):
+  the copy a person reads first, the shallowest, and among those the first in tree
+  order, so that a train state shows its `params` and names them from Adam's moments;
 - a plain container holding one entry shares that entry's row (`input_layernorm/weight`).
 
 A folded name is a `select` pattern for what it stands for (`model/layers/{3..60}`).
@@ -19,6 +21,7 @@ Laid out in full (`fold=False`), there is a row for every subtree and leaf.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
@@ -193,8 +196,8 @@ class Row:
     """The numbered siblings the row stands for (`{3..60}/`: 58); the rows below it
     show one of them."""
     same_as: str = ""
-    """The key path of an equal subtree shown in full above, which this row stands
-    for instead of its own rows."""
+    """The key path of a subtree of the same structure shown in full, which this row
+    stands for instead of its own rows."""
 
     @property
     def name(self) -> str:
@@ -208,7 +211,7 @@ class Row:
         if self.count > 1:
             out["count"] = self.count
         if self.same_as:
-            out["same_as"] = self.same_as
+            out["same_structure_as"] = self.same_as
         if self.group:
             out.update(kind="tree", arrays=self.arrays, nbytes=self.nbytes)
             return out
@@ -261,9 +264,16 @@ def layout(root: Node, *, fold: bool = True) -> list[Row]:
     folded (see the module's docstring) or one per subtree and leaf."""
     rows = _Layout(fold)
     if root.kids is None:
-        path: Path = () if root.inner is None else (root.inner,)
-        rows.out.append(Row(path, 0, False, root.arrays, root.nbytes, root.leaf, root.kind, 2))
+        # A tree that is one leaf (`summary(tree["params"]["w"])`): its row, by the
+        # array's own key path, with its size; nothing would show it otherwise.
+        own = root.leaf.key if isinstance(root.leaf, LazyArray) else ""
+        path: Path = (own or "(root)", *(() if root.inner is None else (root.inner,)))
+        rows.out.append(
+            Row(path, 1, False, root.arrays, root.nbytes, root.leaf, root.kind, len(path))
+        )
         return rows.out
+    if fold:
+        rows.choose_shown(root)
     rows.out.append(Row((), 0, True, root.arrays, root.nbytes, kind=root.kind))
     rows.below(root, (), 0)
     return rows.out
@@ -295,11 +305,52 @@ class _Layout:
     def __init__(self, fold: bool) -> None:
         self.fold = fold
         self.out: list[Row] = []
-        self.shown: dict[int, str] = {}  # signature -> key path of a subtree shown in full
+        # signature -> the subtree shown in full, and its key path
+        self.shown: dict[int, tuple[Node, str]] = {}
+        self._entries: dict[int, list[tuple[Key, list[Node]]]] = {}  # by id(node)
+
+    def choose_shown(self, root: Node) -> None:
+        """Which copy of each repeated subtree is shown in full: the one a person reads
+        first, the shallowest (fewest keys to its row's end), and among those the first
+        in tree order (a train state's `params/`, not `opt_state/0/mu/`, which sorts
+        first). Rows are laid out shallowest first, to be thrown away; `below` then
+        meets each copy in tree order and names the chosen one."""
+        # (keys, place in tree order, entry): a place is unique, so entries never compare
+        pending: list[tuple[int, tuple[int, ...], Key, list[Node], Path]] = [
+            (1, (i,), key, members, ()) for i, (key, members) in enumerate(self.entries(root))
+        ]
+        while pending:
+            keys, place, key, members, at = heapq.heappop(pending)
+            reach = len(at) + self._chain_keys(members[0])
+            if reach > keys:  # a row of several keys (`norm/scale`) is as deep as its end
+                heapq.heappush(pending, (reach, place, key, members, at))
+                continue
+            opened = self.entry(key, members, at, len(place))
+            if opened is not None:
+                entries, row_path = opened
+                for i, (k, m) in enumerate(entries):
+                    heapq.heappush(pending, (len(row_path) + 1, (*place, i), k, m, row_path))
+        self.out.clear()
+
+    def _chain_keys(self, node: Node) -> int:
+        """How many keys the row of `node` names, as `entry` lays it out now."""
+        keys = 1
+        entries = self.entries(node)
+        while not self._same_as(node) and self.fold and not node.kind and len(entries) == 1:
+            keys += 1
+            node = entries[0][1][0]
+            entries = self.entries(node)
+        return keys
 
     def entries(self, node: Node) -> list[tuple[Key, list[Node]]]:
         """The children of `node` as shown: numbered siblings of one signature
         together, under their folded name, where the first of them stood."""
+        made = self._entries.get(id(node))
+        if made is None:
+            made = self._entries[id(node)] = self._grouped(node)
+        return made
+
+    def _grouped(self, node: Node) -> list[tuple[Key, list[Node]]]:
         kids = node.kids or ()
         if not self.fold:
             return [(kid.key, [kid]) for kid in kids]
@@ -384,12 +435,15 @@ class _Layout:
             return None
         for named, names in chain:  # (`opt/mu/` in full: either may be named later)
             if self.fold and named.leaves >= _SAME_AS_LEAVES:
-                self.shown.setdefault(named.signature, keystr((*path, *keys[:names])))
+                copy = (named, keystr((*path, *keys[:names])))
+                self.shown.setdefault(named.signature, copy)
         return entries, row_path
 
     def _same_as(self, node: Node) -> str:
-        """The key path of an equal subtree shown in full, for a subtree of a few
-        leaves or more (a weight and its scale read better than a reference)."""
+        """The key path of another subtree of the same structure shown in full, for a
+        subtree of a few leaves or more (a weight and its scale read better than a
+        reference)."""
         if not self.fold or node.kids is None or node.leaves < _SAME_AS_LEAVES:
             return ""
-        return self.shown.get(node.signature, "")
+        shown, path = self.shown.get(node.signature, (node, ""))
+        return "" if shown is node else path

@@ -31,7 +31,8 @@ class Stats:
     """Statistics of one array. `min`, `max`, `mean` and `std` are over its finite
     values (None when it has none); `nan` and `inf` count the others. `min` and `max`
     of an integer array are exact ints (float64 rounds 2**53 + 1); the rest are floats.
-    `histogram` is `(counts, edges)` over `[min, max]` when asked for."""
+    `histogram` is `(counts, edges)` over `[min, max]` when asked for. `size` counts
+    elements, as NumPy's does; `describe()` names it `elements`."""
 
     size: int
     nan: int
@@ -43,8 +44,10 @@ class Stats:
     histogram: tuple[np.ndarray, np.ndarray] | None = attrs.field(default=None, eq=False)
 
     def describe(self) -> dict[str, Any]:
-        """As JSON-ready data."""
-        out = attrs.asdict(self, filter=lambda a, _: a.name != "histogram")
+        """As JSON-ready data, the element count as `elements` (a `size` would read as
+        bytes beside the table's sizes)."""
+        out = attrs.asdict(self, filter=lambda a, _: a.name not in ("size", "histogram"))
+        out = {"elements": self.size, **out}
         if self.histogram is not None:
             counts, edges = self.histogram
             out["histogram"] = {"counts": counts.tolist(), "edges": edges.tolist()}
@@ -160,8 +163,12 @@ class StatsTable(dict[str, Stats]):
         self.skipped = skipped
 
     def describe(self) -> dict[str, dict[str, Any]]:
-        """As JSON-ready data (what `lazyckpt stats --json` prints)."""
-        return {key: s.describe() for key, s in self.items()}
+        """As JSON-ready data (what `lazyckpt stats --json` prints): by key path, the
+        array's `elements` and `nbytes` (the table's size), then its statistics."""
+        return {
+            key: {"elements": s.size, "nbytes": self.nbytes[key], **s.describe()}
+            for key, s in self.items()
+        }
 
     def __str__(self) -> str:
         return self.text()

@@ -10,17 +10,22 @@ array data; the HTML form (what notebooks display) is a collapsible tree.
 from __future__ import annotations
 
 import html
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
+from lazyckpt._array.compose import sources
 from lazyckpt._array.sharding import saved_from_one_device
 from lazyckpt._array.tree import gc_paused, keystr
 from lazyckpt._display import as_given
 from lazyckpt._explore.arguments import count
 from lazyckpt._explore.rows import Row, is_array, layout, leaves_of, walk
 from lazyckpt._html import STYLE, array_row, array_text, key_cell, spec_of, times
+from lazyckpt._lazy import LazyArray
+from lazyckpt._safetensors.format import SINGLE
 from lazyckpt._text import human_bytes, printable, shown
+from lazyckpt._weights.read import SINGLES
 
 _OPEN_ALL_UP_TO = 400  # rows; bigger trees open only their first level
 
@@ -34,6 +39,8 @@ class Summary:
     title: str = ""
     note: str = ""
     """A last line about the whole tree: that it was saved from one device."""
+    source: str = ""
+    """The one file the tree's arrays lie in (what `open` picked in a folder), or ''."""
 
     def describe(self) -> list[dict[str, Any]]:
         return [row.describe() for row in self.rows if row.path]
@@ -59,6 +66,9 @@ class Summary:
         root = self.rows[0] if self.rows else None
         arrays, nbytes = (root.arrays, root.nbytes) if root else (0, 0)
         title = printable(as_given(self.title))  # `hf://org/name@1a2b3c4`, not its URL
+        file = self.source.rsplit("/", 1)[-1]
+        if file and not self.title.rstrip("/").endswith(file):  # (a folder's file, named)
+            title = f"{title} (read {printable(file)})"
         return f"{title}: {_count(arrays)}, {human_bytes(nbytes)}"
 
     def _repr_html_(self) -> str:
@@ -74,7 +84,7 @@ class Summary:
 
 
 def _cells(row: Row) -> tuple[str, str, str, str, str]:
-    """A row's text: name, type, size, saved spec (or what it is the same as), mesh."""
+    """A row's text: name, type, size, saved spec (or whose structure it repeats), mesh."""
     indent = "  " * (row.depth - 1)
     name = printable(row.name)  # keys come from the checkpoint: no escapes reach it
     if row.group:
@@ -87,7 +97,7 @@ def _cells(row: Row) -> tuple[str, str, str, str, str]:
 
 def _html_rows(rows: list[Row], open_all: bool, parts: list[str]) -> None:
     """`rows` as nested `<details>`: subtrees open (all of them in a small tree),
-    folded groups closed until clicked; a row that is the same as one above, one line."""
+    folded groups closed until clicked; a row that repeats another's structure, one line."""
     depth_open: list[int] = []
     for row in rows:
         while depth_open and depth_open[-1] >= row.depth:
@@ -137,7 +147,9 @@ def _group_type(row: Row) -> str:
 
 def _same_as(row: Row) -> str:
     return (
-        f"{'each ' if row.count > 1 else ''}same as {printable(row.same_as)}" if row.same_as else ""
+        f"{'each ' if row.count > 1 else ''}same structure as {printable(row.same_as)}"
+        if row.same_as
+        else ""
     )
 
 
@@ -170,8 +182,10 @@ def summary(
       total size; the rows under it show one of them. Siblings that differ form
       groups of their own, and one alone shows as itself. A folded name is a
       `select` pattern for the entries it stands for.
-    - a subtree of three or more leaves equal to one shown above is one row,
-      `same as PATH`;
+    - a subtree of three or more leaves equal in structure (keys, shapes, dtypes,
+      saved shardings; not values) to another is one row, `same structure as PATH`,
+      naming the copy shown in full: the shallowest, and of those the first in tree
+      order (a train state's `params`, named from Adam's `mu` and `nu`);
     - a dict of one entry shares its row (`norm/scale`).
 
     Args:
@@ -206,4 +220,21 @@ def summary(
         if device
         else ""
     )
-    return Summary(tuple(shown), title, note)
+    return Summary(tuple(shown), title, note, _source(leaves_of(root)))
+
+
+def _source(found: Iterable[object]) -> str:
+    """The one file that every array of a tree lies in (safetensors and weight files
+    know theirs): one that `open` picked in a folder. '' where they lie in several, not
+    in files of their own, not on a local disk (a URL's query may carry credentials),
+    or in the file a model of its format is named (`model.safetensors`)."""
+    files = {
+        getattr(part.stored, "file", "")
+        for leaf in found
+        if isinstance(leaf, LazyArray)
+        for part in sources(leaf)
+    }
+    file = files.pop() if len(files) == 1 else ""
+    if "://" in file or file.rsplit("/", 1)[-1] in (SINGLE, *SINGLES):
+        return ""  # (a model's own file name goes without saying)
+    return file
