@@ -170,8 +170,10 @@ def unstack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
     >>> sorted(layers["blocks"])[:3], layers["blocks"]["3"]["w"].shape
     (['0', '1', '2'], (8,))
     """
+    found = list(leaves(tree))
+    _not_per_layer(found, at)
     items, kept = [], []
-    for key, leaf in leaves(tree):
+    for key, leaf in found:
         rest = _under(key, at)
         if rest is None:
             items.append((tuple(key.split("/")), leaf, key))
@@ -209,8 +211,7 @@ def stack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
     layers: dict[tuple[str, ...], dict[int, tuple[str, Any]]] = {}
     for key, leaf in leaves(tree):
         rest = _under(key, at)
-        # Layer numbers are ASCII digits (`"\u0661"` is a name, not layer 1).
-        if rest is None or not (rest[0].isascii() and rest[0].isdigit()):
+        if rest is None or not _is_layer(rest[0]):
             kept.append((tuple(key.split("/")), leaf, key))
             continue
         number = ascii_int(rest[0])
@@ -247,6 +248,29 @@ def stack_layers(tree: object, at: str, axis: int = 0) -> dict[str, Any]:
         where = f"{at}/{{i}}/{'/'.join(names)}"
         stacked.append(((*_keys(at), *names), stack(arrays, axis), where))
     return _nest(kept + stacked)
+
+
+def _not_per_layer(found: list[tuple[str, Any]], at: str) -> None:
+    """Refuse a tree already per layer at `at`, every array there under a layer number
+    (`layers/0/w`): unstacking it again would split each layer along its first
+    dimension (`layers/{i}/0/w`), a tree of nonsense names."""
+    under = [(key, leaf, rest) for key, leaf in found if (rest := _under(key, at)) is not None]
+    if not under or not all(_is_layer(rest[0]) for _, _, rest in under):
+        return
+    key, leaf, rest = under[0]
+    shape = getattr(leaf, "shape", None)
+    where = f"{at.strip('/')}/{rest[0]}"
+    raise LazyIndexError(
+        f"unstack_layers: {at!r} is already per layer: every array under it sits under a "
+        f"layer number ({key}, shape {shape}); unstack_layers splits a scanned stack of "
+        f"shape (layers, ...). To make it scanned, call stack_layers(tree, {at!r}); if "
+        f"{where!r} is itself a scanned stack, pass at={where!r}"
+    )
+
+
+def _is_layer(key: str) -> bool:
+    # Layer numbers are ASCII digits (`"\u0661"` is a name, not layer 1).
+    return key.isascii() and key.isdigit()
 
 
 def _nothing_under(at: str, tree: object, operation: str) -> None:

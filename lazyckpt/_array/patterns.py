@@ -1,6 +1,7 @@
 """Key path patterns, as every verb's `select` takes them: segments joined by `/`, `*`
 within a segment, `**` across segments, and sets of numbers in braces (`{3..60}`) as a
-folded summary names its groups; dotted Hugging Face names read as key paths."""
+folded summary names its groups; dotted Hugging Face names read as key paths; a leading
+`!` leaves out what the rest of the pattern matches."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from lazyckpt._text import ascii_int
 Predicate = Callable[[str, Any], bool]
 Select = str | Sequence[str] | Predicate
 """What every verb's `select` argument takes: a path pattern, a list of patterns (a
-leaf matching any of them is kept) or a predicate `(path, leaf) -> bool`."""
+leaf matching any of them is kept, but one matching an exclusion, `!opt_state/**`) or
+a predicate `(path, leaf) -> bool`."""
 
 
 def _matches(pattern: list[str], path: list[str]) -> bool:
@@ -156,24 +158,41 @@ def matches(pattern: str, path: str) -> bool:
     return _matches(_parts(pattern), path.split("/") if path else [])
 
 
-def any_of(patterns: Sequence[str]) -> Predicate:
-    """A predicate for `select` that keeps leaves matching any of `patterns`.
-
-    >>> keep = any_of(["a", "c/**"])
-    >>> keep("a", 1), keep("b", 2), keep("c/d", 3)
-    (True, False, True)
-    """
-    parts = list(patterns)
-    return lambda path, _leaf: any(matches(pattern, path) for pattern in parts)
-
-
 def as_predicate(pattern: Select, paths: list[list[str]]) -> Predicate:
+    """`pattern` as a predicate: a leaf is kept where it matches one of the patterns
+    and none of the exclusions (`!opt_state/**`); only exclusions keep every other
+    leaf. `paths` (each split at `/`) decide how dotted names read (`spelled`)."""
     if callable(pattern):
         return pattern
-    if not isinstance(pattern, str):
-        return any_of([spelled(p, paths) for p in pattern])
-    parts = _parts(spelled(pattern, paths))
-    return lambda path, _leaf: _matches(parts, path.split("/") if path else [])
+    names = [pattern] if isinstance(pattern, str) else list(pattern)
+    kept = [_parts(spelled(name, paths)) for name in names if not name.startswith("!")]
+    dropped = [_parts(spelled(name, paths)) for name in exclusions(names)]
+    everything = not kept and bool(dropped)
+
+    def predicate(path: str, _leaf: Any) -> bool:
+        split = path.split("/") if path else []
+        if not everything and not any(_matches(parts, split) for parts in kept):
+            return False
+        return not any(_matches(parts, split) for parts in dropped)
+
+    return predicate
+
+
+def exclusions(pattern: Select) -> list[str]:
+    """The patterns `pattern` leaves out, each without its `!`."""
+    names = [] if callable(pattern) else [pattern] if isinstance(pattern, str) else pattern
+    return [name[1:] for name in names if name.startswith("!")]
+
+
+def unmatched_exclusions(pattern: Select, paths: list[list[str]]) -> list[str]:
+    """The exclusions of `pattern` that match none of `paths`: a typo there would
+    keep what the caller meant to leave out, so `select` refuses them."""
+    missed = []
+    for name in exclusions(pattern):
+        parts = _parts(spelled(name, paths))
+        if not any(_matches(parts, path) for path in paths):
+            missed.append(name)
+    return missed
 
 
 def _parts(pattern: str) -> list[str]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from lazyckpt._array.patterns import Predicate as Predicate
 from lazyckpt._array.patterns import Select as Select
-from lazyckpt._array.patterns import as_predicate, may_be_dotted
+from lazyckpt._array.patterns import as_predicate, exclusions, may_be_dotted, unmatched_exclusions
 from lazyckpt._errors import LazyTypeError, NoMatchError, renamed
 from lazyckpt._text import fold, printable
 
@@ -384,15 +384,21 @@ def select(tree: object, pattern: Select) -> Any:
             `[...]` match as in `fnmatch` (a literal `[` is `[[]`); a key that holds
             `/` reads as segments, like the nested keys it spells. Or a list of
             patterns (a leaf matching any is kept), or a predicate
-            `(path, leaf) -> bool`.
+            `(path, leaf) -> bool`. A pattern that begins with `!` leaves out
+            what the rest of it matches: the leaves matching any other pattern are
+            kept but those matching an exclusion, and exclusions alone keep every
+            other leaf (`["params/**", "!**/bias"]`; `"!opt_state/**"`). A key that
+            itself begins with `!` is matched by `?` there.
 
     Raises:
-        NoMatchError: Nothing matched; the message shows the tree's paths nearest
-            the pattern, or some of them.
+        NoMatchError: Nothing matched, or an exclusion matched no leaf; the message
+            shows the tree's paths nearest the pattern, or some of them.
 
     >>> tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": {"mu": 3}}
     >>> select(tree, "params/**/kernel")
     {'params': {'dense': {'kernel': 1}}}
+    >>> select(tree, "!opt/**")
+    {'params': {'dense': {'kernel': 1, 'bias': 2}}}
     >>> select(tree, lambda path, leaf: leaf > 1)
     {'params': {'dense': {'bias': 2}}, 'opt': {'mu': 3}}
     >>> select({"layer_0": 0, "layer_1": 1, "layer_2": 2, "layer_3": 3}, "layer_{0,2..3}")
@@ -400,7 +406,14 @@ def select(tree: object, pattern: Select) -> Any:
     >>> select({"[k]": 1, "k": 2}, "[[]k]")
     {'[k]': 1}
     """
-    paths = [path.split("/") for path, _ in leaves(tree)] if may_be_dotted(pattern) else []
+    every = may_be_dotted(pattern) or exclusions(pattern)
+    paths = [path.split("/") for path, _ in leaves(tree)] if every else []
+    missed = unmatched_exclusions(pattern, paths)
+    if missed:
+        raise NoMatchError(
+            f"the exclusion {'!' + missed[0]!r} matched no leaf of the tree, so it would "
+            f"leave nothing out; {near_paths(tree, [name.removesuffix('/**') for name in missed])}"
+        )
     picked = _select(tree, as_predicate(pattern, paths))
     if picked is _DROPPED:
         shown = pattern if isinstance(pattern, str) or callable(pattern) else list(pattern)

@@ -43,7 +43,7 @@ from lazyckpt._errors import (
     StorageAccessError,
     json_or_corrupt,
 )
-from lazyckpt._storage import ranges, sites
+from lazyckpt._storage import ranges, sites, web_options
 from lazyckpt._storage.transport import said
 from lazyckpt._text import printable
 
@@ -132,6 +132,7 @@ def resolve(url: str) -> str:
 def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path: str) -> str:
     hub.utils.validate_repo_id(repo_id)  # huggingface_hub's own rules, before any request
     shown = f"hf://{_kind(repo_type)}{repo_id}" + (f"@{revision}" if revision else "")
+    web_options.refuse_for_hub(shown, f"{_kind(repo_type)}{repo_id}")
     if path and not path.endswith(_FILES) and "." in posixpath.basename(path):
         raise CheckpointNotFoundError(
             f"{shown}: {path!r} is not a weight file or index; give the folder, a "
@@ -228,12 +229,24 @@ def _offline(
             _pinned(shown, asked, commit, cache)
             found.append(hit)
             _name(hub, repo_type, repo_id, commit)
-    if not found and not single:  # an Orbax checkpoint, if the snapshot holds the folder
-        snapshot = _snapshot(hub, repo_type, repo_id, revision)
-        if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):
-            _pinned(shown, asked, os.path.basename(snapshot), cache)
-            _name(hub, repo_type, repo_id, os.path.basename(snapshot))
-            return os.path.join(snapshot, prefix).rstrip("/")
+    snapshot = None if found or single else _snapshot(hub, repo_type, repo_id, revision)
+    if snapshot is not None and os.path.isdir(os.path.join(snapshot, prefix)):  # (Orbax)
+        _pinned(shown, asked, os.path.basename(snapshot), cache)
+        _name(hub, repo_type, repo_id, os.path.basename(snapshot))
+        return os.path.join(snapshot, prefix).rstrip("/")
+    if not found and not single and snapshot is None and _in_cache(hub, repo_type, repo_id):
+        refs = os.path.join(os.path.dirname(_snapshots(hub, repo_type, repo_id)), "refs")
+        held = sorted(
+            os.path.relpath(os.path.join(parent, name), refs).replace(os.sep, "/")
+            for parent, _, names in os.walk(refs)
+            for name in names
+        )
+        raise CheckpointNotFoundError(
+            f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no revision "
+            f"{asked or 'main'!r} of {repo_id} (it holds {held[:8] or 'no branch or tag'}); "
+            "unset HF_HUB_OFFLINE to ask the Hub, or download that revision first "
+            f"(`hf download {repo_id} --revision {asked or 'main'}`)"
+        )
     if not found:
         raise CheckpointNotFoundError(
             f"{shown}: HF_HUB_OFFLINE is set and the local cache holds no model there "

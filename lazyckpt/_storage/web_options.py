@@ -222,6 +222,20 @@ def refuse_for(path: str, fix: str) -> None:
         raise LazyTypeError(f"{path}: storage_options {given} are for https:// URLs; {fix}")
 
 
+def refuse_for_hub(path: str, repo: str) -> None:
+    """Refuse a `revision` in the `storage_options` of the call in progress for `path`,
+    an `hf://` path of the repository `repo` (`ORG/NAME`): the path names its revision,
+    and one passed here would be ignored, `main` read instead. (Other keys pass, as for
+    a bucket on the other side of a `convert`; `headers` and `token` are `refuse_for`'s.)"""
+    revision = (_OPTIONS.get() or {}).get("revision")
+    if revision is not None:
+        shown = urllib.parse.quote(revision, safe="") if isinstance(revision, str) else "REV"
+        raise LazyTypeError(
+            f"{path}: storage_options['revision'] is not read for hf:// paths; write the "
+            f"revision in the path, hf://{repo}@{shown} (a branch, tag or commit)"
+        )
+
+
 def headers(url: str) -> dict[str, str]:
     """What requests for `url` send to its origin, from the `storage_options` of the
     call in progress; options an http(s):// URL does not take are refused by name."""
