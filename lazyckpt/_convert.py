@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import attrs
@@ -16,7 +17,7 @@ from lazyckpt._array.dtypes import parsed
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
 from lazyckpt._dequantize import dequantize as dequantized
 from lazyckpt._display import as_given
-from lazyckpt._errors import CheckpointExistsError, LazyTypeError
+from lazyckpt._errors import LazyTypeError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._orbax.plan import plan
@@ -28,8 +29,9 @@ from lazyckpt._save import (
     check_allow_expand,
     check_expansion,
     check_overwrite,
-    save,
+    check_shard_size,
     save_format,
+    save_tree,
 )
 from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
@@ -64,6 +66,11 @@ class ConversionPlan:
     format: Format
     arrays: tuple[PlannedArray, ...]
     files: tuple[tuple[str, int], ...] = ()
+    carried: tuple[str, ...] = ()
+    """The source's files that are not weights (config, tokenizer) it would carry."""
+    exists: bool = False
+    """Whether something is at `destination` already."""
+    overwrite: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +95,86 @@ class ConversionPlan:
             for row in rows
         ]
         lines += [f"file {name}: {human_bytes(size)}" for name, size in self.files]
+        if self.carried:
+            lines.append(f"would carry {len(self.carried)} files: {', '.join(self.carried)}")
+        if self.exists:
+            lines.append(
+                f"{as_given(self.destination)} exists: it would be replaced (overwrite)"
+                if self.overwrite
+                else f"{as_given(self.destination)} already exists: convert would refuse it; "
+                "pass overwrite=True (--overwrite) to replace it, or choose a new path"
+            )
         return "\n".join(lines)
+
+
+class Converted(str):
+    """What `convert` returns: the destination's path, and in `carried` the names of
+    the files it carried from a Hugging Face folder (config, tokenizer, ...)."""
+
+    carried: tuple[str, ...]
+
+    def __new__(cls, path: str, carried: tuple[str, ...]) -> Converted:
+        out = super().__new__(cls, path)
+        out.carried = carried
+        return out
+
+
+CARRIED_FOLDER = "huggingface"
+"""Where an Orbax checkpoint converted from a Hugging Face folder keeps the folder's
+other files: a subfolder, which Orbax's restore never reads."""
+
+_WEIGHTS = (
+    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".npz", ".npy",
+    ".gguf", ".onnx", ".pkl", ".pickle", ".index.json",
+)  # fmt: skip
+_ORBAX_FILES = {"_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt"}
+
+
+def _carriable(source: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """The folder and names of the files to carry from `source`, a local folder: a
+    Hugging Face model folder's files that are not weights (config.json,
+    generation_config.json, tokenizer files, chat template, README), or those an Orbax
+    checkpoint keeps in `CARRIED_FOLDER`. Top-level regular files only: no weights, no
+    hidden files, and no link that leads out of the folder (a Hub cache's links to
+    its blobs too)."""
+    text = os.fspath(source)
+    if paths.is_remote(text) or not os.path.isdir(text):
+        return "", []
+    folder = os.path.realpath(text)
+    names = os.listdir(folder)
+    if CARRIED_FOLDER in names and _ORBAX_FILES & set(names):
+        folder = os.path.join(folder, CARRIED_FOLDER)
+        names = os.listdir(folder)
+    elif _ORBAX_FILES & set(names) or not any(name.endswith(_WEIGHTS) for name in names):
+        return "", []  # (an Orbax checkpoint's own files, or no model folder)
+    kept = []
+    for name in sorted(names):
+        if name.startswith(".") or name.endswith(_WEIGHTS):
+            continue
+        real = os.path.realpath(os.path.join(folder, name))
+        if os.path.dirname(real) == folder and os.path.isfile(real):
+            kept.append(name)
+    return folder, kept
+
+
+def _carry(folder: str, names: list[str], destination: str) -> None:
+    """Copy the files `names` of the local `folder` into `destination`'s folder."""
+    if paths.is_remote(destination):
+        for name in names:  # (one small file in memory at a time, as uploads are)
+            with open(os.path.join(folder, name), "rb") as file:
+                paths.write_bytes(paths.join(destination, name), file.read())
+        return
+    os.makedirs(destination, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(destination, name))
+
+
+def _carried_to(final: str, kind: Format) -> str | None:
+    """Where the carried files go: beside the weights of a safetensors model folder, in
+    `CARRIED_FOLDER` of an Orbax checkpoint; nowhere for one `.safetensors` file."""
+    if kind == "orbax":
+        return paths.join(final, CARRIED_FOLDER)
+    return None if final.endswith(".safetensors") else final
 
 
 @overload
@@ -106,13 +192,14 @@ def convert(
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
     max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
     allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[False] = False,
-) -> str: ...
+) -> Converted: ...
 
 
 @overload
@@ -130,6 +217,7 @@ def convert(
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
     max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
     allow_expand: bool = False,
@@ -153,13 +241,14 @@ def convert(
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
     max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
     memory_budget: int | str | None = None,
     overwrite: bool = False,
     allow_expand: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: bool = False,
-) -> str | ConversionPlan:
+) -> Converted | ConversionPlan:
     """Rewrite the checkpoint at `source` at `destination`, as Orbax or safetensors.
 
     Arrays stream from `source` to `destination` block by block within the budget,
@@ -186,7 +275,10 @@ def convert(
         step: As for `open`.
         item: As for `open`.
         chunk_bytes: As for `save`.
-        max_shard_size: As for `save`.
+        max_shard_size: As for `save` (a model folder's shards; a destination that is
+            one `.safetensors` file, or an Orbax checkpoint, refuses it).
+        metadata: As for `save`: the safetensors files' `__metadata__`, text only
+            (`{"format": "pt", "step": "1000"}`); where a train state's scalars go.
         memory_budget: As for `load`.
         progress: As for `load`.
         overwrite: As for `save`.
@@ -198,12 +290,22 @@ def convert(
         dry_run: Write nothing and read no array data: return the `ConversionPlan`,
             what would be written after every `select`, `transform`, `rename` and
             `dtype` (names, shapes, dtypes, bytes, and the safetensors files or
-            Orbax chunk shapes). Typed PRNG keys are planned as their key data. A
-            destination that exists without `overwrite` is a `CheckpointExistsError`
-            here too; whether an overwrite may replace it is checked by `save` alone.
+            Orbax chunk shapes, the files it would carry). Typed PRNG keys are
+            planned as their key data. A destination that exists is reported
+            (`exists`), not refused: the conversion itself refuses it without
+            `overwrite`; whether an overwrite may replace it is checked by `save`.
+
+    A local Hugging Face model folder's files that are not weights (`config.json`,
+    `generation_config.json`, the tokenizer's files and chat template, ...) go with
+    it, so that `from_pretrained` loads the result: beside the weights of a
+    safetensors model folder, in the subfolder `huggingface/` of an Orbax checkpoint
+    (which Orbax's restore never reads), and back out of there when that checkpoint
+    is converted to a folder again. Only the folder's own top-level files go: not
+    other weight files, hidden files, or links that lead out of the folder.
 
     Returns:
-        The destination's absolute path (or URL); with `dry_run`, the plan.
+        The destination's absolute path (or URL), a `str` whose `carried` lists the
+        files carried; with `dry_run`, the plan.
 
     >>> out = lazyckpt.convert(path, tmp / "params16", select="params",
     ...                        dtype="float16")
@@ -225,8 +327,13 @@ def convert(
     check_allow_expand(allow_expand)
     final = paths.normalize(destination)
     kind = save_format(final, format=to, argument="to")
+    check_shard_size(final, kind, max_shard_size)
     target = None if dtype is None else _cast_dtype(dtype)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
+    carried_from, carried = _carriable(source)
+    carried_to = _carried_to(final, kind)
+    if carried_to is None:
+        carried = []
     if dequantize:
         tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
     tree = selected(tree, select)
@@ -242,26 +349,30 @@ def convert(
             check_expansion(tree)
         with paths.session(storage_options):
             taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
-        if taken and not overwrite:  # as save would refuse, before it writes anything
-            raise CheckpointExistsError(
-                f"{final} already exists; pass overwrite=True (--overwrite) to replace it, "
-                "or choose a new path"
-            )
-        if kind == "safetensors":
-            return _plan_safetensors(final, tree, max_shard_size)
-        return _plan_orbax(final, tree, chunk_bytes)
-    return save(
+        planned = (
+            _plan_safetensors(final, tree, max_shard_size, metadata)
+            if kind == "safetensors"
+            else _plan_orbax(final, tree, chunk_bytes)
+        )
+        return attrs.evolve(planned, carried=tuple(carried), exists=taken, overwrite=overwrite)
+    out = save_tree(
         destination,
         tree,
         format=to,
         chunk_bytes=chunk_bytes,
         max_shard_size=max_shard_size,
+        metadata=metadata,
         memory_budget=memory_budget,
         overwrite=overwrite,
         allow_expand=allow_expand,
         progress=progress,
         storage_options=storage_options,
+        label="lazyckpt convert",
     )
+    if carried and carried_to is not None:
+        with paths.session(storage_options):
+            _carry(carried_from, carried, carried_to)
+    return Converted(out, tuple(carried))
 
 
 def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
@@ -275,8 +386,10 @@ def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     return target
 
 
-def _plan_safetensors(final: str, tree: object, max_shard_size: int | None) -> ConversionPlan:
-    files, _ = plan_files(final, tree, max_shard_size=max_shard_size, metadata=None)
+def _plan_safetensors(
+    final: str, tree: object, max_shard_size: int | None, metadata: Mapping[str, str] | None
+) -> ConversionPlan:
+    files, _ = plan_files(final, tree, max_shard_size=max_shard_size, metadata=metadata)
     by_path = {
         entry.path: PlannedArray(
             entry.path, entry.name, entry.shape, str(entry.dtype), entry.nbytes, file=file.name

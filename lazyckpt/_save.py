@@ -20,7 +20,7 @@ from lazyckpt._sizes import optional_size, size_argument
 from lazyckpt._storage import paths
 from lazyckpt._text import human_bytes
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format", "save_tree"]
 
 Format = Literal["orbax", "safetensors"]
 
@@ -68,7 +68,8 @@ def save(
             `memory_budget` for `load` takes them: `"4MiB"`, `"1MB"`.
         max_shard_size: Safetensors: the most bytes of tensors per file of a model
             folder (default `"5GB"`, 5 x 10^9 bytes, as `transformers`; `"1GB"` is
-            10^9 bytes here as there, `"1GiB"` 2^30).
+            10^9 bytes here as there, `"1GiB"` 2^30). A path ending in
+            `.safetensors` is one file, which it cannot split: an `ArgumentError`.
         metadata: Safetensors: the files' `__metadata__` (default
             `{"format": "pt"}`, what `transformers` loads).
         memory_budget: As for `load`.
@@ -94,6 +95,38 @@ def save(
     >>> lazyckpt.open(out)
     {'note': 'first rows', 'w': LazyArray('w', shape=(2, 8), dtype=float16, chunks=(2, 8))}
     """
+    return save_tree(
+        path,
+        tree,
+        format=format,
+        chunk_bytes=chunk_bytes,
+        max_shard_size=max_shard_size,
+        metadata=metadata,
+        memory_budget=memory_budget,
+        overwrite=overwrite,
+        allow_expand=allow_expand,
+        progress=progress,
+        storage_options=storage_options,
+        label="lazyckpt save",
+    )
+
+
+def save_tree(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    format: Format | None,  # noqa: A002 - as save's
+    chunk_bytes: int | str,
+    max_shard_size: int | str | None,
+    metadata: Mapping[str, str] | None,
+    memory_budget: int | str | None,
+    overwrite: bool,
+    allow_expand: bool,
+    progress: bool | None,
+    storage_options: dict[str, Any] | None,
+    label: str,
+) -> str:
+    """`save`, its progress bar labelled `label` (`convert` saves through this too)."""
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
@@ -102,7 +135,9 @@ def save(
     if not allow_expand:
         check_expansion(tree)
     final = paths.normalize(path)
-    if save_format(final, format=format) == "safetensors":
+    kind = save_format(final, format=format)
+    check_shard_size(final, kind, max_shard_size)
+    if kind == "safetensors":
         with paths.session(storage_options):
             return save_safetensors(
                 final,
@@ -113,13 +148,13 @@ def save(
                 overwrite=overwrite,
                 replaceable=is_safetensors_model,
                 progress=progress,
+                label=label,
             )
-    if max_shard_size is not None or metadata is not None:
-        given = "max_shard_size" if max_shard_size is not None else "metadata"
+    if metadata is not None:
         raise ArgumentError(
-            f"save: {given}= applies to safetensors files, and {final} is saved as an Orbax "
+            f"save: metadata= applies to safetensors files, and {final} is saved as an Orbax "
             "checkpoint; pass format='safetensors' (or a path ending in .safetensors), or "
-            f"leave out {given}="
+            "leave out metadata="
         )
     with paths.session(storage_options):
         save_orbax(
@@ -130,8 +165,30 @@ def save(
             overwrite=overwrite,
             replaceable=is_orbax_checkpoint,
             progress=progress,
+            label=label,
         )
     return final
+
+
+def check_shard_size(final: str, kind: Format, max_shard_size: int | None) -> None:
+    """Refuse a `max_shard_size=` the destination cannot honour, rather than ignore it:
+    an Orbax checkpoint has no shards of that kind, and one `.safetensors` file is one
+    file however large."""
+    if max_shard_size is None:
+        return
+    if kind == "orbax":
+        raise ArgumentError(
+            f"save: max_shard_size= applies to safetensors files, and {final} is saved as an "
+            "Orbax checkpoint; pass format='safetensors' (or a path ending in .safetensors), "
+            "or leave out max_shard_size="
+        )
+    if final.endswith(".safetensors"):
+        raise ArgumentError(
+            f"max_shard_size= (--max-shard-size) splits a safetensors model folder into "
+            f"shards, but {final} is one .safetensors file, which it cannot split; name a "
+            "folder instead (a path not ending in .safetensors, with format='safetensors' "
+            "or --to safetensors), or leave out max_shard_size"
+        )
 
 
 def save_format(

@@ -311,11 +311,16 @@ def _convert(args: argparse.Namespace) -> None:
         "overwrite": args.overwrite,
         "allow_expand": args.allow_expand,
         "progress": False if args.quiet else None,
+        # (transformers loads safetensors files whose metadata says format=pt)
+        "metadata": {"format": "pt", **dict(args.metadata)} if args.metadata else None,
     }
     if args.dry_run:
         say(lazyckpt.convert(**options, dry_run=True))
         return
     out = lazyckpt.convert(**options)
+    carried = getattr(out, "carried", ())
+    if carried:
+        say(f"carried {len(carried)} files that are not weights: {', '.join(carried)}")
     if is_remote(out):
         say(as_given(f"wrote {out}"))
         return

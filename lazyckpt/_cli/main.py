@@ -19,6 +19,8 @@ _PATH = (
     "file or model folder. Local, s3://, gs://, hf://ORG/NAME[@REV][/PATH] or https://"
 )
 
+_TRACEBACK = "show tracebacks of errors"
+
 
 def parse_size(text: str) -> int:
     """Bytes from a SIZE flag, as the API reads sizes (`lazyckpt._sizes`); a bad one
@@ -46,16 +48,33 @@ def positive_int(text: str) -> int:
     return number
 
 
+def metadata_item(text: str) -> tuple[str, str]:
+    """A `--metadata KEY=VALUE` flag as its pair; without `=`, argparse's usage error.
+
+    >>> metadata_item("step=1000")
+    ('step', '1000')
+    """
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass KEY=VALUE, such as step=1000")
+    return key, value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lazyckpt", description="Open JAX checkpoints lazily; read only what you ask for."
     )
-    parser.add_argument("--traceback", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--traceback", action="store_true", help=_TRACEBACK)
     parser.add_argument("--version", action="version", version=f"lazyckpt {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str, *, source: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=summary, description=summary)
+        # After the verb too (`lazyckpt convert ... --traceback`); SUPPRESS keeps the
+        # one given before the verb when this one is not.
+        sub.add_argument(
+            "--traceback", action="store_true", default=argparse.SUPPRESS, help=_TRACEBACK
+        )
         if source:
             sub.add_argument("path", help=_PATH)
             sub.add_argument("--step", type=int, help="step of a CheckpointManager root")
@@ -67,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
             "--select",
             action="append",
             metavar="PATTERN",
-            help="only leaves matching PATTERN ('params/**/kernel'); repeat for several",
+            help="only leaves matching PATTERN ('params/**/kernel'), less those matching a "
+            "'!PATTERN' ('!opt_state/**'); repeat for several",
         )
 
     def budget(sub: argparse.ArgumentParser) -> None:
@@ -219,6 +239,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="bytes per stored chunk (default 4MiB, as lazyckpt.save)",
     )
+    convert.add_argument(
+        "--metadata",
+        type=metadata_item,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="safetensors: text for the files' metadata, beside format=pt (a train state's "
+        "step=1000, which safetensors cannot hold as a tensor); repeatable",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")
     convert.add_argument(
         "--allow-expand",
@@ -229,8 +258,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the names, shapes, dtypes, files or chunks and bytes it would write; "
-        "read no array data, write nothing",
+        help="print the names, shapes, dtypes, files or chunks and bytes it would write, "
+        "the files it would carry, and whether DESTINATION exists; read no array data, "
+        "write nothing",
     )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 

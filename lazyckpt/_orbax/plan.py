@@ -91,9 +91,15 @@ def description(leaves: Sequence[Planned]) -> str:
 
 
 def block_cost(leaf: Planned, size: int) -> int:
-    """What a block of `size` elements counts for on the progress bar (see `cost`)."""
-    stored = int(leaf.value.stored.dtype.itemsize) if isinstance(leaf.value, LazyArray) else 0
-    return size * (int(np.dtype(leaf.dtype).itemsize) + stored)
+    """What a block of `size` elements counts for on the progress bar: the bytes it
+    writes (see `written`)."""
+    return size * int(np.dtype(leaf.dtype).itemsize)
+
+
+def written(leaf: Planned) -> int:
+    """The bytes of values a leaf writes, what the progress bar totals: reads are not
+    added in, so a bar of 1 GiB is a gigabyte saved, whatever was read for it."""
+    return math.prod(leaf.shape) * int(np.dtype(leaf.dtype).itemsize)
 
 
 def _flatten(tree: object) -> Iterator[tuple[tuple[tuple[str, int], ...], object]]:

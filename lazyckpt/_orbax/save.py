@@ -19,7 +19,7 @@ from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
 from lazyckpt._orbax.legacy import read_msgpack
 from lazyckpt._orbax.metadata import parse_metadata
-from lazyckpt._orbax.plan import cost, description, plan
+from lazyckpt._orbax.plan import description, plan, written
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
 from lazyckpt._storage import multihost, paths
@@ -36,6 +36,7 @@ def save_orbax(
     overwrite: bool,
     replaceable: Callable[[str], bool],
     progress: bool | None,
+    label: str = "lazyckpt save",
 ) -> None:
     """Write `tree` at `final` (see `lazyckpt.save`); `replaceable` says what an
     overwrite may replace."""
@@ -46,8 +47,9 @@ def save_orbax(
         description(leaves),
         "every process must pass the same tree: the same keys, shapes, dtypes and shardings",
     )
-    total = sum(cost(leaf) for leaf in leaves if leaf.stored)
-    with shown(progress, total, "lazyckpt save") as bar:
+    # The bar counts bytes written, as the safetensors writer's does.
+    total = sum(written(leaf) for leaf in leaves if leaf.stored)
+    with shown(progress, total, label) as bar:
         scheduler = Scheduler(memory_budget, bar)
         if multihost.count() > 1:
             save_together(final, leaves, scheduler, overwrite, replaceable)

@@ -100,6 +100,7 @@ def save_safetensors(
     overwrite: bool,
     replaceable: Callable[[str], bool],
     progress: bool | None,
+    label: str = "lazyckpt save",
 ) -> str:
     if multihost.count() > 1:
         raise UnsavableError(
@@ -112,7 +113,7 @@ def save_safetensors(
     entries = [entry for file in files for entry in file.entries]
     total = sum(entry.nbytes for entry in entries)
     with (
-        shown(progress, total, "lazyckpt save") as bar,
+        shown(progress, total, label) as bar,
         _destination(path, single, overwrite, replaceable) as write,
     ):
         for file in files:
@@ -193,8 +194,9 @@ def _entries(tree: object) -> list[_Entry]:
         if not isinstance(leaf, LazyArray | jax.Array | np.ndarray | np.generic):
             raise UnsavableError(
                 f"{where} holds the {type(leaf).__name__} {str(leaf)[:40]!r}, not an array: "
-                "safetensors holds arrays only; leave it out with select, or pass it as "
-                "metadata"
+                "safetensors holds arrays only; leave it out with select (convert "
+                "--select 'params/**'), and keep its value, if wanted, as text in the "
+                "files' metadata: metadata={'key': 'value'} (--metadata KEY=VALUE)"
             )
         dtype = np.dtype(leaf.dtype)
         if dtype in PACKED.values():
