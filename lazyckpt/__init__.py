@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lazyckpt._errors import (
     ArgumentError,
+    CarriedFilesWarning,
     CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -133,6 +134,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ArgumentError",
+    "CarriedFilesWarning",
     "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

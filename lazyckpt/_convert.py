@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -17,11 +17,19 @@ from lazyckpt._array.dtypes import parsed
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
 from lazyckpt._dequantize import dequantize as dequantized
 from lazyckpt._display import as_given
-from lazyckpt._errors import LazyTypeError
+from lazyckpt._errors import CarriedFilesWarning, LazyTypeError, RenameError, warn
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._orbax.plan import plan
 from lazyckpt._rename import rename as rename_keys
+from lazyckpt._safetensors.carried import (
+    carriable,
+    carried_to,
+    config_mismatch,
+    edited_config,
+    read_carried,
+    remote_model_folder,
+)
 from lazyckpt._safetensors.write import plan_files
 from lazyckpt._save import (
     DEFAULT_CHUNK_BYTES,
@@ -113,68 +121,54 @@ class Converted(str):
 
     carried: tuple[str, ...]
 
-    def __new__(cls, path: str, carried: tuple[str, ...]) -> Converted:
+    def __new__(cls, path: str, carried: tuple[str, ...] = ()) -> Converted:
         out = super().__new__(cls, path)
-        out.carried = carried
+        out.carried = tuple(carried)
         return out
 
-
-CARRIED_FOLDER = "huggingface"
-"""Where an Orbax checkpoint converted from a Hugging Face folder keeps the folder's
-other files: a subfolder, which Orbax's restore never reads."""
-
-_WEIGHTS = (
-    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".npz", ".npy",
-    ".gguf", ".onnx", ".pkl", ".pickle", ".index.json",
-)  # fmt: skip
-_ORBAX_FILES = {"_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt"}
+    def __reduce__(self) -> tuple[type[Converted], tuple[str, tuple[str, ...]]]:
+        # (pickle and copy would rebuild a str subclass from its text alone: `carried`
+        # goes with it, so a result comes back whole from a process pool)
+        return (Converted, (str(self), self.carried))
 
 
-def _carriable(source: str | os.PathLike[str]) -> tuple[str, list[str]]:
-    """The folder and names of the files to carry from `source`, a local folder: a
-    Hugging Face model folder's files that are not weights (config.json,
-    generation_config.json, tokenizer files, chat template, README), or those an Orbax
-    checkpoint keeps in `CARRIED_FOLDER`. Top-level regular files only: no weights, no
-    hidden files, and no link that leads out of the folder (a Hub cache's links to
-    its blobs too)."""
-    text = os.fspath(source)
-    if paths.is_remote(text) or not os.path.isdir(text):
-        return "", []
-    folder = os.path.realpath(text)
-    names = os.listdir(folder)
-    if CARRIED_FOLDER in names and _ORBAX_FILES & set(names):
-        folder = os.path.join(folder, CARRIED_FOLDER)
-        names = os.listdir(folder)
-    elif _ORBAX_FILES & set(names) or not any(name.endswith(_WEIGHTS) for name in names):
-        return "", []  # (an Orbax checkpoint's own files, or no model folder)
-    kept = []
-    for name in sorted(names):
-        if name.startswith(".") or name.endswith(_WEIGHTS):
-            continue
-        real = os.path.realpath(os.path.join(folder, name))
-        if os.path.dirname(real) == folder and os.path.isfile(real):
-            kept.append(name)
-    return folder, kept
-
-
-def _carry(folder: str, names: list[str], destination: str) -> None:
-    """Copy the files `names` of the local `folder` into `destination`'s folder."""
-    if paths.is_remote(destination):
-        for name in names:  # (one small file in memory at a time, as uploads are)
-            with open(os.path.join(folder, name), "rb") as file:
-                paths.write_bytes(paths.join(destination, name), file.read())
-        return
-    os.makedirs(destination, exist_ok=True)
-    for name in names:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(destination, name))
-
-
-def _carried_to(final: str, kind: Format) -> str | None:
-    """Where the carried files go: beside the weights of a safetensors model folder, in
-    `CARRIED_FOLDER` of an Orbax checkpoint; nowhere for one `.safetensors` file."""
-    if kind == "orbax":
-        return paths.join(final, CARRIED_FOLDER)
-    return None if final.endswith(".safetensors") else final
+def _carried_files(
+    source: str | os.PathLike[str],
+    final: str,
+    kind: Format,
+    *,
+    dequantize: bool,
+    dtype: str | None,
+    changed: list[str],
+    read: bool,
+) -> tuple[list[str], dict[str, bytes]]:
+    """The names of the files carried from a Hugging Face folder `source` (see
+    `lazyckpt._safetensors.carried`), and {path in the checkpoint: contents} to write
+    with the weights, read now; `config.json` fitted to a dequantization or a cast,
+    with a warning where `changed` options (select=, ...) renamed or dropped tensors."""
+    into = carried_to(final, orbax=kind == "orbax")
+    if into is None:
+        return [], {}
+    folder, names = carriable(source)
+    if not names:
+        if remote_model_folder(source):
+            warn(
+                f"{as_given(os.fspath(source))} is a remote model folder: its config.json and tokenizer files "
+                "are not carried (only a local folder's are); download them beside the "
+                "converted weights yourself",
+                CarriedFilesWarning,
+            )
+        return [], {}
+    if changed and "config.json" in names:
+        config_mismatch(changed)
+    if not read:
+        return names, {}  # (a dry run reads nothing)
+    found = read_carried(folder, names)
+    if "config.json" in found:
+        found["config.json"] = edited_config(
+            found["config.json"], dequantized=dequantize, dtype=dtype
+        )
+    return names, {(f"{into}/{name}" if into else name): data for name, data in found.items()}
 
 
 @overload
@@ -188,6 +182,8 @@ def convert(
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
+    rename_dotted: bool = False,
+    rename_missing_ok: bool = False,
     step: int | None = None,
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
@@ -213,6 +209,8 @@ def convert(
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
+    rename_dotted: bool = False,
+    rename_missing_ok: bool = False,
     step: int | None = None,
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
@@ -237,6 +235,8 @@ def convert(
     transform: Callable[[Any], object] | None = None,
     dtype: DTypeLike | None = None,
     rename: Sequence[tuple[str, str]] = (),
+    rename_dotted: bool = False,
+    rename_missing_ok: bool = False,
     step: int | None = None,
     item: str | None = None,
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
@@ -272,13 +272,18 @@ def convert(
             keys keep theirs).
         rename: `(pattern, replacement)` rules for the key paths, applied after
             `select` (see `lazyckpt.rename`): `[(r"^params/", "model/")]`.
+        rename_dotted: `rename`'s `dotted`: the rules see every path in the Hugging
+            Face spelling (`model.layers.0.mlp`).
+        rename_missing_ok: `rename`'s `missing_ok`: let a rule that matches no leaf
+            pass (by default it is refused, as a typo would be).
         step: As for `open`.
         item: As for `open`.
         chunk_bytes: As for `save`.
         max_shard_size: As for `save` (a model folder's shards; a destination that is
             one `.safetensors` file, or an Orbax checkpoint, refuses it).
-        metadata: As for `save`: the safetensors files' `__metadata__`, text only
-            (`{"format": "pt", "step": "1000"}`); where a train state's scalars go.
+        metadata: As for `save`: text for the safetensors files' `__metadata__`
+            (`{"step": "1000"}`), beside `"format": "pt"` unless it sets `format`;
+            where a train state's scalars go.
         memory_budget: As for `load`.
         progress: As for `load`.
         overwrite: As for `save`.
@@ -300,8 +305,19 @@ def convert(
     it, so that `from_pretrained` loads the result: beside the weights of a
     safetensors model folder, in the subfolder `huggingface/` of an Orbax checkpoint
     (which Orbax's restore never reads), and back out of there when that checkpoint
-    is converted to a folder again. Only the folder's own top-level files go: not
-    other weight files, hidden files, or links that lead out of the folder.
+    is converted to a folder again. Only the folder's own top-level files that
+    `from_pretrained` reads go (`*.json` but a model's index, `tokenizer*`, `*.model`,
+    `*.tiktoken`, `*.jinja`, `merges.txt`, `vocab.*`, the model's `*.py`, `README.md`,
+    `LICENSE*`: `lazyckpt._safetensors.carried.CARRIED_PATTERNS`), each of at most
+    64 MiB (a larger one is left behind with a `CarriedFilesWarning`); not other
+    formats' weights, nor links that lead out of the folder, except a Hub cache
+    snapshot's links into its repository's `blobs/`. They are read before anything
+    is written and published with the weights, all or nothing (a conversion in
+    place too). `config.json` is fitted to the result: `dequantize` drops its
+    `quantization_config`, and it and `dtype` set its `torch_dtype` (or `dtype`);
+    where `select`, `transform` or `rename` changed the tensors' names, a
+    `CarriedFilesWarning` says it may not describe them. A remote folder's files
+    are not carried (a `CarriedFilesWarning` says so).
 
     Returns:
         The destination's absolute path (or URL), a `str` whose `carried` lists the
@@ -330,20 +346,36 @@ def convert(
     check_shard_size(final, kind, max_shard_size)
     target = None if dtype is None else _cast_dtype(dtype)
     tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
-    carried_from, carried = _carriable(source)
-    carried_to = _carried_to(final, kind)
-    if carried_to is None:
-        carried = []
     if dequantize:
         tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
+    reshaping = [
+        option
+        for option, given in (
+            ("select=", select is not None),
+            ("transform=", transform is not None),
+            ("rename=", bool(rename)),
+        )
+        if given
+    ]
+    names = _names(tree) if reshaping else None
     tree = selected(tree, select)
     if transform is not None:
         tree = transform(tree)
     if rename:
-        tree = rename_keys(tree, rename)
+        tree = _renamed(tree, rename, dotted=rename_dotted, missing_ok=rename_missing_ok)
     if target is not None:
         cast_to = target
         tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
+    with paths.session(storage_options):
+        carried, files = _carried_files(
+            source,
+            final,
+            kind,
+            dequantize=dequantize,
+            dtype=_dtype_name(jnp.bfloat16 if target is None and dequantize else target),
+            changed=reshaping if names is not None and _names(tree) != names else [],
+            read=not dry_run,
+        )
     if dry_run:
         if not allow_expand:  # (as save would refuse, before it writes anything)
             check_expansion(tree)
@@ -368,11 +400,34 @@ def convert(
         progress=progress,
         storage_options=storage_options,
         label="lazyckpt convert",
+        extra_files=files,
     )
-    if carried and carried_to is not None:
-        with paths.session(storage_options):
-            _carry(carried_from, carried, carried_to)
     return Converted(out, tuple(carried))
+
+
+def _names(tree: object) -> set[str] | None:
+    """The key paths of `tree`'s leaves (None for a tree jax cannot walk: `save`
+    names why)."""
+    try:
+        return {path for path, _ in leaves(tree)}
+    except (TypeError, ValueError):
+        return None
+
+
+def _dtype_name(dtype: DTypeLike | None) -> str | None:
+    """A dtype as `config.json`'s `torch_dtype` names it (`bfloat16`, `float16`)."""
+    return None if dtype is None else np.dtype(dtype).name
+
+
+def _renamed(
+    tree: object, rules: Sequence[tuple[str, str]], *, dotted: bool, missing_ok: bool
+) -> object:
+    """`rename`, its refusals naming convert's keywords (`rename_missing_ok=True`), not
+    `rename`'s own, which convert does not take."""
+    try:
+        return rename_keys(tree, rules, dotted=dotted, missing_ok=missing_ok)
+    except RenameError as error:
+        raise RenameError(re.sub(r"\b(missing_ok|dotted)=", r"rename_\1=", str(error))) from None
 
 
 def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:

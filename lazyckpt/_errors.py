@@ -212,6 +212,14 @@ class InferredStructureWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class CarriedFilesWarning(UserWarning):
+    """`convert` carried a Hugging Face folder's `config.json` that may not describe
+    the converted weights (`select=`, `rename=` or `transform=` changed their names),
+    or left a file of the folder behind (too large to be a config or tokenizer)."""
+
+    __module__ = "lazyckpt"
+
+
 def json_or_corrupt(where: str, text: str | bytes, remedy: str) -> Any:
     """`text` parsed as JSON; else a `CorruptCheckpointError` naming `where` (the
     file), what is wrong, and `remedy` (what to do)."""

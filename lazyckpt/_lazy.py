@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import attrs
 import numpy as np
-import tensorstore as ts
 from numpy.typing import DTypeLike
 
 from lazyckpt._array import compose, gather
@@ -32,6 +31,7 @@ from lazyckpt._engine.whole import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
 from lazyckpt._storage.kvstore import Store, ready, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 _T = TypeVar("_T")
 

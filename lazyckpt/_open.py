@@ -15,6 +15,7 @@ from lazyckpt._errors import (
     UnfinishedCheckpointError,
     UnsupportedCheckpointError,
 )
+from lazyckpt._orbax.layout import flax_files
 from lazyckpt._orbax.read import listed_arrays, open_orbax
 from lazyckpt._safetensors.read import is_safetensors, open_safetensors
 from lazyckpt._storage import paths
@@ -147,7 +148,7 @@ def _unnamed(where: str, step: int | None) -> str | None:
                 f"{where} is a weight file, which has no steps; open it without step="
             )
         return where
-    saved = kinds.flax_steps(where)
+    saved = flax_files(where)  # (none in a folder Orbax reads; both refused)
     if not saved:
         return None
     if step is None:

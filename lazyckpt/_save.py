@@ -70,8 +70,8 @@ def save(
             folder (default `"5GB"`, 5 x 10^9 bytes, as `transformers`; `"1GB"` is
             10^9 bytes here as there, `"1GiB"` 2^30). A path ending in
             `.safetensors` is one file, which it cannot split: an `ArgumentError`.
-        metadata: Safetensors: the files' `__metadata__` (default
-            `{"format": "pt"}`, what `transformers` loads).
+        metadata: Safetensors: text for the files' `__metadata__`, always with
+            `"format": "pt"` (what `transformers` loads) unless it sets `format`.
         memory_budget: As for `load`.
         progress: As for `load`.
         overwrite: Replace an existing checkpoint of the same format at `path`,
@@ -125,8 +125,11 @@ def save_tree(
     progress: bool | None,
     storage_options: dict[str, Any] | None,
     label: str,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> str:
-    """`save`, its progress bar labelled `label` (`convert` saves through this too)."""
+    """`save`, its progress bar labelled `label` (`convert` saves through this too);
+    `extra_files` ({path relative to the checkpoint: contents}) are published with it,
+    or not at all (the files `convert` carries)."""
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
@@ -149,6 +152,7 @@ def save_tree(
                 replaceable=is_safetensors_model,
                 progress=progress,
                 label=label,
+                extra_files=extra_files,
             )
     if metadata is not None:
         raise ArgumentError(
@@ -166,6 +170,7 @@ def save_tree(
             replaceable=is_orbax_checkpoint,
             progress=progress,
             label=label,
+            extra_files=extra_files,
         )
     return final
 

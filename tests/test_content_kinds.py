@@ -14,6 +14,7 @@ from typing import Any
 import flax
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
 from flax.training import checkpoints
@@ -77,6 +78,38 @@ def test_flax_save_checkpoint_opens_as_a_file_and_as_its_folder(tmp_path: Path) 
 
     headline = lazyckpt.summary(lazyckpt.open(tmp_path), title=str(tmp_path)).text()
     assert headline.splitlines()[0] == f"{tmp_path} (read checkpoint_5): 2 arrays, 60 B"
+
+
+@pytest.mark.usefixtures("flax_files")
+@pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated:DeprecationWarning")
+def test_a_flax_folder_lists_the_steps_open_picks_from(tmp_path: Path) -> None:
+    checkpoints.save_checkpoint(tmp_path, _state(1.0), step=0)
+    checkpoints.save_checkpoint(tmp_path, _state(2.0), step=5, keep=2)
+    assert lazyckpt.steps(tmp_path) == [0, 5]
+    # (what `lazyckpt inspect --step 0` asks: flax's files have no items)
+    assert lazyckpt.items(tmp_path, step=0) == {}
+
+
+@pytest.mark.usefixtures("flax_files")
+@pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated:DeprecationWarning")
+def test_a_run_folder_with_flax_files_beside_its_steps_is_refused(tmp_path: Path) -> None:
+    run = {step: _state(float(step)) for step in (100, 200, 300)}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        for step in (200, 300):
+            manager.save(step, args=ocp.args.StandardSave(run[step]))
+    # A leftover of flax's save_checkpoint: flax would restore step 100, Orbax step 300.
+    checkpoints.save_checkpoint(tmp_path, run[100], step=100)
+    assert (tmp_path / "checkpoint_100").is_file()
+
+    both = r"holds both Orbax checkpoint folders \(steps \[200, 300\]\) and flax .*\[100\]"
+    for asked in (None, 100, 300):
+        with pytest.raises(lazyckpt.NotACheckpointError, match=both):
+            lazyckpt.open(tmp_path, step=asked)
+    with pytest.raises(lazyckpt.NotACheckpointError, match=both):
+        lazyckpt.steps(tmp_path)
+    # What the message says to open, opens.
+    _same(lazyckpt.open(tmp_path / "300"), run[300])
+    _same(lazyckpt.open(tmp_path / "checkpoint_100"), run[100])
 
 
 def _renamed(tmp_path: Path, source: Path, name: str) -> Path:

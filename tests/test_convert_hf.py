@@ -11,8 +11,10 @@ load from it, and its safetensors hold the source's tensors under the same names
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +214,135 @@ def test_cli_dry_run_onto_an_existing_destination_reports_the_plan(
     assert "already exists" in printed and "--overwrite" in printed
     assert sorted(os.listdir(out)) == before
     assert json.loads((Path(out) / "_CHECKPOINT_METADATA").read_text())
+
+
+def _no_space_for(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a file named `name` fails as on a full disk (every other write passes)."""
+    import builtins
+
+    real = builtins.open
+
+    def full(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(os.fspath(file)) == name and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(file))
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full)
+
+
+def test_a_carried_file_that_fails_to_write_publishes_nothing(
+    pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    with monkeypatch.context() as patched:
+        _no_space_for("tokenizer.json", patched)
+        with pytest.raises(
+            lazyckpt.CheckpointWriteError, match=r"tokenizer\.json failed \(No space left"
+        ):
+            lazyckpt.convert(pretrained, out, to="safetensors")
+    assert not out.exists()  # (not the weights alone, which a retry would refuse)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == []
+    done = lazyckpt.convert(pretrained, out, to="safetensors")  # the retry
+    _loads_as_pretrained(Path(done), pretrained, np.dtype(np.float32))
+
+
+def test_a_folder_converted_in_place_keeps_its_files_and_says_its_dtype(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(pretrained, source, symlinks=True)
+    out = lazyckpt.convert(
+        pretrained, pretrained, dtype="bfloat16", to="safetensors", overwrite=True
+    )
+    assert set(out.carried) >= CARRIED
+    _loads_as_pretrained(Path(out), source, np.dtype(ml_dtypes.bfloat16))
+    config = json.loads((pretrained / "config.json").read_text())
+    before = json.loads((source / "config.json").read_text())
+    key = "dtype" if "dtype" in before else "torch_dtype"  # (as the source spelled it)
+    assert config[key] == "bfloat16"
+    assert list(config) == list(before) + ([] if key in before else [key])
+
+
+def test_a_full_git_clone_carries_only_what_from_pretrained_reads(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    # Other formats' weights a Hub repository's clone holds (gpt2's), sparse.
+    others = ["rust_model.ot", "64.tflite", "model.ckpt.data-00000-of-00001", "saved_model.pb"]
+    others += ["model.onnx_data", "coreml.mlmodel"]
+    for name in [*others, "huge_tokens.json"]:
+        with open(pretrained / name, "wb") as file:
+            file.truncate((300 if name != "huge_tokens.json" else 65) * 2**20)
+    (pretrained / "merges.txt").write_text("#version: 0.2\n")
+    (pretrained / "LICENSE").write_text("MIT\n")
+    with pytest.warns(lazyckpt.CarriedFilesWarning, match=r"huge_tokens\.json \(65\.0 ?Mi?B\)"):
+        out = lazyckpt.convert(pretrained, tmp_path / "out", to="safetensors")
+    assert set(out.carried) == CARRIED | {"merges.txt", "LICENSE"}
+    assert {p.name for p in Path(out).iterdir()} == {"model.safetensors", *out.carried}
+
+
+def test_a_hub_cache_snapshot_carries_its_files(pretrained: Path, tmp_path: Path, hub: Any) -> None:
+    import huggingface_hub as hh
+
+    names = [*sorted(CARRIED), "model.safetensors"]
+    hub.commit("org/gpt2", {name: (pretrained / name).read_bytes() for name in names})
+    snapshot = Path(hh.snapshot_download("org/gpt2"))
+    assert (snapshot / "config.json").is_symlink()  # (links into ../../blobs)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    os.symlink(outside, snapshot / "extra_config.json")  # a link elsewhere: not carried
+    out = lazyckpt.convert(snapshot, tmp_path / "out", to="safetensors")
+    assert set(out.carried) == CARRIED
+    _loads_as_pretrained(Path(out), pretrained, np.dtype(np.float32))
+
+
+def test_a_remote_model_folder_says_it_carries_nothing(
+    pretrained: Path, tmp_path: Path, hub: Any
+) -> None:
+    names = [*sorted(CARRIED), "model.safetensors"]
+    hub.commit("org/gpt2", {name: (pretrained / name).read_bytes() for name in names})
+    with pytest.warns(lazyckpt.CarriedFilesWarning, match=r"hf://org/gpt2 .* not carried"):
+        out = lazyckpt.convert("hf://org/gpt2", tmp_path / "out", to="safetensors")
+    assert out.carried == () and not (Path(out) / "config.json").exists()
+
+
+def test_a_dequantized_model_carries_a_config_without_quantization(tmp_path: Path) -> None:
+    folder = tmp_path / "fp8"
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=10, dtype="bfloat16", quantization_config=fp8
+    ).save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    save_file(
+        {
+            "transformer.h.0.mlp.c_fc.weight": rng.normal(0, 1, (200, 300)).astype(
+                ml_dtypes.float8_e4m3fn
+            ),
+            "transformer.h.0.mlp.c_fc.weight_scale_inv": np.full((2, 3), 0.5, np.float32),
+        },
+        str(folder / "model.safetensors"),
+        {"format": "pt"},
+    )
+    before = json.loads((folder / "config.json").read_text())
+    assert before["quantization_config"]["quant_method"] == "fp8"
+    out = lazyckpt.convert(folder, tmp_path / "dense", dequantize=True, dtype="float32")
+    text = (Path(out) / "huggingface" / "config.json").read_text()
+    config = json.loads(text)
+    key = "dtype" if "dtype" in before else "torch_dtype"
+    assert "quantization_config" not in config and config[key] == "float32"
+    assert list(config) == [k for k in before if k != "quantization_config"]
+    assert text.startswith('{\n  "')  # (indented by 2, as transformers writes)
+    back = lazyckpt.convert(out, tmp_path / "hf", to="safetensors")
+    assert not hasattr(transformers.AutoConfig.from_pretrained(back), "quantization_config")
+    assert hasattr(transformers.AutoConfig.from_pretrained(folder), "quantization_config")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("select", "transformer/h/0/**"), ("rename", [(r"^transformer/", "model/")])],
+)
+def test_select_or_rename_warns_that_the_config_may_not_fit(
+    pretrained: Path, tmp_path: Path, option: str, value: Any
+) -> None:
+    with pytest.warns(lazyckpt.CarriedFilesWarning, match=rf"{option}= changed the set"):
+        out = lazyckpt.convert(pretrained, tmp_path / "out", to="safetensors", **{option: value})
+    assert "config.json" in out.carried

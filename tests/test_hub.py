@@ -219,13 +219,16 @@ def test_every_verb_reads_over_http(hub: HubServer, tmp_path: Path) -> None:
         float(tensors["model.layers.0.mlp.up_proj.weight"].max())
     )
     assert lazyckpt.verify(tree).ok
-    out = lazyckpt.convert("hf://org/model", tmp_path / "orbax", select="model/layers/0/**")
+    remote = r"hf://org/model is a remote model folder: its config.json and tokenizer"
+    with pytest.warns(lazyckpt.CarriedFilesWarning, match=remote):
+        out = lazyckpt.convert("hf://org/model", tmp_path / "orbax", select="model/layers/0/**")
     restored = ocp.PyTreeCheckpointer().restore(out)
     np.testing.assert_array_equal(
         np.asarray(restored["model"]["layers"]["0"]["mlp"]["up_proj"]["weight"]),
         tensors["model.layers.0.mlp.up_proj.weight"],
     )
-    copy = lazyckpt.convert("hf://org/model", tmp_path / "copy", to="safetensors")
+    with pytest.warns(lazyckpt.CarriedFilesWarning, match=remote):
+        copy = lazyckpt.convert("hf://org/model", tmp_path / "copy", to="safetensors")
     assert not lazyckpt.diff(tree, lazyckpt.open(copy), values=True)
 
 

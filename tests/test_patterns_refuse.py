@@ -1,6 +1,6 @@
 """Patterns that used to fail quietly, as a user meets them: a `rename` rule that
-matches nothing, a rule written with the Hugging Face names `select` takes, a subtree
-left out with `!pattern`, and `unstack_layers` on a tree already per layer."""
+matches nothing, rules written with the Hugging Face names `select` takes (`dotted=True`),
+a subtree left out with `!pattern`, and `unstack_layers` on a tree already per layer."""
 
 from __future__ import annotations
 
@@ -104,36 +104,50 @@ def test_convert_refuses_a_rename_rule_that_matches_nothing(
     ]
 
 
-def test_rename_takes_the_hugging_face_names_select_takes(tmp_path: Path) -> None:
+def test_rename_takes_the_hugging_face_names_select_takes_with_dotted(tmp_path: Path) -> None:
     path, tensors = _hugging_face_model(tmp_path / "model.safetensors")
     tree = lazyckpt.open(path)
     assert lazyckpt.select(tree, "model.layers.1.mlp.up_proj.weight")  # as select reads it
-    renamed = lazyckpt.rename(
-        tree,
-        [
-            (r"model\.layers\.(\d+)\.mlp\.up_proj", r"model.layers.\1.mlp.fc_in"),
-            ("model.embed_tokens.weight", "model.wte.weight"),  # unescaped dots too
-        ],
-    )
+    rules = [
+        (r"model\.layers\.(\d+)\.mlp\.up_proj", r"model.layers.\1.mlp.fc_in"),
+        ("model.embed_tokens.weight", "model.wte.weight"),  # unescaped dots too
+    ]
+    renamed = lazyckpt.rename(tree, rules, dotted=True)
     layer = renamed["model"]["layers"]["1"]
     assert sorted(layer) == ["input_layernorm", "mlp"]
     np.testing.assert_array_equal(
         layer["mlp"]["fc_in"]["weight"].get(), tensors["model.layers.1.mlp.up_proj.weight"]
     )
     assert renamed["model"]["wte"]["weight"].shape == (16, 8)
-    # The same rules through convert, with the `/` spelling beside them.
-    out = lazyckpt.convert(
-        path,
-        tmp_path / "out",
-        to="safetensors",
-        rename=[(r"\.up_proj\.", ".fc_in."), ("^model/embed_tokens/", "model/wte/")],
+    # Without dotted=True the rules see `/` paths, so the first matches nothing.
+    with pytest.raises(lazyckpt.RenameError, match="matches no key path"):
+        lazyckpt.rename(tree, rules)
+    # The whole tree is read one way: every rule sees every path with its dots.
+    whole = lazyckpt.rename(tree, [(r"\.", "_"), (r"^model_", "m.")], dotted=True)
+    assert sorted(_paths(whole)) == sorted(
+        "m/" + name.removeprefix("model.").replace(".", "_") for name in tensors
     )
-    assert sorted(load_file(str(Path(out) / "model.safetensors"))) == sorted(
-        name.replace(".up_proj.", ".fc_in.").replace("embed_tokens", "wte") for name in tensors
-    )
-    # A key with dots of its own keeps its name: it is matched as written.
+    # A typo is named with the dotted paths it may have meant.
+    with pytest.raises(lazyckpt.RenameError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'"):
+        lazyckpt.rename(tree, [(r"model\.layers\.0\.mlp\.up_prj\.weight", "w")], dotted=True)
+    # A key with dots of its own cannot be spelled so: refused by name, not guessed.
     flat = {"ema.decay": np.float32(0.9), "params": {"w": np.ones(2)}}
+    with pytest.raises(lazyckpt.RenameError) as caught:
+        lazyckpt.rename(flat, [(r"params\.w", "params.v")], dotted=True)
+    assert "the key 'ema.decay'" in str(caught.value)
+    assert "use dotted=False" in str(caught.value)
     assert sorted(lazyckpt.rename(flat, [(r"ema\.decay", "ema.rate")])) == ["ema.rate", "params"]
+
+
+def test_rename_rules_keep_their_regular_expression_meaning() -> None:
+    # `.` is regex's any-character and a key's own character: without dotted=True no
+    # path is respelled and only `/` nests, whatever the rules hold.
+    mixed = {"model.embed": 1, "layers": {"0": 2}}
+    assert lazyckpt.rename(mixed, [(r"\.", "_")]) == {"layers": {"0": 2}, "model_embed": 1}
+    suffixed = lazyckpt.rename({"dense": {"kernel": 1}}, [(r"^(.*)$", r"\1.orig")])
+    assert suffixed == {"dense": {"kernel.orig": 1}}
+    exported = lazyckpt.rename({"h": {"0": {"attn": 1}}}, [(r"^h.(\d+)", r"transformer.h.\1")])
+    assert exported == {"transformer.h.0": {"attn": 1}}
 
 
 def test_select_leaves_out_a_subtree_with_an_exclusion(

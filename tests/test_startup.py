@@ -193,8 +193,40 @@ def test_the_import_profile_has_no_jax(cases: dict[str, Case], name: str) -> Non
         for line in result.stderr.splitlines()
         if line.startswith("import time:")
     ]
-    assert "tensorstore" in imported  # (the profile is the run's)
+    assert "lazyckpt._lazy" in imported  # (the profile is the run's)
     assert not [name for name in imported if name.split(".")[0] in JAX]
+    # (an Orbax checkpoint is read through tensorstore; a local safetensors file is not)
+    tensorstore = [name for name in imported if name.split(".")[0] == "tensorstore"]
+    assert bool(tensorstore) == name.startswith("orbax"), tensorstore
+
+
+# A local file's open and summary, in a fresh process: the modules of tensorstore and jax
+# imported by then, and after, its values read through `get()` and `load`.
+_OPEN_AND_SUMMARY = """
+import json, re, sys
+import lazyckpt
+path, key = sys.argv[1:]
+tree = lazyckpt.open(path)
+print(lazyckpt.summary(tree))
+first = sorted(m for m in sys.modules if m.split(".")[0] in ("tensorstore", "jax", "jaxlib"))
+array, loaded = tree, lazyckpt.load(tree)
+for part in re.split("[./]", key):  # (safetensors' names nest on their dots)
+    array, loaded = array[part], loaded[part]
+rows = array[0:2].get()
+print(json.dumps({"imported": first, "rows": rows.tolist(), "loaded": loaded[:2].tolist()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["safetensors", "npz", "torch-pt", "torch-bin-folder"])
+def test_a_local_open_and_summary_import_neither_tensorstore_nor_jax(
+    cases: dict[str, Case], name: str
+) -> None:
+    case = cases[name]
+    *printed, last = _child(_OPEN_AND_SUMMARY, case.path, case.key)
+    found = json.loads(last)
+    assert found["imported"] == [], found["imported"]
+    assert case.listed[0] in "\n".join(printed)
+    assert found["rows"] == found["loaded"] == case.rows.tolist()
 
 
 # Opens, walks and reads without jax, then imports it: the verbs that need it take the

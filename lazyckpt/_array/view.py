@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import tensorstore as ts
 from numpy.typing import DTypeLike
 
 from lazyckpt._array.selection import Index, Selection
+
+if TYPE_CHECKING:  # in annotations only: a local open needs no tensorstore
+    import tensorstore as ts
 
 
 class Stored(Protocol):

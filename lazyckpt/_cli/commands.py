@@ -21,7 +21,7 @@ import lazyckpt
 from lazyckpt._array.patterns import spelled
 from lazyckpt._array.tree import near_paths, subtree
 from lazyckpt._display import as_given
-from lazyckpt._errors import LazyckptError, NoMatchError
+from lazyckpt._errors import LazyckptError, NoMatchError, RenameError
 from lazyckpt._orbax.layout import locate
 from lazyckpt._storage.paths import basename, is_remote, normalize
 from lazyckpt._text import ascii_int, human_bytes, printable, shown
@@ -277,6 +277,20 @@ def _rename_rules(path: str) -> list[tuple[str, str]]:
     return rules
 
 
+_RENAME_FLAGS = {
+    "rename_missing_ok=True": "--rename-missing-ok",
+    "rename_dotted=True": "--rename-dotted",
+    "use rename_dotted=False": "leave out --rename-dotted",
+}
+
+
+def _as_flags(message: str) -> str:
+    """A refusal of `convert`'s rename, naming the flags to pass, not its keywords."""
+    for keyword, flag in _RENAME_FLAGS.items():
+        message = message.replace(keyword, flag)
+    return message
+
+
 def _convert(args: argparse.Namespace) -> None:
     from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES  # (saving: imports jax)
 
@@ -303,6 +317,8 @@ def _convert(args: argparse.Namespace) -> None:
         "transform": transform if steps else None,
         "dtype": _dtype(args.dtype) if args.dtype else None,
         "rename": rules,
+        "rename_dotted": args.rename_dotted,
+        "rename_missing_ok": args.rename_missing_ok,
         "step": args.step,
         "item": args.item,
         "chunk_bytes": args.chunk_bytes or DEFAULT_CHUNK_BYTES,
@@ -311,13 +327,15 @@ def _convert(args: argparse.Namespace) -> None:
         "overwrite": args.overwrite,
         "allow_expand": args.allow_expand,
         "progress": False if args.quiet else None,
-        # (transformers loads safetensors files whose metadata says format=pt)
-        "metadata": {"format": "pt", **dict(args.metadata)} if args.metadata else None,
+        "metadata": dict(args.metadata) or None,  # (format=pt goes with it: save's)
     }
-    if args.dry_run:
-        say(lazyckpt.convert(**options, dry_run=True))
-        return
-    out = lazyckpt.convert(**options)
+    try:
+        if args.dry_run:
+            say(lazyckpt.convert(**options, dry_run=True))
+            return
+        out = lazyckpt.convert(**options)
+    except RenameError as error:
+        raise RenameError(_as_flags(str(error))) from None
     carried = getattr(out, "carried", ())
     if carried:
         say(f"carried {len(carried)} files that are not weights: {', '.join(carried)}")

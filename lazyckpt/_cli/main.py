@@ -208,6 +208,17 @@ def _parser() -> argparse.ArgumentParser:
         help="rename rules, one 'PATTERN REPLACEMENT' per line ('#' comments)",
     )
     convert.add_argument(
+        "--rename-dotted",
+        action="store_true",
+        help="the rename rules see every key path in the Hugging Face spelling, with '.' "
+        "between keys (model.layers.0.mlp)",
+    )
+    convert.add_argument(
+        "--rename-missing-ok",
+        action="store_true",
+        help="let a rename rule that matches no key path pass (by default it is refused)",
+    )
+    convert.add_argument(
         "--unstack",
         action="append",
         default=[],
@@ -245,7 +256,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="safetensors: text for the files' metadata, beside format=pt (a train state's "
+        help="safetensors: text for the files' metadata, beside format=pt unless it sets "
+        "format (a train state's "
         "step=1000, which safetensors cannot hold as a tensor); repeatable",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DESTINATION")

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.geometry import product
 from lazyckpt._array.view import ArrayView
@@ -44,6 +43,7 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyckptError
 from lazyckpt._storage import network
 from lazyckpt._storage.kvstore import Store, all_of, ready, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.transport import Scatter
 

@@ -32,7 +32,6 @@ from types import EllipsisType
 from typing import TypeVar
 
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import (
@@ -74,6 +73,7 @@ from lazyckpt._engine.scheduler import (
 )
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, ts_held
 from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.paths import is_remote
 from lazyckpt._storage.per_process import PerProcess
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import (
@@ -54,6 +53,7 @@ from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import network
 from lazyckpt._storage.kvstore import all_of, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.web import WebFiles

@@ -15,11 +15,10 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import tensorstore as ts
-
 from lazyckpt._engine.memory import BufferPool, MemoryGuard, settle_allocator
 from lazyckpt._engine.progress import Progress
 from lazyckpt._storage import network
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.per_process import PerProcess
 
 T = TypeVar("T")

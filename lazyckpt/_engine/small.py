@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
-import tensorstore as ts
 import zstandard
 
 from lazyckpt._array.geometry import chunk_box, product
@@ -30,6 +30,7 @@ from lazyckpt._engine.decode import chunk_error, in_shard, shard_index_range
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._storage.kvstore import Store, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 SMALL = 1 << 20
 """Arrays (and their chunks) up to this size that `load` reads whole are read in
@@ -213,7 +214,7 @@ def _chunk_count(stored: StoredArray) -> int:
     return math.prod(-(-n // c) for n, c in zip(stored.shape, stored.chunks, strict=True))
 
 
-_Value = bytes | None | ts.Future[ts.KvStore.ReadResult]
+_Value: TypeAlias = "bytes | ts.Future[ts.KvStore.ReadResult] | None"  # a string: ts is deferred
 """Stored bytes read or on their way (None: never written)."""
 
 _Read = tuple[int, tuple[int, ...], str, _Value]

@@ -17,10 +17,9 @@ import concurrent.futures
 import os
 import threading
 
-import tensorstore as ts
-
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.kvstore import Store
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import open_file, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.per_process import PerProcess

@@ -14,7 +14,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.compose import sources
 from lazyckpt._array.geometry import Box, box_bytes, chunk_count
@@ -24,6 +23,7 @@ from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
 from lazyckpt._storage.kvstore import Store, ready, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int

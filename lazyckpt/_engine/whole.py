@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds, chunks_in
 from lazyckpt._array.view import ArrayView
@@ -19,6 +18,7 @@ from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool, pool_size
 from lazyckpt._engine.stored import stored_array, stores
 from lazyckpt._storage.kvstore import all_of, check_unchanged, ready, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.paths import is_remote
 
 

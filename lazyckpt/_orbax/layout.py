@@ -21,6 +21,7 @@ from lazyckpt._storage import paths
 from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
 from lazyckpt._storage.sites import listing
 from lazyckpt._text import ascii_int
+from lazyckpt._weights import kinds
 
 _STEP_NAME = re.compile(r"(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)")
 _STEP_DIGITS = 100  # (past any step a run reaches: longer names are no steps)
@@ -130,10 +131,37 @@ def _listed_items(step_dir: str) -> list[str]:
     return sorted(handlers) if isinstance(handlers, dict) else []
 
 
+def flax_files(folder: str) -> dict[int, str]:
+    """The files of flax's `save_checkpoint` in `folder` (`checkpoint_7`), by step, where
+    Orbax's reader finds no checkpoint there: a checkpoint or step folder is Orbax's,
+    whatever else it holds. A folder of Orbax steps and flax files is refused by name."""
+    found = kinds.flax_steps(folder)
+    if not found or is_pytree_dir(folder):
+        return {}
+    if paths.isfile(paths.join(folder, "_CHECKPOINT_METADATA")):
+        return {}
+    run, separate = _steps_by_prefix(folder)
+    if run or separate:
+        # Refused, not one side chosen: Orbax lists only the folders and flax only the
+        # files, so each tool's latest step is another, and either choice could hand
+        # back a step the user did not mean, with no sign of it.
+        some = [name for names in separate.values() for name in names][:6]
+        orbax = f"steps {sorted(run)}" if run else f"separate checkpoints {some}"
+        latest = run[max(run)] if run else paths.join(folder, some[0])
+        raise NotACheckpointError(
+            f"{folder} holds both Orbax checkpoint folders ({orbax}) and flax "
+            f"save_checkpoint files (steps {sorted(found)}), so its latest step or step= "
+            f"could mean either; open one directly: a step's folder ({latest}) or a flax "
+            f"file ({found[max(found)]}), or move the other out"
+        )
+    return {} if _pytree_items(folder) else found
+
+
 def steps(
     path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> list[int]:
-    """The committed steps of a CheckpointManager root, in increasing order.
+    """The committed steps of a CheckpointManager root, or of a folder of flax's
+    `save_checkpoint` files (`checkpoint_7`), in increasing order.
 
     Unfinished saves (`*.orbax-checkpoint-tmp*`) are not listed.
 
@@ -146,6 +174,9 @@ def steps(
     """
     with paths.session(storage_options):
         root, _ = _existing_folder(path)
+        flax = flax_files(root)
+        if flax:
+            return sorted(flax)
         found, mixed = _steps_by_prefix(root)
         listed = paths.listdir(root)[:10]
     if mixed:
@@ -186,7 +217,7 @@ def items(
     """
     with paths.session(storage_options):
         folder, step = _existing_folder(path, step)
-        if is_pytree_dir(folder):
+        if is_pytree_dir(folder) or flax_files(folder):  # (flax's files have no items)
             return {}
         chosen = _step_folder(folder, step)
         return {} if is_pytree_dir(chosen) else _kinds(chosen)  # (a step saved as one PyTree)

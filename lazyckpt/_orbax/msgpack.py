@@ -19,11 +19,11 @@ import sys
 from typing import Any, TypeGuard
 
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.tree import MAX_DEPTH
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
 from lazyckpt._orbax.zarr import readable
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 __all__ = ["MAX_DEPTH", "decode"]
 

@@ -12,7 +12,7 @@ published atomically (`lazyckpt._storage.publish`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from lazyckpt._engine.progress import shown
 from lazyckpt._engine.scheduler import Scheduler
@@ -23,6 +23,7 @@ from lazyckpt._orbax.plan import description, plan, written
 from lazyckpt._orbax.write import write_arrays, write_metadata
 from lazyckpt._orbax.write_together import save_together
 from lazyckpt._storage import multihost, paths
+from lazyckpt._storage.extra_files import write_files
 from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._storage.publish import publishing
 
@@ -37,9 +38,11 @@ def save_orbax(
     replaceable: Callable[[str], bool],
     progress: bool | None,
     label: str = "lazyckpt save",
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write `tree` at `final` (see `lazyckpt.save`); `replaceable` says what an
-    overwrite may replace."""
+    overwrite may replace; `extra_files` ({relative path: contents}) are written into
+    the checkpoint before it is committed (the files `convert` carries)."""
     tensorstore_io(final)  # (which writes every array)
     leaves = plan(tree, chunk_bytes)
     multihost.agree(
@@ -52,10 +55,11 @@ def save_orbax(
     with shown(progress, total, label) as bar:
         scheduler = Scheduler(memory_budget, bar)
         if multihost.count() > 1:
-            save_together(final, leaves, scheduler, overwrite, replaceable)
+            save_together(final, leaves, scheduler, overwrite, replaceable, extra_files or {})
         else:
             with publishing(final, overwrite=overwrite, replaceable=replaceable) as tmp:
                 write_arrays(paths.kvstore_spec(tmp), leaves, scheduler, final)
+                write_files(tmp, extra_files or {})  # (before the commit marker)
                 write_metadata(tmp, final, leaves)
 
 

@@ -12,7 +12,7 @@ on every process, and nothing is published.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import tensorstore as ts
@@ -24,6 +24,7 @@ from lazyckpt._orbax.metadata import process_folder
 from lazyckpt._orbax.plan import Planned
 from lazyckpt._orbax.write import OCDBT_CONFIG, write_arrays, write_context, write_metadata
 from lazyckpt._storage import multihost, paths
+from lazyckpt._storage.extra_files import write_files
 from lazyckpt._storage.publish import publishing
 
 
@@ -33,8 +34,10 @@ def save_together(
     scheduler: Scheduler,
     overwrite: bool,
     replaceable: Callable[[str], bool],
+    extra_files: Mapping[str, bytes],
 ) -> None:
-    """Save `leaves` together with the other processes (see the module docstring)."""
+    """Save `leaves` together with the other processes (see the module docstring);
+    process 0 writes `extra_files` (see `save_orbax`)."""
     me = multihost.index()
     stack = contextlib.ExitStack()
     tmp = ""
@@ -74,6 +77,7 @@ def save_together(
         try:
             writers = [i for i, (_, did) in enumerate(flags) if did]
             _merge(tmp, writers, final)
+            write_files(tmp, extra_files)
             write_metadata(tmp, final, leaves)
             stack.close()  # publish: fsync and rename, or the bucket's commit marker
             published = True

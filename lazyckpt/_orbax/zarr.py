@@ -16,10 +16,10 @@ from typing import Any
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._engine.stored import ChunkKeys, Codec, in_array
 from lazyckpt._errors import CorruptCheckpointError, UnsupportedCheckpointError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._text import shown
 
 ZARR2_KEY, ZARR3_KEY = ".zarray", "zarr.json"

@@ -6,8 +6,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import tensorstore as ts
-
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt._safetensors.format import (
     INDEX,
@@ -20,6 +18,7 @@ from lazyckpt._safetensors.format import (
     parse_index,
 )
 from lazyckpt._storage import paths
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._storage.sites import describe as web_describe

@@ -15,7 +15,6 @@ import math
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.geometry import bounds
 from lazyckpt._array.selection import Selection
@@ -26,6 +25,7 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import paths
 from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.web import local_copy
 
 CHUNK_BYTES = 1 << 20

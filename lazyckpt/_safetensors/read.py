@@ -16,7 +16,6 @@ from typing import Any, TypeVar, cast
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._array.nesting import PathClash, nested
 from lazyckpt._array.quant import PackedFP4
@@ -53,7 +52,9 @@ from lazyckpt._safetensors.over_http import (
 )
 from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._storage import paths
+from lazyckpt._storage.deferred import Answered, answer
 from lazyckpt._storage.kvstore import Store, from_one_generation, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.sites import hub_listed
 from lazyckpt._storage.web import WebFiles, redownload
 from lazyckpt._text import printable
@@ -345,7 +346,7 @@ def _parsed(file: str, parse: Callable[[str, bytes], T], data: bytes) -> T:
 
 def _read(
     store: Store, key: str, file: str, start: int, stop: int, *, what: str
-) -> ts.Future[bytes]:
+) -> ts.Future[bytes] | Answered[bytes]:
     """The bytes `[start, stop)` of `key`; a file too short for them is truncated."""
     if stop > 1 << 62:
         raise CorruptCheckpointError(
@@ -373,6 +374,8 @@ def _read(
             else CorruptCheckpointError(f"{file}: reading {what} failed ({error})")
         )
 
+    if store.reads_itself(key):  # (a local file: read now, importing no tensorstore)
+        return answer(lambda: store.read_at_once(key, slice(start, stop)), value, failed)
     return then(store.read(key, slice(start, stop)), value, failed)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,12 +49,15 @@ from lazyckpt._storage import multihost, paths
 from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.local import pwrite_all
 from lazyckpt._storage.publish import publishing
-from lazyckpt._text import is_utf8, printable
+from lazyckpt._text import fold, is_utf8, printable
+from lazyckpt._text import shown as value_text
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default `max_shard_size` ("5GB")."""
 DEFAULT_METADATA = {"format": "pt"}
 """What `transformers` expects in `__metadata__` to load a file."""
+_ARRAYS = (LazyArray, jax.Array, np.ndarray, np.generic)
+_LISTED = 8  # (folded) leaves that are no arrays a refusal names, and flags it writes
 
 
 @attrs.frozen
@@ -101,7 +105,11 @@ def save_safetensors(
     replaceable: Callable[[str], bool],
     progress: bool | None,
     label: str = "lazyckpt save",
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> str:
+    """Write `tree` at `path` (see `lazyckpt.save`); `extra_files` ({name: contents})
+    go into a model folder with the tensors, before its index (the files `convert`
+    carries)."""
     if multihost.count() > 1:
         raise UnsavableError(
             f"{path}: saving safetensors in a run of {multihost.count()} processes is not "
@@ -118,6 +126,8 @@ def save_safetensors(
     ):
         for file in files:
             write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
+        for name, data in {} if single else (extra_files or {}).items():
+            write(name, lambda out, data=data: out.write(data))
         if index is not None:
             write(INDEX, lambda out: out.write(index.encode()))
     return path
@@ -138,7 +148,9 @@ def plan_files(
             f"{path}: safetensors metadata is a dict of strings to strings, not "
             f"{type(metadata).__name__}; pass metadata={{'format': 'pt', ...}}"
         )
-    meta = dict(DEFAULT_METADATA if metadata is None else metadata)
+    # (format=pt unless the caller says otherwise: transformers refuses a file without
+    # it, and a caller's own keys, a step, say, should not cost that)
+    meta = {**DEFAULT_METADATA, **(metadata or {})}
     odd = {
         k: v
         for k, v in meta.items()
@@ -176,7 +188,9 @@ def plan_files(
 def _entries(tree: object) -> list[_Entry]:
     out: list[_Entry] = []
     by_name: dict[str, str] = {}
-    for key, leaf in leaves(tree):
+    found = list(leaves(tree))
+    _check_arrays(found)
+    for key, leaf in found:
         name = key.replace("/", ".")
         where = printable(key) or "(the root)"
         if not is_utf8(name):
@@ -190,13 +204,6 @@ def _entries(tree: object) -> list[_Entry]:
             raise UnsavableError(
                 f"{where} holds typed PRNG keys, which safetensors cannot represent; save "
                 "jax.random.key_data(...) instead, or leave it out with select"
-            )
-        if not isinstance(leaf, LazyArray | jax.Array | np.ndarray | np.generic):
-            raise UnsavableError(
-                f"{where} holds the {type(leaf).__name__} {str(leaf)[:40]!r}, not an array: "
-                "safetensors holds arrays only; leave it out with select (convert "
-                "--select 'params/**'), and keep its value, if wanted, as text in the "
-                "files' metadata: metadata={'key': 'value'} (--metadata KEY=VALUE)"
             )
         dtype = np.dtype(leaf.dtype)
         if dtype in PACKED.values():
@@ -222,6 +229,43 @@ def _entries(tree: object) -> list[_Entry]:
         by_name[name] = key
         out.append(_Entry(name, key, leaf, dtype.newbyteorder("="), tuple(leaf.shape)))
     return out
+
+
+def _check_arrays(found: list[tuple[str, Any]]) -> None:
+    """Refuse the leaves that are no arrays (a train state's step, a name), all of them
+    at once: one attempt shows every `--select '!PATH'` a conversion needs."""
+    others = [(printable(key), leaf) for key, leaf in found if not isinstance(leaf, _ARRAYS)]
+    if not others:
+        return
+    value = dict(others)
+    lines = fold(((key, type(leaf).__name__) for key, leaf in others), vary=False)
+    shown = [
+        f"{line.path or '(the root)'} (the {line.detail} {value_text(value[line.path])})"
+        if line.count == 1 and line.path in value
+        else f"{line.path} ({line.count} {line.detail}s)"
+        for line in lines[:_LISTED]
+    ]
+    if len(lines) > _LISTED:
+        shown.append(f"and {sum(line.count for line in lines[_LISTED:])} more")
+    # (exact patterns only: a folded path is one, `select` reads its braces; one whose
+    # numbers were elided is not)
+    patterns = [f"!{line.path}" for line in lines if line.path and "..." not in line.path]
+    key = next((line.path for line in lines if line.count == 1), others[0][0])
+    leaf = value[key]
+    example = {key or "key": leaf[:40] if isinstance(leaf, str) else value_text(leaf)}
+    many = len(others) > 1
+    leave = (
+        f"leave {'them' if many else 'it'} out with select (convert "
+        f"{' '.join(f'--select {shlex.quote(p)}' for p in patterns[:_LISTED])}; "
+        f"select={patterns[:_LISTED]!r}, beside any other patterns)"
+        if patterns
+        else "save a tree of arrays"
+    )
+    raise UnsavableError(
+        f"{len(others)} {'leaves hold' if many else 'leaf holds'} no array, and safetensors "
+        f"holds arrays only: {', '.join(shown)}\n{leave}, and keep a value, if wanted, as "
+        f"text in the files' metadata: metadata={example!r} (--metadata KEY=VALUE)"
+    )
 
 
 def _shards(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:

@@ -24,8 +24,6 @@ import secrets
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import tensorstore as ts
-
 from lazyckpt._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -33,6 +31,7 @@ from lazyckpt._errors import (
     LazyTypeError,
     StorageAccessError,
 )
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import check_size
 from lazyckpt._storage.per_process import tensorstore_io
 from lazyckpt._text import shown

@@ -28,9 +28,9 @@ from typing import cast
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._errors import CheckpointChangedError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import open_file, pread_into, within
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.ranges import Answer
@@ -207,35 +207,45 @@ def read_checked(
     byte_range: slice | None = None,
     into: memoryview | None = None,
 ) -> ts.Future[ts.KvStore.ReadResult]:
-    """The bytes of the local file `path` in `byte_range`, answered as tensorstore's
-    kvstores answer (a missing file's state `missing`, a range it does not hold an
-    `OUT_OF_RANGE` error), by lazyckpt's positioned reads through one descriptor of
-    the file `identities` first saw there (`open_checked`): never bytes of two files.
-    Read at once, on the caller's thread (a few system calls), and straight `into` a
-    buffer of the range's length where one is given (the answer's value is then
-    `into` itself)."""
+    """`read_at_once`, answered as tensorstore's kvstores answer: a future, done
+    already, of its answer or its error."""
     promise: ts.Promise[ts.KvStore.ReadResult]
     future: ts.Future[ts.KvStore.ReadResult]
     promise, future = ts.Promise.new()
     try:
-        found = open_checked(identities, path)
-        if found is None:
-            promise.set_result(cast(ts.KvStore.ReadResult, Answer("missing")))
-            return future
-        fd, info = found
-        try:
-            start, stop = _span(byte_range, info.st_size)
-            value = _pread(fd, start, stop) if into is None else into
-            done = len(value) if into is None else pread_into(fd, into[: stop - start], start)
-        finally:
-            os.close(fd)
-        count_direct(done)
-        if done < stop - start:  # (shortened in place since `fstat`)
-            _span(slice(start, stop), start + done)
-        promise.set_result(cast(ts.KvStore.ReadResult, Answer("value", value)))
+        promise.set_result(read_at_once(identities, path, byte_range, into))
     except Exception as error:  # noqa: BLE001 - handed to whoever awaits
         promise.set_exception(error)
     return future
+
+
+def read_at_once(
+    identities: FileIdentities,
+    path: str,
+    byte_range: slice | None = None,
+    into: memoryview | None = None,
+) -> ts.KvStore.ReadResult:
+    """The bytes of the local file `path` in `byte_range`, as tensorstore's kvstores
+    answer (a missing file's state `missing`; a range it does not hold, an
+    `OUT_OF_RANGE` error, raised), by lazyckpt's positioned reads through one
+    descriptor of the file `identities` first saw there (`open_checked`): never bytes
+    of two files. Read on the caller's thread (a few system calls), without
+    tensorstore, and straight `into` a buffer of the range's length where one is given
+    (the answer's value is then `into` itself)."""
+    found = open_checked(identities, path)
+    if found is None:
+        return cast("ts.KvStore.ReadResult", Answer("missing"))
+    fd, info = found
+    try:
+        start, stop = _span(byte_range, info.st_size)
+        value = _pread(fd, start, stop) if into is None else into
+        done = len(value) if into is None else pread_into(fd, into[: stop - start], start)
+    finally:
+        os.close(fd)
+    count_direct(done)
+    if done < stop - start:  # (shortened in place since `fstat`)
+        _span(slice(start, stop), start + done)
+    return cast("ts.KvStore.ReadResult", Answer("value", value))
 
 
 def copied(into: memoryview, result: ts.KvStore.ReadResult) -> ts.KvStore.ReadResult:

@@ -1,8 +1,5 @@
-"""The one I/O core: a checkpoint item's kvstore, pinned to one generation of it.
-
-Everything here returns tensorstore futures, so callers either `.result()` them or
-`await` them; the sync and async faces of lazyckpt share this single implementation.
-"""
+"""The one I/O core: a checkpoint item's kvstore, pinned to one generation of it. Its reads
+return tensorstore futures (but `read_at_once`'s), which the sync and async faces share."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import attrs
-import tensorstore as ts
 
 from lazyckpt._display import given_repr
 from lazyckpt._errors import (
@@ -23,13 +19,16 @@ from lazyckpt._errors import (
     StorageAccessError,
 )
 from lazyckpt._storage import paths, relay
+from lazyckpt._storage.deferred import DeferredKvStore, new_context
 from lazyckpt._storage.identities import (
     FileIdentities,
     changed_error,
     copied,
     open_checked,
+    read_at_once,
     read_checked,
 )
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
 from lazyckpt._storage.ocdbt_tree import Tree
@@ -39,11 +38,6 @@ from lazyckpt._storage.web import WebFiles, is_web
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-# The OCDBT b-tree and inline zarr metadata are read once and kept in this pool, so
-# that opening arrays after `open` does not read them again. Chunk data goes through
-# the default pool, which caches nothing: a read returns bytes straight from storage.
-_METADATA_CACHE_BYTES = 64 << 20
 
 
 def then(
@@ -176,10 +170,11 @@ class Store:
 
     location: str = attrs.field(repr=given_repr)
     ocdbt: bool
-    context: ts.Context = attrs.field(repr=False)
+    _context: ts.Context | None = attrs.field(repr=False, alias="context")  # (see `context`)
     kvstore_spec: dict[str, Any] = attrs.field(repr=False)
     kvstore: ts.KvStore = attrs.field(repr=False)
-    """tensorstore's, or for files over HTTP a `WebFiles`, which reads as one does."""
+    """tensorstore's (a local folder's opened at its first use: `DeferredKvStore`), or for
+    files over HTTP a `WebFiles`, which reads as one does."""
     generation: tuple[object, ...] = attrs.field(default=(), repr=False)
     """The checkpoint's `paths.generation` when it was opened."""
     files: tuple[str, ...] = attrs.field(default=paths.GENERATION_FILES, repr=False)
@@ -196,6 +191,11 @@ class Store:
     in the Hugging Face cache, shared with its `WebFiles`."""
     _database_files: list[str] = attrs.field(factory=list, init=False, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    @property
+    def context(self) -> ts.Context:
+        """tensorstore's context of the store's reads and arrays (a local folder's: made late)."""
+        return self._context or cast(DeferredKvStore, self.kvstore).context
 
     def changed(self) -> bool:
         """Whether the checkpoint was replaced or rewritten since it was opened."""
@@ -258,17 +258,23 @@ class Store:
     def read(
         self, key: str, byte_range: slice | None = None, into: memoryview | None = None
     ) -> ts.Future[ts.KvStore.ReadResult]:
-        """`key`'s bytes in `byte_range`, as `kvstore.read` answers (`into`: landed in
-        that buffer, of the range's length): a local file's read by lazyckpt through one
-        descriptor of the file first seen there (`read_checked`), others through the
-        kvstore, checked first (`check_files`)."""
-        if not (self.ocdbt or paths.is_remote(self.location)) and _inside(key):
-            path = os.path.join(self.location, key)
-            return read_checked(self.identities, path, byte_range, into)
+        """`key`'s bytes in `byte_range`, as `kvstore.read` answers (`into`: landed in that
+        buffer, of the range's length): a local folder's file read by lazyckpt (`read_at_once`),
+        others through the kvstore, checked first (`check_files`)."""
+        if self.reads_itself(key):
+            return read_checked(self.identities, os.path.join(self.location, key), byte_range, into)
         self.check_files([key])
         self.check_tensorstore()
         read = self.kvstore.read(key, byte_range=byte_range)
         return read if into is None else then(read, functools.partial(copied, into))
+
+    def reads_itself(self, key: str) -> bool:
+        """Whether lazyckpt reads `key` itself (a local folder's file), never tensorstore."""
+        return not (self.ocdbt or paths.is_remote(self.location)) and _inside(key)
+
+    def read_at_once(self, key: str, byte_range: slice | None = None) -> ts.KvStore.ReadResult:
+        """`read`'s answer (or error) at once, where lazyckpt reads `key` itself."""
+        return read_at_once(self.identities, os.path.join(self.location, key), byte_range)
 
     def _files_of_database(self) -> list[str]:
         """The OCDBT database's manifests and data files (`d/`), its own and those of
@@ -302,14 +308,15 @@ class Store:
         local file that is not one of `files` counts as the checkpoint's only where its
         folder's listing, taken at its first read, holds it, and a link only where it
         leads into the folder, or `outside_links` allows it (`FileIdentities`)."""
-        context = ts.Context(
-            {
-                "cache_pool#metadata": {"total_bytes_limit": _METADATA_CACHE_BYTES},
-                # More decode tasks than cores, so that reading and decoding overlap;
-                # memory stays bounded by the read engine's budget.
-                "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
-            }
-        )
+        if not (ocdbt or paths.is_remote(location)):
+            # Files lazyckpt reads itself: tensorstore's kvstore made at first use (no import).
+            spec = paths.kvstore_spec(location)
+            kvstore = cast("ts.KvStore", DeferredKvStore(location, spec))
+            seen = FileIdentities(location if listed else None, outside_links=outside_links)
+            store = cls(location, ocdbt, None, spec, kvstore, generation, files, identities=seen)
+            store.identities.remember(os.path.join(location, name) for name in files)
+            return store
+        context = new_context()
         if is_web(location) and not drivers:
             # Read by lazyckpt's own Range requests: the safetensors reader calls `read`
             # alone, which `WebFiles` answers as tensorstore's kvstores do.
@@ -364,14 +371,8 @@ class Store:
         store = cls(
             location, ocdbt, context, spec, kvstore, generation, files, index, web, identities=seen
         )
-        if local:
-            # The files its reads will open (a database's, a weight file's), as they are
-            # now: a stat each (`open_file`).
-            store.identities.remember(
-                store._files_of_database()
-                if ocdbt
-                else (os.path.join(location, name) for name in files)
-            )
+        if local:  # (a database's files, as they are now)
+            store.identities.remember(store._files_of_database())
         if index is not None:
             store._check_tree(index)
         return store

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-import tensorstore as ts
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 _DIRECT = [0]
 _REQUESTS = [0]

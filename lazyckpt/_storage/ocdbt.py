@@ -22,11 +22,12 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import attrs
-import tensorstore as ts
 
 from lazyckpt._errors import LazyckptError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.ocdbt_format import Place
 from lazyckpt._storage.ocdbt_tree import Tree
 
@@ -40,7 +41,7 @@ LOCATE_KEYS = 20_000
 most this many keys (keeping more for them costs memory for the checkpoint's life; a
 read of 1 MiB or more through the driver takes a millisecond or so)."""
 
-Value = bytes | None | ts.Future[ts.KvStore.ReadResult]
+Value: TypeAlias = "bytes | ts.Future[ts.KvStore.ReadResult] | None"  # a string: ts is deferred
 """A value read through the index: known already (None: no such key), or on its way."""
 
 

@@ -15,9 +15,8 @@ import os
 import stat
 from collections.abc import Callable
 
-import tensorstore as ts
-
 from lazyckpt._errors import CorruptCheckpointError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.ocdbt_format import MAX_DECODED_BYTES, FormatError, Manifest, manifest
 from lazyckpt._text import shown
 

@@ -42,9 +42,9 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 import attrs
-import tensorstore as ts
 
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError, TooLargeError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.ocdbt_format import MAX_DECODED_BYTES, FormatError, Node, Place, Ref, node
 from lazyckpt._storage.ocdbt_manifest import Sizes, newest
 from lazyckpt._text import shown

@@ -239,8 +239,9 @@ def interrupted_overwrite(final: str) -> str | None:
 
 
 def _commit_last(name: str) -> tuple[int, str]:
-    """Copy order: data, then an index (`*.json`), then `commit_success.txt`."""
-    return (2 if name == "commit_success.txt" else name.endswith(".json"), name)
+    """Copy order: data (carried `config.json` and tokenizer files too), then a
+    model's index (`*.index.json`), then `commit_success.txt`."""
+    return (2 if name == "commit_success.txt" else name.endswith(".index.json"), name)
 
 
 def _delete_owned(final: str, names: list[str], keep: Callable[[str], bool] | None) -> None:

@@ -50,10 +50,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
-import tensorstore as ts
-
 from lazyckpt import _display
 from lazyckpt._errors import LazyckptError, StorageAccessError
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.per_process import PerProcess
 from lazyckpt._storage.ranges import Answer
 from lazyckpt._storage.transport import said

@@ -16,8 +16,6 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-import tensorstore as ts
-
 from lazyckpt._errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
@@ -26,6 +24,7 @@ from lazyckpt._errors import (
 )
 from lazyckpt._storage import web_options
 from lazyckpt._storage.identities import FileIdentities
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import check_size, open_file, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop

@@ -20,12 +20,12 @@ from typing import Any
 
 import attrs
 import numpy as np
-import tensorstore as ts
 
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._weights.files import File
 from lazyckpt._weights.zips import Member, crc_mismatch
 

@@ -6,16 +6,23 @@ a parse of fewer bytes than declared."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import TypeAlias, TypeVar
 
 import attrs
-import tensorstore as ts
 
 from lazyckpt._display import given_repr
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import Store, ready, then
+from lazyckpt._storage.deferred import Answered, answer
+from lazyckpt._storage.kvstore import Store, then
+from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.web import WebFiles
+
+T = TypeVar("T")
+_Future: TypeAlias = "ts.Future[T] | Answered[T]"
+"""A read on its way, or answered already (a local file's, read by lazyckpt)."""
 
 MAX_OFFSET = 1 << 62
 """Past any file's end: a declared offset beyond it is damage, not a large file."""
@@ -56,14 +63,10 @@ class File:
             answer = kvstore.read(self.key, byte_range=slice(start, start + n), short=True)
             return self._value(answer, f"bytes from {start}")
         try:
-            return self._value(
-                self.store.read(self.key, slice(start, start + n)), f"bytes from {start}"
-            )
+            return self._value(self._store_read(slice(start, start + n)), f"bytes from {start}")
         except _Short:  # fewer than `n` remain: read to the end, which is nearer
             try:
-                return self._value(
-                    self.store.read(self.key, slice(start, None)), f"bytes from {start}"
-                )
+                return self._value(self._store_read(slice(start, None)), f"bytes from {start}")
             except _Short:  # (past the end)
                 return b""
 
@@ -85,11 +88,17 @@ class File:
                 raise CorruptCheckpointError(f"{self.path}: the server did not say its size")
             return self.read(max(0, size - n), size, "its end")
         try:
-            return self._value(self.store.read(self.key, slice(-n, None)), "its end")
+            return self._value(self._store_read(slice(-n, None)), "its end")
         except _Short:  # shorter than `n`
-            return self._value(self.store.read(self.key), "its end")
+            return self._value(self._store_read(None), "its end")
 
-    def _value(self, future: ts.Future[ts.KvStore.ReadResult], what: str) -> bytes:
+    def _store_read(self, span: slice | None) -> _Future[ts.KvStore.ReadResult]:
+        """The store's read of `span`; a local file's read now, importing no tensorstore."""
+        if self.store.reads_itself(self.key):
+            return answer(lambda: self.store.read_at_once(self.key, span), lambda found: found)
+        return self.store.read(self.key, span)
+
+    def _value(self, future: _Future[ts.KvStore.ReadResult], what: str) -> bytes:
         try:
             result = future.result()
         except LazyckptError:
@@ -102,7 +111,7 @@ class File:
             raise CheckpointNotFoundError(f"{self.path} does not exist; check the path")
         return bytes(result.value)
 
-    def _read(self, start: int, stop: int, what: str) -> ts.Future[bytes]:
+    def _read(self, start: int, stop: int, what: str) -> _Future[bytes]:
         if not 0 <= start <= stop <= MAX_OFFSET:
             raise CorruptCheckpointError(
                 f"{self.path}: {what} is declared at bytes {start} to {stop}; the file's "
@@ -117,11 +126,15 @@ class File:
             return bytes(result.value)
 
         if stop <= len(self.known) or start == stop:
-            return ready(self.known[start:stop] if stop <= len(self.known) else b"")
+            return Answered(self.known[start:stop] if stop <= len(self.known) else b"")
         if self.whole:
             raise self._short(start, stop, what)
-        read = self.store.read(self.key, slice(start, stop))  # (a local file: by lazyckpt)
-        return then(read, value, lambda error: self._failed(error, what, (start, stop)))
+        failed = functools.partial(self._failed, what=what, span=(start, stop))
+        if self.store.reads_itself(self.key):  # (a local file: read now, importing no tensorstore)
+            return answer(
+                lambda: self.store.read_at_once(self.key, slice(start, stop)), value, failed
+            )
+        return then(self.store.read(self.key, slice(start, stop)), value, failed)
 
     def _failed(
         self, error: Exception, what: str, span: tuple[int, int] | None = None

@@ -97,12 +97,11 @@ def check_file(path: str) -> None:
 
 def flax_steps(folder: str) -> dict[int, str]:
     """The local files of flax's `save_checkpoint` in `folder` (`checkpoint_7`), by step;
-    its folders (flax's Orbax checkpoints) are left to the Orbax reader."""
+    its folders (flax's Orbax checkpoints) are left to the Orbax reader, and a folder
+    Orbax's reader also reads is told apart by `_orbax.layout.flax_files`."""
     if paths.is_remote(folder) or not paths.isdir(folder):
         return {}
     names = paths.listdir(folder)
-    if "_METADATA" in names:  # (an Orbax checkpoint, whatever else it holds)
-        return {}
     found = {}
     for name in names:
         match = _FLAX_STEP.fullmatch(name)
