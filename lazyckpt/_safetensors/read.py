@@ -128,7 +128,7 @@ def metadata(
 
     >>> out = lazyckpt.save(tmp / "w.safetensors", {"w": np.ones(2)}, metadata={"step": "3"})
     >>> lazyckpt.safetensors_metadata(out)
-    {'step': '3'}
+    {'format': 'pt', 'step': '3'}
     """
     with paths.session(storage_options):
         normalized = paths.normalize(path)
