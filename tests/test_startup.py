@@ -213,12 +213,14 @@ array, loaded = tree, lazyckpt.load(tree)
 for part in re.split("[./]", key):  # (safetensors' names nest on their dots)
     array, loaded = array[part], loaded[part]
 rows = array[0:2].get()
-print(json.dumps({"imported": first, "rows": rows.tolist(), "loaded": loaded[:2].tolist()}))
+table = lazyckpt.stats(tree)  # (statistics need NumPy alone)
+print(json.dumps({"imported": first, "rows": rows.tolist(), "loaded": loaded[:2].tolist(),
+                  "stats_jax": "jax" in sys.modules, "stats": len(table)}))
 """
 
 
 @pytest.mark.parametrize("name", ["safetensors", "npz", "torch-pt", "torch-bin-folder"])
-def test_a_local_open_and_summary_import_neither_tensorstore_nor_jax(
+def test_a_local_open_and_summary_import_neither_tensorstore_nor_jax_nor_stats_jax(
     cases: dict[str, Case], name: str
 ) -> None:
     case = cases[name]
@@ -227,6 +229,7 @@ def test_a_local_open_and_summary_import_neither_tensorstore_nor_jax(
     assert found["imported"] == [], found["imported"]
     assert case.listed[0] in "\n".join(printed)
     assert found["rows"] == found["loaded"] == case.rows.tolist()
+    assert found["stats"] >= 1 and not found["stats_jax"], found
 
 
 # Opens, walks and reads without jax, then imports it: the verbs that need it take the

@@ -6,10 +6,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import jax.numpy as jnp
 import numpy as np
 
 from lazyckpt._array import repeats
+from lazyckpt._array.dtypes import issubdtype
 from lazyckpt._array.tree import Select, selected
 from lazyckpt._engine import stream, workload
 from lazyckpt._engine.progress import Progress, shown
@@ -326,7 +326,7 @@ def _histograms(
             flat = flat.view(np.uint8)
         for start in range(0, flat.size, _PIECE):
             part = flat[start : start + _PIECE]
-            floating = jnp.issubdtype(part.dtype, jnp.floating)
+            floating = issubdtype(part.dtype, np.floating)
             finite = part[np.isfinite(part)] if floating else part
             counts[position] += np.histogram(finite, edges[position])[0]
     return list(zip(counts, edges, strict=True))
@@ -366,8 +366,10 @@ def summarizable(array: LazyArray) -> bool:
     if array.key_impl:
         return False
     dtype = array.dtype
-    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)) or (
-        np.dtype(dtype) == np.bool_
+    return (
+        issubdtype(dtype, np.floating)
+        or issubdtype(dtype, np.integer)
+        or (np.dtype(dtype) == np.bool_)
     )
 
 
