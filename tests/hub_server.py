@@ -463,6 +463,17 @@ class HubServer:
         }
 
 
+def folder_files(folder: Path, under: str = "") -> dict[str, bytes]:
+    """The files of a local `folder` as `HubServer.commit` takes them, named by their
+    paths in it (under `under/`, where given)."""
+    prefix = f"{under}/" if under else ""
+    return {
+        f"{prefix}{file.relative_to(folder).as_posix()}": file.read_bytes()
+        for file in sorted(folder.rglob("*"))
+        if file.is_file()
+    }
+
+
 def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 

@@ -149,14 +149,6 @@ for lang, body, line in blocks:
 """
 
 
-def _checkpoint_files(folder: Path, under: str) -> dict[str, bytes]:
-    return {
-        f"{under}/{file.relative_to(folder).as_posix()}": file.read_bytes()
-        for file in sorted(folder.rglob("*"))
-        if file.is_file()
-    }
-
-
 def _release() -> dict[str, Any]:
     """A small language model's parameters, named as Gemma's Flax releases name them."""
     rng = np.random.default_rng(0)
@@ -193,7 +185,7 @@ def docs_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("huggingface_hub")
     ocp = pytest.importorskip("orbax.checkpoint")
     from tests.helpers import orbax_save
-    from tests.hub_server import HubServer
+    from tests.hub_server import HubServer, folder_files
 
     folder = tmp_path_factory.mktemp("docs-hub")
     release = orbax_save(folder / "release", _release())
@@ -209,8 +201,8 @@ def docs_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             )
     gpt2 = ROOT / "tests" / "fixtures" / "torch"
     with HubServer(folder / "hub") as hub:
-        hub.commit("acme/tiny-lm-jax", _checkpoint_files(release, "checkpoints/base"))
-        hub.commit("acme/tiny-lm-run", _checkpoint_files(folder / "run", "train"))
+        hub.commit("acme/tiny-lm-jax", folder_files(release, "checkpoints/base"))
+        hub.commit("acme/tiny-lm-run", folder_files(folder / "run", "train"))
         for repo, saved in (("tiny-gpt2-torch", "gpt2_bin"), ("tiny-gpt2", "gpt2_safetensors")):
             files = {file.name: file.read_bytes() for file in (gpt2 / saved).iterdir()}
             hub.commit(f"acme/{repo}", files)

@@ -25,7 +25,7 @@ import lazyckpt
 from lazyckpt._cli.main import main
 from lazyckpt._storage import metrics, network
 from tests import hub_server
-from tests.hub_server import HubServer
+from tests.hub_server import HubServer, folder_files
 
 hh = pytest.importorskip("huggingface_hub")
 constants = pytest.importorskip("huggingface_hub.constants")
@@ -763,10 +763,10 @@ def test_an_orbax_file_first_read_after_a_branch_shadows_its_commit_is_refused(
     w = np.arange(1.0, 257.0, dtype=np.float32).reshape(16, 16)
     saved = orbax_save(tmp_path / "ckpt", {"w": w}, use_ocdbt=False)
     negated = orbax_save(tmp_path / "negated", {"w": -w}, use_ocdbt=False)
-    first = hub.commit("org/jax", {f"ckpt/{k}": v for k, v in _folder_files(saved).items()})
+    first = hub.commit("org/jax", folder_files(saved, "ckpt"))
     tree = lazyckpt.open(f"hf://org/jax@{first}/ckpt")
     assert not [e for e in hub.log if "/w/0" in e.path]  # (its chunk not read yet)
-    shadow = {f"ckpt/{k}": v for k, v in _folder_files(negated).items()}
+    shadow = folder_files(negated, "ckpt")
     other = hub.commit("org/jax", shadow, branch=first)
     with pytest.raises(
         lazyckpt.CheckpointChangedError, match=_shadowed(first, other, "ckpt/w/0.0", first)
@@ -844,14 +844,6 @@ def test_shard_headers_are_read_while_the_index_is(
     np.testing.assert_array_equal(up(tree, 3).get(), tensors["model.layers.3.mlp.up_proj.weight"])
 
 
-def _folder_files(folder: Path) -> dict[str, bytes]:
-    return {
-        path.relative_to(folder).as_posix(): path.read_bytes()
-        for path in folder.rglob("*")
-        if path.is_file()
-    }
-
-
 def test_an_orbax_checkpoint_on_the_hub_opens_from_the_cache(
     hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -867,8 +859,8 @@ def test_an_orbax_checkpoint_on_the_hub_opens_from_the_cache(
         tmp_path / "run",
         {step: {"state": ocp.args.StandardSave({"w": params["w"] * step})} for step in (1, 2)},
     )
-    hub.commit("org/jax-model", {**_folder_files(saved), "README.md": b"# a JAX model"})
-    hub.commit("org/run", {f"train/{k}": v for k, v in _folder_files(root).items()})
+    hub.commit("org/jax-model", {**folder_files(saved), "README.md": b"# a JAX model"})
+    hub.commit("org/run", {f"train/{k}": v for k, v in folder_files(root).items()})
     hub.clear_log()
     np.testing.assert_array_equal(lazyckpt.open("hf://org/jax-model")["w"].get(), params["w"])
     assert any("/resolve/" in e.path for e in hub.log)

@@ -12,18 +12,10 @@ from safetensors.numpy import save
 
 import lazyckpt
 from tests.helpers import orbax_save
-from tests.hub_server import HubServer
+from tests.hub_server import HubServer, folder_files
 
 hh = pytest.importorskip("huggingface_hub")
 constants = pytest.importorskip("huggingface_hub.constants")
-
-
-def _folder_files(folder: Path) -> dict[str, bytes]:
-    return {
-        path.relative_to(folder).as_posix(): path.read_bytes()
-        for path in folder.rglob("*")
-        if path.is_file()
-    }
 
 
 def test_a_revision_in_storage_options_is_refused_with_the_path_to_write(
@@ -53,10 +45,10 @@ def test_offline_a_revision_the_cache_lacks_is_named_with_what_to_do(
     """An Orbax checkpoint (written by Orbax) on the Hub, its `main` downloaded; its
     tag `v2` is not in the cache."""
     params = {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4)}
-    hub.commit("org/jax-model", _folder_files(orbax_save(tmp_path / "one", params)))
+    hub.commit("org/jax-model", folder_files(orbax_save(tmp_path / "one", params)))
     hh.snapshot_download("org/jax-model")
     saved = orbax_save(tmp_path / "two", {"w": params["w"] * 2})
-    hub.commit("org/jax-model", _folder_files(saved))
+    hub.commit("org/jax-model", folder_files(saved))
     hub.tag("org/jax-model", "v2")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub.clear_log()
