@@ -10,7 +10,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-# Programs compiled for devices are cached per machine (`lazyckpt._programs`): the
+# Programs compiled for devices are cached per machine (`lazyckpt._device.programs`): the
 # tests' go to a folder of their own, gone at exit, never the user's cache.
 if "LAZYCKPT_CACHE_DIR" not in os.environ:
     import atexit

@@ -44,7 +44,8 @@ summed over its threads, in a process that placed it once.
 
 `--streams` measures where the tree from Orbax stops with nothing sent (`stream_rates`):
 its chunks decoded on 12 and 6 threads by zstd's own reader and by lazyckpt's chunk
-streams, then through `iter_blocks` as a placement streams them, at several budgets.
+streams, then through `_engine.stream.read_blocks` as a placement streams them, at several
+budgets.
 
 `--kind tree` or `--kind big` runs one checkpoint's cases (and its ceilings): the
 whole run takes over ten minutes on a TPU v5e host, the most one command may run on
@@ -369,11 +370,11 @@ def lazy_put_again(path: str, budget: str | None) -> dict[str, Any]:
 
 def compiling_only(path: str) -> dict[str, Any]:
     """The host memory and time of compiling, alone, the programs that assemble the
-    `big` array on the device from bands (`lazyckpt._on_device`)."""
+    `big` array on the device from bands (`lazyckpt._device.shard`)."""
     import ml_dtypes
     import numpy as np
 
-    from lazyckpt import _on_device as on_device
+    from lazyckpt._device import shard as on_device
 
     device = _device()
     bf16, written = np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)
@@ -396,7 +397,7 @@ def compiling_only(path: str) -> dict[str, Any]:
 
 SHAPES = [(3, 6, 16), (2, 6, 16), (4, 6, 16), (3, 4, 16), (3, 8, 16), (3, 6, 8), (3, 6, 32)]
 """Shapes of lazyckpt's threads that `--shapes` compares: sending threads, reading
-threads, MiB a reading thread reads at a time (`lazyckpt._senders`)."""
+threads, MiB a reading thread reads at a time (`lazyckpt._device.senders`)."""
 
 
 def thread_shapes(path: str, rounds: int) -> dict[str, Any]:
@@ -407,8 +408,8 @@ def thread_shapes(path: str, rounds: int) -> dict[str, Any]:
     import jax
 
     import lazyckpt
-    from lazyckpt import _senders as threads
-    from lazyckpt import _staged
+    from lazyckpt._device import senders as threads
+    from lazyckpt._device import staged as _staged
 
     sharding = _sharding()
 
@@ -431,8 +432,8 @@ STAGES = {
     ("lazyckpt._engine.decode", "ChunkStream", "next"): "decoding slabs, reads included",
     ("lazyckpt._engine.decode", "ChunkStream", "_open"): "opening chunks",
     ("lazyckpt._engine.stream", "_AsReady", "next"): "waiting for a block",
-    ("lazyckpt._on_device", "Shard", "write"): "sending blocks",
-    ("lazyckpt._staged", "_Gate", "reserve"): "waiting for room",
+    ("lazyckpt._device.shard", "Shard", "write"): "sending blocks",
+    ("lazyckpt._device.staged", "_Gate", "reserve"): "waiting for room",
 }
 """What `--stages` times: (module, class, method) and what it is called."""
 
@@ -447,12 +448,12 @@ def stage_times(path: str) -> dict[str, Any]:
     import jax
 
     import lazyckpt
-    from lazyckpt import _on_device, _staged
+    from lazyckpt._device import staged as _staged
+    from lazyckpt._device.platforms import PLATFORMS, Platform
 
     sharding = _sharding()
     if not _staged.staged(sharding):
-        _staged.STAGED_PLATFORMS = frozenset({*_staged.STAGED_PLATFORMS, "cpu"})
-        _on_device.ADOPTING_PLATFORMS = frozenset()
+        PLATFORMS["cpu"] = Platform(staged=True, adopts=False)
     timers = Timers()
     for (module, owner, name), label in STAGES.items():
         timers.time(getattr(importlib.import_module(module), owner), name, label)
@@ -476,7 +477,7 @@ def stream_rates(path: str) -> dict[str, tuple[float, float, float]]:
     """Where the tree from Orbax stops, with nothing sent: its chunks decoded by N
     threads each looping over its share, by zstd's own stream reader over the data
     file and by lazyckpt's `ChunkStream` (4 MiB slabs into a 13 MiB buffer of the
-    thread's own); then `iter_blocks` as a placement streams them (blocks of a
+    thread's own); then `_engine.stream.read_blocks` as a placement streams them (blocks of a
     sixteenth, as ready, dropped as they come) at several budgets. Each: (GB/s, the
     seconds spent in `ChunkStream.next` summed over threads, 0 for zstd by hand,
     and the MiB of fresh memory mapped for blocks), the best of two, in one process."""
@@ -556,9 +557,10 @@ def stream_rates(path: str) -> dict[str, tuple[float, float, float]]:
 
         def blocks(half: int = mib * MiB) -> None:
             pool = BufferPool(half)
-            for _ in stream.iter_blocks(leaves, half, pool=pool, in_order=False, block=half // 16):
+            for _ in stream.read_blocks(leaves, half, pool=pool, in_order=False, block=half // 16):
                 pass
 
+        # (labelled by read_blocks's old name, iter_blocks, so that figures stay comparable)
         cases[f"iter_blocks, {mib} MiB, blocks of {mib // 16} MiB"] = blocks
     rates: dict[str, tuple[float, float, float]] = {}
     for name, case in cases.items():
@@ -602,7 +604,7 @@ def main() -> None:
         "--streams",
         action="store_true",
         help="only compare decoding the tree from Orbax by hand, by lazyckpt's chunk "
-        "streams, and through iter_blocks, nothing sent",
+        "streams, and through _engine.stream.read_blocks, nothing sent",
     )
     parser.add_argument(
         "--stages",

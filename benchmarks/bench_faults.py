@@ -132,7 +132,7 @@ def drip() -> dict[str, Any]:
 def healthy() -> dict[str, Any]:
     import os
 
-    from lazyckpt._storage.ranges import client
+    from lazyckpt._storage.http.range_reads import client
     from tests.hostile_server import HostileServer
 
     with HostileServer() as server:

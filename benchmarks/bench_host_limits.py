@@ -14,7 +14,7 @@ its defaults: one zstd chunk per array), in one process, each the best of two:
   1, 4, 8 and 12 threads;
 - sending alone: 12 threads each sending 13 MiB pieces of uint16 from a buffer of
   its own and waiting for each, plain (`jax.device_put`) and written into a shard's
-  buffer on the device as lazyckpt writes them (`_on_device.write`);
+  buffer on the device as lazyckpt writes them (`shard.write`);
 - decoding and sending by hand: 12 threads each decoding a chunk into a buffer of its
   own (8, 16 or 64 MiB) and sending each buffer as it fills, waiting for it; and the
   same with each buffer written into its chunk's buffer on the device as lazyckpt
@@ -130,7 +130,7 @@ def _decode(share: list[Any], buffer: int, send: Send | None) -> None:
 
 class _IntoShard:
     """Sends each slab into a buffer of its chunk on the device, written there as
-    lazyckpt writes a shard's pieces (`_on_device.write`), waiting for each transfer;
+    lazyckpt writes a shard's pieces (`shard.write`), waiting for each transfer;
     for chunks of 2-byte values in C order, as the tree's."""
 
     def __init__(self, device: Any) -> None:
@@ -142,20 +142,20 @@ class _IntoShard:
         import jax
         import numpy as np
 
-        from lazyckpt import _on_device
         from lazyckpt._array.geometry import chunk_box
+        from lazyckpt._device import shard
 
         box = chunk_box(index, stored.chunks)
         if self.chunk != (id(stored), index):
             if self.buffer is not None:
                 self.buffer.block_until_ready()
             shape = tuple(high - low for low, high in box)
-            self.buffer = _on_device.empty(shape, np.dtype(np.uint16), self.device)
+            self.buffer = shard.empty(shape, np.dtype(np.uint16), self.device)
             self.chunk = (id(stored), index)
         piece = values.view(np.uint16).reshape([high - low for low, high in slab])
         sent = jax.device_put(piece, self.device)
         starts = tuple(low - first for (low, _), (first, _) in zip(slab, box, strict=True))
-        self.buffer = _on_device.write(self.buffer, sent, starts)
+        self.buffer = shard.write(self.buffer, sent, starts)
         sent.block_until_ready()
 
 
@@ -163,7 +163,7 @@ def decode_and_send_rates(path: str) -> dict[str, float]:
     import jax
     import numpy as np
 
-    from lazyckpt import _on_device
+    from lazyckpt._device import shard
 
     device = jax.devices()[0]
     jax.device_put(np.zeros(4, np.float32), device).block_until_ready()
@@ -197,11 +197,11 @@ def decode_and_send_rates(path: str) -> dict[str, float]:
         host = np.ones((PIECE_ROWS, shape[1]), np.uint16)
         for _ in range(4):
             dtype = np.dtype(np.uint16)
-            buffer = _on_device.empty(shape, dtype, device) if written else None
+            buffer = shard.empty(shape, dtype, device) if written else None
             for at in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
                 sent = jax.device_put(host, device)
                 if buffer is not None:
-                    buffer = _on_device.write(buffer, sent, (at, 0))
+                    buffer = shard.write(buffer, sent, (at, 0))
                 sent.block_until_ready()
             if buffer is not None:
                 buffer.block_until_ready()
@@ -220,12 +220,12 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
     placement's consumer sends), spends a piece: milliseconds in `jax.device_put`, in
     calling the write program and waiting for the transfer; alone, and while 12
     threads decode the tree (nothing else sent); with the pieces' starts given as host
-    integers (each call sends them) and taken from the device (`_on_device.Starts`, as
+    integers (each call sends them) and taken from the device (`shard.Starts`, as
     lazyckpt writes)."""
     import jax
     import numpy as np
 
-    from lazyckpt import _on_device
+    from lazyckpt._device import shard
 
     device = jax.devices()[0]
     chunks, _ = _chunks(path)
@@ -235,12 +235,12 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
     def sending(until: Callable[[], bool], at: Any) -> tuple[float, float, float]:
         spent, count = [0.0, 0.0, 0.0], 0
         while not until():
-            buffer = _on_device.empty(shape, dtype, device)
+            buffer = shard.empty(shape, dtype, device)
             for row in range(0, shape[0] - PIECE_ROWS + 1, PIECE_ROWS):
                 start = time.perf_counter()
                 sent = jax.device_put(host, device)
                 put = time.perf_counter()
-                buffer = _on_device.write(buffer, sent, (row, 0), at)
+                buffer = shard.write(buffer, sent, (row, 0), at)
                 written = time.perf_counter()
                 sent.block_until_ready()
                 for k, seconds in enumerate(
@@ -257,7 +257,7 @@ def send_costs(path: str) -> dict[str, tuple[float, float, float]]:
         return lambda: next(left, None) is None
 
     costs = {}
-    for at, how in ((None, "starts from the host"), (_on_device.Starts(), "starts on the device")):
+    for at, how in ((None, "starts from the host"), (shard.Starts(), "starts on the device")):
         sending(rounds(1), at)  # (its programs compiled, its starts sent)
         costs[f"one thread sending alone, {how}"] = sending(rounds(8), at)
         with ThreadPoolExecutor(12) as pool:
@@ -275,7 +275,7 @@ def placement_rates(path: str) -> dict[str, tuple[float, ...]]:
     import jax
 
     import lazyckpt
-    from lazyckpt import _on_device
+    from lazyckpt._device import shard
     from lazyckpt._engine import decode, memory, stream
 
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(lazyckpt.open(path)))
@@ -283,7 +283,7 @@ def placement_rates(path: str) -> dict[str, tuple[float, ...]]:
     timers = Timers()
     timers.time(decode.ChunkStream, "next", "decoding")
     timers.time(stream._AsReady, "next", "waiting")
-    timers.time(_on_device.Shard, "write", "writing")
+    timers.time(shard.Shard, "write", "writing")
     timers.time(memory.MemoryGuard, "check", "checking")
     rows = {}
     for budget in (None, "256MiB"):

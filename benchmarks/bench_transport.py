@@ -1,4 +1,4 @@
-"""HTTP clients that read byte ranges, against lazyckpt's own (`lazyckpt._storage.ranges`):
+"""HTTP clients that read byte ranges, against lazyckpt's own (`lazyckpt._storage.http.range_reads`):
 how fast each reads a model over a wide-area link, and what each does with a server
 that breaks the rules (issue 36: which transport to use; issue 28: what clients get
 wrong).
@@ -102,23 +102,23 @@ Operation = Callable[[], list[Any]]
 
 
 def lazyckpt_reader(piece: int, connections: int) -> Callable[[Link], Operation]:
-    """`ranges.client().read` on its own threads (`connections` an origin), each body
+    """`range_reads.client().read` on its own threads (`connections` an origin), each body
     read by the transport straight into its place in the buffer (`into=`)."""
 
     def setup(link: Link) -> Operation:
         import numpy as np
 
         import lazyckpt
-        from lazyckpt._storage import ranges
+        from lazyckpt._storage.http import range_reads
 
         lazyckpt.network_options(connections=connections)
-        client = ranges.client()
+        client = range_reads.client()
 
         def operation() -> list[Any]:
             out = [np.empty(size, np.uint8) for size in link.sizes]
             done = []
             for name, size, buffer in zip(link.names, link.sizes, out, strict=True):
-                url, pin, view = f"{link.cdn_folder}/{name}", ranges.Pin(), buffer.data
+                url, pin, view = f"{link.cdn_folder}/{name}", range_reads.Pin(), buffer.data
                 done += [
                     client.submit(url, client.read, url, a, b, pin=pin, into=view[a:b])
                     for a, b in spans(size, piece)
@@ -360,19 +360,23 @@ class Session:
 class LazyckptSession(Session):
     def __init__(self) -> None:
         import lazyckpt
-        from lazyckpt._storage import ranges
+        from lazyckpt._storage import folders
+        from lazyckpt._storage.http import range_reads
 
         lazyckpt.network_options(timeout=5, retries=2)
-        self.ranges = ranges
+        self.range_reads = range_reads
+        self.folders = folders
         self.pins: dict[str, Any] = {}
 
     def read(self, url: str, start: int, stop: int, token: str | None) -> bytes:
-        ranges = self.ranges
+        range_reads = self.range_reads
         folder, name = url.rsplit("/", 1)
         if token is not None:
-            ranges.register(folder, ranges.Site((name,), headers={"Authorization": token}))
-        pin = self.pins.setdefault(url, ranges.Pin())
-        return bytes(ranges.client().read(url, start, stop, pin=pin).value)
+            self.folders.register(
+                folder, self.folders.Site((name,), headers={"Authorization": token})
+            )
+        pin = self.pins.setdefault(url, range_reads.Pin())
+        return bytes(range_reads.client().read(url, start, stop, pin=pin).value)
 
 
 class ObstoreSession(Session):

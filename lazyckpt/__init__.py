@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from lazyckpt._measure import ReadCost, measure
     from lazyckpt._open import open  # noqa: A004 - the library's main verb
     from lazyckpt._orbax.layout import items, steps
-    from lazyckpt._placement import saved_shardings
+    from lazyckpt._placement.saved import saved_shardings
     from lazyckpt._read import iter_blocks, load
     from lazyckpt._rename import rename
     from lazyckpt._safetensors.read import metadata as safetensors_metadata
@@ -103,7 +103,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "rename": ("lazyckpt._rename", "rename"),
     "safetensors_metadata": ("lazyckpt._safetensors.read", "metadata"),
     "save": ("lazyckpt._save", "save"),
-    "saved_shardings": ("lazyckpt._placement", "saved_shardings"),
+    "saved_shardings": ("lazyckpt._placement.saved", "saved_shardings"),
     "select": ("lazyckpt._array.tree", "select"),
     "stack": ("lazyckpt._surgery", "stack"),
     "stack_layers": ("lazyckpt._surgery", "stack_layers"),

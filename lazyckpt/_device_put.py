@@ -9,11 +9,11 @@ from typing import Any
 from jax.sharding import Mesh
 
 from lazyckpt._array.tree import Select, children, gc_paused, map_leaves, selected
+from lazyckpt._device.route import materialize
 from lazyckpt._errors import ArgumentError
 from lazyckpt._lazy import LazyArray
-from lazyckpt._materialize import materialize
-from lazyckpt._placement import Layout, resolve
-from lazyckpt._target import Missing, Placement, match
+from lazyckpt._placement.saved import PlacementSpec, resolve
+from lazyckpt._placement.target import Missing, Placement, match
 
 
 @gc_paused()  # (reading allocates a few objects per array, none in cycles)
@@ -131,7 +131,7 @@ def device_put(
     return materialize(plan, memory_budget, progress, "lazyckpt device_put", broadcast=broadcast)
 
 
-def _placer(target: Callable[..., Any]) -> Callable[[str, LazyArray], Layout]:
+def _placer(target: Callable[..., Any]) -> Callable[[str, LazyArray], PlacementSpec]:
     """`target`, a function of an array's key and the array; a callable that takes no
     such arguments (a `Mesh`, a dtype such as `jnp.bfloat16`) is an `ArgumentError`."""
     try:

@@ -1,6 +1,6 @@
 """Paths shown as the user gave them, in every message lazyckpt makes.
 
-An `hf://ORG/NAME` path is read from the place it resolves to (`lazyckpt._storage.hub`):
+An `hf://ORG/NAME` path is read from the place it resolves to (`lazyckpt._storage.http.hub`):
 `https://ENDPOINT/ORG/NAME/resolve/COMMIT`, or a snapshot folder of the Hugging Face
 cache. Neither is what the user wrote, and the text of errors, warnings and reports
 is made far below the verb that knows what that was. So the resolver registers each
@@ -54,7 +54,7 @@ _AFTER_PLACE = re.compile(r"[\w~%+-]|\.[\w~%+-]")
 # another URL that a host may follow (not a space, quote or closing punctuation): a
 # password holding a raw '@', '/', '?', '#', a space, a quote, even a newline is
 # hidden whole, at the cost of hiding more where text after the URL holds such an
-# '@' (`lazyckpt._storage.web_options` refuses a URL with an '@' after its host, but
+# '@' (`lazyckpt._storage.http.web_options` refuses a URL with an '@' after its host, but
 # a summary's title is any text). Other schemes carry no credentials lazyckpt
 # sends: their user is what comes before an '@' inside the host part, and an
 # `hf://ORG/NAME@REV/...` path keeps its revision.

@@ -30,7 +30,8 @@ from lazyckpt._engine.stored import StoredArray
 from lazyckpt._engine.whole import read_composed, read_view
 from lazyckpt._errors import LazyIndexError, LazyTypeError
 from lazyckpt._html import array_html
-from lazyckpt._storage.kvstore import Store, ready, then
+from lazyckpt._storage.futures import ready, then
+from lazyckpt._storage.kvstore import Store
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 _T = TypeVar("_T")

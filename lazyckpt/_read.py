@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 
 from lazyckpt._array.tree import Select, gc_paused, leaves, selected
+from lazyckpt._device.route import materialize
 from lazyckpt._engine import stream
 from lazyckpt._engine.fill import stored_bytes
 from lazyckpt._engine.progress import shown
 from lazyckpt._errors import renamed
 from lazyckpt._lazy import LazyArray
-from lazyckpt._materialize import materialize
 from lazyckpt._open import open as open_checkpoint
+from lazyckpt._placement.target import Missing, host, match
 from lazyckpt._sizes import optional_size
-from lazyckpt._target import Missing, host, match
 
 
 def arrays_of(tree: object) -> list[tuple[str, LazyArray]]:
@@ -140,7 +140,7 @@ def iter_blocks(
                     bar.advance(stored_bytes([array]))
 
         arrays = [found[i][1] for i in plain]
-        for position, index, values in stream.iter_blocks(arrays, budget, bar):
+        for position, index, values in stream.read_blocks(arrays, budget, bar):
             yield from keys_before(plain[position])
             yield found[plain[position]][0], index, values
         yield from keys_before(len(found))

@@ -139,13 +139,13 @@ def _broadcast(step: dict[str, Any], me: int) -> dict[str, Any]:
     sent: list[int] = []  # bytes of parts sent to a device in pieces, from _broadcast
     regions: list[int] = []  # host buffers of whole regions made by _broadcast
     if step.get("staged"):
-        import lazyckpt._broadcast as spreading
-        import lazyckpt._on_device as on_device
-        import lazyckpt._staged as staged
+        import lazyckpt._device.collective as spreading
+        import lazyckpt._device.shard as on_device
+        import lazyckpt._device.staged as staged
         from lazyckpt._array.geometry import box_bytes
+        from lazyckpt._device.platforms import PLATFORMS, Platform
 
-        staged.STAGED_PLATFORMS = frozenset({"cpu"})
-        on_device.ADOPTING_PLATFORMS = frozenset()
+        PLATFORMS["cpu"] = Platform(staged=True, adopts=False)
         send_shards = staged.send_shards
         result_empty = getattr(spreading, "result_empty")  # noqa: B009 - (replaced below)
 

@@ -9,7 +9,7 @@ kernel's high-water mark is reset first), `kept` (bytes of arrays the read
 returned) and, for `stream`, `largest` (bytes of the largest block). `slice` loads
 rows 100:110 of the first array, `get` reads them with `.get()` (no budget given).
 `staged` places the tree on one CPU device as lazyckpt places it on an accelerator
-(in pieces sent as they are filled, `lazyckpt._staged`), once before the baseline
+(in pieces sent as they are filled, `lazyckpt._device.staged`), once before the baseline
 too: the small programs that make and update a shard on the device are compiled
 once per shape (some 40 MiB of compiler memory), and `peak` holds a placement alone.
 `save` saves the first array as a new Orbax checkpoint of 1 MiB chunks, `save_T` its
@@ -52,9 +52,9 @@ def main(path: str, mode: str, budget: int, *extra: str) -> None:
     import lazyckpt
 
     if mode == "staged":
-        import lazyckpt._staged
+        from lazyckpt._device.platforms import PLATFORMS, Platform
 
-        lazyckpt._staged.STAGED_PLATFORMS = frozenset({"cpu"})
+        PLATFORMS["cpu"] = Platform(staged=True, adopts=True)
     tree = lazyckpt.open(path)
     sharding: jax.sharding.Sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P(None, "d"))
     total = 0.0

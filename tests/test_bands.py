@@ -20,7 +20,7 @@ import tensorstore as ts
 
 import lazyckpt
 from lazyckpt._engine.scheduler import stream_block
-from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._engine.stream import read_blocks
 from lazyckpt._orbax.plan import choose_chunks
 from tests.helpers import orbax_save, rss_probe
 
@@ -33,7 +33,7 @@ def _streamed(view: Any, grid: tuple[int, ...] | None) -> tuple[np.ndarray, int]
     out = np.zeros(view.shape, view.dtype)
     seen = np.zeros(view.shape, np.int32)
     largest = 0
-    for _, index, values in iter_blocks([view], BUDGET, grids=None if grid is None else [grid]):
+    for _, index, values in read_blocks([view], BUDGET, grids=None if grid is None else [grid]):
         out[index] = values
         seen[index] += 1
         largest = max(largest, values.nbytes)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import lazyckpt
 from lazyckpt import LazyArray, ShardingError, TreeMismatchError
-from lazyckpt._broadcast import _parts
+from lazyckpt._device.collective import _parts
 from tests.helpers import chunked_save, stored_chunk_bytes
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import lazyckpt
 from lazyckpt import LazyArray
-from lazyckpt._storage import relay
+from lazyckpt._storage.http import relay
 from tests.helpers import (
     LAYOUTS,
     assert_loaded,
@@ -361,7 +361,7 @@ def test_failures_that_are_not_lazyckpts_are_told_not_retried(
     tree = lazyckpt.open("hf://org/jax/ckpt")
     calls: list[tuple[str, str | None]] = []
 
-    def broken(files: object, key: str, asked: str | None) -> relay.Reply:
+    def broken(files: object, key: str, asked: str | None) -> relay.RelayReply:
         calls.append((key, asked))
         raise PermissionError(13, "Permission denied", "/cache/blob")
 

@@ -20,7 +20,8 @@ import pytest
 from safetensors.numpy import save
 
 import lazyckpt
-from lazyckpt._storage import metrics, network, paths, relay
+from lazyckpt._storage import metrics, network, paths
+from lazyckpt._storage.http import relay
 from tests.hostile_server import File, HostileServer, _Handler
 
 ROOT = Path(__file__).parent.parent

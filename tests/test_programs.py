@@ -1,9 +1,9 @@
-"""Programs for devices compiled once per machine (`lazyckpt._programs`): a later
+"""Programs for devices compiled once per machine (`lazyckpt._device.programs`): a later
 process loads what an earlier one compiled, and a cache that is damaged, shared or
 switched off only costs a compilation. A program file is code (jax loads it through
 pickle), so the tests plant a pickle that makes a marker folder when loaded where
 another account could put one, and check that it is never loaded. CPU devices stand
-in for an accelerator (`STAGED_PLATFORMS`), as in test_staged.py."""
+in for an accelerator (`PLATFORMS`), as in test_staged.py."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 import lazyckpt
-import lazyckpt._on_device as on_device
-import lazyckpt._programs as programs
-import lazyckpt._staged as staged
+import lazyckpt._device.programs as programs
+import lazyckpt._device.shard as on_device
 from lazyckpt import ProgramCacheWarning
+from lazyckpt._device.platforms import PLATFORMS, Platform
 from lazyckpt._storage import trusted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,13 +51,14 @@ PLACE = textwrap.dedent(
     """
     import json, sys, tracemalloc
     import jax, numpy as np
-    import lazyckpt, lazyckpt._staged as staged
+    import lazyckpt
+    from lazyckpt._device.platforms import PLATFORMS, Platform
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, seconds, **_: compiles.append(name)
         if name == "/jax/core/compile/backend_compile_duration" else None
     )
-    staged.STAGED_PLATFORMS = frozenset({"cpu"})
+    PLATFORMS["cpu"] = Platform(staged=True, adopts=True)
     path = sys.argv[1]
     tracemalloc.start()
     placed = lazyckpt.device_put(
@@ -113,7 +114,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A cache folder of this test's own, and this process's programs forgotten, so
     that each is compiled or loaded again."""
     monkeypatch.setenv(programs.CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=True))
     monkeypatch.setattr(programs, "_LOADED", {})
     monkeypatch.setattr(programs, "_WARNED", set(), raising=False)
     monkeypatch.setattr(on_device, "CHANGED", {})
@@ -651,7 +652,7 @@ def test_folders_the_users_own_group_can_write_are_used(
 IN_NAMESPACE = textwrap.dedent(
     """
     import ctypes, json, os, sys, warnings
-    import lazyckpt._programs as programs
+    import lazyckpt._device.programs as programs
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
         print(json.dumps({"errno": ctypes.get_errno()}))

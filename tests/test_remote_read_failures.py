@@ -124,11 +124,11 @@ def test_a_failed_open_leaves_no_early_reads(hub: HubServer) -> None:
     """The shards' first 64 KiB, read while the index is, are dropped when the open
     fails (the index does not parse): they would be kept for the life of the process,
     up to 256 x 64 KiB a folder, for each commit opened."""
-    from lazyckpt._safetensors import over_http
+    from lazyckpt._storage import probes
 
     files, _ = model()
     files["model.safetensors.index.json"] = b"{not json"
     hub.commit("org/broken", files)
     with pytest.raises(lazyckpt.CorruptCheckpointError):
         lazyckpt.open("hf://org/broken")
-    assert [key for key in over_http._EARLY if "org/broken" in key[0]] == []
+    assert [key for key in probes._AHEAD if "org/broken" in key[0]] == []

@@ -158,7 +158,7 @@ def test_a_query_string_the_user_gave_is_never_shown(
 def test_every_repository_kind_and_file_inside_is_shown_by_its_hf_path(hub: HubServer) -> None:
     """What `hub` registers for a commit of a dataset: its `resolve/` URL and its
     snapshot folder, and the files in them; warnings too."""
-    from lazyckpt._storage import hub as hub_paths
+    from lazyckpt._storage.http import hub as hub_paths
 
     sha = "c0ffee" * 6 + "abcd"
     hub_paths._name(hh, "dataset", "org/data", sha)

@@ -1,7 +1,7 @@
 """Where decoded chunks' stored bytes come from (`lazyckpt._engine.sources`): a local
 file's bytes read by lazyckpt into reused memory, tensorstore's kvstore elsewhere;
 and streams whose chunks decode at once, their blocks taken as they are ready
-(`iter_blocks(in_order=False)`, as placing on accelerators takes them)."""
+(`read_blocks(in_order=False)`, as placing on accelerators takes them)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import tensorstore as ts
 from jax.sharding import SingleDeviceSharding
 
 import lazyckpt
-import lazyckpt._staged as staged
+import lazyckpt._device.staged as staged
+from lazyckpt._device.platforms import PLATFORMS, Platform
 from lazyckpt._engine import sources
 from lazyckpt._engine.decode import ChunkStream
-from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._engine.stream import read_blocks
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import direct_bytes_read
@@ -171,7 +172,7 @@ def test_streams_as_ready_decode_their_chunks_at_once(
 
     monkeypatch.setattr(ChunkStream, "next", next_slab)
     # A block of 1 MiB: four slabs a chunk; room for both jobs at once.
-    blocks = iter_blocks([tree["w0"], tree["w1"]], 24 * MiB, in_order=False, block=MiB)
+    blocks = read_blocks([tree["w0"], tree["w1"]], 24 * MiB, in_order=False, block=MiB)
     got: dict[int, list[tuple[Any, np.ndarray]]] = {0: [], 1: []}
     for position, index, values in blocks:
         got[position].append((index, values.copy()))
@@ -189,7 +190,7 @@ def test_placements_stream_chunks_larger_than_a_block(
     """Bound for an accelerator, an array whose stored chunks are larger than a block
     of half the budget is streamed (many chunks decode at once, each holding a block),
     not filled whole; one with small chunks, or raw bytes, is filled whole."""
-    monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=True))
     tree = lazyckpt.open(checkpoint)
     budget = 16 * MiB  # half 8 MiB, a block 1 MiB: the 4 MiB chunks are larger
     assert staged._large_chunks(tree["w0"], budget // 2)
@@ -198,14 +199,14 @@ def test_placements_stream_chunks_larger_than_a_block(
     small = lazyckpt.open(lazyckpt.save(tmp_path / "small", _values(1), chunk_bytes=256 << 10))
     assert not staged._large_chunks(small["w0"], budget // 2)
     streamed: list[int] = []
-    real = iter_blocks
+    real = read_blocks
 
     def counted(views: Any, *args: Any, **kwargs: Any) -> Any:
         assert kwargs["in_order"] is False  # (blocks as they are ready)
         streamed.append(len(views))
         return real(views, *args, **kwargs)
 
-    monkeypatch.setattr(staged, "iter_blocks", counted)
+    monkeypatch.setattr(staged, "read_blocks", counted)
     placed = lazyckpt.device_put(tree, SingleDeviceSharding(jax.devices()[0]), memory_budget=budget)
     assert streamed == [2]
     for key, expected in _values().items():

@@ -1,6 +1,6 @@
 """Arrays bound for accelerators, placed in pieces within the host budget
-(`lazyckpt._staged`). CI has no accelerator: these tests send CPU devices down the
-same path (`STAGED_PLATFORMS`), where the results stay in host memory, so memory is
+(`lazyckpt._device.staged`). CI has no accelerator: these tests send CPU devices down the
+same path (`PLATFORMS`), where the results stay in host memory, so memory is
 measured as the peak above what the read returns."""
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import lazyckpt
-import lazyckpt._on_device as on_device
-import lazyckpt._senders as sending
-import lazyckpt._staged as staged
+import lazyckpt._device.senders as sending
+import lazyckpt._device.shard as on_device
+import lazyckpt._device.staged as staged
+from lazyckpt._device.platforms import PLATFORMS, Platform
 from lazyckpt._engine import memory, raw
 from tests.helpers import orbax_save, rss_probe
 
@@ -39,7 +40,7 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _cpu_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=True))
     yield
 
 
@@ -327,7 +328,7 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
     within half the budget, and what the pool keeps within the budget. (On CPU a
     piece sent whole stays the device's memory, so only pieces written into a shard's
     buffer can come back here.)"""
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=False))
     values, tree = _three_arrays_of_16_mib(tmp_path)
     made = _counting_maps(monkeypatch)
     seen: list[tuple[int, int]] = []
@@ -358,8 +359,8 @@ def test_pieces_bound_for_copying_devices_reuse_their_buffers(
 @pytest.fixture
 def copying(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU devices taken for devices that copy what is sent, and pieces of any size
-    read and sent by threads of their own (`lazyckpt._senders`)."""
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    read and sent by threads of their own (`lazyckpt._device.senders`)."""
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=False))
     monkeypatch.setattr(sending, "SENT_ALONE", 0)
 
 
@@ -431,7 +432,7 @@ def test_only_large_pieces_are_read_and_sent_by_threads(
 ) -> None:
     """Pieces of `SENT_ALONE` bytes or more go to the sending threads; smaller ones
     through the engine, which keeps more of them in flight."""
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=False))
     sent = _sent_reads(monkeypatch)
     values = {
         "large": np.arange(sending.SENT_ALONE // 4, dtype=np.float32).reshape(-1, 1024),
@@ -851,8 +852,8 @@ def test_a_device_that_changes_bit_patterns_gets_the_shard_whole(
 
 
 def test_changed_patterns_are_measured_as_ranges() -> None:
-    assert on_device.ranges(np.array([1, 2, 3, 7, 9, 10])) == ((1, 3), (7, 7), (9, 10))
-    assert on_device.ranges(np.array([], np.int64)) == ()
+    assert on_device.runs(np.array([1, 2, 3, 7, 9, 10])) == ((1, 3), (7, 7), (9, 10))
+    assert on_device.runs(np.array([], np.int64)) == ()
     device = jax.devices()[0]
     assert on_device.changed_patterns(device, np.dtype(ml_dtypes.bfloat16)) == ()  # CPU: none
 

@@ -23,9 +23,8 @@ from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import save_file
 
 import lazyckpt
-import lazyckpt._on_device as on_device
-import lazyckpt._senders as sending
-import lazyckpt._staged as staged
+import lazyckpt._device.senders as sending
+from lazyckpt._device.platforms import PLATFORMS, Platform
 from lazyckpt._engine import raw
 from lazyckpt._storage.identities import FileIdentities
 from tests.helpers import orbax_save
@@ -119,9 +118,8 @@ def test_a_file_swapped_between_pieces_of_a_load_is_refused(
 @pytest.fixture
 def copying(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """CPU devices taken for accelerators that copy what is sent, and pieces of any size
-    read and sent by `lazyckpt._senders`' threads (as tests/test_staged.py does)."""
-    monkeypatch.setattr(staged, "STAGED_PLATFORMS", frozenset({"cpu"}))
-    monkeypatch.setattr(on_device, "ADOPTING_PLATFORMS", frozenset())
+    read and sent by `lazyckpt._device.senders`' threads (as tests/test_staged.py does)."""
+    monkeypatch.setitem(PLATFORMS, "cpu", Platform(staged=True, adopts=False))
     monkeypatch.setattr(sending, "SENT_ALONE", 0)
     yield
 

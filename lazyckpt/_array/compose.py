@@ -12,7 +12,7 @@ read; the readers lower them:
   (`inputs`), and computes its values from theirs (`compute`): dequantized weights
   (`lazyckpt._array.quant`);
 - `stream_parts(grid, block)` says how blocks streamed from each part become blocks of the
-  node, for `iter_blocks`, `stats` and `save`.
+  node, for `lazyckpt.iter_blocks`, `stats` and `save`.
 
 `Reshape` lives in `lazyckpt._array.reshape`.
 

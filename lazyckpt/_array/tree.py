@@ -468,8 +468,8 @@ def gc_paused() -> Iterator[None]:
     the collector's repeated passes cost a third of the time at 10,000 arrays
     (docs/benchmarks.md, Design measurements). On the way out, what was made meanwhile
     goes to the oldest generation, where the passes it skipped would have put what
-    lives on (a tree): left in the youngest, the first pass after would walk it all,
-    0.3 s at 92,000 arrays. (Freezing and unfreezing at once moves it there; not when
+    lives on (a tree): left in the youngest, the first pass after would walk it all
+    (docs/benchmarks.md, section 28). (Freezing and unfreezing at once moves it there; not when
     the program has frozen objects itself, which unfreezing would release.)
     """
     enabled = gc.isenabled()

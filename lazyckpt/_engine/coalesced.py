@@ -7,7 +7,7 @@ database over HTTP are wanted and its b-tree was walked (`_storage.ocdbt.Index`)
 every chunk's byte range in the data files is known at once: neighbours (at most
 `REMOTE_GAP` apart) are read together, in requests as large as keep every connection
 busy (`NetworkOptions.connections`), and each request's body lands in the arrays'
-own results (`transport.Scatter`). A chunk's stored bytes land at the end of the
+own results (`Store.read_scattered`). A chunk's stored bytes land at the end of the
 memory its values fill, and zstd decodes them from there towards its start
 (`decode.decode_in_place`); uncompressed ones land where they belong. Nothing is held
 besides the results but the decoders' windows: a whole tree comes in at the link's
@@ -42,10 +42,9 @@ from lazyckpt._engine.small import REMOTE_GAP
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import LazyckptError
 from lazyckpt._storage import network
-from lazyckpt._storage.kvstore import Store, all_of, ready, then
+from lazyckpt._storage.futures import all_of, ready, then
+from lazyckpt._storage.kvstore import Store
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
-from lazyckpt._storage.ranges import Answer
-from lazyckpt._storage.transport import Scatter
 
 
 @attrs.define(eq=False)
@@ -143,7 +142,7 @@ def _places(array: ArrayView) -> list[_Place] | None:
     """Where each chunk of the whole of `array` lies, in C order of its grid, where
     every one qualifies (the module's docstring says how); None otherwise."""
     stored = array.stored
-    if not isinstance(stored, StoredArray) or stored.store.web is None:
+    if not isinstance(stored, StoredArray) or not stored.store.scatters:
         return None  # (most arrays: not over HTTP, or a composed view)
     store, codec = stored.store, stored.codec
     native = "<" if np.little_endian else ">"
@@ -253,7 +252,7 @@ def _last_part(request: _Request, chunk: _Chunk) -> bool:
     return request.stop >= chunk.offset + chunk.length
 
 
-def _scatter(request: _Request) -> Scatter:
+def _scatter(request: _Request) -> list[memoryview]:
     """Where the request's body goes: each chunk's part at its place in the chunk's
     landing, the bytes between chunks into a scratch buffer."""
     views = []
@@ -266,17 +265,16 @@ def _scatter(request: _Request) -> Scatter:
         begin = chunk.landing + low - chunk.offset
         views.append(chunk.out[begin : begin + high - low])
         at = high
-    return Scatter(views)
+    return views
 
 
 def _read(request: _Request, lock: threading.Lock) -> ts.Future[None]:
     """Read `request` into place, then decode the chunks whose last bytes it brought,
     on the decoding threads."""
-    assert request.store.web is not None
     first = request.chunks[0]
-    read = request.store.web.read_into(request.file, request.start, _scatter(request))
+    read = request.store.read_scattered(request.file, request.start, _scatter(request))
 
-    def arrived(answer: Answer) -> ts.Future[None]:
+    def arrived(answer: ts.KvStore.ReadResult) -> ts.Future[None]:
         if answer.state != "value":  # (as `ocdbt.Index` says it)
             where = f"bytes {first.offset} to {first.offset + first.length}"
             raise first.stored.read_error(

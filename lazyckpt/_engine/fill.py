@@ -72,7 +72,7 @@ from lazyckpt._engine.scheduler import (
     stream_block,
 )
 from lazyckpt._engine.stored import StoredArray, check_plain, stored_array, ts_held
-from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.futures import then
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.paths import is_remote
 from lazyckpt._storage.per_process import PerProcess

@@ -26,7 +26,7 @@ from lazyckpt._engine.fill import read_box
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._engine.share import Sharing
 from lazyckpt._engine.stored import stored_array, ts_held
-from lazyckpt._storage.kvstore import ready, then
+from lazyckpt._storage.futures import ready, then
 
 END = object()
 SKIP = object()  # a step whose block holds none of the view's elements

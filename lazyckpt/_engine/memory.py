@@ -177,8 +177,8 @@ def settle_allocator(budget: int) -> None:
 
 def _rss() -> int | None:
     """The process's resident bytes, read again from a `/proc/self/statm` kept open:
-    opening it for each look cost 84 us on a gVisor TPU host (a placement's consumer
-    looked 156 times in 1.2 s), reading it again 9 us. A descriptor that fails, or
+    a placement looks often, and opening it for each look cost several times reading it
+    again (docs/benchmarks.md, section 29). A descriptor that fails, or
     reads what is not statm (closed behind lazyckpt's back, its number taken by
     another file), is let go of unclosed and the file opened again, once."""
     for _ in range(2):
@@ -287,9 +287,9 @@ class MemoryGuard:
         if after is not None and now - after < self.slack // 2:
             # Little came back: the rest is not the allocator's to return (a device
             # runtime's staging buffers, say). Trimmed for again only once the process
-            # grows past this (a trim cost 9 ms on a gVisor host, tried 79 times in one
-            # 2 GiB placement), or from the start again once the process is back within
-            # bounds or has shrunk by the slack since.
+            # grows past this (a trim is costly, and one placement tried it again and
+            # again: docs/benchmarks.md, section 29), or from the start again once the
+            # process is back within bounds or has shrunk by the slack since.
             self.start, self.left = max(self.start, after - bound), after
 
 
@@ -362,10 +362,8 @@ class BufferPool:
     """Result buffers of `MAPPED_BYTES` or more, whose memory is used again once nothing
     refers to them.
 
-    Faulting in fresh pages can cost more than filling them: streaming a 2 GiB zstd
-    chunk in blocks took 4.0 s through fresh blocks and 2.5 s through reused ones on
-    the 2-core development VM, and a gVisor host filled fresh 64 MiB buffers at
-    0.75 GB/s against over 10 GB/s reused (docs/benchmarks.md, section 29). The pool
+    Faulting in fresh pages can cost more than filling them, most of all under gVisor
+    (docs/benchmarks.md, section 29). The pool
     keeps each buffer's memory (an anonymous map) and only a weak reference to the
     array it handed out over it, which every view of that array keeps alive: a block
     that a caller still holds, or that a transfer still reads from, is never written
@@ -382,7 +380,7 @@ class BufferPool:
         self.release = release
         """Called before new memory is made while some buffers are out: lets what keeps
         arrays of the pool's past their use let go (JAX, of host arrays it sent to an
-        accelerator: `lazyckpt._on_device.release_sent`)."""
+        accelerator: `lazyckpt._device.shard.release_sent`)."""
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
         self._in_use: dict[int, weakref.ref[np.ndarray]] = {}  # by id() of the map

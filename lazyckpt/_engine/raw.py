@@ -52,15 +52,14 @@ from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import network
-from lazyckpt._storage.kvstore import all_of, then
+from lazyckpt._storage.futures import all_of, then
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import pread_into
 from lazyckpt._storage.metrics import count_direct
-from lazyckpt._storage.web import WebFiles
 
 PIECE = 8 << 20
-"""Bytes per job: enough for one positioned read to run at page-cache speed (about
-3-4 GB/s on one core here), few enough that a large tensor keeps every thread busy."""
+"""Bytes per job: enough for one positioned read to run at page-cache speed, few
+enough that a large tensor keeps every thread busy."""
 
 MIN_RUN = 64 << 10
 """The shortest run read on its own: below it, one system call per run costs more
@@ -387,11 +386,10 @@ def mapped(
 
 def _populated(pages: mmap.mmap) -> bool:
     """Map in all of `pages` at once, read from the disk where they are not in the page
-    cache (`MADV_POPULATE_READ`, Linux 5.14): on the 2-core VM a map sent this way
-    went as fast as a read into a buffer used again, and one faulted in page by page
-    took 1.3-2.4x as long. Where that is refused (older kernels, gVisor), the disk is
-    only asked for them ahead (`MADV_WILLNEED`); on a TPU v5e host under gVisor, maps
-    faulted in as they were sent moved 9.7-10 GB/s. False (the map closed) where the
+    cache (`MADV_POPULATE_READ`, Linux 5.14), as fast to send as a reused buffer where
+    a map faulted in page by page is slower (docs/benchmarks.md, section 29). Where that
+    is refused (older kernels, gVisor), the disk is only asked for them ahead
+    (`MADV_WILLNEED`). False (the map closed) where the
     pages cannot be had: a file cut short or a failing disk, which a read names."""
     if _POPULATE_READ is not None:
         try:
@@ -449,7 +447,6 @@ def read_remote(
     `stored`'s store (a bucket, or a folder over HTTP) into `buffer`: one ranged read
     each, all at once. Over HTTP the bodies land in `buffer` itself; a bucket's reads
     are copied into it as they arrive."""
-    kvstore = stored.store.kvstore
     reads: list[ts.Future[None]] = []
     for file_at, buffer_at, length in parts:
         view = buffer[buffer_at : buffer_at + length]
@@ -463,14 +460,8 @@ def read_remote(
                     f"{file_at + len(view)}, but the file ends before or is gone; it was "
                     "truncated or removed since it was opened, open it again"
                 )
-            if not isinstance(kvstore, WebFiles):  # (over HTTP, read into `view` already)
-                view[:] = result.value
 
-        if isinstance(kvstore, WebFiles):
-            reads.append(then(kvstore.read_into(key, file_at, view), check))
-        else:
-            span = slice(file_at, file_at + length)
-            reads.append(then(kvstore.read(key, byte_range=span), check))
+        reads.append(then(stored.store.read_into(key, file_at, view), check))
     # Settled, and its error made the array's, on lazyckpt's threads, never the storage
     # client's: that (`read_error` asks whether the checkpoint changed) and what callers
     # chain on it (a check that the file is unchanged) may ask the storage again, and

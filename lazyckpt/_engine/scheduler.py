@@ -28,11 +28,8 @@ DEFAULT_MEMORY_BUDGET = min(1 << 30, max(64 << 20, (32 << 20) * (os.cpu_count() 
 core, at least 64 MiB and at most 1 GiB; enough blocks in flight to keep every core
 decoding, and little more."""
 # What a block read by tensorstore holds in flight, in multiples of its decoded size:
-# its stored (compressed) bytes and the chunk tensorstore decodes them into, which is
-# also the temporary that routed blocks are copied from. Measured, not assumed:
-# counting a third copy left too few blocks in flight to keep the cores busy, for no
-# lower peak (docs/benchmarks.md, Design measurements; tests/test_engine.py checks
-# the peak in a fresh process).
+# its stored bytes and the chunk decoded from them (a third copy counted left too few
+# blocks in flight; docs/benchmarks.md, section 14).
 HELD = 2
 _BLOCKS_IN_FLIGHT = 4
 
@@ -103,14 +100,14 @@ class Scheduler:
         # Blocks small enough that several fit, to keep every core decoding.
         self.block_bytes = max(1, self.budget // (HELD * _BLOCKS_IN_FLIGHT))
         self.stream_block = stream_block(self.budget)
-        """The bytes of one block of a stream within this budget (`iter_blocks`)."""
+        """The bytes of one block of a stream within this budget (`stream.read_blocks`)."""
         self.progress = progress
         self._pending: collections.deque[tuple[ts.Future[Any], int, int, Callable[[Any], None]]]
         self._pending = collections.deque()
         self._in_flight = 0
         self.guard = MemoryGuard(self.budget)
         self.pool: BufferPool | None = None
-        """Where blocks streamed within this budget are filled (`iter_blocks`)."""
+        """Where blocks streamed within this budget are filled (`stream.read_blocks`)."""
         settle_allocator(self.budget)
 
     def submit(

@@ -29,7 +29,8 @@ from lazyckpt._engine import raw
 from lazyckpt._engine.decode import chunk_error, in_shard, shard_index_range
 from lazyckpt._engine.scheduler import Scheduler, in_pool
 from lazyckpt._engine.stored import StoredArray, stored_array
-from lazyckpt._storage.kvstore import Store, then
+from lazyckpt._storage.futures import then
+from lazyckpt._storage.kvstore import Store
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 
 SMALL = 1 << 20

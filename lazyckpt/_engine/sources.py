@@ -2,13 +2,8 @@
 through the store's kvstore (`KvSource`: OCDBT, a bucket, HTTP), or, where they lie
 in a local file, by positioned reads into reused memory (`FileSource`).
 
-The file's way is the faster one where the host is slow to hand out fresh memory:
-on a TPU machine (gVisor, 13 cores), decoding 64 MiB zstd chunks of an Orbax
-checkpoint on 4 to 12 threads stopped at 2.1-2.5 GB/s through tensorstore's reads
-(each window read into new memory and copied into a new `bytes`), which alone
-stopped at 2.4 GB/s however many threads read; zstandard decoded the same frames at
-8 GB/s on 12 threads, and positioned reads of a file into reused buffers ran at
-4.7-6.9 GB/s on 6 (in different runs).
+The file's way is the faster one where the host is slow to hand out fresh memory, as
+on a TPU host under gVisor (docs/benchmarks.md, section 29).
 """
 
 from __future__ import annotations

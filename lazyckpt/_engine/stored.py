@@ -22,10 +22,11 @@ from lazyckpt._array.view import ArrayView
 from lazyckpt._engine.memory import check_fits
 from lazyckpt._engine.scheduler import HELD
 from lazyckpt._errors import CorruptCheckpointError, LazyckptError
-from lazyckpt._storage.kvstore import Store, ready, then
+from lazyckpt._storage import paths
+from lazyckpt._storage.futures import ready, then
+from lazyckpt._storage.kvstore import Store
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.per_process import tensorstore_io
-from lazyckpt._storage.relay import relayed, shown
 from lazyckpt._text import ascii_int
 
 
@@ -139,8 +140,8 @@ class StoredArray:
 
     Not slotted, nor are its subclasses for tensors by the 100,000 (`RangeArray`):
     attrs sets a frozen slotted instance's 15 fields by `object.__setattr__` one call
-    each, and a frozen dict instance's in its dict: opening 92,000 safetensors
-    tensors 7% faster (0.87 s -> 0.81 s) for 11 MiB more.
+    each, and a frozen dict instance's in its dict: opening many tensors is faster
+    for a little more memory (docs/benchmarks.md, section 28).
     """
 
     store: Store = attrs.field(repr=False)
@@ -319,13 +320,12 @@ class StoredArray:
             return self.store.changed_error()
         if isinstance(error, LazyckptError):
             return error
-        found = relayed(error)  # (a read over HTTP that lazyckpt's client failed)
-        if found is not None:
-            return found
-        return CorruptCheckpointError(
-            f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
-            f"failed: {shown(error)}; the checkpoint's files are missing or damaged, copy it "
-            "again"
+        return paths.read_failure(  # (lazyckpt's own error, where its client failed a read)
+            error,
+            lambda text: CorruptCheckpointError(
+                f"{self.store.location}: reading array {self.key!r} (stored as {self.name!r}) "
+                f"failed: {text}; the checkpoint's files are missing or damaged, copy it again"
+            ),
         )
 
 

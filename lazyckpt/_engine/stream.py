@@ -1,4 +1,4 @@
-"""Streaming blocks of lazy arrays within a budget: `iter_blocks` for `stats`, `diff`,
+"""Streaming blocks of lazy arrays within a budget: `read_blocks` for `stats`, `diff`,
 `save` and `lazyckpt.iter_blocks`.
 
 Blocks are whole stored chunks grouped up to a block's share of the budget (an
@@ -65,11 +65,12 @@ from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import HELD, Scheduler, in_pool
 from lazyckpt._engine.share import by_position, sharings
 from lazyckpt._engine.stored import check_plain, stored_array, stores, ts_held
-from lazyckpt._storage.kvstore import check_unchanged, ready
+from lazyckpt._storage.futures import ready
+from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.paths import is_remote
 
 
-def iter_blocks(
+def read_blocks(
     arrays: Sequence[ArrayView],
     budget: int | None,
     progress: Progress | None = None,
@@ -222,7 +223,7 @@ _Steps = _InOrder | _AsReady
 def _handed(
     job: Job, blocks: list[Block], leaves: Sequence[_Leaf], progress: Progress | None
 ) -> Iterator[tuple[int, tuple[slice, ...], np.ndarray]]:
-    """`iter_blocks`' answers for one step's blocks (in a frame of their own, which
+    """`read_blocks`' answers for one step's blocks (in a frame of their own, which
     keeps no reference to them once they are handed over: a piece of a band would
     keep all of the band)."""
     for index, values, work in blocks:

@@ -17,7 +17,8 @@ from lazyckpt._engine.fill import decode_into, schedule_fill, windows
 from lazyckpt._engine.memory import Destination, check_fits
 from lazyckpt._engine.scheduler import DEFAULT_MEMORY_BUDGET, Scheduler, in_pool, pool_size
 from lazyckpt._engine.stored import stored_array, stores
-from lazyckpt._storage.kvstore import all_of, check_unchanged, ready, then
+from lazyckpt._storage.futures import all_of, ready, then
+from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.paths import is_remote
 

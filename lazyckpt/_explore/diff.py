@@ -302,8 +302,8 @@ def _paired_blocks(
     half = None if memory_budget is None else max(1, memory_budget // 2)
     alike = [i for i, (old, new) in enumerate(pairs) if _stored_alike(old, new)]
     # Not shared: the two sides must come in the same blocks, whatever views share.
-    olds = stream.iter_blocks([_lazy(pairs[i][0]) for i in alike], half, share=False)
-    news = stream.iter_blocks([_lazy(pairs[i][1]) for i in alike], half, share=False)
+    olds = stream.read_blocks([_lazy(pairs[i][0]) for i in alike], half, share=False)
+    news = stream.read_blocks([_lazy(pairs[i][1]) for i in alike], half, share=False)
     for (a, index, left), (b, other, right) in zip(olds, news, strict=True):
         assert a == b and index == other, "arrays stored alike stream alike"
         yield alike[a], left, right
@@ -315,7 +315,7 @@ def _paired_blocks(
     drivers = [
         _lazy(pairs[i][1] if f else pairs[i][0]) for i, f in zip(streamed, flip, strict=True)
     ]
-    for position, index, block in stream.iter_blocks(drivers, half):
+    for position, index, block in stream.read_blocks(drivers, half):
         old, new = pairs[streamed[position]]
         region = _region(old if flip[position] else new, index, half)
         yield streamed[position], *((region, block) if flip[position] else (block, region))

@@ -45,7 +45,7 @@ def digests(
     taken = [made for group_sums in sums for made in group_sums if made.digestible]
     check_reads([(made.path, made.core) for made in taken])
     lazy = [(made, made.core) for made in taken if isinstance(made.core, LazyArray)]
-    for position, index, block in stream.iter_blocks([core for _, core in lazy], memory_budget):
+    for position, index, block in stream.read_blocks([core for _, core in lazy], memory_budget):
         lazy[position][0].add(index, block)
     for made in taken:
         if not isinstance(made.core, LazyArray):

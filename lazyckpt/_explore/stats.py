@@ -273,7 +273,7 @@ def stats(
     total = sum(array.nbytes for array in arrays) * (2 if bins else 1)
     with shown(progress, total, "lazyckpt stats") as bar:
         running = [_Running() for _ in arrays]
-        for position, _, values in stream.iter_blocks(arrays, budget, bar):
+        for position, _, values in stream.read_blocks(arrays, budget, bar):
             running[position].add(values)
         histograms: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(arrays)
         if bins:
@@ -320,7 +320,7 @@ def _histograms(
         _edges(r.low, r.high, bins) if r.count else np.linspace(0.0, 1.0, bins + 1) for r in running
     ]
     counts = [np.zeros(bins, np.int64) for _ in arrays]
-    for position, _, values in stream.iter_blocks(arrays, memory_budget, bar):
+    for position, _, values in stream.read_blocks(arrays, memory_budget, bar):
         flat = values.reshape(-1)
         if flat.dtype.kind == "b":
             flat = flat.view(np.uint8)

@@ -53,7 +53,8 @@ from lazyckpt._open import arrays_listed
 from lazyckpt._open import open as open_checkpoint
 from lazyckpt._read import arrays_of
 from lazyckpt._sizes import optional_size
-from lazyckpt._storage.kvstore import check_unchanged, then
+from lazyckpt._storage.futures import then
+from lazyckpt._storage.kvstore import check_unchanged
 from lazyckpt._text import fold, human_bytes
 from lazyckpt._weights.arrays import MemberArray
 from lazyckpt._weights.zips import Stored

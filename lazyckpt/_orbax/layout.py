@@ -18,8 +18,8 @@ from lazyckpt._orbax.metadata import is_process_folder
 from lazyckpt._orbax.over_http import JSON_ITEM_FILES
 from lazyckpt._orbax.zarr import ZARR2_KEY, ZARR3_KEY
 from lazyckpt._storage import paths
+from lazyckpt._storage.folders import listing
 from lazyckpt._storage.publish import TMP_MARKER, is_unfinished
-from lazyckpt._storage.sites import listing
 from lazyckpt._text import ascii_int
 from lazyckpt._weights import kinds
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 
-from lazyckpt._errors import StorageAccessError
 from lazyckpt._storage import paths
-from lazyckpt._storage.sites import Site, listing, register
-from lazyckpt._storage.web import WebFiles
+from lazyckpt._storage.folders import Site, listing, register
+from lazyckpt._storage.probes import present
 
 JSON_ITEM_FILES = ("metadata", "data.json")
 """The file of a JSON item (`ocp.args.JsonSave`): Orbax's v0 JsonCheckpointHandler
@@ -46,10 +45,10 @@ def probe(folder: str) -> None:
     if not paths.is_web(folder) or (known is not None and known.asked is None):
         return
     asked = list(_FILES)
-    names = _present(folder, asked)
+    names = present(folder, asked)
     if "_CHECKPOINT_METADATA" in names and not names & set(_TREE_FILES):
         items = [f"{item}/{name}" for item in _items(folder) for name in _FILES]
-        names |= _present(folder, items)
+        names |= present(folder, items)
         asked += items
     if names:
         register(folder, Site(tuple(sorted(names)), asked=tuple(asked)))
@@ -61,24 +60,6 @@ def step_folder(root: str, step: int) -> str | None:
     folder = paths.join(root, str(step))
     probe(folder)
     return folder if listing(folder) is not None else None
-
-
-def _present(folder: str, names: tuple[str, ...] | list[str]) -> set[str]:
-    """Which of `names` are files in `folder`: asked all at once (one byte of each).
-    A name refused (a bucket served over HTTP answers 403 for a missing object where
-    it may not list) counts as missing, unless every name was refused."""
-    files = WebFiles(folder)
-    asked = {name: files.read(name, byte_range=slice(0, 1), short=True) for name in names}
-    found, refused = set(), []
-    for name, read in asked.items():
-        try:
-            if read.result().state == "value":
-                found.add(name)
-        except StorageAccessError as error:
-            refused.append(error)
-    if refused and len(refused) == len(asked):
-        raise refused[0]
-    return found
 
 
 def _items(folder: str) -> list[str]:

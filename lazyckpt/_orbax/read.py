@@ -43,8 +43,8 @@ from lazyckpt._orbax.sharding import read_shardings
 from lazyckpt._orbax.side_files import key_impls_of, strings_of
 from lazyckpt._orbax.zarr import ZarrInfo, metadata_key, parse_zarr
 from lazyckpt._storage import paths
+from lazyckpt._storage.folders import probed
 from lazyckpt._storage.kvstore import Store, from_one_generation
-from lazyckpt._storage.sites import probed
 
 
 def open_orbax(

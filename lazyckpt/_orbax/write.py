@@ -24,7 +24,7 @@ from numpy.typing import DTypeLike
 
 from lazyckpt._array.geometry import Box, box_bytes, box_shape, chunk_blocks, on_grid
 from lazyckpt._engine.scheduler import HELD, Scheduler
-from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._engine.stream import read_blocks
 from lazyckpt._lazy import LazyArray
 from lazyckpt._orbax.metadata import (
     ArrayRecord,
@@ -38,7 +38,7 @@ from lazyckpt._orbax.metadata import (
 from lazyckpt._orbax.plan import Planned, block_cost, cost
 from lazyckpt._orbax.zarr import zarr3_spec
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.futures import then
 from lazyckpt._storage.publish import write_failure
 
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024}
@@ -109,7 +109,7 @@ def _stream(
     )
     views = [leaf.value for leaf in leaves]
     grids = [leaf.chunks for leaf in leaves]
-    for position, index, values in iter_blocks(views, writes.budget, grids=grids):
+    for position, index, values in read_blocks(views, writes.budget, grids=grids):
         leaf = leaves[position]
         cost = block_cost(leaf, values.size)
 

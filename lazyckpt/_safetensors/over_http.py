@@ -3,7 +3,6 @@ read in one request a file."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -17,12 +16,17 @@ from lazyckpt._safetensors.format import (
     parse_header,
     parse_index,
 )
-from lazyckpt._storage import paths
-from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
-from lazyckpt._storage.ranges import Answer
-from lazyckpt._storage.sites import Site, hub_listed, register
-from lazyckpt._storage.sites import describe as web_describe
-from lazyckpt._storage.web import WebFiles, cached_copy, cached_fix, local_copy
+from lazyckpt._storage import paths, probes
+from lazyckpt._storage.folders import (
+    Site,
+    cached_copy,
+    cached_fix,
+    hub_listed,
+    local_copy,
+    register,
+)
+from lazyckpt._storage.folders import describe as web_describe
+from lazyckpt._storage.kvstore import Store
 
 
 def listed_over_http(folder: str) -> bool:
@@ -43,62 +47,29 @@ def listed_over_http(folder: str) -> bool:
 _PREFIX = 1 << 16
 """The bytes of a file over HTTP read first: its header, in one request, for most."""
 
-_EARLY: dict[tuple[str, str], tuple[WebFiles, ts.Future[Answer]]] = {}
-_EARLY_LOCK = threading.Lock()
-_EARLY_FILES = 256
-"""The most shards whose first bytes are read before the index names them."""
-
 
 def read_early(folder: str, names: Sequence[str]) -> None:
     """Start reading the first bytes of the shards of a folder on the Hub (its files
     listed at a pinned commit) while its index is read: their headers then cost no
-    round trip after the index's (`web_headers` takes them). A file the index does
+    round trip after the index's (`short_headers` takes them). A file the index does
     not name costs one small read, never waited for."""
     if not paths.is_web(folder) or not hub_listed(folder):
         return
-    shards = [
-        name
-        for name in names
-        if is_shard_name(name) and local_copy(paths.join(folder, name)) is None
-    ][:_EARLY_FILES]
-    files = WebFiles(folder)
-    with _EARLY_LOCK:
-        _drop_early(folder)
-        for name in shards:
-            read = files.read(name, byte_range=slice(0, _PREFIX), short=True)
-            _EARLY[folder, name] = (files, read)
+    probes.read_ahead(folder, [name for name in names if is_shard_name(name)], _PREFIX)
 
 
 def forget_early(folder: str) -> None:
     """Drop what `read_early` read of `folder` and no open took (an open that failed)."""
-    with _EARLY_LOCK:
-        _drop_early(folder)
+    probes.forget_ahead(folder)
 
 
-def _drop_early(folder: str) -> None:
-    """Drop the early reads of `folder` (`_EARLY_LOCK` held)."""
-    for key in [key for key in _EARLY if key[0] == folder]:
-        del _EARLY[key]
-
-
-def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Header]:
-    """The headers of files over HTTP, read concurrently in one request each where they
-    are under `_PREFIX` bytes (the size that answers give says whether the data is all
-    there)."""
-    with _EARLY_LOCK:
-        early = {shard: _EARLY.pop((folder, shard), None) for shard in shards}
-        _drop_early(folder)  # (shards the index does not name)
-    firsts = [
-        files.read(shard, byte_range=slice(0, _PREFIX), short=True)
-        if (found := early[shard]) is None
-        else found[1]
-        for shard in shards
-    ]
+def short_headers(store: Store, folder: str, shards: Sequence[str]) -> list[Header]:
+    """The headers of files of a `store.short_reads` backend (over HTTP), read
+    concurrently in one request each where they are under `_PREFIX` bytes (the size that answers give says
+    whether the data is all there); those `read_early` began, taken."""
     answers = []
-    for shard, first in zip(shards, firsts, strict=True):
+    for shard, first in zip(shards, store.read_heads(shards, _PREFIX), strict=True):
         answer = first.result()
-        if (found := early[shard]) is not None:
-            files.adopt(shard, found[0])  # (what the early read saw, as this store's)
         if answer.state != "value":
             raise CheckpointNotFoundError(
                 f"{web_describe(paths.join(folder, shard))} does not exist"
@@ -110,7 +81,7 @@ def web_headers(files: WebFiles, folder: str, shards: Sequence[str]) -> list[Hea
     ]
     # The rest of the headers longer than the first read, all at once.
     rest = [
-        files.read(shard, byte_range=slice(len(answer.value), 8 + length))
+        store.read(shard, slice(len(answer.value), 8 + length))
         if 8 + length > len(answer.value)
         else None
         for shard, answer, length in zip(shards, answers, lengths, strict=True)

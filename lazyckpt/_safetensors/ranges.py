@@ -24,9 +24,9 @@ from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
 from lazyckpt._storage import paths
-from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.folders import local_copy
+from lazyckpt._storage.futures import then
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
-from lazyckpt._storage.web import local_copy
 
 CHUNK_BYTES = 1 << 20
 """About how many bytes of a tensor one chunk of its grid covers."""

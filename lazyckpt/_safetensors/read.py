@@ -48,15 +48,15 @@ from lazyckpt._safetensors.over_http import (
     in_cache,
     listed_over_http,
     read_early,
-    web_headers,
+    short_headers,
 )
 from lazyckpt._safetensors.ranges import RangeArray, contiguous_chunks
 from lazyckpt._storage import paths
 from lazyckpt._storage.deferred import Answered, answer
-from lazyckpt._storage.kvstore import Store, from_one_generation, then
+from lazyckpt._storage.folders import hub_listed, redownload
+from lazyckpt._storage.futures import then
+from lazyckpt._storage.kvstore import Store, from_one_generation
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
-from lazyckpt._storage.sites import hub_listed
-from lazyckpt._storage.web import WebFiles, redownload
 from lazyckpt._text import printable
 
 T = TypeVar("T")
@@ -308,8 +308,8 @@ def _headers(folder: str, shards: Sequence[str], store: Store | None = None) -> 
     """The parsed headers of `shards`, read concurrently: 8 bytes, then the JSON, then
     one byte at the end of the data (that the file is not truncated)."""
     store = store or Store.open(folder, ocdbt=False)
-    if isinstance(store.kvstore, WebFiles):
-        return web_headers(store.kvstore, folder, shards)
+    if store.short_reads:  # (over HTTP: a header in one request, with the file's size)
+        return short_headers(store, folder, shards)
     files = [paths.join(folder, shard) for shard in shards]
     firsts = [
         _read(store, shard, file, 0, 8, what="its header length")

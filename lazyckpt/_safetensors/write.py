@@ -28,7 +28,7 @@ import numpy as np
 from lazyckpt._array.tree import leaves
 from lazyckpt._engine.progress import Progress, shown
 from lazyckpt._engine.stored import stores
-from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._engine.stream import read_blocks
 from lazyckpt._errors import CheckpointExistsError, LazyckptError, UnsavableError
 from lazyckpt._lazy import LazyArray
 from lazyckpt._safetensors.format import (
@@ -318,7 +318,7 @@ def _write_file(
             if bar is not None:
                 bar.advance(entry.nbytes)
     arrays = [e.value for e in lazy if isinstance(e.value, LazyArray)]  # all are; for mypy
-    for position, index, values in iter_blocks(arrays, memory_budget, bar):
+    for position, index, values in read_blocks(arrays, memory_budget, bar):
         entry = lazy[position]
         _put(fd, offsets[entry.name], entry, index, values)
     check_unchanged(stores(arrays))

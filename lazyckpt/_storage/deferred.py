@@ -74,7 +74,7 @@ def answer(
     fn: Callable[[T], U],
     on_error: Callable[[Exception], Exception] | None = None,
 ) -> Answered[U]:
-    """`kvstore.then` of a read made at once: `fn` of what `read()` returns; a failure of
+    """`futures.then` of a read made at once: `fn` of what `read()` returns; a failure of
     `read` as `on_error` turns it, one of `fn` as raised."""
     try:
         result = read()

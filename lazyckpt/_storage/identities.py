@@ -10,7 +10,7 @@ recorded by a `stat` then. A folder of chunk files (an Orbax checkpoint written
 without OCDBT: one file per chunk, up to millions) is recorded whole at the first read
 of a file in it, from one listing (`os.scandir` gives each entry's inode without a
 call per file), as three arrays of 8 bytes an entry: a hash of its name, its device
-and its inode (a dict of paths took 232 MiB for a million chunk files; these, 24 MiB).
+and its inode (a tenth of the memory of a dict of paths, for millions of files).
 A file its folder's listing does not hold, or a link in it that leads out of the
 checkpoint, is no file of the checkpoint.
 
@@ -30,10 +30,10 @@ import attrs
 import numpy as np
 
 from lazyckpt._errors import CheckpointChangedError
+from lazyckpt._storage.futures import RangeAnswer
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import open_file, pread_into, within
 from lazyckpt._storage.metrics import count_direct
-from lazyckpt._storage.ranges import Answer
 
 
 @attrs.frozen
@@ -234,7 +234,7 @@ def read_at_once(
     (the answer's value is then `into` itself)."""
     found = open_checked(identities, path)
     if found is None:
-        return cast("ts.KvStore.ReadResult", Answer("missing"))
+        return cast("ts.KvStore.ReadResult", RangeAnswer("missing"))
     fd, info = found
     try:
         start, stop = _span(byte_range, info.st_size)
@@ -245,7 +245,7 @@ def read_at_once(
     count_direct(done)
     if done < stop - start:  # (shortened in place since `fstat`)
         _span(slice(start, stop), start + done)
-    return cast("ts.KvStore.ReadResult", Answer("value", value))
+    return cast("ts.KvStore.ReadResult", RangeAnswer("value", value))
 
 
 def copied(into: memoryview, result: ts.KvStore.ReadResult) -> ts.KvStore.ReadResult:

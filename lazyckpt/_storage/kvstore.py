@@ -18,8 +18,13 @@ from lazyckpt._errors import (
     LazyckptError,
     StorageAccessError,
 )
-from lazyckpt._storage import paths, relay
+from lazyckpt._storage import paths, probes
 from lazyckpt._storage.deferred import DeferredKvStore, new_context
+from lazyckpt._storage.folders import listing
+from lazyckpt._storage.futures import RangeAnswer, then
+from lazyckpt._storage.http import relay
+from lazyckpt._storage.http.transport import Scatter
+from lazyckpt._storage.http.web import WebFiles
 from lazyckpt._storage.identities import (
     FileIdentities,
     changed_error,
@@ -33,94 +38,8 @@ from lazyckpt._storage.local import check_regular
 from lazyckpt._storage.ocdbt import Index
 from lazyckpt._storage.ocdbt_tree import Tree
 from lazyckpt._storage.per_process import tensorstore_io
-from lazyckpt._storage.sites import listing
-from lazyckpt._storage.web import WebFiles, is_web
 
 T = TypeVar("T")
-U = TypeVar("U")
-
-
-def then(
-    future: ts.Future[T],
-    fn: Callable[[T], U | ts.Future[U]],
-    on_error: Callable[[Exception], Exception] | None = None,
-) -> ts.Future[U]:
-    """A future of `fn(result)`; if `fn` returns a future, of that future's result.
-
-    `on_error` turns a failure of `future` into the exception the caller should see.
-    """
-    promise: ts.Promise[U]
-    chained: ts.Future[U]
-    promise, chained = ts.Promise.new()
-
-    def settle(done: ts.Future[T]) -> None:
-        try:
-            result = done.result()
-        except Exception as error:  # noqa: BLE001 - handed to whoever awaits
-            promise.set_exception(on_error(error) if on_error else error)
-            return
-        try:
-            value = fn(result)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
-            promise.set_exception(error)
-            return
-        if isinstance(value, ts.Future):
-            value.add_done_callback(lambda inner: _forward(inner, promise))
-        else:
-            promise.set_result(value)
-
-    future.add_done_callback(settle)
-    return chained
-
-
-def _forward(done: ts.Future[U], promise: ts.Promise[U]) -> None:
-    try:
-        promise.set_result(done.result())
-    except BaseException as error:  # noqa: BLE001 - handed to whoever awaits
-        promise.set_exception(error)
-
-
-def all_of(
-    futures: Sequence[ts.Future[None]], on_error: Callable[[Exception], Exception]
-) -> ts.Future[None]:
-    """A future that is done when all of `futures` are, failed as the first of them
-    that failed (`on_error` of its error): nothing still runs (a read into a
-    buffer) when its caller learns of a failure."""
-    promise: ts.Promise[None]
-    future: ts.Future[None]
-    promise, future = ts.Promise.new()
-    state: dict[str, Any] = {"left": len(futures), "error": None}
-    lock = threading.Lock()
-
-    def done(one: ts.Future[None]) -> None:
-        try:
-            one.result()
-        except Exception as failed:  # noqa: BLE001 - handed to whoever awaits
-            with lock:
-                state["error"] = state["error"] or failed
-        with lock:
-            state["left"] -= 1
-            if state["left"]:
-                return
-        if state["error"] is not None:
-            promise.set_exception(on_error(state["error"]))
-        else:
-            promise.set_result(None)
-
-    if not futures:
-        promise.set_result(None)
-    for one in futures:
-        one.add_done_callback(done)
-    return future
-
-
-def ready(value: T) -> ts.Future[T]:
-    """A future that already holds `value`."""
-    promise: ts.Promise[T]
-    future: ts.Future[T]
-    promise, future = ts.Promise.new()
-    promise.set_result(value)
-    return future
 
 
 def from_one_generation(
@@ -231,9 +150,8 @@ class Store:
         driver does). tensorstore opens each file with a blocking `open`, so a FIFO put
         in a file's place after `open` would hang the read forever; callers check just
         before tensorstore's read. A window remains, from this `stat` to tensorstore's
-        `open` of each file: measured (strace), 0.3 ms for a read's first file, up to
-        the length of the read for its last (100 ms for the 8th chunk of a 2 MiB
-        block). A FIFO put in place within it blocks that read (the next read's check
+        `open` of each file: short for a read's first file, up to the length of the
+        read for its last. A FIFO put in place within it blocks that read (the next read's check
         refuses it); a file swapped in and back out within it goes unseen:
         tensorstore's reads do not say which file they opened."""
         if paths.is_remote(self.location):
@@ -276,6 +194,65 @@ class Store:
         """`read`'s answer (or error) at once, where lazyckpt reads `key` itself."""
         return read_at_once(self.identities, os.path.join(self.location, key), byte_range)
 
+    def read_into(self, key: str, start: int, into: memoryview) -> ts.Future[ts.KvStore.ReadResult]:
+        """`key`'s bytes from `start` landed in `into` (its length of them; the answer's
+        value is their view, shorter where the file ends first): over HTTP read straight
+        into it by lazyckpt's client, elsewhere as `read` reads it (checked first)."""
+        if isinstance(self.kvstore, WebFiles):
+            return cast(
+                "ts.Future[ts.KvStore.ReadResult]", self.kvstore.read_into(key, start, into)
+            )
+        return self.read(key, slice(start, start + len(into)), into)
+
+    def read_scattered(
+        self, file: str, start: int, views: Sequence[memoryview]
+    ) -> ts.Future[ts.KvStore.ReadResult]:
+        """The bytes of the folder's `file` from `start`, landed in `views` in turn, in one
+        request by lazyckpt's client: over HTTP, where tensorstore's drivers read the
+        rest through the relay (an OCDBT data file's values that its index placed)."""
+        assert self.scatters, "read_scattered reads a folder over HTTP"
+        assert self.web is not None
+        read = self.web.read_into(file, start, Scatter(list(views)))
+        return cast("ts.Future[ts.KvStore.ReadResult]", read)
+
+    @property
+    def scatters(self) -> bool:
+        """Whether `read_scattered` can land one request's bytes in several buffers (a
+        checkpoint folder over HTTP, read by lazyckpt's client beside the relay)."""
+        return self.web is not None
+
+    @property
+    def short_reads(self) -> bool:
+        """Whether the backend answers a range past a file's end with the bytes there
+        are, and pins each file's size at its first answer (`read_short`, `pinned_size`:
+        a folder over HTTP, which reads no range counted from the end); tensorstore's
+        kvstores fail such a read (OUT_OF_RANGE)."""
+        return isinstance(self.kvstore, WebFiles)
+
+    def read_short(self, key: str, start: int, n: int) -> ts.Future[RangeAnswer]:
+        """Up to `n` bytes of `key` from `start`, fewer where it ends first, with the
+        file's size where the server said it (only where `short_reads`)."""
+        assert self.short_reads, "read_short reads a folder over HTTP"
+        return cast(WebFiles, self.kvstore).read(
+            key, byte_range=slice(start, start + n), short=True
+        )
+
+    def pinned_size(self, key: str) -> int | None:
+        """`key`'s size as the first answer of a `short_reads` backend said; None before."""
+        assert self.short_reads, "pinned_size is pinned by a folder over HTTP"
+        return cast(WebFiles, self.kvstore).size(key)
+
+    def read_heads(self, keys: Sequence[str], n: int) -> list[ts.Future[RangeAnswer]]:
+        """The first `n` bytes of each of `keys` (`read_short`): the reads `probes.read_ahead`
+        started for them, taken (their pins this store's), or new ones; what was read
+        ahead of the folder's other files is dropped."""
+        assert self.short_reads, "read_heads reads a folder over HTTP"
+        files = cast(WebFiles, self.kvstore)
+        ahead = probes.take_ahead(self.location, keys)
+        for key, (other, _) in ahead.items():
+            files.adopt(key, other)
+        return [ahead[key][1] if key in ahead else self.read_short(key, 0, n) for key in keys]
+
     def _files_of_database(self) -> list[str]:
         """The OCDBT database's manifests and data files (`d/`), its own and those of
         the per-process databases in it: listed once, as their names never change."""
@@ -317,7 +294,7 @@ class Store:
             store.identities.remember(os.path.join(location, name) for name in files)
             return store
         context = new_context()
-        if is_web(location) and not drivers:
+        if paths.is_web(location) and not drivers:
             # Read by lazyckpt's own Range requests: the safetensors reader calls `read`
             # alone, which `WebFiles` answers as tensorstore's kvstores do.
             over_http = WebFiles(location)
@@ -326,7 +303,7 @@ class Store:
             return cls(location, ocdbt, context, {}, kvstore, generation, files, identities=seen)
         tensorstore_io(location)
         web = None
-        if is_web(location):
+        if paths.is_web(location):
             # tensorstore's drivers, reading through lazyckpt's client (`relay`); the
             # relay serves the folder for as long as the context (held by the store
             # and by every array opened from it) lives.
@@ -416,7 +393,7 @@ class Store:
 
     def list_keys(self, prefix: str) -> list[str]:
         """The keys under `prefix` (every key when it is empty), in no order."""
-        if is_web(self.location) and not self.ocdbt:
+        if paths.is_web(self.location) and not self.ocdbt:
             return self._listed(prefix)
         tensorstore_io(self.location)
         if self.index is not None:
@@ -469,13 +446,13 @@ class Store:
         checkpoint, lazyckpt's own error from a read over HTTP, or damaged `files`."""
         if self.changed():
             return self.changed_error()
-        found = relay.relayed(error)
-        if found is not None:
-            return found
-        return CorruptCheckpointError(
-            f"{self.location}: {doing} the {'OCDBT database' if self.ocdbt else 'folder'} "
-            f"failed ({relay.shown(error)}); the checkpoint's {files} are missing or damaged, "
-            "copy it again"
+        return paths.read_failure(
+            error,
+            lambda text: CorruptCheckpointError(
+                f"{self.location}: {doing} the {'OCDBT database' if self.ocdbt else 'folder'} "
+                f"failed ({text}); the checkpoint's {files} are missing or damaged, copy it "
+                "again"
+            ),
         )
 
     def read_many(

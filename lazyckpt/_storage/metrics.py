@@ -1,6 +1,6 @@
 """Bytes read from storage, and requests sent over the network: tensorstore's own
 counters, and lazyckpt's direct reads (`lazyckpt._engine.raw`, and HTTP's
-`lazyckpt._storage.transport` and `web`), which tensorstore does not see."""
+`lazyckpt._storage.http.transport` and `web`), which tensorstore does not see."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _NETWORK_KVSTORES = ("s3", "gcs", "gcs_grpc")
 `zip` read through another kvstore, which counts the bytes and requests)."""
 _RELAYED = "http"
 """The kvstore that lazyckpt's tensorstore reads over HTTP go through: to the relay
-(`lazyckpt._storage.relay`), whose requests lazyckpt's client makes and counts."""
+(`lazyckpt._storage.http.relay`), whose requests lazyckpt's client makes and counts."""
 
 
 def count_direct(nbytes: int) -> None:
@@ -27,7 +27,7 @@ def count_direct(nbytes: int) -> None:
 
 
 def count_request() -> None:
-    """Count one HTTP request made without tensorstore (`lazyckpt._storage.transport`)."""
+    """Count one HTTP request made without tensorstore (`lazyckpt._storage.http.transport`)."""
     with _LOCK:
         _REQUESTS[0] += 1
 

@@ -119,10 +119,9 @@ connections=32, request_bytes=16777216)
     `"refuse"` it (a `StorageAccessError`), or read it with an `UnversionedWarning`.
     Files on the Hub are read at a pinned commit and always checked."""
     connections: int = attrs.field(default=32, validator=_count)
-    """Requests in flight at once to one server (scheme, host and port). A request
-    waits a round trip before its first byte, and one connection of a CDN carries a
-    few tens of MB/s: on a link with a long round trip, many requests at once are what
-    fill it (at 60 ms and 40 MB/s a connection, 32 carry about 600 MB/s). From 1 to
+    """Requests in flight at once to one server (scheme, host and port). On a link
+    with a long round trip, where one connection of a CDN carries a few tens of MB/s,
+    many requests at once are what fill it (docs/benchmarks.md, section 23). From 1 to
     256."""
     request_bytes: int = attrs.field(default=16 << 20, validator=_count)
     """The most bytes one request asks for. A tensor is read in requests of up to this

@@ -2,11 +2,11 @@
 
 Every checkpoint path is a local path, an `s3://bucket/prefix` or `gs://bucket/prefix`
 URL, or an `https://` (or `http://`) URL, which an `hf://` path on the Hugging Face Hub
-becomes (`lazyckpt._storage.hub`). What lazyckpt asks of storage is the `Storage`
+becomes (`lazyckpt._storage.http.hub`). What lazyckpt asks of storage is the `Storage`
 protocol, which three backends implement: `LocalFolders` (`lazyckpt._storage.local`,
 through `os`), `BucketFolders` (`lazyckpt._storage.bucket`, through tensorstore's
-kvstores) and `WebFolders` (`lazyckpt._storage.web`, read-only, by the Range requests
-of `lazyckpt._storage.ranges`). The functions
+kvstores) and `WebFolders` (`lazyckpt._storage.http.web`, read-only, by the Range requests
+of `lazyckpt._storage.http.range_reads`). The functions
 here pick the backend by the path's scheme, in one place (`storage`), and validate
 what is read at the boundary: metadata files are read only up to `METADATA_LIMIT`,
 and text must be UTF-8.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from lazyckpt._errors import (
@@ -26,16 +26,15 @@ from lazyckpt._errors import (
     LazyckptError,
     StorageAccessError,
 )
-from lazyckpt._storage import web_options
 from lazyckpt._storage.bucket import SCHEMES, BucketFolders, bucket_spec
 from lazyckpt._storage.bucket import session as _bucket_session
 from lazyckpt._storage.bucket import split as bucket_split
 from lazyckpt._storage.bucket import storage_error as bucket_error
+from lazyckpt._storage.folders import hub_listed
+from lazyckpt._storage.http import web_options
+from lazyckpt._storage.http.relay import relayed, shown
+from lazyckpt._storage.http.web import WebFolders
 from lazyckpt._storage.local import LocalFolders
-from lazyckpt._storage.relay import relayed, shown
-from lazyckpt._storage.sites import hub_listed
-from lazyckpt._storage.web import WebFolders
-from lazyckpt._storage.web import is_web as is_web
 
 METADATA_LIMIT = 1 << 30
 """The largest metadata file (`_METADATA`, `_sharding`, `_strings.json`...) read: 1 GiB,
@@ -132,6 +131,14 @@ def is_bucket(path: str) -> bool:
     return path.split("://", 1)[0] in SCHEMES if "://" in path else False
 
 
+WEB_SCHEMES = ("http", "https")
+"""The schemes of a folder read over HTTP (`lazyckpt._storage.http.web`)."""
+
+
+def is_web(path: str) -> bool:
+    return path.split("://", 1)[0] in WEB_SCHEMES if "://" in path else False
+
+
 def storage_error(path: str, error: Exception) -> LazyckptError:
     """A clear error for a failed request to remote storage (lazyckpt's own errors,
     which HTTP reads raise, as they are, also through tensorstore's drivers)."""
@@ -146,6 +153,15 @@ def storage_error(path: str, error: Exception) -> LazyckptError:
             "and try again"
         )
     return bucket_error(path, error)
+
+
+def read_failure(error: BaseException, damaged: Callable[[str], LazyckptError]) -> LazyckptError:
+    """What a failed read through tensorstore is: lazyckpt's own error where it read
+    the bytes over HTTP for tensorstore's drivers (the relay) and failed, else
+    `damaged(text)`, with the error's text as a message may quote it (relay addresses
+    shown as the folders they read, credentials hidden)."""
+    found = relayed(error)
+    return found if found is not None else damaged(shown(error))
 
 
 def bucket_root(path: str) -> bool:
@@ -180,7 +196,7 @@ def normalize(path: str | os.PathLike[str]) -> str:
     which the call's requests send (`web_options.given`)."""
     text = os.fspath(path)
     if text.startswith("hf://"):
-        from lazyckpt._storage import hub
+        from lazyckpt._storage.http import hub
 
         web_options.refuse_for(
             text, "an hf:// path is read with huggingface_hub's token: set HF_TOKEN, or log in"

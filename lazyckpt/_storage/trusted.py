@@ -1,4 +1,4 @@
-"""Folders whose files may be run as code (the programs `lazyckpt._programs` caches,
+"""Folders whose files may be run as code (the programs `lazyckpt._device.programs` caches,
 which jax loads through pickle), opened so that no other account can have put
 anything there.
 

@@ -24,7 +24,7 @@ import numpy as np
 from lazyckpt._engine.scheduler import in_pool
 from lazyckpt._engine.stored import StoredArray
 from lazyckpt._errors import CorruptCheckpointError
-from lazyckpt._storage.kvstore import then
+from lazyckpt._storage.futures import then
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._weights.files import File
 from lazyckpt._weights.zips import Member, crc_mismatch

@@ -16,9 +16,9 @@ from lazyckpt._display import given_repr
 from lazyckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LazyckptError
 from lazyckpt._storage import paths
 from lazyckpt._storage.deferred import Answered, answer
-from lazyckpt._storage.kvstore import Store, then
+from lazyckpt._storage.futures import RangeAnswer, then
+from lazyckpt._storage.kvstore import Store
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
-from lazyckpt._storage.web import WebFiles
 
 T = TypeVar("T")
 _Future: TypeAlias = "ts.Future[T] | Answered[T]"
@@ -58,10 +58,8 @@ class File:
         """Up to `n` bytes from `start` (fewer where the file ends first)."""
         if start + n <= len(self.known) or self.whole:
             return self.known[start : start + n]
-        kvstore = self.store.kvstore
-        if isinstance(kvstore, WebFiles):
-            answer = kvstore.read(self.key, byte_range=slice(start, start + n), short=True)
-            return self._value(answer, f"bytes from {start}")
+        if self.store.short_reads:  # (over HTTP: the bytes there are, not OUT_OF_RANGE)
+            return self._value(self.store.read_short(self.key, start, n), f"bytes from {start}")
         try:
             return self._value(self._store_read(slice(start, start + n)), f"bytes from {start}")
         except _Short:  # fewer than `n` remain: read to the end, which is nearer
@@ -78,12 +76,11 @@ class File:
         """Up to `n` bytes at the end (the whole file where it is shorter)."""
         if self.whole:
             return self.known[-n:]
-        kvstore = self.store.kvstore
-        if isinstance(kvstore, WebFiles):
-            size = kvstore.size(self.key)
+        if self.store.short_reads:  # (over HTTP: no range counted from the end)
+            size = self.store.pinned_size(self.key)
             if size is None:
                 self.head(1)
-                size = kvstore.size(self.key)
+                size = self.store.pinned_size(self.key)
             if size is None:
                 raise CorruptCheckpointError(f"{self.path}: the server did not say its size")
             return self.read(max(0, size - n), size, "its end")
@@ -98,7 +95,9 @@ class File:
             return answer(lambda: self.store.read_at_once(self.key, span), lambda found: found)
         return self.store.read(self.key, span)
 
-    def _value(self, future: _Future[ts.KvStore.ReadResult], what: str) -> bytes:
+    def _value(
+        self, future: _Future[ts.KvStore.ReadResult] | ts.Future[RangeAnswer], what: str
+    ) -> bytes:
         try:
             result = future.result()
         except LazyckptError:

@@ -32,8 +32,8 @@ from lazyckpt._errors import (
 from lazyckpt._safetensors.format import parse_index
 from lazyckpt._safetensors.read import check_plain
 from lazyckpt._storage import paths
+from lazyckpt._storage.folders import Site, hub_listed, register
 from lazyckpt._storage.kvstore import Store, from_one_generation
-from lazyckpt._storage.sites import Site, hub_listed, register
 from lazyckpt._weights import flax_msgpack, kinds, npy, zips
 from lazyckpt._weights import torch as torch_files
 from lazyckpt._weights.arrays import Stacked

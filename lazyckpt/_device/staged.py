@@ -1,12 +1,12 @@
 """Placing arrays on accelerators in pieces, with the host's share bounded by the budget.
 
-On CPU devices a filled host buffer becomes the shard itself (`_materialize`), so the
+On CPU devices a filled host buffer becomes the shard itself (`route`), so the
 results are memory the read is meant to leave behind. A TPU or GPU shard is only
 staged on the host: filled whole, a shard of 2 GiB would need 2 GiB of host memory
 whatever the budget, and many in flight more. Here an array's shards are filled
 together where they fit half the budget (each stored chunk read once for all), and
 otherwise in pieces: bands read raw where the bytes lie raw in a file, or blocks
-streamed from the stored chunks (`_engine.stream.iter_blocks`, each chunk read once
+streamed from the stored chunks (`_engine.stream.read_blocks`, each chunk read once
 for all shards). Every piece is sent to its devices as it comes and written into the
 shard's buffer there by a jitted `dynamic_update_slice` that donates the buffer, so it
 is updated in place: no second copy of the shard in device memory, and on the host
@@ -18,79 +18,108 @@ is sent as that piece, with no buffer to write into. Large pieces whose bytes li
 in a local file are each sent and waited for by one of a few threads, so that what
 the runtime does on the host for each transfer runs on several at once: sent from a
 map of the file where a piece is one run of its bytes, else read in parts by several
-threads at once (`lazyckpt._senders`).
+threads at once (`lazyckpt._device.senders`).
 A shard on its devices, the programs that make, write and finish it there, and how
-its values arrive bit for bit, are in `lazyckpt._on_device`.
+its values arrive bit for bit, are in `lazyckpt._device.shard`.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+import attrs
 import numpy as np
 
 from lazyckpt._array import compose
 from lazyckpt._array.geometry import Box, as_slices, box_bytes, box_shape, slices
+from lazyckpt._device.platforms import any_staged
+from lazyckpt._device.senders import Senders, direct_reads
+from lazyckpt._device.shard import Shard, Starts, release_sent
 from lazyckpt._engine.decode import decodes
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import BufferPool, Destination, held_bytes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.raw import lies_raw
 from lazyckpt._engine.scheduler import MIN_BLOCK, Scheduler, stream_block
-from lazyckpt._engine.stream import iter_blocks
+from lazyckpt._engine.stream import read_blocks
 from lazyckpt._lazy import LazyArray
-from lazyckpt._on_device import Shard, Starts, release_sent
-from lazyckpt._senders import Senders, direct_reads
 
 if TYPE_CHECKING:
     import jax
     from jax.sharding import Sharding
 
-STAGED_PLATFORMS = frozenset({"tpu", "gpu"})
-"""Device platforms whose shards are staged on the host and sent in pieces (jax names
-CUDA and ROCm devices' platform "gpu"); every other platform's devices (CPU) adopt the
-filled host buffer as the shard."""
+Regions: TypeAlias = "dict[Box, list[jax.Device]]"
+"""The distinct regions of an array that this process's devices hold, each with the
+devices that hold it (replicas share one read)."""
+
+SentRegions: TypeAlias = "list[list[jax.Array]]"
+"""One array's regions on their devices, in the order of its regions: a buffer on each
+device that holds the region."""
+
+
+class Fill(enum.Enum):
+    """How an array's shards are filled on the host (`_plan`)."""
+
+    TOGETHER = "every region in one read, each sent whole"
+    PIECES = "each region in pieces that read only their own raw bytes"
+    STREAMED = "the regions streamed together from the stored chunks"
+
+
+@attrs.frozen
+class ShardsPlan:
+    """One array's shards and how they are filled: `pieces` holds, for each shard, the
+    boxes it is filled in (empty lists where the regions are streamed)."""
+
+    array: LazyArray
+    shards: list[Shard]
+    fill: Fill
+    pieces: list[list[Box]]
+
+
+@attrs.frozen
+class Staged:
+    """An array bound for accelerators, and the regions of it this process holds."""
+
+    array: LazyArray
+    sharding: Sharding
+    regions: Regions
 
 
 def staged(sharding: Sharding) -> bool:
     """Whether arrays placed with `sharding` are sent in pieces: some device of this
-    process that it places on is an accelerator's."""
-    platforms = {str(getattr(d, "platform", "")) for d in sharding.addressable_devices}
-    return not platforms.isdisjoint(STAGED_PLATFORMS)
+    process that it places on is an accelerator's (`platforms.PLATFORMS`)."""
+    return any_staged(sharding.addressable_devices)
 
 
 def put_staged(
-    placements: Sequence[tuple[LazyArray, Sharding, dict[Box, list[jax.Device]]]],
-    budget: int,
-    progress: Progress | None,
+    placements: Sequence[Staged], budget: int, progress: Progress | None
 ) -> list[jax.Array]:
-    """Each `(array, sharding, regions)` placed on its devices within `budget` host
-    bytes; `regions` maps each distinct region this process holds to the devices
-    that hold it (`send_shards`)."""
+    """Each array placed on its devices within `budget` host bytes (`send_shards`)."""
     import jax
 
-    sent = send_shards([(array, regions) for array, _, regions in placements], budget, progress)
+    sent = send_shards([(p.array, p.regions) for p in placements], budget, progress)
     placed: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(
-            array.shape, sharding, [buffer for buffers in done for buffer in buffers]
+            p.array.shape, p.sharding, [buffer for buffers in done for buffer in buffers]
         )
-        for (array, sharding, _), done in zip(placements, sent, strict=True)
+        for p, done in zip(placements, sent, strict=True)
     ]
     jax.block_until_ready(placed)
     return placed
 
 
 def send_shards(
-    placements: Sequence[tuple[LazyArray, dict[Box, list[jax.Device]]]],
+    placements: Sequence[tuple[LazyArray, Regions]],
     budget: int,
     progress: Progress | None,
     *,
     raw: bool = False,
-) -> list[list[list[jax.Array]]]:
+) -> list[SentRegions]:
     """For each `(array, regions)`, each region of `array` on its devices (a buffer per
     device, in the order of `regions`), within `budget` host bytes; as written on the
     devices (unsigned integers for narrow floats) where `raw` (`Shard.raw`).
@@ -101,10 +130,10 @@ def send_shards(
     place, chunks decoded on every core, each once for all regions), each region sent
     whole. Otherwise, where its bytes lie raw in a file, each region is filled in
     pieces that read only their own bytes; elsewhere its regions are streamed
-    together (`iter_blocks`: each stored chunk decoded once, in slabs where it is
+    together (`read_blocks`: each stored chunk decoded once, in slabs where it is
     larger than a block). Large pieces whose bytes lie raw in a local file go first, each
     sent and waited for by one of a few threads of their own, its parts read by several
-    at once (`lazyckpt._senders`); the engine's fills, then the streams, follow.
+    at once (`lazyckpt._device.senders`); the engine's fills, then the streams, follow.
     """
     half = max(1, budget // 2)
     scheduler = Scheduler(half, progress)
@@ -112,23 +141,22 @@ def send_shards(
     planned = [_plan(array, regions, half, raw, starts) for array, regions in placements]
     gate = _Gate(half, scheduler, BufferPool(half, release=release_sent))
     streamed = [
-        (array[as_slices(shard.region)], shard)
-        for (array, _), (shards, pieces, _) in zip(placements, planned, strict=True)
-        if pieces is None
-        for shard in shards
+        (plan.array[as_slices(shard.region)], shard)
+        for plan in planned
+        if plan.fill is Fill.STREAMED
+        for shard in plan.shards
     ]
     with concurrent.futures.ThreadPoolExecutor(COMPILERS) as compilers:
         try:
-            for shards, pieces, _ in planned:  # (assembling compiled while the reads run)
-                for k, shard in enumerate(shards):
-                    if pieces is None or len(pieces[k]) > 1:
-                        cut = pieces[k] if pieces is not None else []
+            for plan in planned:  # (assembling compiled while the reads run)
+                for shard, cut in zip(plan.shards, plan.pieces, strict=True):
+                    if plan.fill is Fill.STREAMED or len(cut) > 1:
                         shard.prepare(compilers, {box_shape(piece) for piece in cut})
             fills = [
-                (array, fill)
-                for (array, _), (shards, pieces, together) in zip(placements, planned, strict=True)
-                if pieces is not None
-                for fill in _fills(shards, pieces, together)
+                (plan.array, fill)
+                for plan in planned
+                if plan.fill is not Fill.STREAMED
+                for fill in _fills(plan)
             ]
             direct, rest = [], []
             for array, fill in fills:
@@ -144,7 +172,7 @@ def send_shards(
             if streamed:
                 # Its jobs' blocks (the other half) come from the pool too.
                 gate.pool.limit = budget
-                blocks = iter_blocks(
+                blocks = read_blocks(
                     [v for v, _ in streamed],
                     half,
                     progress,
@@ -165,14 +193,13 @@ def send_shards(
             compilers.shutdown(cancel_futures=True)  # (not compiled for nothing first)
             scheduler.abandon()
             raise
-        return [[shard.finished() for shard in shards] for shards, _, _ in planned]
+        return [[shard.finished() for shard in plan.shards] for plan in planned]
 
 
 _STREAM_BLOCKS = 16
 """Blocks of a stream that the reads' half of the budget holds: twice the engine's
 (`stream_block`), so that more chunks decode at once (each job holds its stream and
-a block). Measured on a TPU v5e (13 cores), a 3 GiB Orbax tree of 64 MiB zstd chunks:
-2.13 GB/s, against 1.76 with an eighth and 1.17 with a quarter."""
+a block). Measured: docs/benchmarks.md, section 29."""
 
 COMPILERS = 4
 """Threads making shards' buffers and compiling their assembly while the reads run
@@ -181,27 +208,26 @@ COMPILERS = 4
 
 def _plan(
     array: LazyArray,
-    regions: dict[Box, list[jax.Device]],
+    regions: Regions,
     half: int,
     raw: bool,
     starts: Starts,
-) -> tuple[list[Shard], list[list[Box]] | None, bool]:
-    """`array`'s shards, the pieces each is filled in (None where they are streamed),
-    and whether they are filled together, in one read: each region whole where all fit
-    `half` together, cut where the bytes lie raw in a file. Every shard of a placement
-    takes its pieces' starts on the devices from `starts`."""
+) -> ShardsPlan:
+    """`array`'s shards and how they are filled: together, each region whole, where
+    all fit `half`; in pieces where the bytes lie raw in a file; else streamed. Every
+    shard of a placement takes its pieces' starts on the devices from `starts`."""
     shards = [
         Shard(array.key, region, devices, array.dtype, raw=raw, starts=starts)
         for region, devices in regions.items()
     ]
     itemsize = array.dtype.itemsize
-    if sum(box_bytes(shard.region, itemsize) for shard in shards) <= half and not _large_chunks(
-        array, half
-    ):
-        return shards, [[shard.region] for shard in shards], True
-    if lies_raw(array):
-        return shards, [_pieces(shard.region, itemsize, half) for shard in shards], False
-    return shards, None, False
+    large = _large_chunks(array, half)  # (chunks lazyckpt decodes: their bytes never lie raw)
+    if not large and sum(box_bytes(shard.region, itemsize) for shard in shards) <= half:
+        return ShardsPlan(array, shards, Fill.TOGETHER, [[shard.region] for shard in shards])
+    if not large and lies_raw(array):
+        pieces = [_pieces(shard.region, itemsize, half) for shard in shards]
+        return ShardsPlan(array, shards, Fill.PIECES, pieces)
+    return ShardsPlan(array, shards, Fill.STREAMED, [[] for _ in shards])
 
 
 def _large_chunks(array: LazyArray, half: int) -> bool:
@@ -240,13 +266,15 @@ def _cut(box: Box, itemsize: int, limit: int) -> list[Box]:
     ]
 
 
-def _fills(
-    shards: list[Shard], pieces: list[list[Box]], together: bool
-) -> list[list[tuple[Shard, Box]]]:
+def _fills(plan: ShardsPlan) -> list[list[tuple[Shard, Box]]]:
     """The fills of an array's shards: each one read, of one piece or of every region."""
-    if together:
-        return [[(shard, shard.region) for shard in shards]]
-    return [[(shard, piece)] for shard, cut in zip(shards, pieces, strict=True) for piece in cut]
+    if plan.fill is Fill.TOGETHER:
+        return [[(shard, shard.region) for shard in plan.shards]]
+    return [
+        [(shard, piece)]
+        for shard, cut in zip(plan.shards, plan.pieces, strict=True)
+        for piece in cut
+    ]
 
 
 def _fill(
@@ -286,8 +314,8 @@ class _Gate:
 
     Pieces bound for devices that copy them out of host memory are filled into buffers
     of `pool`, whose memory is filled again by later pieces once their transfers have
-    let go of them: fresh pages cost more than the copy into them (a gVisor host
-    measured 0.75 GB/s through fresh buffers, over 10 GB/s through reused ones).
+    let go of them: fresh pages cost far more than the copy into them
+    (docs/benchmarks.md, section 29).
     """
 
     def __init__(self, limit: int, scheduler: Scheduler, pool: BufferPool) -> None:

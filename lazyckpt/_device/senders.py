@@ -1,5 +1,5 @@
 """Pieces whose bytes lie raw in a local file, sent to their devices by threads of
-their own (`Senders`), for `lazyckpt._staged`.
+their own (`Senders`), for `lazyckpt._device.staged`.
 
 What the runtime does on the host for one transfer, before and after the copy, runs on
 the thread that sends: several sending threads let several transfers run at once. A
@@ -31,12 +31,12 @@ import attrs
 import numpy as np
 
 from lazyckpt._array.geometry import Box, box_bytes, box_shape, slices
+from lazyckpt._device.shard import Shard, release_sent
 from lazyckpt._engine.memory import BufferPool, held_bytes
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.raw import Part, grouped, local_runs, mapped, read_parts
 from lazyckpt._engine.stored import StoredArray, stored_array
 from lazyckpt._lazy import LazyArray
-from lazyckpt._on_device import Shard, release_sent
 
 
 def direct_reads(array: LazyArray, fill: Sequence[tuple[Shard, Box]]) -> list[Read]:
@@ -55,11 +55,9 @@ def direct_reads(array: LazyArray, fill: Sequence[tuple[Shard, Box]]) -> list[Re
 
 SENT_ALONE = 8 << 20
 """The smallest piece `Senders` reads and sends; smaller ones go to the engine, which
-keeps up to half the budget in flight where each sending thread waits for one.
-Provisional: on the chip only 64 MiB pieces were measured; on CPU devices made to
-copy, 200 arrays of 1.56 MiB took 0.12-0.15 s through the engine against 0.18-0.26 s
-through the threads, 32 of 2 MiB a little less through the threads, 32 of 8 MiB
-alike."""
+keeps up to half the budget in flight where each sending thread waits for one
+(provisional: only 64 MiB pieces were measured on the chip). Measured:
+docs/benchmarks.md, section 29."""
 
 
 @attrs.frozen
@@ -82,10 +80,9 @@ class Senders:
     besides: within twice `limit`. A placement gives them half its budget, and its
     other half reads nothing meanwhile (the engine's fills come after).
 
-    Reading on the decoding threads and sending every piece from one thread (the
-    scheduler's completions) moved 2.7-3.0 GB/s on a TPU host: what the runtime does on
-    the host for each transfer ran one at a time. Here each thread sends and waits for
-    its own, and a piece's parts are read at once (docs/benchmarks.md, section 29).
+    Sent from one thread (the scheduler's completions), what the runtime does on the
+    host for each transfer ran one at a time; here each thread sends and waits for its
+    own, and a piece's parts are read at once (docs/benchmarks.md, section 29).
     """
 
     def __init__(self, limit: int, pool: BufferPool, progress: Progress | None) -> None:
@@ -295,14 +292,9 @@ KEPT_MAPS = 64
 
 SENT_FROM_MAPS = True
 """Whether a piece that is one run of the file's bytes (a whole tensor, a band of its
-rows) is sent from a map of the file's pages, with no read into a buffer of the pool.
-Measured on a TPU v5e host (gVisor), 3 GiB of 64 MiB bfloat16 pieces of a safetensors
-file in the page cache, 3 threads each sending one piece at a time: 9.7-10.0 GB/s from
-a map of each piece, 198-202 MiB of host memory at the peak, against 5.8-6.6 GB/s read
-into each thread's own buffer (in 16 MiB parts by 6 threads), where the first pieces
-alone took 0.2 s, faulting in fresh pages at about 1 GB/s. A map of the whole file
-was as fast but its pages stayed counted to the process there, 3 GiB at the peak
-(docs/benchmarks.md, section 29)."""
+rows) is sent from a map of the file's pages, with no read into a buffer of the pool:
+the runtime copies it straight out of the page cache, where fresh buffers are slow to
+fault in. Measured: docs/benchmarks.md, section 29."""
 
 _SENDERS = 3
 """Threads of `Senders`, each sending one piece at a time."""
@@ -311,11 +303,6 @@ _READERS = 6
 """Threads reading the senders' pieces, in parts of `READ_PART` bytes."""
 
 READ_PART = 16 << 20
-"""Bytes of a piece that one reading thread reads. One positioned read of a whole
-64 MiB piece moves about 2 GB/s on a TPU v5e host, and 4-6 threads reading whole
-pieces were slower than fewer threads reading parts. Measured there, 3 GiB of 64 MiB
-bfloat16 arrays from one safetensors file placed by lazyckpt (best of three, in a
-process that had placed them once), in GB/s: 3 senders and 6 readers of 16 MiB parts
-5.58-5.96 (three trials), of 32 MiB 5.6; 4 or 8 readers of 16 MiB 5.7-5.8; 2 senders
-5.1, 4 senders 5.7; 3 senders and 8 readers of 8 MiB 4.8; 4 senders each reading its
-own piece whole (no readers) 4.0-4.2 (docs/benchmarks.md, section 29)."""
+"""Bytes of a piece that one reading thread reads: several threads reading parts of a
+piece move more than one positioned read of it whole. Measured: docs/benchmarks.md,
+section 29."""

@@ -1,11 +1,11 @@
 """What requests for a URL over HTTP(S) send besides its place, for
-`lazyckpt._storage.web`: the `storage_options` of the call (`headers`, and a `token`
+`lazyckpt._storage.http.web`: the `storage_options` of the call (`headers`, and a `token`
 sent as `Authorization: Bearer TOKEN`), and what the URL itself carried (`given`): a
 user name and password, sent as HTTP Basic auth, and a query string (a pre-signed
 file's signature, `?X-Amz-Signature=...`), sent with each request for that file.
 
 Headers and credentials go to the URL's own origin only, never to a redirect target
-elsewhere (a signed CDN address), as the Hub's token does (`lazyckpt._storage.ranges`).
+elsewhere (a signed CDN address), as the Hub's token does (`lazyckpt._storage.http.range_reads`).
 They are checked before any request, and errors name the bad key, never a value (it
 may be a secret); nor is a URL's password or query ever shown (`lazyckpt._display`).
 A `WebFiles` takes its headers and queries when it is made, at open, so a tree keeps
@@ -26,8 +26,8 @@ import attrs
 
 from lazyckpt import _display
 from lazyckpt._errors import CheckpointNotFoundError, LazyTypeError, StorageAccessError
-from lazyckpt._storage.sites import SINGLE_FILES
-from lazyckpt._storage.transport import host
+from lazyckpt._storage.folders import SINGLE_FILES
+from lazyckpt._storage.http.transport import host
 from lazyckpt._text import printable
 
 ACCEPTED = ("headers", "token")

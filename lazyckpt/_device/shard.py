@@ -1,5 +1,5 @@
 """Programs that assemble a shard on an accelerator from pieces sent by the host
-(`lazyckpt._staged`): its buffer made on the device, pieces written into it in place,
+(`lazyckpt._device.staged`): its buffer made on the device, pieces written into it in place,
 and floats narrower than 32 bits made from the unsigned integers they were written as.
 
 Values arrive bit for bit. A transfer copies bytes, but a TPU computing on floats
@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lazyckpt import _programs as programs
 from lazyckpt._array.dtypes import finfo, issubdtype
 from lazyckpt._array.geometry import Box, box_shape
+from lazyckpt._device import programs
+from lazyckpt._device.platforms import all_copy
 from lazyckpt._errors import OverBudgetWarning, warn
 from lazyckpt._text import human_bytes
 
@@ -73,7 +74,7 @@ def _empty_fn(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) 
 
 
 def empty_program(shape: tuple[int, ...], dtype: np.dtype[Any], device: jax.Device) -> Any:
-    """The program behind `empty` for this shape, dtype and device (`_programs`:
+    """The program behind `empty` for this shape, dtype and device (`programs`:
     compiled, or loaded where an earlier process compiled it)."""
     return programs.compiled(_empty_fn(shape, np.dtype(dtype), device), (), device)
 
@@ -129,10 +130,9 @@ class Starts:
     once for all the shards of a placement that share it (most do).
 
     Given as host integers, a piece's starts were transfers of their own each time it
-    was written: on a TPU v5e host, calling the write program for 13 MiB pieces took
-    0.74 ms a piece alone and 4.54 ms while 12 threads decoded, against 0.15 and 1.41
-    with its starts already on the device (`benchmarks/bench_host_limits.py`,
-    docs/benchmarks.md section 29).
+    was written, and the write program's call cost several times more, most of all
+    while threads decode (`benchmarks/bench_host_limits.py`, docs/benchmarks.md,
+    section 29).
     """
 
     def __init__(self) -> None:
@@ -193,12 +193,12 @@ def changed_patterns(device: jax.Device, dtype: np.dtype[Any]) -> tuple[tuple[in
         patterns = np.arange(1 << (8 * unsigned.itemsize), dtype=unsigned)
         back = np.asarray(jax.device_get(bitcast(jax.device_put(patterns, device), dtype)))
         changed = np.flatnonzero(back.view(unsigned) != patterns)
-        CHANGED[key] = ranges(changed)
+        CHANGED[key] = runs(changed)
     return CHANGED[key]
 
 
-def ranges(values: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """Sorted integers as inclusive ranges of consecutive ones."""
+def runs(values: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Sorted integers as inclusive runs of consecutive ones."""
     if not len(values):
         return ()
     breaks = np.flatnonzero(np.diff(values) != 1)
@@ -208,31 +208,31 @@ def ranges(values: np.ndarray) -> tuple[tuple[int, int], ...]:
 
 
 @functools.cache
-def holds_fn(ranges: tuple[tuple[int, int], ...]) -> Any:
+def holds_fn(changed: tuple[tuple[int, int], ...]) -> Any:
     import jax
     import jax.numpy as jnp
 
     table = None
-    if len(ranges) > 16:  # scattered patterns: look each integer up instead
-        table = np.zeros(ranges[-1][1] + 1, bool)
-        for low, high in ranges:
+    if len(changed) > 16:  # scattered patterns: look each integer up instead
+        table = np.zeros(changed[-1][1] + 1, bool)
+        for low, high in changed:
             table[low : high + 1] = True
 
     def holds(x: jax.Array) -> jax.Array:
         if table is not None:
             return jnp.any(jnp.take(jnp.asarray(table), x, mode="fill", fill_value=False))
         found = jnp.zeros(x.shape, bool)
-        for low, high in ranges:
+        for low, high in changed:
             found = found | ((x >= low) & (x <= high))
         return jnp.any(found)
 
     return jax.jit(holds)
 
 
-def holds_any(buffer: jax.Array, ranges: tuple[tuple[int, int], ...]) -> bool:
-    """Whether any of `buffer`'s integers falls in `ranges` (on its device: integer
+def holds_any(buffer: jax.Array, changed: tuple[tuple[int, int], ...]) -> bool:
+    """Whether any of `buffer`'s integers falls in `changed` (on its device: integer
     comparisons, exact, one pass over its memory)."""
-    program = program_for(holds_fn(ranges), buffer.shape, buffer.dtype, _device(buffer))
+    program = program_for(holds_fn(changed), buffer.shape, buffer.dtype, _device(buffer))
     return bool(program(buffer))
 
 
@@ -243,8 +243,8 @@ def release_sent() -> None:
     Python reference; JAX drops those in a callback of Python's garbage collector
     (jax-ml/jax#14882) and when a jitted program is next called. lazyckpt pauses the
     collector while it places a tree (`gc_paused`), and a shard sent whole calls no
-    program: on a TPU host a sent 64 MiB array was still referenced 0.5 s after its
-    transfer, so the memory it was sent from was not filled again. This runs that
+    program: on a TPU host a sent array stayed referenced long after its transfer, so
+    the memory it was sent from was not filled again (docs/benchmarks.md, section 29). This runs that
     callback alone: no collection, which would run other objects' finalizers on
     lazyckpt's threads. A JAX without it is left to its own time.
     """
@@ -254,10 +254,6 @@ def release_sent() -> None:
         if getattr(callback, "__name__", "") == "_xla_gc_callback":
             callback("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
             return
-
-
-ADOPTING_PLATFORMS = frozenset({"cpu"})
-"""Device platforms whose arrays may be host buffers handed to them, not copies."""
 
 
 class Shard:
@@ -282,10 +278,10 @@ class Shard:
         self.raw = raw
         """Whether the shard stays as it is written (unsigned integers for floats
         narrower than 32 bits, even where sent whole), for a caller that computes on
-        its bits and makes it `dtype` itself (`lazyckpt._broadcast`)."""
+        its bits and makes it `dtype` itself (`lazyckpt._device.collective`)."""
         self.starts = starts if starts is not None else Starts()
         """Where pieces start, on the devices: shared by the shards of a placement."""
-        self.copies = all(str(d.platform) not in ADOPTING_PLATFORMS for d in self.devices)
+        self.copies = all_copy(self.devices)
         """Whether the devices copy what is sent out of host memory, which can then be
         used again once the transfer is done."""
         self.buffers: list[jax.Array] | None = None
@@ -296,7 +292,7 @@ class Shard:
     def prepare(
         self, compilers: concurrent.futures.Executor, pieces: Collection[tuple[int, ...]]
     ) -> None:
-        """Start compiling (or loading, `_programs`) the programs that make this shard's
+        """Start compiling (or loading, `programs`) the programs that make this shard's
         buffers and assemble it from pieces of the shapes `pieces` (others when they
         come). The buffers themselves are made by the first piece that is not the
         whole shard: a streamed shard may come whole, as one block."""

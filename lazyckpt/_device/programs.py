@@ -1,12 +1,11 @@
 """Programs for a device compiled once per machine, not once per process.
 
-Compiling the few programs that assemble a shard on an accelerator (`_on_device`) is
-most of a first placement's cost there. On a TPU v5e, compiling the five that place
-one 2 GiB array took 2.1 s and left 300 MiB of host memory with the process (XLA's
-compiler for the chip; measured since, a process's first transfer to the chip, of
-any size, takes 185 MiB of its own); loading the same five executables, compiled
-earlier and serialized, took 0.11 s and 11 MiB. So each program compiled is written to
-a cache folder, and a later process loads it instead of compiling.
+Compiling the few programs that assemble a shard on an accelerator (`shard`) is
+most of a first placement's cost there, in time and in host memory that XLA's
+compiler for the chip keeps, where loading the same executables, compiled earlier and
+serialized, costs a small part of either (docs/benchmarks.md, section 29). So each
+program compiled is written to a cache folder, and a later process loads it instead of
+compiling.
 
 The folder is `LAZYCKPT_CACHE_DIR/programs` (set and empty: no cache), else
 `$XDG_CACHE_HOME/lazyckpt/programs` (`~/.cache/lazyckpt/programs`); a relative path is

@@ -10,7 +10,7 @@ list, with each file's blob; every later read asks for `resolve/{commit}/...`, s
 push to the repository while a tree is open never mixes two revisions. The Hub
 resolves a branch or tag named as a commit before the commit itself, `resolve/`
 included: each answer must say it is the commit's (`X-Repo-Commit`) and name the
-listed blob (`lazyckpt._storage.answers.from_commit`), else it is refused.
+listed blob (`lazyckpt._storage.http.answers.from_commit`), else it is refused.
 
 What it resolves to:
 
@@ -19,10 +19,10 @@ What it resolves to:
 - an Orbax checkpoint (or a CheckpointManager root, a step, an item): its folder in
   the cache's snapshot, where the cache holds every file of it (after `hf download`);
 - else the `https://` URL of `resolve/{commit}/PATH` at the endpoint, registered with
-  `lazyckpt._storage.web` with its file list, the token and the local paths of the
+  `lazyckpt._storage.http.web` with its file list, the token and the local paths of the
   files the cache does hold (`Site.local`): those are read from disk, the others by
   Range requests (an Orbax checkpoint's by tensorstore's drivers, through
-  `lazyckpt._storage.relay`).
+  `lazyckpt._storage.http.relay`).
 
 Messages show neither place, but the `hf://` path of the commit
 (`hf://ORG/NAME@1a2b3c4/PATH`): both are registered with `lazyckpt._display`.
@@ -43,8 +43,9 @@ from lazyckpt._errors import (
     StorageAccessError,
     json_or_corrupt,
 )
-from lazyckpt._storage import ranges, sites, web_options
-from lazyckpt._storage.transport import said
+from lazyckpt._storage import folders
+from lazyckpt._storage.http import range_reads, web_options
+from lazyckpt._storage.http.transport import said
 from lazyckpt._text import printable
 
 SCHEME = "hf://"
@@ -62,7 +63,7 @@ _OFFLINE = (
     "flax_model.msgpack",
 )
 """What a model folder is found by in the cache, offline, after its safetensors index."""
-_SINGLE = sites.SINGLE_FILES
+_SINGLE = folders.SINGLE_FILES
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "checkpoint")
 """Files that make a folder an Orbax checkpoint (its tree; the legacy msgpack one), or
 one of the steps or items under it."""
@@ -185,18 +186,18 @@ def _resolve(hub: Any, repo_type: str, repo_id: str, revision: str | None, path:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     described = f"{repo_id} at {revision or 'main'}, commit {commit[:12]}"
     blobs = {name[len(prefix) :]: blob for name, blob in blobs.items() if name.startswith(prefix)}
-    site = sites.Site(tuple(inside), headers, (commit,), described, local=cached, blobs=blobs)
+    site = folders.Site(tuple(inside), headers, (commit,), described, local=cached, blobs=blobs)
     return _register(hub, repo_type, repo_id, commit, path, site)
 
 
 def _register(
-    hub: Any, repo_type: str, repo_id: str, commit: str, path: str, site: sites.Site
+    hub: Any, repo_type: str, repo_id: str, commit: str, path: str, site: folders.Site
 ) -> str:
     """The `resolve/` URL of `path` at `commit`, its folder registered with `site`."""
     folder = posixpath.dirname(path) if path.endswith(_FILES) else path
     base = _resolve_url(hub, repo_type, repo_id, commit)
     location = "/".join([base, *(p for p in folder.split("/") if p)])
-    sites.register(location, site)
+    folders.register(location, site)
     if path.endswith(_SINGLE):
         return f"{location}/{posixpath.basename(path)}"
     return location
@@ -395,7 +396,7 @@ def _info(
     url += "?blobs=true"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     named = f"{shown} (the Hub's API at {endpoint})"
-    answer = ranges.client().get(url, headers, limit=_INFO_LIMIT, named=named)
+    answer = range_reads.client().get(url, headers, limit=_INFO_LIMIT, named=named)
     code = answer.headers.get("x-error-code", "")
     status = answer.status
     if code == "GatedRepo":
@@ -471,8 +472,8 @@ def _cached(
 ) -> dict[str, str]:
     """The files of `wanted` that the cache holds at `commit`: their local paths, by
     name (links into the cache's blobs), from one walk of the commit's snapshot folder
-    (an Orbax checkpoint has thousands of files: asking the cache for each took 3 s
-    for 50,000)."""
+    (an Orbax checkpoint has thousands of files, and asking the cache for each costs a
+    lookup apiece)."""
     root = os.path.join(_snapshots(hub, repo_type, repo_id), commit, prefix)
     present = _present(root)
     found = {}

@@ -1,16 +1,15 @@
 """Files served over HTTP(S) (`https://host/path/model.safetensors`, and the Hugging Face
-Hub's `resolve/` URLs), read by byte ranges (`lazyckpt._storage.ranges`), for
+Hub's `resolve/` URLs), read by byte ranges (`lazyckpt._storage.http.range_reads`), for
 `lazyckpt._storage.paths`: read-only; a folder has no listing over plain HTTP, so it
-lists what `sites.register` gave (the Hub's file list at a pinned commit, or what a
-caller probed). A file whose copy is in the Hugging Face cache (`Site.local`) is read
-from that copy, on disk.
+lists what `folders.register` gave (the Hub's file list at a pinned commit, or what a
+format found by name). A file whose copy is in the Hugging Face cache (`Site.local`)
+is read from that copy, on disk.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-import re
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -22,21 +21,16 @@ from lazyckpt._errors import (
     CorruptCheckpointError,
     StorageAccessError,
 )
-from lazyckpt._storage import web_options
+from lazyckpt._storage.folders import cached_fix, describe, listing, local_copy, site
+from lazyckpt._storage.futures import RangeAnswer
+from lazyckpt._storage.http import web_options
+from lazyckpt._storage.http.range_reads import SAFE, WHOLE_LIMIT, Pin, client
+from lazyckpt._storage.http.transport import Into, Scatter
 from lazyckpt._storage.identities import FileIdentities
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.local import check_size, open_file, pread_into
 from lazyckpt._storage.metrics import count_direct
 from lazyckpt._storage.network import Stop
-from lazyckpt._storage.ranges import SAFE, WHOLE_LIMIT, Answer, Pin, client
-from lazyckpt._storage.sites import describe, listing, site
-from lazyckpt._storage.transport import Into, Scatter
-
-SCHEMES = ("http", "https")
-
-
-def is_web(path: str) -> bool:
-    return path.split("://", 1)[0] in SCHEMES if "://" in path else False
 
 
 def _headers(url: str) -> dict[str, str]:
@@ -82,7 +76,7 @@ class WebFiles:
         byte_range: slice | None = None,
         batch: ts.Batch | None = None,
         short: bool = False,
-    ) -> ts.Future[Answer]:
+    ) -> ts.Future[RangeAnswer]:
         """The bytes of `key` in `byte_range` (with `short`, up to the file's end);
         reads are not batched (`batch` is tensorstore's, for the same call shape)."""
         start = None if byte_range is None else byte_range.start
@@ -105,7 +99,7 @@ class WebFiles:
             with self._lock:
                 self._pins.setdefault(key, pin)
 
-    def read_into(self, key: str, start: int, into: Into) -> ts.Future[Answer]:
+    def read_into(self, key: str, start: int, into: Into) -> ts.Future[RangeAnswer]:
         """The bytes of `key` from `start`, read straight into `into` (all of it; a
         `Scatter`'s buffers in turn)."""
         return self._submit(key, start, start + len(into), into=into)
@@ -118,10 +112,10 @@ class WebFiles:
         *,
         short: bool = False,
         into: Into | None = None,
-    ) -> ts.Future[Answer]:
+    ) -> ts.Future[RangeAnswer]:
         url = f"{self.folder}/{urllib.parse.quote(key, safe=SAFE.replace('%', ''))}"
-        promise: ts.Promise[Answer]
-        future: ts.Future[Answer]
+        promise: ts.Promise[RangeAnswer]
+        future: ts.Future[RangeAnswer]
         promise, future = ts.Promise.new()
         local = local_copy(f"{self.folder}/{key}")
         if local is not None:  # in the Hugging Face cache: a few system calls, here
@@ -161,14 +155,6 @@ class WebFiles:
         return future
 
 
-def local_copy(path: str) -> str | None:
-    """The local file that holds the bytes of the file at `path` (its copy in the
-    Hugging Face cache, `Site.local`), or None where it is read over HTTP."""
-    folder, _, name = path.rstrip("/").rpartition("/")
-    found = listing(folder)
-    return found.local.get(name) if found is not None else None
-
-
 def read_cached(
     file: str,
     url: str,
@@ -179,7 +165,7 @@ def read_cached(
     limit: int = WHOLE_LIMIT,
     into: Into | None = None,
     identities: FileIdentities | None = None,
-) -> Answer:
+) -> RangeAnswer:
     """The bytes `[start, stop)` of `file`, the local copy of the file at `url` (the
     whole file, up to `limit` bytes, without a range; with `short`, fewer where it ends
     before `stop`), answered as `Client.read` answers for the file over HTTP, with its
@@ -215,7 +201,7 @@ def read_cached(
         if done < wanted:  # shortened since `fstat`
             raise _short_copy(file, url, low + done, high)
         count_direct(done)
-        return Answer("value", b"" if isinstance(data, Scatter) else data, size)
+        return RangeAnswer("value", b"" if isinstance(data, Scatter) else data, size)
     finally:
         os.close(fd)
 
@@ -227,50 +213,6 @@ def _short_copy(file: str, url: str, size: int, needed: int) -> CorruptCheckpoin
         f"{describe(url)}: its copy in the Hugging Face cache holds {size} bytes, fewer "
         f"than the {needed} needed; the cached file is truncated: {cached_fix(file)}"
     )
-
-
-_SNAPSHOT = re.compile(r"(models|datasets|spaces)--([^/]+)/snapshots/([^/]+)/(.+)")
-"""A file of a snapshot folder of the Hugging Face cache: its repository's kind, its
-id with `--` for `/` (which no id holds), its commit, and its name."""
-
-
-def cached_copy(file: str) -> str | None:
-    """The file of the Hugging Face cache that holds the bytes of `file`: an `hf://`
-    file's local copy, or `file` itself where it is in a snapshot folder (a model
-    opened from the folder `snapshot_download` gave); None for any other file."""
-    local = local_copy(file)
-    if local is not None:
-        return local
-    local = file.replace(os.sep, "/")
-    return local if "://" not in local and _SNAPSHOT.search(local) else None
-
-
-def cached_fix(file: str) -> str:
-    """What to do about a damaged file in the Hugging Face cache (`file`, its path in
-    a snapshot folder): `hf_hub_download` alone returns the damaged copy as it is."""
-    again = "hf_hub_download(..., force_download=True)"
-    found = _SNAPSHOT.search(file.replace(os.sep, "/"))
-    if found is not None:
-        kind, repo, commit, name = found.groups()
-        typed = "" if kind == "models" else f", repo_type={kind[:-1]!r}"
-        again = (
-            f"hf_hub_download({repo.replace('--', '/')!r}, {name!r}, revision={commit!r}"
-            f"{typed}, force_download=True)"
-        )
-    return (
-        f"downloading it again as usual returns the damaged copy as it is: fetch it again "
-        f"with {again}, or delete it from the cache (`hf cache rm`, or remove it and its "
-        f"blob {os.path.realpath(file)}) and download it again"
-    )
-
-
-def redownload(file: str) -> str:
-    """The fix for a damaged `file`: downloaded or copied again, or, where it is the
-    Hugging Face cache's copy, fetched again past the cache (`cached_fix`)."""
-    local = cached_copy(file)
-    if local is None:
-        return "download or copy it again"
-    return f"and it is the Hugging Face cache's copy: {cached_fix(local)}"
 
 
 class WebFolders:

@@ -1,18 +1,20 @@
-"""Reading the placements of a matched tree: each onto its sharding, or into a NumPy
+"""The route of each placement of a matched tree: onto its sharding, or into a NumPy
 array; shared by `load` and `device_put`. jax is imported only where an array goes to
 devices, whose sharding has imported it: `load` never does."""
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import attrs
 import numpy as np
 
 from lazyckpt import _text
 from lazyckpt._array.dtypes import LONG_DOUBLES, issubdtype
-from lazyckpt._array.geometry import Box
-from lazyckpt._array.tree import leaf_values, map_leaves
+from lazyckpt._array.tree import map_leaves
+from lazyckpt._device.staged import Regions, Staged, put_staged, staged
 from lazyckpt._engine.coalesced import schedule_coalesced
 from lazyckpt._engine.fill import schedule_fill, stored_bytes
 from lazyckpt._engine.memory import Destination, check_total
@@ -22,11 +24,10 @@ from lazyckpt._engine.small import is_small, read_small
 from lazyckpt._engine.stored import stores
 from lazyckpt._errors import LazyTypeError, ShardingError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._placement.target import Placement
 from lazyckpt._sizes import Size, optional_size
-from lazyckpt._staged import put_staged, staged
 from lazyckpt._storage import multihost
 from lazyckpt._storage.kvstore import check_unchanged
-from lazyckpt._target import Placement
 
 if TYPE_CHECKING:
     import jax
@@ -35,6 +36,51 @@ if TYPE_CHECKING:
 ReadResult: TypeAlias = "Destination | np.ndarray | jax.Array"
 """What a placement's read leaves: a filled host buffer, or an array (typed PRNG keys,
 shards placed on devices)."""
+
+
+class Route(enum.Enum):
+    """How one placement is read, decided before any read of the job (`_route`); the one
+    later change: `_read_here` turns TO_HOST into COALESCED for arrays it reads over HTTP."""
+
+    BROADCAST = "replicated across processes: read by the job together (`collective`)"
+    SMALL_TO_DEVICES = "a small whole array for devices: read in batches, put in one call"
+    COALESCED = "a whole array to host over HTTP: read in large ranges of its data files"
+    SMALL_TO_HOST = "a small whole array to host: read in batches"
+    TO_HOST = "read whole into a NumPy array (typed PRNG keys: a jax.Array of keys)"
+    STAGED = "bound for accelerators: sent in pieces within the budget (`staged`)"
+    PUT = "a host buffer per distinct region, handed to the devices (CPUs adopt it)"
+
+
+@attrs.define(eq=False)
+class Routed:
+    """One placement of a job, with what was resolved about it before any read: its route and,
+    bound for devices, the distinct regions this process holds."""
+
+    at: int
+    """Its position in the job: the key of its result."""
+    placement: Placement
+    route: Route
+    to_accelerator: bool
+    """Whether some device of this process it is bound for is sent pieces (`staged`)."""
+    regions: Regions = attrs.field(factory=dict)
+    """The distinct regions this process's devices hold, with their devices (resolved
+    in `_read_here`; none for the host and the broadcasts)."""
+
+    @property
+    def array(self) -> LazyArray:
+        return self.placement.array
+
+    @property
+    def sharding(self) -> Sharding:
+        assert self.placement.sharding is not None, "bound for the host"
+        return self.placement.sharding
+
+
+@attrs.frozen
+class _Slot:
+    """A placement's place in the plan while the job reads it (`at`: its position)."""
+
+    at: int
 
 
 def materialize(
@@ -47,11 +93,19 @@ def materialize(
 ) -> Any:
     """`plan` with every `Placement` read: onto its sharding, or into a NumPy array;
     with `broadcast`, arrays replicated across processes are each read once by the
-    job and spread by JAX (`_broadcast`). Its callers, `load` and `device_put`, pause
+    job and spread by JAX (`collective`). Its callers, `load` and `device_put`, pause
     the garbage collector around it (`gc_paused`)."""
-    placements = [leaf for leaf in leaf_values(plan) if isinstance(leaf, Placement)]
-    total = stored_bytes(p.array for p in placements)
-    with shown(progress, total, label) as bar:
+    placements: list[Placement] = []
+
+    def slot(leaf: object) -> object:
+        if not isinstance(leaf, Placement):
+            return leaf
+        placements.append(leaf)
+        return _Slot(len(placements) - 1)
+
+    slotted = map_leaves(slot, plan)
+    arrays = [p.array for p in placements]
+    with shown(progress, stored_bytes(arrays), label) as bar:
         on_devices = [p for p in placements if p.sharding is not None]
         for placement in on_devices:  # (before any read)
             _check_jax_dtype(placement)
@@ -62,30 +116,47 @@ def materialize(
                 "every process must call device_put with the same tree, the same shardings "
                 "and the same broadcast=",
             )
-        spread = _spread(on_devices) if broadcast else []
-        for placement in spread:  # (a sharding that cannot lay it out fails on every process)
-            assert placement.sharding is not None
-            _regions(placement.array, placement.sharding)
+        spread = _spread(placements) if broadcast else set()
+        jobs = [_route(at, p, at in spread) for at, p in enumerate(placements)]
+        broadcasts = [job for job in jobs if job.route is Route.BROADCAST]
+        for job in broadcasts:  # (a sharding that cannot lay it out fails on every process)
+            _regions(job.array, job.sharding)
         results: dict[int, ReadResult] = {}
         failure: Exception | None = None
         budget = None
         try:
             budget = optional_size("memory_budget", memory_budget)  # (agreed on below if bad)
-            check_total(label, [(p.array.key, p.array.nbytes) for p in placements if _in_host(p)])
+            check_total(label, [(job.array.key, job.array.nbytes) for job in jobs if _in_host(job)])
             scheduler = Scheduler(budget, bar)
-            _read_here(placements, {id(p) for p in spread}, scheduler, results)
+            _read_here(jobs, scheduler, results)
         except Exception as error:
-            if not spread:
+            if not broadcasts:
                 raise
             failure = error  # (raised once every process knows, before any collective)
-        if spread:
-            from lazyckpt._broadcast import agree_read, put
+        if broadcasts:
+            from lazyckpt._device.collective import agree_read, put
 
-            agree_read(failure, [p.array.key for p in spread])
-            results.update(put(spread, budget, bar))
+            agree_read(failure, [job.array.key for job in broadcasts])
+            placed = put([job.placement for job in broadcasts], budget, bar)
+            results.update((job.at, array) for job, array in zip(broadcasts, placed, strict=True))
     # Everything was read from the checkpoints as they were opened, or it is refused.
-    check_unchanged(stores(p.array for p in placements))
-    return map_leaves(lambda x: _result(results, x) if isinstance(x, Placement) else x, plan)
+    check_unchanged(stores(arrays))
+    return map_leaves(lambda x: _result(results, x.at) if isinstance(x, _Slot) else x, slotted)
+
+
+def _route(at: int, placement: Placement, spread: bool) -> Routed:
+    """`placement`'s route, its stored array and sharding asked about once; whole
+    arrays to host that `_read_here` reads coalesced are routed there later."""
+    array, sharding = placement.array, placement.sharding
+    if sharding is None:
+        small = not array.key_impl and is_small(array)
+        return Routed(at, placement, Route.SMALL_TO_HOST if small else Route.TO_HOST, False)
+    if spread:  # (its regions are the collective's, `collective._plan`)
+        return Routed(at, placement, Route.BROADCAST, False)
+    sent = staged(sharding)
+    if sharding.is_fully_addressable and not array.key_impl and is_small(array):
+        return Routed(at, placement, Route.SMALL_TO_DEVICES, sent)
+    return Routed(at, placement, Route.STAGED if sent and not array.key_impl else Route.PUT, sent)
 
 
 def _check_jax_dtype(placement: Placement) -> None:
@@ -128,102 +199,81 @@ def _refused(dtype: np.dtype[Any], device: Any) -> str | None:
     return None
 
 
-def _in_host(placement: Placement) -> bool:
-    """Whether `placement`'s result is held in this process's memory: a NumPy array,
-    or one whose devices are all this process's CPUs."""
-    sharding = placement.sharding
-    return sharding is None or (sharding.is_fully_addressable and not staged(sharding))
+def _in_host(job: Routed) -> bool:
+    """Whether `job`'s result is held in this process's memory: a NumPy array, or one
+    whose devices are all this process's CPUs."""
+    sharding = job.placement.sharding
+    return sharding is None or (sharding.is_fully_addressable and not job.to_accelerator)
 
 
-def _spread(on_devices: list[Placement]) -> list[Placement]:
-    """The placements to place by broadcast, in a run of several processes."""
+def _spread(placements: list[Placement]) -> set[int]:
+    """The positions of the placements to place by broadcast, in a run of several
+    processes."""
+    on_devices = [(at, p) for at, p in enumerate(placements) if p.sharding is not None]
     if not on_devices or multihost.count() == 1:
-        return []
-    from lazyckpt._broadcast import broadcastable  # (jax's: the shardings imported it)
+        return set()
+    from lazyckpt._device.collective import broadcastable  # (jax's: the shardings imported it)
 
-    return [p for p in on_devices if broadcastable(p)]
+    return {at for at, p in on_devices if broadcastable(p)}
 
 
-def _read_here(
-    placements: list[Placement],
-    skip: set[int],
-    scheduler: Scheduler,
-    results: dict[int, ReadResult],
-) -> None:
-    """Read every placement but those in `skip` (by `id`) by this process alone:
-    whole arrays of a checkpoint over HTTP in coalesced ranges, small whole arrays
-    in batches, the others each on its own."""
-    small_on_devices = [
-        p
-        for p in placements
-        if p.sharding is not None
-        and p.sharding.is_fully_addressable
-        and not p.array.key_impl
-        and is_small(p.array)
-    ]
-    for placement in small_on_devices:  # (a sharding that cannot lay it out, before any read)
-        assert placement.sharding is not None
-        _regions(placement.array, placement.sharding)
-    to_host = [p for p in placements if p.sharding is None and not p.array.key_impl]
-    coalesced: set[int] = set()
-    for at, destination in schedule_coalesced([p.array for p in to_host], scheduler).items():
-        coalesced.add(id(to_host[at]))
-        results[id(to_host[at])] = destination
-    small_on_host = [p for p in to_host if id(p) not in coalesced and is_small(p.array)]
-    host_values = read_small([p.array for p in small_on_host], scheduler)
-    read_whole = {id(p) for p in small_on_host + small_on_devices} | coalesced
-    # Bound for accelerators: sent in pieces once the others are read.
-    sent: list[Placement] = []
-    work: list[tuple[LazyArray, Sharding, dict[Box, list[jax.Device]]]] = []
-    for placement in placements:
-        if id(placement) in read_whole or id(placement) in skip:
-            continue
-        if placement.sharding is None:
-            _schedule_load(placement, scheduler, results)
-        elif not placement.array.key_impl and staged(placement.sharding):
+def _read_here(jobs: list[Routed], scheduler: Scheduler, results: dict[int, ReadResult]) -> None:
+    """Read every job but the broadcasts by this process alone, route by route: whole
+    arrays of a checkpoint over HTTP in coalesced ranges, small whole arrays in
+    batches, the others each on its own; those bound for accelerators last."""
+    routes: dict[Route, list[Routed]] = {route: [] for route in Route}
+    for job in jobs:
+        sharding = job.placement.sharding
+        if sharding is not None and job.route is not Route.BROADCAST:
             # (a sharding that cannot lay it out is refused here, before any read)
-            regions = _regions(placement.array, placement.sharding)
-            sent.append(placement)
-            work.append((placement.array, placement.sharding, regions))
-        else:
-            _schedule_put(placement, placement.sharding, scheduler, results)
+            job.regions = _regions(job.array, sharding)
+    to_host = [j for j in jobs if j.placement.sharding is None and not j.array.key_impl]
+    for at, destination in schedule_coalesced([j.array for j in to_host], scheduler).items():
+        to_host[at].route = Route.COALESCED
+        results[to_host[at].at] = destination
+    for job in jobs:
+        routes[job.route].append(job)
+    host_values = read_small([j.array for j in routes[Route.SMALL_TO_HOST]], scheduler)
+    for job in jobs:
+        if job.route is Route.TO_HOST:
+            _schedule_load(job.array, scheduler, results, job.at)
+        elif job.route is Route.PUT:
+            _schedule_put(job, scheduler, results)
     scheduler.drain()
-    for placement, values in zip(small_on_host, host_values, strict=True):
-        results[id(placement)] = values  # (filled as their reads finished)
-    _put_small(small_on_devices, scheduler, results)
-    if sent:
+    for job, values in zip(routes[Route.SMALL_TO_HOST], host_values, strict=True):
+        results[job.at] = values  # (filled as their reads finished)
+    _put_small(routes[Route.SMALL_TO_DEVICES], scheduler, results)
+    if routes[Route.STAGED]:
+        work = [Staged(job.array, job.sharding, job.regions) for job in routes[Route.STAGED]]
         placed = put_staged(work, scheduler.budget, scheduler.progress)
-        results.update((id(p), array) for p, array in zip(sent, placed, strict=True))
+        results.update((j.at, array) for j, array in zip(routes[Route.STAGED], placed, strict=True))
 
 
-def _put_small(
-    placements: list[Placement], scheduler: Scheduler, results: dict[int, ReadResult]
-) -> None:
+def _put_small(jobs: list[Routed], scheduler: Scheduler, results: dict[int, ReadResult]) -> None:
     """Read small arrays bound for devices in batches, each batch's host values
     within the budget, then put each batch on its devices in one call."""
-    while placements:
+    while jobs:
         size, count = 0, 0
-        while count < len(placements) and (
-            not count or size + placements[count].array.nbytes <= scheduler.budget
+        while count < len(jobs) and (
+            not count or size + jobs[count].array.nbytes <= scheduler.budget
         ):
-            size += placements[count].array.nbytes
+            size += jobs[count].array.nbytes
             count += 1
-        batch, placements = placements[:count], placements[count:]
-        values = read_small([p.array for p in batch], scheduler)
+        batch, jobs = jobs[:count], jobs[count:]
+        values = read_small([job.array for job in batch], scheduler)
         scheduler.drain()
         import jax  # (the shardings imported it)
 
-        shardings = [p.sharding for p in batch if p.sharding is not None]
-        placed = jax.device_put(values, shardings)
-        if any(staged(sharding) for sharding in shardings):
+        placed = jax.device_put(values, [job.sharding for job in batch])
+        if any(job.to_accelerator for job in batch):
             jax.block_until_ready(placed)  # (the host values are held until sent)
-        for placement, array in zip(batch, placed, strict=True):
-            results[id(placement)] = array
+        for job, array in zip(batch, placed, strict=True):
+            results[job.at] = array
         del values, placed
 
 
-def _result(results: dict[int, ReadResult], placement: Placement) -> np.ndarray | jax.Array:
-    found = results[id(placement)]
+def _result(results: dict[int, ReadResult], at: int) -> np.ndarray | jax.Array:
+    found = results[at]
     return found.buffer() if isinstance(found, Destination) else found
 
 
@@ -238,19 +288,18 @@ def _describe(placement: Placement) -> str:
 
 
 def _schedule_load(
-    placement: Placement, scheduler: Scheduler, results: dict[int, ReadResult]
+    array: LazyArray, scheduler: Scheduler, results: dict[int, ReadResult], at: int
 ) -> None:
     """Read the whole view into a NumPy array (typed PRNG keys: a jax.Array of keys)."""
-    array = placement.array
     if array.key_impl:
-        results[id(placement)] = array.get()  # typed keys are small
+        results[at] = array.get()  # typed keys are small
         return
     destination = Destination(tuple((0, n) for n in array.shape), array.dtype, key=array.key)
     schedule_fill(array, [destination], scheduler, lambda: None)
-    results[id(placement)] = destination
+    results[at] = destination
 
 
-def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]]:
+def _regions(array: LazyArray, sharding: Sharding) -> Regions:
     """Distinct regions of the array held by this process's devices, with their devices."""
     try:
         indices = sharding.addressable_devices_indices_map(array.shape)
@@ -262,7 +311,7 @@ def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]
             "or slice the array first"
         ) from None
     # Replicas hold the same region: each distinct region is read once.
-    regions: dict[Box, list[jax.Device]] = {}
+    regions: Regions = {}
     for device, index in indices.items():
         index = index if index is not None else (slice(None),) * array.ndim
         region = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
@@ -270,23 +319,18 @@ def _regions(array: LazyArray, sharding: Sharding) -> dict[Box, list[jax.Device]
     return regions
 
 
-def _schedule_put(
-    placement: Placement, sharding: Sharding, scheduler: Scheduler, results: dict[int, ReadResult]
-) -> None:
+def _schedule_put(job: Routed, scheduler: Scheduler, results: dict[int, ReadResult]) -> None:
     """Fill one host buffer per distinct region, then hand them to the devices."""
     import jax  # (the sharding imported it)
 
-    array = placement.array
-    regions = _regions(array, sharding)
+    array, sharding, regions = job.array, job.sharding, job.regions
     if array.key_impl:
         # Typed keys are small: read each region as keys, then place them.
         shards: list[jax.Array] = []
         for region, devices in regions.items():
             keys = array[tuple(slice(*r) for r in region)].get()
             shards.extend(jax.device_put(keys, device) for device in devices)
-        results[id(placement)] = jax.make_array_from_single_device_arrays(
-            array.shape, sharding, shards
-        )
+        results[job.at] = jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
         return
     destinations = [
         Destination(region, array.dtype, aligned=True, key=array.key) for region in regions
@@ -303,9 +347,7 @@ def _schedule_put(
                 jax.device_put(destination.buffer(), device, may_alias=i == 0)
                 for i, device in enumerate(devices)
             )
-        results[id(placement)] = jax.make_array_from_single_device_arrays(
-            array.shape, sharding, shards
-        )
+        results[job.at] = jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
         destinations.clear()
 
     schedule_fill(array, destinations, scheduler, finish)

@@ -1,11 +1,13 @@
-"""The folders over HTTP(S) whose files lazyckpt knows, and how to ask for them: a
-folder of the Hugging Face Hub listed at a pinned commit (`lazyckpt._storage.hub`),
-or a folder whose files a caller probed (`lazyckpt._safetensors.over_http`); a URL
-has no listing of its own."""
+"""The folders at a URL whose files lazyckpt knows, and how to ask for them: a folder of
+the Hugging Face Hub listed at a pinned commit (`lazyckpt._storage.http.hub`), or one
+whose files a format found by name (`register`; a URL has no listing of its own); and
+where a file's bytes lie in the Hugging Face cache (`local_copy`, `cached_fix`)."""
 
 from __future__ import annotations
 
+import os
 import posixpath
+import re
 import threading
 from collections.abc import Iterator
 
@@ -32,7 +34,7 @@ class Site:
     blobs: dict[str, str] = attrs.field(factory=dict)
     """What the Hub's listing gives as each file's blob, by name: an LFS file's sha256,
     another's git blob id; what the Hub's answers for the file must name (its
-    `X-Linked-Etag` or `ETag`: `lazyckpt._storage.answers.from_commit`)."""
+    `X-Linked-Etag` or `ETag`: `lazyckpt._storage.http.answers.from_commit`)."""
     asked: tuple[str, ...] | None = None
     """Over plain HTTP, the names a caller asked for, of which `names` are those that
     were there: the folder may hold others, which no listing shows. None where
@@ -128,3 +130,55 @@ def probed(folder: str) -> bool:
 def describe(path: str) -> str:
     found = site(path)
     return f"{path} ({found.describe})" if found is not None and found.describe else path
+
+
+def local_copy(path: str) -> str | None:
+    """The local file that holds the bytes of the file at `path` (its copy in the
+    Hugging Face cache, `Site.local`), or None where it is read over HTTP."""
+    folder, _, name = path.rstrip("/").rpartition("/")
+    found = listing(folder)
+    return found.local.get(name) if found is not None else None
+
+
+_SNAPSHOT = re.compile(r"(models|datasets|spaces)--([^/]+)/snapshots/([^/]+)/(.+)")
+"""A file of a snapshot folder of the Hugging Face cache: its repository's kind, its
+id with `--` for `/` (which no id holds), its commit, and its name."""
+
+
+def cached_copy(file: str) -> str | None:
+    """The file of the Hugging Face cache that holds the bytes of `file`: an `hf://`
+    file's local copy, or `file` itself where it is in a snapshot folder (a model
+    opened from the folder `snapshot_download` gave); None for any other file."""
+    local = local_copy(file)
+    if local is not None:
+        return local
+    local = file.replace(os.sep, "/")
+    return local if "://" not in local and _SNAPSHOT.search(local) else None
+
+
+def cached_fix(file: str) -> str:
+    """What to do about a damaged file in the Hugging Face cache (`file`, its path in
+    a snapshot folder): `hf_hub_download` alone returns the damaged copy as it is."""
+    again = "hf_hub_download(..., force_download=True)"
+    found = _SNAPSHOT.search(file.replace(os.sep, "/"))
+    if found is not None:
+        kind, repo, commit, name = found.groups()
+        typed = "" if kind == "models" else f", repo_type={kind[:-1]!r}"
+        again = (
+            f"hf_hub_download({repo.replace('--', '/')!r}, {name!r}, revision={commit!r}"
+            f"{typed}, force_download=True)"
+        )
+    return (
+        f"downloading it again as usual returns the damaged copy as it is: fetch it again "
+        f"with {again}, or delete it from the cache (`hf cache rm`, or remove it and its "
+        f"blob {os.path.realpath(file)}) and download it again"
+    )
+
+
+def redownload(file: str) -> str:
+    """The fix for a damaged `file`: downloaded or copied again, or, where it is the
+    Hugging Face cache's copy, fetched again past the cache (`cached_fix`)."""
+    local = cached_copy(file)
+    if local is None:
+        return "download or copy it again"
+    return f"and it is the Hugging Face cache's copy: {cached_fix(local)}"

@@ -1,4 +1,4 @@
-"""What an answer to one of `lazyckpt._storage.ranges`' requests must hold, and the
+"""What an answer to one of `lazyckpt._storage.http.range_reads`' requests must hold, and the
 errors that name, for the file asked for, what it held instead and what to do.
 
 - A 206's `Content-Range` must hold exactly the bytes asked for (or those up to the
@@ -27,8 +27,8 @@ from lazyckpt._errors import (
     warn,
 )
 from lazyckpt._storage import network
-from lazyckpt._storage.sites import describe
-from lazyckpt._storage.transport import Response, host, said, split_url
+from lazyckpt._storage.folders import describe
+from lazyckpt._storage.http.transport import Response, host, said, split_url
 
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
 _UNSATISFIED = re.compile(r"bytes \*/([0-9]{1,19})", re.ASCII)

@@ -15,14 +15,14 @@ whose spec leaves out mesh axes that span several processes) is placed so:
    as its output sharding, gives every device its whole region. XLA makes it one
    all-reduce within each group, over the devices' interconnect.
 
-Where the devices copy out of host memory (TPUs, GPUs: `lazyckpt._staged`), no
+Where the devices copy out of host memory (TPUs, GPUs: `lazyckpt._device.staged`), no
 region is held whole on the host: this process's parts of an array are sent in pieces
 within the budget (`send_shards`, each stored chunk read once for all of them), each
 to the first of its region's devices here, as they are written there (unsigned
 integers for floats narrower than 32 bits, which every device copies exactly), and
 written into zeros made on the device; the other devices make their zeros
 themselves. After the maximum, such floats are made themselves as any shard placed
-in pieces is (`lazyckpt._on_device.finish`).
+in pieces is (`lazyckpt._device.shard.finish`).
 
 Before any data moves between devices, the processes agree that every process read
 its parts, made its shards of the arrays of shares and compiled the all-reduces (a
@@ -50,16 +50,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lazyckpt import _on_device, _staged
 from lazyckpt._array.geometry import Box, box_shape
+from lazyckpt._device import shard, staged
+from lazyckpt._device.platforms import any_staged
 from lazyckpt._engine.fill import schedule_fill
 from lazyckpt._engine.memory import Destination, result_empty
 from lazyckpt._engine.progress import Progress
 from lazyckpt._engine.scheduler import Scheduler
 from lazyckpt._errors import LazyckptError
 from lazyckpt._lazy import LazyArray
+from lazyckpt._placement.target import Placement
 from lazyckpt._storage import multihost
-from lazyckpt._target import Placement
 
 
 @attrs.frozen(eq=False)
@@ -77,6 +78,8 @@ class _Region:
 
 @attrs.frozen(eq=False)
 class _Plan:
+    at: int
+    """The placement's position among those `put` places."""
     placement: Placement
     sharding: NamedSharding
     spread: NamedSharding
@@ -143,9 +146,9 @@ def _bits(dtype: Any) -> Any:
 
 def put(
     placements: Sequence[Placement], memory_budget: int | None, bar: Progress | None
-) -> dict[int, jax.Array]:
-    """Place each of `placements` (all `broadcastable`) by broadcast; by `id`."""
-    plans = [_plan(p) for p in placements]
+) -> list[jax.Array]:
+    """Each of `placements` (all `broadcastable`) placed by broadcast, in their order."""
+    plans = [_plan(at, p) for at, p in enumerate(placements)]
     # Each batch ends in collectives, so every process must cut the same batches: by
     # the largest host bytes any process needs, within the smallest budget (in KiB).
     budget = Scheduler(memory_budget).budget
@@ -166,14 +169,14 @@ def put(
         results.update(_place(batch, memory_budget, bar, failures))
     if failures:
         raise failures[0]
-    return results
+    return [results[at] for at in range(len(plans))]
 
 
 def _kib(nbytes: int) -> int:
     return min(-(-nbytes // 1024), (1 << 31) - 1)  # (an int32 for the collective)
 
 
-def _plan(placement: Placement) -> _Plan:
+def _plan(at: int, placement: Placement) -> _Plan:
     array, sharding = placement.array, placement.sharding
     assert isinstance(sharding, NamedSharding)
     axes = _replica_axes(sharding)
@@ -194,7 +197,7 @@ def _plan(placement: Placement) -> _Plan:
         part = _parts(array, region, replicas)[replica]
         if part is not None and part not in found.parts:
             found.parts.append(part)
-    return _Plan(placement, sharding, spread, replicas, list(regions.values()))
+    return _Plan(at, placement, sharding, spread, replicas, list(regions.values()))
 
 
 def _parts(array: LazyArray, region: Box, count: int) -> list[Box | None]:
@@ -247,14 +250,14 @@ def _place(
     combines = []
     failure: BaseException | None = None
     # (the programs compiled, or loaded, while the reads run)
-    with concurrent.futures.ThreadPoolExecutor(_staged.COMPILERS) as compilers:
+    with concurrent.futures.ThreadPoolExecutor(staged.COMPILERS) as compilers:
         try:
             compiling = [
                 compilers.submit(_compile_maximum, plan, s)
                 for plan, s in zip(plans, sent, strict=True)
             ]
-            staged = [plan for plan, s in zip(plans, sent, strict=True) if s]
-            preparing = [f for plan in staged for f in _prepare(plan, compilers)]
+            sending = [plan for plan, s in zip(plans, sent, strict=True) if s]
+            preparing = [f for plan in sending for f in _prepare(plan, compilers)]
             scheduler = Scheduler(memory_budget, bar)
             read = [
                 None if s else _schedule(p, scheduler) for p, s in zip(plans, sent, strict=True)
@@ -262,7 +265,7 @@ def _place(
             scheduler.drain()
             for future in preparing:
                 future.result()
-            parts = iter(_send_parts(staged, scheduler.budget, bar))
+            parts = iter(_send_parts(sending, scheduler.budget, bar))
             for plan, buffers in zip(plans, read, strict=True):
                 shards = _from_host(plan, buffers) if buffers is not None else next(parts)
                 shape = (plan.replicas, *plan.placement.array.shape)
@@ -281,7 +284,7 @@ def _place(
     results = {}
     for plan, placed in zip(plans, reduced, strict=True):
         try:
-            results[id(plan.placement)] = _finish(plan, placed)
+            results[plan.at] = _finish(plan, placed)
         except Exception as error:  # noqa: BLE001 - raised by `put`, after every batch
             failures.append(error)
     return results
@@ -291,9 +294,7 @@ def _compile_maximum(plan: _Plan, sent: bool) -> Any:
     """`plan`'s all-reduce, compiled for its array of shares (of the values, or as they
     are written on the devices where its parts are `sent`)."""
     dtype = np.dtype(plan.placement.array.dtype)
-    shares = (
-        _on_device.device_dtype(dtype) if sent else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-    )
+    shares = shard.device_dtype(dtype) if sent else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     shape = (plan.replicas, *plan.placement.array.shape)
     abstract = jax.ShapeDtypeStruct(shape, shares, sharding=plan.spread)
     return _maximum(dtype.name, shares.name, plan.sharding).lower(abstract).compile()
@@ -304,17 +305,15 @@ def _prepare(
 ) -> list[concurrent.futures.Future[Any]]:
     """Start compiling (or loading) the programs that make `plan`'s shares on its
     devices here: zeros of each region, and each part written into them."""
-    dtype = _on_device.device_dtype(np.dtype(plan.placement.array.dtype))
+    dtype = shard.device_dtype(np.dtype(plan.placement.array.dtype))
     futures = []
     for region in plan.regions:
         shape = (1, *box_shape(region.region))
         for i, (device, _) in enumerate(region.devices):
-            futures.append(compilers.submit(_on_device.empty_program, shape, dtype, device))
+            futures.append(compilers.submit(shard.empty_program, shape, dtype, device))
             for part in region.parts if i == 0 else []:
                 piece = box_shape(part)
-                futures.append(
-                    compilers.submit(_on_device.write_program, shape, piece, dtype, device)
-                )
+                futures.append(compilers.submit(shard.write_program, shape, piece, dtype, device))
     return futures
 
 
@@ -322,8 +321,7 @@ def _sent(plan: _Plan) -> bool:
     """Whether `plan`'s parts are sent to its devices in pieces: its mesh's devices
     copy out of host memory. Decided from the whole mesh, so that every process runs
     the same programs."""
-    platforms = {str(d.platform) for d in plan.sharding.mesh.devices.flat}
-    return not platforms.isdisjoint(_staged.STAGED_PLATFORMS)
+    return any_staged(plan.sharding.mesh.devices.flat)
 
 
 def agree_read(failure: BaseException | None, keys: Sequence[str]) -> None:
@@ -391,22 +389,22 @@ def _send_parts(plans: list[_Plan], budget: int, bar: Progress | None) -> list[l
         for plan in plans
     ]
     reading = [(array, parts) for array, parts in work if parts]  # (some read nothing here)
-    done = iter(_staged.send_shards(reading, budget, bar, raw=True) if reading else [])
+    done = iter(staged.send_shards(reading, budget, bar, raw=True) if reading else [])
     sent = [next(done) if parts else [] for _, parts in work]
     out = []
     for plan, buffers in zip(plans, sent, strict=True):
-        dtype = _on_device.device_dtype(np.dtype(plan.placement.array.dtype))
+        dtype = shard.device_dtype(np.dtype(plan.placement.array.dtype))
         at = iter(buffers)
         shards = []
         for region in plan.regions:
             shape = (1, *box_shape(region.region))
             for i, (device, _) in enumerate(region.devices):
-                shard = _on_device.empty(shape, dtype, device)
+                made = shard.empty(shape, dtype, device)
                 for part in region.parts if i == 0 else []:
                     (piece,) = next(at)
-                    shard = _on_device.write(shard, piece, _offsets(part, region.region))
+                    made = shard.write(made, piece, _offsets(part, region.region))
                     del piece  # (let go once written)
-                shards.append(shard)
+                shards.append(made)
         out.append(shards)
     return out
 
@@ -418,20 +416,18 @@ def _offsets(part: Box, region: Box) -> tuple[int, ...]:
 
 def _finish(plan: _Plan, placed: jax.Array) -> jax.Array:
     """An all-reduced array in its own dtype: floats narrower than 32 bits, where their
-    parts were sent as unsigned integers, made floats (`lazyckpt._on_device.finish`)."""
+    parts were sent as unsigned integers, made floats (`lazyckpt._device.shard.finish`)."""
     array = plan.placement.array
     dtype = np.dtype(array.dtype)
     if placed.dtype == dtype:
         return placed
     regions: dict[Box, list[jax.Array]] = {}  # (the same values on each device of one)
-    for shard in placed.addressable_shards:
-        region = tuple(s.indices(n)[:2] for s, n in zip(shard.index, array.shape, strict=True))
-        regions.setdefault(region, []).append(shard.data)
+    for held in placed.addressable_shards:
+        region = tuple(s.indices(n)[:2] for s, n in zip(held.index, array.shape, strict=True))
+        regions.setdefault(region, []).append(held.data)
     del placed  # (its buffers are made floats in place)
     finished = [
-        buffer
-        for buffers in regions.values()
-        for buffer in _on_device.finish(array.key, buffers, dtype)
+        buffer for buffers in regions.values() for buffer in shard.finish(array.key, buffers, dtype)
     ]
     return jax.make_array_from_single_device_arrays(array.shape, plan.sharding, finished)
 

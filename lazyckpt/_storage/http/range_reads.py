@@ -1,6 +1,6 @@
-"""Range requests over HTTP(S), for `lazyckpt._storage.web`: the client of the folders
-whose files lazyckpt knows (`lazyckpt._storage.sites`). Each request goes out through
-`lazyckpt._storage.transport`, bounded in time and memory; here are the rules of what
+"""Range requests over HTTP(S), for `lazyckpt._storage.http.web`: the client of the folders
+whose files lazyckpt knows (`lazyckpt._storage.folders`). Each request goes out through
+`lazyckpt._storage.http.transport`, bounded in time and memory; here are the rules of what
 an answer must be:
 
 - A redirect is followed to http(s) only, and remembered per file (the Hub's
@@ -12,7 +12,7 @@ an answer must be:
 - A server that ignores Range (a 200 with the whole file) is refused: the connection
   is closed before the body is read, so no model is downloaded by accident. A 206
   must hold exactly the bytes asked for, or the file's end, as stored (no
-  `Content-Encoding`): the rules of `lazyckpt._storage.answers`.
+  `Content-Encoding`): the rules of `lazyckpt._storage.http.answers`.
 - What a file holds (its size, ETag and Last-Modified date) is pinned at its first
   answer in an open (`Pin`). Later requests ask the server to check it (`If-Match`,
   `If-Unmodified-Since`), and an answer that disagrees, a 412, or a 404 for a file
@@ -36,13 +36,15 @@ from typing import TypeVar
 import attrs
 
 from lazyckpt._errors import LazyckptError, StorageAccessError, TooLargeError
-from lazyckpt._storage import answers, network
+from lazyckpt._storage import network
+from lazyckpt._storage.folders import describe, site
+from lazyckpt._storage.futures import RangeAnswer
+from lazyckpt._storage.http import answers
+from lazyckpt._storage.http.transport import SAFE as SAFE
+from lazyckpt._storage.http.transport import Into, Response, Transport, host, said
+from lazyckpt._storage.http.transport import origin as _origin
+from lazyckpt._storage.http.transport import split_url as _split
 from lazyckpt._storage.per_process import PerProcess
-from lazyckpt._storage.sites import describe, site
-from lazyckpt._storage.transport import SAFE as SAFE
-from lazyckpt._storage.transport import Into, Response, Transport, host, said
-from lazyckpt._storage.transport import origin as _origin
-from lazyckpt._storage.transport import split_url as _split
 
 T = TypeVar("T")
 
@@ -52,19 +54,6 @@ _EXPIRED = (401, 403, 410)  # a signed address that is no longer valid
 WHOLE_LIMIT = 64 << 20
 """The most bytes of a file read whole (no range) where the caller names no limit of
 its own for its kind of file."""
-
-
-@attrs.frozen
-class Answer:
-    """What a read returns, shaped as tensorstore's `KvStore.ReadResult`."""
-
-    state: str
-    """"value", or "missing" where the server has no such file."""
-    value: bytes | bytearray | memoryview = b""
-    """The bytes; a view of the caller's buffer where they were read into one (empty
-    where a `Scatter` of buffers holds them)."""
-    size: int | None = None
-    """The whole file's size, where the server said (`Content-Range`)."""
 
 
 @attrs.frozen
@@ -153,10 +142,10 @@ class Client:
         halt: network.Stop | None = None,
         ticket: int = 0,
         into: Into | None = None,
-    ) -> Answer:
+    ) -> RangeAnswer:
         """The bytes `[start, stop)` of the file at `url` (the whole file, up to
         `limit` bytes, without a range; with `short`, fewer where the file ends before
-        `stop`), checked against `pin`; `Answer("missing")` where the server has none.
+        `stop`), checked against `pin`; `RangeAnswer("missing")` where the server has none.
         `halt` stops the read where another of its burst failed for good. With
         `into` (a buffer of `stop - start` bytes, or a `Scatter` of buffers that add up
         to them), the bytes are read straight into it and the answer's value is a view
@@ -184,7 +173,7 @@ class Client:
         wanted = None
         if start is not None:
             if stop is not None and stop <= start:
-                return Answer("value", b"", pin.size)
+                return RangeAnswer("value", b"", pin.size)
             wanted = (start, stop)
             if stop is not None:
                 limit = stop - start
@@ -205,7 +194,7 @@ class Client:
                 self._locations.pop(url, None)
                 pin.location = None
             answer = self._fetch(ask, pin.address(url))
-        if isinstance(answer, Answer):
+        if isinstance(answer, RangeAnswer):
             return answer
         if answer.status == 404:
             raise answers.lost(url, again=again)
@@ -255,7 +244,7 @@ class Client:
             target = _redirect(named, target, answer.headers.get("location", ""))
         raise StorageAccessError(f"{named}: more than {_REDIRECTS} redirects")
 
-    def _fetch(self, ask: _Ask, target: str) -> Answer | _Refused:
+    def _fetch(self, ask: _Ask, target: str) -> RangeAnswer | _Refused:
         """One read starting at `target`, following its redirects."""
         url, pin = ask.url, ask.pin
         origin = _origin(url)
@@ -298,7 +287,7 @@ class Client:
                     return _Refused(404, target)  # (listed at a pinned commit)
                 if pin.seen:
                     raise answers.changed(url, "it is gone (HTTP 404)")
-                return Answer("missing")
+                return RangeAnswer("missing")
             if status == 412:  # what `Pin.conditions` asked the server to check
                 raise answers.changed(url, "the server says so (HTTP 412 Precondition Failed)")
             if status in _EXPIRED:
@@ -316,7 +305,7 @@ class Client:
                         "byte ranges correctly: download the file, and open the copy"
                     )
                 if ask.short:
-                    return Answer("value", b"", size)
+                    return RangeAnswer("value", b"", size)
                 raise answers.truncated(url, size, ask.wanted)
             if ask.wanted is not None and status == 200:
                 raise StorageAccessError(
@@ -348,7 +337,7 @@ class Client:
                         pin.location = target
                     else:
                         self._locations[url] = target
-            return Answer("value", answer.body, size)
+            return RangeAnswer("value", answer.body, size)
         raise StorageAccessError(f"{describe(url)}: more than {_REDIRECTS} redirects")
 
     def _check_pin(

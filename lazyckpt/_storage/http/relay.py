@@ -52,11 +52,11 @@ from typing import Any, NamedTuple
 
 from lazyckpt import _display
 from lazyckpt._errors import LazyckptError, StorageAccessError
+from lazyckpt._storage.futures import RangeAnswer
+from lazyckpt._storage.http.transport import said
+from lazyckpt._storage.http.web import WebFiles
 from lazyckpt._storage.lazy_tensorstore import ts  # deferred: a local open needs none
 from lazyckpt._storage.per_process import PerProcess
-from lazyckpt._storage.ranges import Answer
-from lazyckpt._storage.transport import said
-from lazyckpt._storage.web import WebFiles
 
 _ERROR_MARK = "lazyckpt-relayed-error-"
 _ERROR_ID = re.compile(re.escape(_ERROR_MARK) + r"([0-9a-f]{16})")
@@ -78,7 +78,7 @@ which would push the nodes out. A node larger than this (one that holds hundreds
 small arrays inline) may be asked for twice."""
 
 
-class Reply(NamedTuple):
+class RelayReply(NamedTuple):
     """An answer to one request: its body is `first`, then `rest` as it is read."""
 
     status: int
@@ -105,7 +105,7 @@ class _Relay:
         self.errors: collections.OrderedDict[str, LazyckptError] = collections.OrderedDict()
         self.failed: dict[tuple[str, str], str] = {}
         """Error ids of keys whose answer failed after it began, by folder and key."""
-        self.kept: collections.OrderedDict[tuple[str, str, str | None], Reply] = (
+        self.kept: collections.OrderedDict[tuple[str, str, str | None], RelayReply] = (
             collections.OrderedDict()
         )
         self.kept_bytes = 0
@@ -137,7 +137,7 @@ class _Relay:
                 del self.failed[failed]
             self.served -= {served for served in self.served if served[0] == folder}
 
-    def answer(self, folder: str, files: WebFiles, key: str, asked: str | None) -> Reply:
+    def answer(self, folder: str, files: WebFiles, key: str, asked: str | None) -> RelayReply:
         """`serve`'s answer, or the same answer kept from before: the folder's files are
         pinned to one version, so an answer never goes stale."""
         with self.lock:
@@ -239,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
         relay = self.server.relay
         parts = self.path.split("?", 1)[0].split("/", 3)
         if len(parts) < 4 or not secrets.compare_digest(parts[1], relay.secret):
-            self._send(Reply(404, {}, 0))
+            self._send(RelayReply(404, {}, 0))
             return
         folder, key = parts[2], urllib.parse.unquote(parts[3])
         with relay.lock:
@@ -252,7 +252,7 @@ class _Handler(BaseHTTPRequestHandler):
         if served and self.headers.get("If-None-Match") == _ETAG:
             # tensorstore revalidates an OCDBT manifest at each open of an array: the
             # file is pinned to the version it answered with, so it has not changed.
-            self._send(Reply(304, {"ETag": _ETAG}, 0), body=False)
+            self._send(RelayReply(304, {"ETag": _ETAG}, 0), body=False)
             return
         try:
             if files is None:
@@ -274,7 +274,9 @@ class _Handler(BaseHTTPRequestHandler):
                 relay.served.add((folder, key))
         self._send(reply, body=body, failed=(folder, key))
 
-    def _send(self, reply: Reply, *, body: bool = True, failed: tuple[str, str] = ("", "")) -> None:
+    def _send(
+        self, reply: RelayReply, *, body: bool = True, failed: tuple[str, str] = ("", "")
+    ) -> None:
         relay = self.server.relay
         try:
             self.send_response(reply.status)
@@ -301,18 +303,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # tensorstore gave up on the request
 
 
-def _head(first: Reply) -> Reply:
+def _head(first: RelayReply) -> RelayReply:
     """The answer to a HEAD of a file, from the answer to a GET of its first byte."""
     if first.status == 404:
         return first
     # The size after the '/' of `bytes 0-0/SIZE`, or of `bytes */0` for an empty file.
     size = int(first.headers["Content-Range"].rsplit("/", 1)[1])
-    return Reply(200, {"ETag": _ETAG}, size)
+    return RelayReply(200, {"ETag": _ETAG}, size)
 
 
-def _failure(error_id: str) -> Reply:
+def _failure(error_id: str) -> RelayReply:
     body = (_ERROR_MARK + error_id).encode()
-    return Reply(403, {}, len(body), body)
+    return RelayReply(403, {}, len(body), body)
 
 
 def _as_ours(error: BaseException, files: WebFiles | None, key: str) -> LazyckptError:
@@ -325,37 +327,39 @@ def _as_ours(error: BaseException, files: WebFiles | None, key: str) -> Lazyckpt
     )
 
 
-def serve(files: WebFiles, key: str, asked: str | None) -> Reply:
+def serve(files: WebFiles, key: str, asked: str | None) -> RelayReply:
     """The answer to a GET of `key` with the Range header `asked` (None: the whole
     file), read through `files` a piece at a time: the first piece before the answer
     starts, which says the file's size, the others as they are sent."""
     wanted = (0, None) if asked is None else _wanted(asked.strip())
     if wanted is None:
-        return Reply(416, {}, 0)
+        return RelayReply(416, {}, 0)
     start, stop = wanted
     if start < 0:  # the last bytes (a zarr3 shard's index): the file's size first
         size = files.size(key)
         if size is None:
             head = files.read(key, byte_range=slice(0, 1), short=True).result()
             if head.state != "value":
-                return Reply(404, {}, 0)
+                return RelayReply(404, {}, 0)
             size = _size(head, files, key)
         start, stop = max(size + start, 0), size
     first_stop = start + _PIECE if stop is None else min(stop, start + _PIECE)
     first = files.read(key, byte_range=slice(start, first_stop), short=True).result()
     if first.state != "value":
-        return Reply(404, {}, 0)
+        return RelayReply(404, {}, 0)
     size = _size(first, files, key)
     end = size if stop is None else min(stop, size)
     if asked is None:
-        return Reply(200, {"ETag": _ETAG}, size, first.value, _pieces(files, key, first_stop, end))
+        return RelayReply(
+            200, {"ETag": _ETAG}, size, first.value, _pieces(files, key, first_stop, end)
+        )
     if start >= size:
-        return Reply(416, {"Content-Range": f"bytes */{size}"}, 0)
+        return RelayReply(416, {"Content-Range": f"bytes */{size}"}, 0)
     headers = {"ETag": _ETAG, "Content-Range": f"bytes {start}-{end - 1}/{size}"}
-    return Reply(206, headers, end - start, first.value, _pieces(files, key, first_stop, end))
+    return RelayReply(206, headers, end - start, first.value, _pieces(files, key, first_stop, end))
 
 
-def _size(answer: Answer, files: WebFiles, key: str) -> int:
+def _size(answer: RangeAnswer, files: WebFiles, key: str) -> int:
     if answer.size is None:
         raise StorageAccessError(
             f"{files.folder}/{key}: the server does not say the file's size (its "
@@ -369,7 +373,7 @@ def _pieces(
 ) -> Iterator[bytes | bytearray | memoryview]:
     """The bytes `[start, stop)` of `key`, a piece at a time, the next one asked for
     while the last is sent."""
-    ahead: ts.Future[Answer] | None = None
+    ahead: ts.Future[RangeAnswer] | None = None
     for low in range(start, stop, _PIECE):
         read = files.read(key, byte_range=slice(low, min(low + _PIECE, stop)))
         if ahead is not None:
@@ -379,7 +383,7 @@ def _pieces(
         yield _whole(ahead.result(), files, key)
 
 
-def _whole(answer: Answer, files: WebFiles, key: str) -> bytes | bytearray | memoryview:
+def _whole(answer: RangeAnswer, files: WebFiles, key: str) -> bytes | bytearray | memoryview:
     """A later piece's bytes, which the file's first answer said are there."""
     if answer.state != "value":
         raise StorageAccessError(

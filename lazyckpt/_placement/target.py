@@ -29,7 +29,7 @@ from lazyckpt._array.dtypes import issubdtype
 from lazyckpt._array.tree import Path, flatten, keystr, map_leaves, map_with_path, subtree
 from lazyckpt._errors import TreeMismatchError
 from lazyckpt._lazy import LazyArray, is_jax_array, key_dtype
-from lazyckpt._placement import Layout, is_layout, resolve
+from lazyckpt._placement.saved import PlacementSpec, is_placement_spec, resolve
 from lazyckpt._text import Detail, fold
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def match(
     unselected: object = None,
 ) -> object:
     """`target`'s structure, each leaf replaced by what restores it: a `Placement`,
-    a value, or (for layout and None leaves) the checkpoint's subtree there.
+    a value, or (for placement specs and None leaves) the checkpoint's subtree there.
 
     `to_host` reads every array into NumPy (the shardings are not used). `unselected`
     is the tree that `tree` was selected from (`tree` itself where nothing was): a
@@ -210,7 +210,9 @@ class _Matcher:
             self.nones += 1
         else:
             self.named += 1
-        if not (want is None or is_layout(want) or _is_array(want) or isinstance(want, _VALUES)):
+        if not (
+            want is None or is_placement_spec(want) or _is_array(want) or isinstance(want, _VALUES)
+        ):
             swapped = "; LazyArrays go in the tree, the first argument"
             return self._problem(
                 "kind",
@@ -219,7 +221,7 @@ class _Matcher:
                 "jax.Array, NumPy array, Sharding, Device, PartitionSpec, None or a scalar"
                 + (swapped if isinstance(want, LazyArray) else ""),
             )
-        if (want is None or is_layout(want)) and norm in self.prefixes:
+        if (want is None or is_placement_spec(want)) and norm in self.prefixes:
             return self._subtree(path, norm, want)
         found = self._find(norm)
         if found is None:
@@ -231,7 +233,7 @@ class _Matcher:
         where = where or (leaf.key if isinstance(leaf, LazyArray) else "") or "(the root)"
         if want is None:
             return leaf
-        if is_layout(want):
+        if is_placement_spec(want):
             return self._place(where, leaf, want)
         if _is_array(want):
             return self._array(where, leaf, want)
@@ -253,7 +255,7 @@ class _Matcher:
             return (*norm, "value")
         return None
 
-    def _subtree(self, path: Path, norm: tuple[str, ...], want: Layout | None) -> object:
+    def _subtree(self, path: Path, norm: tuple[str, ...], want: PlacementSpec | None) -> object:
         """The checkpoint's subtree at `norm`, its arrays placed as `want` says."""
         for other in self.leaves:
             if other[: len(norm)] == norm:
@@ -264,12 +266,12 @@ class _Matcher:
         where = keystr(path)
         return map_leaves(lambda leaf: self._place(where, leaf, want), node)
 
-    def _place(self, where: str, leaf: object, layout: Layout | None) -> object:
+    def _place(self, where: str, leaf: object, wanted: PlacementSpec | None) -> object:
         if not isinstance(leaf, LazyArray):
             return leaf
         if self.to_host:
             return Placement(leaf, None)
-        return Placement(leaf, resolve(leaf.key or where, layout, self.mesh))
+        return Placement(leaf, resolve(leaf.key or where, wanted, self.mesh))
 
     def _array(self, where: str, leaf: object, want: TargetArray) -> object:
         shape, dtype = tuple(want.shape), want.dtype
@@ -287,10 +289,10 @@ class _Matcher:
                 return None
             if self.to_host or isinstance(want, np.ndarray):
                 return Placement(view, None)
-            layout = want.sharding
-            if layout is None and leaf.sharding is not None:
-                layout = leaf.sharding.on_saved_devices()  # as Orbax does
-            return Placement(view, resolve(where, layout, self.mesh))
+            wanted = want.sharding
+            if wanted is None and leaf.sharding is not None:
+                wanted = leaf.sharding.on_saved_devices()  # as Orbax does
+            return Placement(view, resolve(where, wanted, self.mesh))
         if isinstance(leaf, bool | int | float | complex | np.generic) and shape == ():
             value = self._scalar(where, leaf, dtype)
             if value is None or self.to_host or isinstance(want, np.ndarray):

@@ -1,5 +1,5 @@
 """One HTTP GET, bounded in time and in memory, tried again where the failure may pass:
-the transport under `lazyckpt._storage.ranges`.
+the transport under `lazyckpt._storage.http.range_reads`.
 
 The standard library's `http.client` on lazyckpt's own threads, one kept-alive
 connection per host and thread, with what it lacks added here:

@@ -76,13 +76,13 @@ def _location(array: LazyArray) -> str:
     return f"{stored.store.location}: " if isinstance(stored, StoredArray) else ""
 
 
-Layout: TypeAlias = "Sharding | jax.Device | PartitionSpec"
+PlacementSpec: TypeAlias = "Sharding | jax.Device | PartitionSpec"
 """What a caller may name as an array's place: a Sharding, one Device, or a
 PartitionSpec on the current (or given) mesh."""
 
 
-def is_layout(value: object) -> TypeGuard[Layout]:
-    """Whether `value` is a `Layout`: a jax object, which cannot exist before jax is
+def is_placement_spec(value: object) -> TypeGuard[PlacementSpec]:
+    """Whether `value` is a `PlacementSpec`: a jax object, which cannot exist before jax is
     imported."""
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(
@@ -90,8 +90,8 @@ def is_layout(value: object) -> TypeGuard[Layout]:
     )
 
 
-def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
-    """The concrete sharding that `layout` names for the array at `where`.
+def resolve(where: str, wanted: PlacementSpec | None, mesh: Mesh | None) -> Sharding:
+    """The concrete sharding that `wanted` names for the array at `where`.
 
     A Device means that device alone; a PartitionSpec, or a NamedSharding on an
     `AbstractMesh` (what `jax.eval_shape` and `nnx.eval_shape` give under
@@ -101,16 +101,16 @@ def resolve(where: str, layout: Layout | None, mesh: Mesh | None) -> Sharding:
     import jax
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-    if layout is None:
+    if wanted is None:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(layout, jax.Device):
-        return jax.sharding.SingleDeviceSharding(layout)
-    if isinstance(layout, PartitionSpec):
-        return _named(where, _concrete_mesh(where, mesh, None), layout, None)
-    if isinstance(layout, NamedSharding) and isinstance(layout.mesh, AbstractMesh):
-        concrete = _concrete_mesh(where, mesh, layout.mesh)
-        return _named(where, concrete, layout.spec, layout.memory_kind)
-    return layout
+    if isinstance(wanted, jax.Device):
+        return jax.sharding.SingleDeviceSharding(wanted)
+    if isinstance(wanted, PartitionSpec):
+        return _named(where, _concrete_mesh(where, mesh, None), wanted, None)
+    if isinstance(wanted, NamedSharding) and isinstance(wanted.mesh, AbstractMesh):
+        concrete = _concrete_mesh(where, mesh, wanted.mesh)
+        return _named(where, concrete, wanted.spec, wanted.memory_kind)
+    return wanted
 
 
 def _named(where: str, mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> Sharding:
