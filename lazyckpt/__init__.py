@@ -53,7 +53,8 @@ from lazyckpt._errors import (
 if TYPE_CHECKING:
     from lazyckpt._array.sharding import SavedSharding
     from lazyckpt._array.tree import leaves, select
-    from lazyckpt._convert.convert import ConversionPlan, convert
+    from lazyckpt._convert.convert import convert
+    from lazyckpt._convert.plan import ConversionPlan
     from lazyckpt._dequantize import dequantize, dequantize_fp8, dequantize_mxfp4
     from lazyckpt._device_put import device_put
     from lazyckpt._engine.memory import malloc_tuning
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 # Everything but the errors is imported on first use (PEP 562): `import lazyckpt`, and so
 # `lazyckpt --help`, does not wait seconds for jax. Keep this table and the imports above as one.
 _LAZY: dict[str, tuple[str, str]] = {
-    "ConversionPlan": ("lazyckpt._convert.convert", "ConversionPlan"),
+    "ConversionPlan": ("lazyckpt._convert.plan", "ConversionPlan"),
     "Diff": ("lazyckpt._explore.diff", "Diff"),
     "LazyArray": ("lazyckpt._lazy", "LazyArray"),
     "NetworkOptions": ("lazyckpt._storage.network", "NetworkOptions"),

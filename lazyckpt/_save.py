@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from lazyckpt._array import repeats
@@ -16,8 +17,9 @@ from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES
 from lazyckpt._orbax.save import is_orbax_checkpoint, save_orbax
 from lazyckpt._safetensors.read import is_safetensors_model
 from lazyckpt._safetensors.write import save_safetensors
+from lazyckpt._safetensors.write_together import save_safetensors_together
 from lazyckpt._sizes import optional_size, size_argument
-from lazyckpt._storage import paths
+from lazyckpt._storage import multihost, paths
 from lazyckpt._text import human_bytes
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "save", "save_format", "save_tree"]
@@ -126,10 +128,13 @@ def save_tree(
     storage_options: dict[str, Any] | None,
     label: str,
     extra_files: Mapping[str, bytes] | None = None,
+    divide: multihost.Divide | None = None,
 ) -> str:
     """`save`, its progress bar labelled `label` (`convert` saves through this too);
     `extra_files` ({path relative to the checkpoint: contents}) are published with it,
-    or not at all (the files `convert` carries)."""
+    or not at all (the files `convert` carries). In a multi-process run, `divide`
+    shares the writing out among the processes, each of which calls this with the
+    same tree (`lazyckpt._convert.fleet`); without it, safetensors are refused there."""
     chunk_bytes = size_argument("chunk_bytes", chunk_bytes)
     max_shard_size = optional_size("max_shard_size", max_shard_size)
     memory_budget = optional_size("memory_budget", memory_budget)
@@ -141,8 +146,12 @@ def save_tree(
     kind = save_format(final, format=format)
     check_shard_size(final, kind, max_shard_size)
     if kind == "safetensors":
+        # (in a job of several processes, `convert`'s: each writes its share of the files)
+        write: Callable[..., str] = save_safetensors
+        if divide is not None and multihost.count() > 1:
+            write = functools.partial(save_safetensors_together, divide=divide)
         with paths.session(storage_options):
-            return save_safetensors(
+            return write(
                 final,
                 tree,
                 max_shard_size=max_shard_size,
@@ -171,6 +180,7 @@ def save_tree(
             progress=progress,
             label=label,
             extra_files=extra_files,
+            divide=divide,
         )
     return final
 

@@ -61,8 +61,9 @@ def _needed(kv: Any, lazy_and_indices: Any, itertools: Any) -> int:
     return sum(len(kv.read("w/c/" + "/".join(map(str, k))).result().value) for k in keys)
 
 
-def main(config: dict[str, Any]) -> None:
-    devices = config.get("devices", 4)
+def join_job(config: dict[str, Any], devices: int) -> None:
+    """Join the job of `config` ({"process", "processes", "port"}) on 127.0.0.1, with
+    `devices` CPU devices and gloo's collectives."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
 
@@ -74,8 +75,13 @@ def main(config: dict[str, Any]) -> None:
         process_id=config["process"],
         coordinator_bind_address=address,
     )
+
+
+def main(config: dict[str, Any]) -> None:
+    join_job(config, config.get("devices", 4))
     import itertools
 
+    import jax
     import numpy as np
     import tensorstore as ts
     from jax.sharding import NamedSharding

@@ -82,6 +82,7 @@ SKIPPED = {
     ],
     "docs/getting-started.md": [("bash", "installs lazyckpt into your environment")],
     "docs/index.md": [("bash", "installs lazyckpt into your environment")],
+    "docs/use-cases/fleet-convert.md": [("bash", "needs a SLURM cluster")],
 }
 
 

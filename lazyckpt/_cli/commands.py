@@ -291,30 +291,54 @@ def _as_flags(message: str) -> str:
     return message
 
 
-def _convert(args: argparse.Namespace) -> None:
-    from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES  # (saving: imports jax)
+class _Transform:
+    """`--unstack`, `--stack` and `--script`, in that order, as one transform that
+    pickles (by the script's path), so that `--processes` can send it to each process."""
 
-    steps: list[Callable[[object], object]] = []
-    steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in args.unstack]
-    steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in args.stack]
-    if args.script:
-        steps.append(_script(args.script))
-    rules = [tuple(rule) for rule in args.rename]
-    if args.rename_file:
-        rules += _rename_rules(args.rename_file)
+    def __init__(self, unstack: tuple[str, ...], stack: tuple[str, ...], script: str | None):
+        self.unstack, self.stack, self.script = unstack, stack, script
+        self._loaded: Callable[[object], object] | None = None
 
-    def transform(tree: object) -> object:
-        for step in steps:
+    def __getstate__(self) -> dict[str, Any]:
+        return {"unstack": self.unstack, "stack": self.stack, "script": self.script}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.unstack, self.stack, self.script = state["unstack"], state["stack"], state["script"]
+        self._loaded = None
+
+    def script_function(self) -> Callable[[object], object]:
+        if self._loaded is None:
+            self._loaded = _script(self.script or "")
+        return self._loaded
+
+    def steps(self) -> list[Callable[[object], object]]:
+        steps: list[Callable[[object], object]] = []
+        steps += [functools.partial(lazyckpt.unstack_layers, at=key) for key in self.unstack]
+        steps += [functools.partial(lazyckpt.stack_layers, at=key) for key in self.stack]
+        return steps + ([self.script_function()] if self.script else [])
+
+    def __call__(self, tree: object) -> object:
+        for step in self.steps():
             tree = step(tree)
         return tree
 
+
+def _convert(args: argparse.Namespace) -> None:
+    from lazyckpt._orbax.plan import DEFAULT_CHUNK_BYTES  # (saving: imports jax)
+
+    transform = _Transform(tuple(args.unstack), tuple(args.stack), args.script)
+    if args.script:
+        transform.script_function()  # (a script that fails to load fails before any work)
+    rules = [tuple(rule) for rule in args.rename]
+    if args.rename_file:
+        rules += _rename_rules(args.rename_file)
     options: dict[str, Any] = {
         "source": args.path,
         "destination": args.destination,
         "to": args.to,
         "select": args.select,
         "dequantize": args.dequantize,
-        "transform": transform if steps else None,
+        "transform": transform if transform.steps() else None,
         "dtype": _dtype(args.dtype) if args.dtype else None,
         "rename": rules,
         "rename_dotted": args.rename_dotted,
@@ -328,6 +352,7 @@ def _convert(args: argparse.Namespace) -> None:
         "allow_expand": args.allow_expand,
         "progress": False if args.quiet else None,
         "metadata": dict(args.metadata) or None,  # (format=pt goes with it: save's)
+        "processes": args.processes,
     }
     try:
         if args.dry_run:

@@ -274,6 +274,14 @@ def _parser() -> argparse.ArgumentParser:
         "the files it would carry, and whether DESTINATION exists; read no array data, "
         "write nothing",
     )
+    convert.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="start N local processes that divide the work (a jax.distributed job on "
+        "127.0.0.1); each holds its own --memory-budget (default 1: this process)",
+    )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 
     demo = command(

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import attrs
+import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
 from lazyckpt._array.dtypes import parsed
 from lazyckpt._array.tree import Select, leaves, map_leaves, selected
+from lazyckpt._convert import fleet, launch
+from lazyckpt._convert.plan import ConversionPlan, Converted, plan_orbax, plan_safetensors
 from lazyckpt._dequantize import dequantize as dequantized
 from lazyckpt._display import as_given
-from lazyckpt._errors import CarriedFilesWarning, LazyTypeError, RenameError, warn
+from lazyckpt._errors import (
+    CarriedFilesWarning,
+    LazyTypeError,
+    RenameError,
+    ShardingError,
+    warn,
+)
 from lazyckpt._lazy import LazyArray
 from lazyckpt._open import open as open_checkpoint
-from lazyckpt._orbax.plan import plan
 from lazyckpt._rename import rename as rename_keys
 from lazyckpt._safetensors.carried import (
     carriable,
@@ -30,7 +37,6 @@ from lazyckpt._safetensors.carried import (
     read_carried,
     remote_model_folder,
 )
-from lazyckpt._safetensors.write import plan_files
 from lazyckpt._save import (
     DEFAULT_CHUNK_BYTES,
     Format,
@@ -42,94 +48,7 @@ from lazyckpt._save import (
     save_tree,
 )
 from lazyckpt._sizes import optional_size, size_argument
-from lazyckpt._storage import paths
-from lazyckpt._text import human_bytes
-
-
-@attrs.frozen
-class PlannedArray:
-    """One array as `convert` would write it."""
-
-    path: str
-    """Its key path in the converted tree."""
-    name: str
-    """Its name in the files: the safetensors name, or the Orbax parameter name."""
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    """Bytes of values (before the Orbax checkpoint's compression)."""
-    file: str | None = None
-    """Safetensors: the file it goes to."""
-    chunks: tuple[int, ...] | None = None
-    """Orbax: the shape of each stored chunk."""
-
-
-@attrs.frozen
-class ConversionPlan:
-    """What `convert(..., dry_run=True)` found it would write; nothing was read or
-    written. `str()` is a table; `arrays` lists each array, `files` each safetensors
-    file with its size in bytes (none for Orbax, whose files hold chunks)."""
-
-    destination: str
-    format: Format
-    arrays: tuple[PlannedArray, ...]
-    files: tuple[tuple[str, int], ...] = ()
-    carried: tuple[str, ...] = ()
-    """The source's files that are not weights (config, tokenizer) it would carry."""
-    exists: bool = False
-    """Whether something is at `destination` already."""
-    overwrite: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of values in every array."""
-        return sum(array.nbytes for array in self.arrays)
-
-    def __str__(self) -> str:
-        where = "file" if self.format == "safetensors" else "chunks"
-        rows = [("name", "dtype", "shape", "size", where)]
-        for a in self.arrays:
-            shape = f"[{','.join(map(str, a.shape))}]"
-            place = a.file if a.file is not None else "x".join(map(str, a.chunks or ()))
-            rows.append((a.name, a.dtype, shape, human_bytes(a.nbytes), place or "scalar"))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = [
-            f"would write {as_given(self.destination)} ({self.format}): {len(self.arrays)} "
-            f"array{'' if len(self.arrays) == 1 else 's'}, "
-            f"{human_bytes(self.nbytes)}"
-        ]
-        lines += [
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows
-        ]
-        lines += [f"file {name}: {human_bytes(size)}" for name, size in self.files]
-        if self.carried:
-            lines.append(f"would carry {len(self.carried)} files: {', '.join(self.carried)}")
-        if self.exists:
-            lines.append(
-                f"{as_given(self.destination)} exists: it would be replaced (overwrite)"
-                if self.overwrite
-                else f"{as_given(self.destination)} already exists: convert would refuse it; "
-                "pass overwrite=True (--overwrite) to replace it, or choose a new path"
-            )
-        return "\n".join(lines)
-
-
-class Converted(str):
-    """What `convert` returns: the destination's path, and in `carried` the names of
-    the files it carried from a Hugging Face folder (config, tokenizer, ...)."""
-
-    carried: tuple[str, ...]
-
-    def __new__(cls, path: str, carried: tuple[str, ...] = ()) -> Converted:
-        out = super().__new__(cls, path)
-        out.carried = tuple(carried)
-        return out
-
-    def __reduce__(self) -> tuple[type[Converted], tuple[str, tuple[str, ...]]]:
-        # (pickle and copy would rebuild a str subclass from its text alone: `carried`
-        # goes with it, so a result comes back whole from a process pool)
-        return (Converted, (str(self), self.carried))
+from lazyckpt._storage import multihost, paths
 
 
 def _carried_files(
@@ -195,6 +114,7 @@ def convert(
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[False] = False,
+    processes: int = 1,
 ) -> Converted: ...
 
 
@@ -222,6 +142,7 @@ def convert(
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[True],
+    processes: int = 1,
 ) -> ConversionPlan: ...
 
 
@@ -248,6 +169,7 @@ def convert(
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     dry_run: bool = False,
+    processes: int = 1,
 ) -> Converted | ConversionPlan:
     """Rewrite the checkpoint at `source` at `destination`, as Orbax or safetensors.
 
@@ -299,6 +221,20 @@ def convert(
             planned as their key data. A destination that exists is reported
             (`exists`), not refused: the conversion itself refuses it without
             `overwrite`; whether an overwrite may replace it is checked by `save`.
+        processes: Start N local processes (a `jax.distributed` job on the loopback)
+            that divide the work, each within its own `memory_budget`, on the CPU
+            (`JAX_PLATFORMS=cpu`) unless the environment sets `JAX_PLATFORMS`.
+
+    Called with the same arguments in every process of a `jax.distributed` job,
+    `convert` divides the work: each process reads and writes a share of the arrays,
+    balanced by bytes (views that read the same stored bytes go to one process, so
+    each stored byte is read once across the job; an array larger than a share, its
+    bytes lying whole in a file, is divided by rows of chunks), within its own
+    `memory_budget`. An Orbax destination is written as `save` writes one across
+    processes (a database per process, merged by process 0); a safetensors model
+    folder's files, cut as one process would cut them, are each written by one
+    process and the index by process 0. A failure in any process fails the job in
+    every process, naming it, and publishes nothing.
 
     A local Hugging Face model folder's files that are not weights (`config.json`,
     `generation_config.json`, the tokenizer's files and chat template, ...) go with
@@ -345,46 +281,64 @@ def convert(
     kind = save_format(final, format=to, argument="to")
     check_shard_size(final, kind, max_shard_size)
     target = None if dtype is None else _cast_dtype(dtype)
-    tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
-    if dequantize:
-        tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
-    reshaping = [
-        option
-        for option, given in (
-            ("select=", select is not None),
-            ("transform=", transform is not None),
-            ("rename=", bool(rename)),
-        )
-        if given
-    ]
-    names = _names(tree) if reshaping else None
-    tree = selected(tree, select)
-    if transform is not None:
-        tree = transform(tree)
-    if rename:
-        tree = _renamed(tree, rename, dotted=rename_dotted, missing_ok=rename_missing_ok)
-    if target is not None:
-        cast_to = target
-        tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
-    with paths.session(storage_options):
-        carried, files = _carried_files(
-            source,
-            final,
-            kind,
-            dequantize=dequantize,
-            dtype=_dtype_name(jnp.bfloat16 if target is None and dequantize else target),
-            changed=reshaping if names is not None and _names(tree) != names else [],
-            read=not dry_run,
-        )
+    if launch.processes_argument(processes) > 1 and not dry_run:
+        return launch.run_processes(processes, convert, locals())  # type: ignore[no-any-return]
+
+    def prepared() -> tuple[Any, list[str], dict[str, bytes]]:
+        tree = open_checkpoint(source, step=step, item=item, storage_options=storage_options)
+        if dequantize:
+            tree = dequantized(tree, dtype=jnp.bfloat16 if dtype is None else dtype)
+        reshaping = [
+            option
+            for option, given in (
+                ("select=", select is not None),
+                ("transform=", transform is not None),
+                ("rename=", bool(rename)),
+            )
+            if given
+        ]
+        names = _names(tree) if reshaping else None
+        tree = selected(tree, select)
+        if transform is not None:
+            tree = transform(tree)
+        if rename:
+            tree = _renamed(tree, rename, dotted=rename_dotted, missing_ok=rename_missing_ok)
+        if target is not None:
+            cast_to = target
+            tree = map_leaves(lambda leaf: _cast(leaf, cast_to), tree)
+        with paths.session(storage_options):
+            carried, files = _carried_files(
+                source,
+                final,
+                kind,
+                dequantize=dequantize,
+                dtype=_dtype_name(jnp.bfloat16 if target is None and dequantize else target),
+                changed=reshaping if names is not None and _names(tree) != names else [],
+                read=not dry_run,
+            )
+        return tree, carried, files
+
+    if multihost.count() > 1 and not dry_run:
+        # Every process of a job opens and reshapes the tree; one that fails there (its
+        # copy of the source missing, say) fails them all, before any waits on it.
+        failed: BaseException | None = None
+        try:
+            tree, carried, files = prepared()
+            tree = _host_arrays(tree, final)
+        except Exception as error:  # noqa: BLE001 - raised on every process just below
+            failed = error
+        multihost.agree_on_failure(f"{as_given(final)}: opening {source} failed", failed)
+    else:
+        tree, carried, files = prepared()
     if dry_run:
         if not allow_expand:  # (as save would refuse, before it writes anything)
             check_expansion(tree)
         with paths.session(storage_options):
             taken = paths.isfile(final) or (paths.isdir(final) and bool(paths.listdir(final)))
         planned = (
-            _plan_safetensors(final, tree, max_shard_size, metadata)
+            plan_safetensors(final, tree, max_shard_size, metadata)
             if kind == "safetensors"
-            else _plan_orbax(final, tree, chunk_bytes)
+            else plan_orbax(final, tree, chunk_bytes)
         )
         return attrs.evolve(planned, carried=tuple(carried), exists=taken, overwrite=overwrite)
     out = save_tree(
@@ -401,13 +355,28 @@ def convert(
         storage_options=storage_options,
         label="lazyckpt convert",
         extra_files=files,
+        divide=fleet.divide,  # (in a jax.distributed job: each process writes its share)
     )
     return Converted(out, tuple(carried))
 
 
+def _host_arrays(tree: object, final: str) -> object:
+    """`tree` with each jax.Array leaf (one a `transform` made) as a NumPy array, so
+    that process 0 alone writes it, as any other leaf that is no LazyArray: divided
+    among processes, each holds its own copy, on its own devices."""
+    for path, leaf in leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            raise ShardingError(
+                f"{as_given(final)}: {path} is a jax.Array sharded across the processes; "
+                "a conversion divided among processes writes what it reads from the "
+                "source, and leaves that are NumPy arrays or arrays each process holds "
+                "whole: make it one (or save such a tree with lazyckpt.save)"
+            )
+    return map_leaves(lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf, tree)
+
+
 def _names(tree: object) -> set[str] | None:
-    """The key paths of `tree`'s leaves (None for a tree jax cannot walk: `save`
-    names why)."""
+    """The key paths of `tree`'s leaves; None for a tree jax cannot walk (`save` says why)."""
     try:
         return {path for path, _ in leaves(tree)}
     except (TypeError, ValueError):
@@ -439,48 +408,6 @@ def _cast_dtype(dtype: DTypeLike) -> np.dtype[Any]:
             "floating-point arrays only, to one such as bfloat16, float16 or float32"
         )
     return target
-
-
-def _plan_safetensors(
-    final: str, tree: object, max_shard_size: int | None, metadata: Mapping[str, str] | None
-) -> ConversionPlan:
-    files, _ = plan_files(final, tree, max_shard_size=max_shard_size, metadata=metadata)
-    by_path = {
-        entry.path: PlannedArray(
-            entry.path, entry.name, entry.shape, str(entry.dtype), entry.nbytes, file=file.name
-        )
-        for file in files
-        for entry in file.entries
-    }
-    in_order = [by_path[e.path] for e in sorted(by_path.values(), key=_tree_order(tree))]
-    return ConversionPlan(
-        final, "safetensors", tuple(in_order), tuple((f.name, f.size) for f in files)
-    )
-
-
-def _tree_order(tree: object) -> Callable[[PlannedArray], int]:
-    order = {path: i for i, (path, _) in enumerate(leaves(tree))}
-    return lambda array: order[array.path]
-
-
-def _plan_orbax(final: str, tree: object, chunk_bytes: int) -> ConversionPlan:
-    # Typed PRNG keys are read when saved (they are small); planned as their key data.
-    def key_data(leaf: object) -> object:
-        return leaf._key_data() if isinstance(leaf, LazyArray) and leaf.key_impl else leaf
-
-    arrays = tuple(
-        PlannedArray(
-            leaf.path,
-            leaf.name,
-            leaf.shape,
-            str(leaf.dtype),
-            math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
-            chunks=leaf.chunks or None,
-        )
-        for leaf in plan(map_leaves(key_data, tree), chunk_bytes)
-        if leaf.stored
-    )
-    return ConversionPlan(final, "orbax", arrays)
 
 
 def _cast(leaf: object, dtype: np.dtype[Any]) -> object:

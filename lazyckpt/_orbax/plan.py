@@ -68,6 +68,9 @@ class Planned:
     write_shape: tuple[int, ...] | None = None
     sharding: str | None = None  # the _sharding entry, for jax.Array leaves
     key_impl: str | None = None
+    rows: tuple[tuple[int, int], ...] | None = None
+    """In a save divided among processes, the ranges of rows (of whole chunks) this
+    process writes; None: all of them."""
 
     @property
     def name(self) -> str:

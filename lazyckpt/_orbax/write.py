@@ -107,10 +107,18 @@ def _stream(
     created.extend(
         then(store, _ignore, failed) for store, failed in zip(opened, failures, strict=True)
     )
-    views = [leaf.value for leaf in leaves]
-    grids = [leaf.chunks for leaf in leaves]
-    for position, index, values in read_blocks(views, writes.budget, grids=grids):
+    # (a leaf's `rows`, each a view of whole chunk rows, written at its place)
+    pieces = [
+        (position, low, leaf.value if leaf.rows is None else leaf.value[low:high])
+        for position, leaf in enumerate(leaves)
+        for low, high in leaf.rows or [(0, leaf.shape[0])]
+    ]
+    views = [view for _, _, view in pieces]
+    grids = [leaves[position].chunks for position, _, _ in pieces]
+    for piece, within, values in read_blocks(views, writes.budget, grids=grids):
+        position, low, view = pieces[piece]
         leaf = leaves[position]
+        index = _shifted(within, low, view.shape[0])
         cost = block_cost(leaf, values.size)
 
         def start(
@@ -123,6 +131,15 @@ def _stream(
             return then(written, _ignore, failed)
 
         writes.submit(start, _ignore, held=values.nbytes * HELD, work=cost)
+
+
+def _shifted(index: tuple[slice, ...], low: int, rows: int) -> tuple[slice, ...]:
+    """`index` into a view of the rows from `low` on, as an index into the array."""
+    if not low:
+        return index
+    first = index[0] if index else slice(None)
+    start, stop, _ = first.indices(rows)
+    return (slice(start + low, stop + low), *index[1:])
 
 
 def _failure(final: str, leaf: Planned) -> Callable[[Exception], Exception]:

@@ -2,11 +2,14 @@
 
 Process 0 checks the destination and makes the temporary folder; each process
 writes the shards it holds (replica 0 of each, so replicated data is written once in
-total) into its own OCDBT database, and process 0 also every non-jax.Array leaf.
+total) into its own OCDBT database, and process 0 also every non-jax.Array leaf; in a
+conversion divided among the processes (`lazyckpt._convert.fleet`), each process
+writes the arrays it was given.
 Once all have written, process 0 checks that every writer's database is there (the
 processes must share the destination's file system), merges them into the root one,
 writes the metadata and publishes the checkpoint. A failure anywhere fails the save
-on every process, and nothing is published.
+on every process, naming the failing process(es) and their errors, and nothing is
+published.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 
+import attrs
 import jax
 import tensorstore as ts
 
@@ -35,9 +39,13 @@ def save_together(
     overwrite: bool,
     replaceable: Callable[[str], bool],
     extra_files: Mapping[str, bytes],
+    owners: Mapping[str, list[tuple[tuple[int, int] | None, int]]] | None = None,
 ) -> None:
     """Save `leaves` together with the other processes (see the module docstring);
-    process 0 writes `extra_files` (see `save_orbax`)."""
+    process 0 writes `extra_files` (see `save_orbax`). `owners` ({array name: [(its
+    rows, or None for all; the process that writes them)]}) says which process
+    writes what of each array it names (a conversion divided among the processes);
+    the others go as the module docstring says."""
     me = multihost.index()
     stack = contextlib.ExitStack()
     tmp = ""
@@ -55,7 +63,7 @@ def save_together(
         raise _error_class(kind)(f"process 0 could not start the save: {message}")
     tmp = told[3:]
     with stack:
-        mine = [leaf for leaf in leaves if me == 0 or _holds_shards(leaf)]
+        mine = _mine(leaves, me, owners)
         failed: BaseException | None = None
         try:
             base = paths.kvstore_spec(paths.join(tmp, process_folder(me)))
@@ -63,26 +71,48 @@ def save_together(
         except Exception as error:  # noqa: BLE001 - reported to every process below
             failed = error
         wrote = any(leaf.stored for leaf in mine)
-        flags = multihost.gather([int(failed is not None), int(wrote)])
-        if failed is not None:
+        flags = multihost.gather([int(wrote)])
+        # (every process reaches both collectives, failed or not: none waits alone)
+        multihost.agree_on_failure(
+            f"{final}: writing the arrays failed, nothing was published", failed
+        )
+        failed = None
+        if me == 0:
+            try:
+                writers = [i for i, (did,) in enumerate(flags) if did]
+                _merge(tmp, writers, final)
+                write_files(tmp, extra_files)
+                write_metadata(tmp, final, leaves)
+                stack.close()  # publish: fsync and rename, or the bucket's commit marker
+            except BaseException as error:  # noqa: BLE001 - reported to every process below
+                # (KeyboardInterrupt and SystemExit too: the others wait on this agreement)
+                failed = error
+        what = f"{final}: merging and publishing the save failed"
+        if failed is not None and not isinstance(failed, Exception):
+            with contextlib.suppress(LazyckptError):  # (the others raise; this one goes on)
+                multihost.agree_on_failure(what, failed)
             raise failed
-        failing = [i for i, (bad, _) in enumerate(flags) if bad]
-        if failing:
-            raise LazyckptError(f"{final}: process(es) {failing} failed to write their shards")
-        if me != 0:
-            if multihost.any_failed(False):
-                raise LazyckptError(f"{final}: process 0 failed to merge and publish the save")
-            return
-        published = False
-        try:
-            writers = [i for i, (_, did) in enumerate(flags) if did]
-            _merge(tmp, writers, final)
-            write_files(tmp, extra_files)
-            write_metadata(tmp, final, leaves)
-            stack.close()  # publish: fsync and rename, or the bucket's commit marker
-            published = True
-        finally:
-            multihost.any_failed(not published)
+        multihost.agree_on_failure(what, failed)
+
+
+def _mine(
+    leaves: Sequence[Planned],
+    me: int,
+    owners: Mapping[str, list[tuple[tuple[int, int] | None, int]]] | None,
+) -> list[Planned]:
+    """The leaves process `me` writes, each with the rows it writes of it."""
+    out = []
+    for leaf in leaves:
+        if owners is None or leaf.name not in owners:
+            if me == 0 or _holds_shards(leaf):
+                out.append(leaf)
+            continue
+        parts = [rows for rows, owner in owners[leaf.name] if owner == me]
+        if None in parts:
+            out.append(leaf)
+        elif parts:
+            out.append(attrs.evolve(leaf, rows=tuple(r for r in parts if r is not None)))
+    return out
 
 
 def _error_class(name: str) -> type[LazyckptError]:

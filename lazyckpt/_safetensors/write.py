@@ -75,7 +75,9 @@ class _Entry:
 
 
 @attrs.frozen
-class _File:
+class File:
+    """One file as `plan_files` cut it: its name, tensors and header."""
+
     name: str
     entries: tuple[_Entry, ...]
     """In the order of their bytes: larger items first, so each starts aligned."""
@@ -125,7 +127,7 @@ def save_safetensors(
         _destination(path, single, overwrite, replaceable) as write,
     ):
         for file in files:
-            write(file.name, lambda out, file=file: _write_file(out, file, memory_budget, bar))
+            write(file.name, lambda out, file=file: write_file(out, file, memory_budget, bar))
         for name, data in {} if single else (extra_files or {}).items():
             write(name, lambda out, data=data: out.write(data))
         if index is not None:
@@ -139,7 +141,7 @@ def plan_files(
     *,
     max_shard_size: int | None,
     metadata: Mapping[str, str] | None,
-) -> tuple[list[_File], str | None]:
+) -> tuple[list[File], str | None]:
     """The files `save_safetensors` writes at `path` and their index (None for one
     file), from the tree's metadata alone: names, shapes, dtypes, headers."""
     entries = _entries(tree)
@@ -290,15 +292,13 @@ def _shards(entries: Sequence[_Entry], limit: int) -> list[list[_Entry]]:
     return per_file
 
 
-def _file(name: str, entries: Sequence[_Entry], metadata: Mapping[str, str]) -> _File:
+def _file(name: str, entries: Sequence[_Entry], metadata: Mapping[str, str]) -> File:
     ordered = tuple(sorted(entries, key=lambda e: -e.dtype.itemsize))
     header = encode_header(((e.name, e.dtype, e.shape, e.nbytes) for e in ordered), metadata)
-    return _File(name, ordered, header)
+    return File(name, ordered, header)
 
 
-def _write_file(
-    out: IO[bytes], file: _File, memory_budget: int | None, bar: Progress | None
-) -> None:
+def write_file(out: IO[bytes], file: File, memory_budget: int | None, bar: Progress | None) -> None:
     """Write `file` to the open binary file `out`: the header, then every tensor's
     bytes at its offset, block by block."""
     fd = out.fileno()
@@ -359,10 +359,17 @@ def _destination(
 ) -> Iterator[Callable[[str, Callable[..., object]], None]]:
     """`write(name, fill)`, which creates the file `name` of the model with
     `fill(binary_file)`; on a clean exit the files are published at `path` (see
-    `publishing`). In a bucket each file is built in a local scratch file, then
-    uploaded in one request."""
-    remote = paths.is_remote(path)
-    if remote and single and paths.isfile(path):
+    `publishing`)."""
+    with publishing_model(path, single, overwrite, replaceable) as tmp:
+        yield file_writer(tmp, single, paths.is_remote(path))
+
+
+def publishing_model(
+    path: str, single: bool, overwrite: bool, replaceable: Callable[[str], bool]
+) -> contextlib.AbstractContextManager[str]:
+    """`publishing` for a safetensors file or model folder at `path`: an overwrite of
+    a folder replaces the model's files and keeps the others (`config.json`)."""
+    if paths.is_remote(path) and single and paths.isfile(path):
         if not overwrite:
             raise CheckpointExistsError(
                 f"{path} already exists; pass overwrite=True (--overwrite) to replace it, "
@@ -375,22 +382,28 @@ def _destination(
             )
     old_shards = set() if single else _indexed_shards(path)
     keep = None if single else (lambda name: not is_model_file(name) and name not in old_shards)
-    with publishing(
-        path, overwrite=overwrite, replaceable=replaceable, file=single, keep=keep
-    ) as tmp:
+    return publishing(path, overwrite=overwrite, replaceable=replaceable, file=single, keep=keep)
 
-        def write(name: str, fill: Callable[..., object]) -> None:
-            target = tmp if single else paths.join(tmp, name)
-            if not remote:
-                with open(target, "wb") as out:
-                    fill(out)
-                return
-            with tempfile.TemporaryFile() as scratch:
-                fill(scratch)
-                scratch.seek(0)
-                paths.write_bytes(target, scratch.read())
 
-        yield write
+def file_writer(
+    tmp: str, single: bool, remote: bool
+) -> Callable[[str, Callable[..., object]], None]:
+    """`write(name, fill)` into the temporary folder (or file) `tmp`: creates the file
+    `name` with `fill(binary_file)`. In a bucket each file is built in a local scratch
+    file, then uploaded in one request."""
+
+    def write(name: str, fill: Callable[..., object]) -> None:
+        target = tmp if single else paths.join(tmp, name)
+        if not remote:
+            with open(target, "wb") as out:
+                fill(out)
+            return
+        with tempfile.TemporaryFile() as scratch:
+            fill(scratch)
+            scratch.seek(0)
+            paths.write_bytes(target, scratch.read())
+
+    return write
 
 
 def _indexed_shards(folder: str) -> set[str]:

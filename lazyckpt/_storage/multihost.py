@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from lazyckpt._errors import TreeMismatchError
+from lazyckpt import _errors
+from lazyckpt._errors import LazyckptError, TreeMismatchError
+from lazyckpt._text import human_bytes
+
+Divide = Callable[[Sequence[tuple[Sequence[Any], int]]], list[int]]
+"""Which process writes each unit of a save divided among the processes, from
+`(the values it reads, the bytes it writes)` of each (`lazyckpt._convert.fleet`)."""
 
 _TEXT_BYTES = 4096
 
@@ -70,12 +78,57 @@ def broadcast_text(text: str) -> str:
     """Process 0's `text` on every process."""
     if count() == 1:
         return text
-    data = text.encode()[:_TEXT_BYTES]
+    from jax.experimental import multihost_utils
+
+    return _decoded(np.asarray(multihost_utils.broadcast_one_to_all(_encoded(text))))
+
+
+def _encoded(text: str) -> np.ndarray:
+    """`text` as a fixed-size buffer: its length, then up to `_TEXT_BYTES` of UTF-8
+    (a longer text is cut, at a character)."""
+    data = text.encode()[:_TEXT_BYTES].decode(errors="ignore").encode()
     buffer = np.zeros(_TEXT_BYTES + 4, np.uint8)
     buffer[:4] = np.frombuffer(np.array([len(data)], np.int32).tobytes(), np.uint8)
     buffer[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
-    from jax.experimental import multihost_utils
+    return buffer
 
-    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    size = int(np.frombuffer(received[:4].tobytes(), np.int32)[0])
-    return bytes(received[4 : 4 + size]).decode()
+
+def _decoded(buffer: np.ndarray) -> str:
+    size = int(np.frombuffer(buffer[:4].tobytes(), np.int32)[0])
+    return bytes(buffer[4 : 4 + size]).decode()
+
+
+def gather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order (a collective: every process must call
+    it); each cut to 4 KiB."""
+    if count() == 1:
+        return [text]
+    gathered = _allgather(_encoded(text)).reshape(count(), -1)
+    return [_decoded(row) for row in gathered]
+
+
+def agree_on_failure(what: str, failed: BaseException | None) -> None:
+    """Raise on every process if `failed` is set on any (a collective: every process
+    must call it, failed or not): the error names each failing process and its error,
+    as the first failing process's error class where it is a lazyckpt one; `what`
+    says what failed and what that left."""
+    texts = gather_text("" if failed is None else f"{type(failed).__name__}:{failed}")
+    failing = [(i, text) for i, text in enumerate(texts) if text]
+    if not failing:
+        return
+    kind = failing[0][1].partition(":")[0]
+    found = getattr(_errors, kind, None)
+    cls = found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
+    told = "; ".join(f"process {i} failed: {text.replace(':', ': ', 1)}" for i, text in failing)
+    raise cls(f"{what}: {told}; every process of the {count()} stopped there") from failed
+
+
+def job_label(base: str, mine: int, total: int) -> str:
+    """A progress bar's description in a job of several processes: this process's
+    part of the job's bytes."""
+    if count() == 1:
+        return base
+    return (
+        f"{base} (process {index()} of {count()}: "
+        f"{human_bytes(mine)} of the job's {human_bytes(total)})"
+    )
