@@ -175,6 +175,13 @@ class LeftoverWarning(UserWarning):
     __module__ = "lazyckpt"
 
 
+class LostProcessWarning(UserWarning):
+    """A job of several processes published its checkpoint whole, and a process was
+    lost after it (its last agreement could not be made): check that process's log."""
+
+    __module__ = "lazyckpt"
+
+
 class OverBudgetWarning(UserWarning):
     """A read held more host memory than its `memory_budget` allows, and why: a shard
     bound for an accelerator that holds values the device would change if it were

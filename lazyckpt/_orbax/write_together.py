@@ -76,7 +76,7 @@ def save_together(
         multihost.agree_on_failure(
             f"{final}: writing the arrays failed, nothing was published", failed
         )
-        failed = None
+        failed, published = None, False
         if me == 0:
             try:
                 writers = [i for i, (did,) in enumerate(flags) if did]
@@ -84,15 +84,13 @@ def save_together(
                 write_files(tmp, extra_files)
                 write_metadata(tmp, final, leaves)
                 stack.close()  # publish: fsync and rename, or the bucket's commit marker
+                published = True
             except BaseException as error:  # noqa: BLE001 - reported to every process below
                 # (KeyboardInterrupt and SystemExit too: the others wait on this agreement)
                 failed = error
-        what = f"{final}: merging and publishing the save failed"
-        if failed is not None and not isinstance(failed, Exception):
-            with contextlib.suppress(LazyckptError):  # (the others raise; this one goes on)
-                multihost.agree_on_failure(what, failed)
-            raise failed
-        multihost.agree_on_failure(what, failed)
+        multihost.agree_on_publishing(
+            f"{final}: merging and publishing the save failed", failed, published
+        )
 
 
 def _mine(

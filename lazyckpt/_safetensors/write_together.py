@@ -62,6 +62,7 @@ def save_safetensors_together(
     my_bytes = sum(entry.nbytes for file in mine for entry in file.entries)
     stack = contextlib.ExitStack()
     tmp, failed = "", None
+    failed_here: BaseException | None = None
     if me == 0:
         try:
             tmp = stack.enter_context(publishing_model(path, single, overwrite, replaceable))
@@ -86,7 +87,7 @@ def save_safetensors_together(
         multihost.agree_on_failure(
             f"{path}: writing the files failed, nothing was published", failed
         )
-        failed = None
+        published = False
         if me == 0:
             try:
                 if not single:
@@ -96,9 +97,13 @@ def save_safetensors_together(
                 if index is not None:
                     write(INDEX, lambda out: out.write(index.encode()))
                 stack.close()  # publish: the rename, or the bucket's index last
-            except Exception as error:  # noqa: BLE001 - reported to every process below
-                failed = error
-        multihost.agree_on_failure(f"{path}: publishing the files failed", failed)
+                published = True
+            except BaseException as error:  # noqa: BLE001 - reported to every process below
+                # (KeyboardInterrupt and SystemExit too: the others wait on this agreement)
+                failed_here = error
+        multihost.agree_on_publishing(
+            f"{path}: publishing the files failed", failed_here, published
+        )
     return path
 
 

@@ -12,6 +12,7 @@ process, and asks jax nothing (reading a checkpoint to host never imports jax).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from lazyckpt import _errors
-from lazyckpt._errors import LazyckptError, TreeMismatchError
+from lazyckpt._errors import LazyckptError, LostProcessWarning, TreeMismatchError, warn
 from lazyckpt._text import human_bytes
 
 Divide = Callable[[Sequence[tuple[Sequence[Any], int]]], list[int]]
@@ -132,3 +133,26 @@ def job_label(base: str, mine: int, total: int) -> str:
         f"{base} (process {index()} of {count()}: "
         f"{human_bytes(mine)} of the job's {human_bytes(total)})"
     )
+
+
+def agree_on_publishing(what: str, failed: BaseException | None, published: bool) -> None:
+    """The last agreement of a job whose process 0 publishes (`published`: it did):
+    `agree_on_failure`, but an interrupt (not an `Exception`) is re-raised once the
+    others are told, and a process 0 that published whole does not fail because
+    another process was lost after the job agreed (a `LostProcessWarning` says so)."""
+    if failed is not None and not isinstance(failed, Exception):
+        with contextlib.suppress(LazyckptError):  # (the others raise; this one goes on)
+            agree_on_failure(what, failed)
+        raise failed
+    try:
+        agree_on_failure(what, failed)
+    except LazyckptError:
+        raise
+    except Exception as error:
+        if not published:
+            raise
+        warn(
+            f"{what.rpartition(':')[0]}: published whole, but a process was lost after "
+            f"the job agreed ({type(error).__name__}: {str(error)[:200]}); check its log",
+            LostProcessWarning,
+        )
