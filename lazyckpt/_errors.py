@@ -238,6 +238,13 @@ def json_or_corrupt(where: str, text: str | bytes, remedy: str) -> Any:
         ) from error
 
 
+def error_class(name: str) -> type[LazyckptError]:
+    """The lazyckpt error class called `name` (another process's error, told by its
+    name), or `LazyckptError` where no lazyckpt error is called so."""
+    found = globals().get(name)
+    return found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
+
+
 _WITHIN = ("lazyckpt", "jax", "contextlib")
 
 

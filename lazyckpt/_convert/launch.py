@@ -46,8 +46,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from lazyckpt import _errors
-from lazyckpt._errors import ArgumentError, LazyckptError
+from lazyckpt._errors import ArgumentError, LazyckptError, error_class
 from lazyckpt._storage import multihost
 
 GRACE_SECONDS = 20.0
@@ -311,8 +310,8 @@ class _Job:
             return LazyckptError, f"died ({how}) without an error" + (
                 f"; its last output:\n  {tail}" if tail else ""
             )
-        found = getattr(_errors, told["class"], None)
-        if isinstance(found, type) and issubclass(found, LazyckptError):
+        found = error_class(told["class"])
+        if found.__name__ == told["class"]:
             return found, str(told["message"])
         return LazyckptError, f"{told['class']}: {told['message']}"
 

@@ -21,9 +21,8 @@ import attrs
 import jax
 import tensorstore as ts
 
-from lazyckpt import _errors
 from lazyckpt._engine.scheduler import Scheduler
-from lazyckpt._errors import LazyckptError
+from lazyckpt._errors import LazyckptError, error_class
 from lazyckpt._orbax.metadata import process_folder
 from lazyckpt._orbax.plan import Planned
 from lazyckpt._orbax.write import OCDBT_CONFIG, write_arrays, write_context, write_metadata
@@ -60,7 +59,7 @@ def save_together(
     told = multihost.broadcast_text(f"ok:{tmp}")
     if told.startswith("error:"):
         kind, _, message = told[6:].partition(":")
-        raise _error_class(kind)(f"process 0 could not start the save: {message}")
+        raise error_class(kind)(f"process 0 could not start the save: {message}")
     tmp = told[3:]
     with stack:
         mine = _mine(leaves, me, owners)
@@ -111,11 +110,6 @@ def _mine(
         elif parts:
             out.append(attrs.evolve(leaf, rows=tuple(r for r in parts if r is not None)))
     return out
-
-
-def _error_class(name: str) -> type[LazyckptError]:
-    found = getattr(_errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
 
 
 def _holds_shards(leaf: Planned) -> bool:

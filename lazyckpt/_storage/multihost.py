@@ -20,8 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt import _errors
-from lazyckpt._errors import LazyckptError, LostProcessWarning, TreeMismatchError, warn
+from lazyckpt._errors import (
+    LazyckptError,
+    LostProcessWarning,
+    TreeMismatchError,
+    error_class,
+    warn,
+)
 from lazyckpt._text import human_bytes
 
 Divide = Callable[[Sequence[tuple[Sequence[Any], int]]], list[int]]
@@ -117,9 +122,7 @@ def agree_on_failure(what: str, failed: BaseException | None) -> None:
     failing = [(i, text) for i, text in enumerate(texts) if text]
     if not failing:
         return
-    kind = failing[0][1].partition(":")[0]
-    found = getattr(_errors, kind, None)
-    cls = found if isinstance(found, type) and issubclass(found, LazyckptError) else LazyckptError
+    cls = error_class(failing[0][1].partition(":")[0])
     told = "; ".join(f"process {i} failed: {text.replace(':', ': ', 1)}" for i, text in failing)
     raise cls(f"{what}: {told}; every process of the {count()} stopped there") from failed
 
